@@ -1,0 +1,50 @@
+"""django-dbworker: background work stored in the database.
+
+This module only re-exports the public API. Names that touch models are
+loaded lazily so that ``import django_dbworker`` works before the app
+registry is ready (in settings files, for instance).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django_dbworker.errors import EnqueueError, NoTask
+from django_dbworker.registry import registry
+
+if TYPE_CHECKING:
+    from django_dbworker.claiming import claim_next
+    from django_dbworker.enqueue import enqueue, enqueue_many
+    from django_dbworker.handlers import Handler, WorkItemHandler
+
+__all__ = [
+    "EnqueueError",
+    "Handler",
+    "NoTask",
+    "WorkItemHandler",
+    "claim_next",
+    "enqueue",
+    "enqueue_many",
+    "registry",
+]
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Handler": "django_dbworker.handlers",
+    "WorkItemHandler": "django_dbworker.handlers",
+    "claim_next": "django_dbworker.claiming",
+    "enqueue": "django_dbworker.enqueue",
+    "enqueue_many": "django_dbworker.enqueue",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'django_dbworker' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

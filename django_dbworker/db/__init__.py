@@ -1,0 +1,32 @@
+"""Database-vendor operations: the only package that knows PostgreSQL from SQLite.
+
+Everything vendor-specific (the claim statement, wake-up notifications,
+supported versions) sits behind ``VendorOperations``; the rest of the code
+asks ``operations(using)`` and never checks ``connection.vendor`` itself.
+"""
+
+from __future__ import annotations
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_dbworker.db.base import UnsupportedDatabase, VendorOperations
+
+__all__ = ["UnsupportedDatabase", "VendorOperations", "operations"]
+
+
+def operations(using: str | None = None) -> VendorOperations:
+    """The vendor operations for the database alias ``using``."""
+    alias = using or DEFAULT_DB_ALIAS
+    vendor = connections[alias].vendor
+    if vendor == "postgresql":
+        from django_dbworker.db.postgresql import PostgresOperations
+
+        return PostgresOperations(alias)
+    if vendor == "sqlite":
+        from django_dbworker.db.sqlite import SQLiteOperations
+
+        return SQLiteOperations(alias)
+    raise UnsupportedDatabase(
+        f"django-dbworker does not support the {vendor!r} database backend yet "
+        "(supported: PostgreSQL 13+, SQLite 3.35+)."
+    )

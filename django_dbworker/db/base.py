@@ -1,0 +1,135 @@
+"""The interface every database vendor implements, and shared row decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models.functions import Now
+from django.db.models.sql.compiler import SQLCompiler
+
+from django_dbworker.models import Status, WorkItem
+
+#: Columns a claim returns: everything the executor needs, nothing bulky it doesn't.
+CLAIM_COLUMNS = (
+    "id",
+    "handler",
+    "queue",
+    "payload",
+    "priority",
+    "attempts",
+    "max_attempts",
+    "claimed_by",
+    "claim_token",
+    "trace_context",
+)
+
+#: Channel of the PostgreSQL wake-up notifications; the payload is the queue name.
+NOTIFY_CHANNEL = "django_dbworker"
+
+
+class UnsupportedDatabase(Exception):
+    """The configured database cannot run django-dbworker."""
+
+
+Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
+
+
+class VendorOperations:
+    """Vendor-specific database operations for one connection alias."""
+
+    vendor = ""
+    #: Whether ``listen`` can deliver wake-ups across processes.
+    supports_notify = False
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        return connections[self.using]
+
+    # -- checks ------------------------------------------------------------------
+
+    def check_version(self) -> None:
+        """Raise ``UnsupportedDatabase`` when the server is too old."""
+
+    # -- claims ------------------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> list[WorkItem]:
+        """Atomically move up to ``limit`` ready rows to ``claimed``, in claim order.
+
+        Each row gets ``attempts + 1``, a fresh ``claim_token``, ``claimed_by``
+        and DB-clock ``claimed_at``/``heartbeat_at``. Rows locked or claimed by
+        another worker are skipped, never waited for and never returned twice.
+        """
+        raise NotImplementedError
+
+    def notify(self, queues: Sequence[str]) -> None:
+        """Wake idle workers for ``queues`` when the current transaction commits."""
+
+    # -- helpers shared by the vendors --------------------------------------------
+
+    def _ready_subquery(
+        self, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
+    ) -> tuple[str, tuple[Any, ...]]:
+        """SQL and params selecting the ids of the next ``limit`` ready rows."""
+        qs = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
+        if queues:
+            qs = qs.filter(queue__in=list(queues))
+        qs = qs.in_order().values("id")[:limit]
+        sql, params = qs.query.sql_with_params()
+        return sql, tuple(params)
+
+    def _compiler(self) -> SQLCompiler:
+        return WorkItem.objects.using(self.using).all().query.get_compiler(self.using)
+
+    def _now_sql(self) -> str:
+        sql, _ = self._compiler().compile(Now())
+        return sql
+
+    def _claim_set_clause(self, token_sql: str) -> str:
+        q = self.connection.ops.quote_name
+        now = self._now_sql()
+        return (
+            f"{q('status')} = '{Status.CLAIMED.value}', "
+            f"{q('attempts')} = {q('attempts')} + 1, "
+            f"{q('claimed_at')} = {now}, {q('heartbeat_at')} = {now}, "
+            f"{q('updated_at')} = {now}, {q('claimed_by')} = %s, "
+            f"{q('claim_token')} = {token_sql}"
+        )
+
+    def _returning_columns(self, prefix: str = "") -> str:
+        q = self.connection.ops.quote_name
+        return ", ".join(f"{prefix}{q(c)}" for c in CLAIM_COLUMNS)
+
+    def _rows_to_items(self, rows: Sequence[Sequence[Any]]) -> list[WorkItem]:
+        """Build model instances from raw rows, through Django's own converters."""
+        connection = self.connection
+        table = WorkItem._meta.db_table
+        converters: list[tuple[list[Converter], Any]] = []
+        for name in CLAIM_COLUMNS:
+            col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
+            funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+            converters.append((funcs, col))
+        items = []
+        for row in rows:
+            values = []
+            for value, (funcs, col) in zip(row, converters, strict=True):
+                for func in funcs:
+                    value = func(value, col, connection)
+                values.append(value)
+            item = WorkItem.from_db(self.using, list(CLAIM_COLUMNS), values)
+            item.status = Status.CLAIMED
+            items.append(item)
+        items.sort(key=lambda i: (-i.priority, i.pk))
+        return items

@@ -1,0 +1,58 @@
+"""PostgreSQL: one-statement SKIP LOCKED claims and LISTEN/NOTIFY wake-ups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from django_dbworker.db.base import NOTIFY_CHANNEL, UnsupportedDatabase, VendorOperations
+from django_dbworker.models import WorkItem
+
+MIN_VERSION = 130000
+
+
+class PostgresOperations(VendorOperations):
+    vendor = "postgresql"
+    supports_notify = True
+
+    def check_version(self) -> None:
+        self.connection.ensure_connection()
+        version = self.connection.pg_version  # type: ignore[attr-defined]
+        if version < MIN_VERSION:
+            raise UnsupportedDatabase(
+                f"django-dbworker needs PostgreSQL 13 or newer; this server is {version}."
+            )
+
+    def claim(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> list[WorkItem]:
+        if limit <= 0 or not handlers:
+            return []
+        inner, params = self._ready_subquery(limit, handlers, queues)
+        q = self.connection.ops.quote_name
+        table = q(WorkItem._meta.db_table)
+        # One statement, one round trip, its own transaction in autocommit.
+        # The LIMIT subquery in FROM is evaluated once (LIMIT blocks pull-up),
+        # and SKIP LOCKED lets concurrent claimers take disjoint rows instead
+        # of queueing behind each other's locks.
+        sql = (
+            f"UPDATE {table} AS w SET {self._claim_set_clause('gen_random_uuid()')} "
+            f"FROM ({inner} FOR UPDATE SKIP LOCKED) AS c "
+            f"WHERE w.{q('id')} = c.{q('id')} "
+            f"RETURNING {self._returning_columns('w.')}"
+        )
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, (worker, *params))
+            rows = cursor.fetchall()
+        return self._rows_to_items(rows)
+
+    def notify(self, queues: Sequence[str]) -> None:
+        # NOTIFY is transactional in PostgreSQL: it is delivered only if (and
+        # when) the enclosing transaction commits, savepoint rollbacks included.
+        with self.connection.cursor() as cursor:
+            for queue in sorted(set(queues)):
+                cursor.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, queue))

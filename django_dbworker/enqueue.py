@@ -1,0 +1,220 @@
+"""Putting work in the table: validation, transactional insert, wake-up.
+
+Enqueue writes through the caller's connection, so inside
+``transaction.atomic()`` the row exists if and only if that transaction
+commits; the PostgreSQL wake-up NOTIFY is transactional too. Every input
+is validated before anything is written, and problems raise
+``EnqueueError`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, router, transaction
+from django.db.models import Expression
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.db import operations
+from django_dbworker.errors import EnqueueError
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import ACTIVE_STATUSES, PRIORITY_MAX, PRIORITY_MIN, WorkItem
+from django_dbworker.registry import registry
+
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+#: A unique_key conflict whose holder finishes before we can read it is retried this often.
+UNIQUE_RETRIES = 5
+
+
+def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
+    if isinstance(name, type) and issubclass(name, WorkItemHandler):
+        name = name.name
+    if not isinstance(name, str):
+        raise EnqueueError(f"Handler must be a registered name, got {type(name).__name__}.")
+    cls = registry.get(name)
+    if cls is None:
+        known = ", ".join(sorted(registry)) or "none"
+        raise EnqueueError(f"Unknown handler {name!r}. Registered handlers: {known}.")
+    if not issubclass(cls, WorkItemHandler):
+        raise EnqueueError(
+            f"Handler {name!r} is a {cls.__mro__[1].__name__}, not a WorkItemHandler; "
+            "only WorkItemHandlers take enqueued work."
+        )
+    return cls
+
+
+def _check_payload(payload: Any) -> None:
+    try:
+        encoded = json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise EnqueueError(f"Payload is not JSON-serialisable: {exc}.") from None
+    limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
+    size = len(encoded.encode("utf-8"))
+    if size > limit:
+        raise EnqueueError(
+            f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
+        )
+
+
+def _check_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise EnqueueError(f"Priority must be an integer, got {priority!r}.")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise EnqueueError(
+            f"Priority {priority} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}."
+        )
+    return priority
+
+
+def _check_queue(queue: Any) -> str:
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise EnqueueError(
+            f"Queue name {queue!r} is invalid: use 1 to 100 characters of [A-Za-z0-9_.:-]."
+        )
+    return queue
+
+
+def _run_after_value(run_after: Any) -> datetime | Expression | None:
+    """None (the column's DB-clock default), an aware datetime, or now() + delta."""
+    if run_after is None:
+        return None
+    if isinstance(run_after, timedelta):
+        # Relative delays are added to the database's clock, not this host's.
+        return Now() + run_after  # type: ignore[no-any-return]
+    if isinstance(run_after, datetime):
+        if settings.USE_TZ and timezone.is_naive(run_after):
+            raise EnqueueError(
+                f"run_after {run_after!r} is a naive datetime while USE_TZ is on; "
+                "pass an aware datetime or a timedelta."
+            )
+        return run_after
+    raise EnqueueError(
+        f"run_after must be a datetime or a timedelta, got {type(run_after).__name__}."
+    )
+
+
+def _check_unique_key(key: Any) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not 1 <= len(key) <= 255:
+        raise EnqueueError(f"unique_key must be a string of 1 to 255 characters, got {key!r}.")
+    return key
+
+
+def _build(
+    cls: type[WorkItemHandler],
+    payload: Any,
+    *,
+    run_after: Any,
+    priority: Any,
+    queue: str | None,
+    unique_key: str | None = None,
+) -> WorkItem:
+    _check_payload(payload)
+    item = WorkItem(
+        handler=cls.name,
+        queue=_check_queue(cls.queue if queue is None else queue),
+        payload=payload,
+        priority=_check_priority(priority),
+        max_attempts=cls.get_max_attempts(),
+        unique_key=_check_unique_key(unique_key),
+    )
+    value = _run_after_value(run_after)
+    if value is not None:
+        item.run_after = value  # type: ignore[assignment]
+    return item
+
+
+def _forget_expressions(item: WorkItem) -> None:
+    """Turn fields saved from SQL expressions into deferred fields.
+
+    After ``save()`` such attributes still hold the expression, not the value
+    the database computed; deferring them makes the first access load it.
+    """
+    for name in ("run_after", "created_at", "updated_at"):
+        if not isinstance(item.__dict__.get(name), datetime):
+            item.__dict__.pop(name, None)
+
+
+def enqueue(
+    handler: str | type[WorkItemHandler],
+    payload: Any = None,
+    *,
+    run_after: datetime | timedelta | None = None,
+    priority: int = 0,
+    queue: str | None = None,
+    unique_key: str | None = None,
+    using: str | None = None,
+) -> WorkItem:
+    """Insert one work item; returns it (or, for a live ``unique_key``, the existing row)."""
+    cls = _handler_class(handler)
+    item = _build(
+        cls, payload, run_after=run_after, priority=priority, queue=queue, unique_key=unique_key
+    )
+    db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
+    ops = operations(db)
+    for _ in range(UNIQUE_RETRIES):
+        try:
+            # A savepoint inside the caller's transaction, or a transaction of
+            # its own in autocommit: a unique_key conflict must not poison the
+            # caller's transaction.
+            with transaction.atomic(using=db):
+                item.save(using=db, force_insert=True)
+                ops.notify([item.queue])
+        except IntegrityError:
+            if unique_key is None:
+                raise
+            existing = (
+                WorkItem.objects.using(db)
+                .filter(handler=cls.name, unique_key=unique_key, status__in=ACTIVE_STATUSES)
+                .first()
+            )
+            if existing is not None:
+                return existing
+            # The holder finished between our insert and our read: try again.
+            item.pk = None
+            item._state.adding = True
+            continue
+        _forget_expressions(item)
+        return item
+    raise EnqueueError(
+        f"Could not enqueue {cls.name!r} with unique_key {unique_key!r}: the key kept "
+        "changing hands; try again."
+    )
+
+
+def enqueue_many(
+    handler: str | type[WorkItemHandler],
+    payloads: Iterable[Any],
+    *,
+    run_after: datetime | timedelta | None = None,
+    priority: int = 0,
+    queue: str | None = None,
+    using: str | None = None,
+) -> list[WorkItem]:
+    """Insert one work item per payload in one bulk INSERT; all or nothing."""
+    if isinstance(payloads, (str, bytes, dict)):
+        raise EnqueueError("enqueue_many takes an iterable of payloads, not a single payload.")
+    cls = _handler_class(handler)
+    items = []
+    for index, payload in enumerate(payloads):
+        try:
+            items.append(_build(cls, payload, run_after=run_after, priority=priority, queue=queue))
+        except EnqueueError as exc:
+            raise EnqueueError(f"Payload #{index}: {exc}") from None
+    if not items:
+        return []
+    db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
+    with transaction.atomic(using=db):
+        created = WorkItem.objects.using(db).bulk_create(items)
+        operations(db).notify([items[0].queue])
+    for item in created:
+        _forget_expressions(item)
+    return created

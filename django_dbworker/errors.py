@@ -1,0 +1,15 @@
+"""Exceptions that are part of the public API."""
+
+from __future__ import annotations
+
+
+class EnqueueError(ValueError):
+    """Raised by enqueue when its input is invalid; nothing has been written."""
+
+
+class NoTask(Exception):  # noqa: N818 - name fixed by the public contract
+    """Raised by ``Handler.claim`` when there is nothing to work on."""
+
+
+class HandlerTimeout(TimeoutError):
+    """Recorded in ``last_error`` when a handler runs past its ``timeout``."""

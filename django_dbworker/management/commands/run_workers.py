@@ -1,0 +1,198 @@
+"""``manage.py run_workers``: parse and validate flags, build a ``Worker``, run it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from argparse import ArgumentParser, ArgumentTypeError
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.migrations.executor import MigrationExecutor
+
+from django_dbworker.db import UnsupportedDatabase, operations
+from django_dbworker.enqueue import QUEUE_NAME
+from django_dbworker.registry import autodiscover, registry
+from django_dbworker.worker.runtime import Worker, WorkerConfig
+
+logger = logging.getLogger("django_dbworker")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0 or value != value:
+        raise ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise ArgumentTypeError(f"{value} is not a port number (1-65535)")
+    return value
+
+
+def _queue(text: str) -> str:
+    if not QUEUE_NAME.fullmatch(text):
+        raise ArgumentTypeError(f"{text!r} is not a valid queue name ([A-Za-z0-9_.:-]{{1,100}})")
+    return text
+
+
+class Command(BaseCommand):
+    help = "Run background workers for the registered handlers until stopped."
+    # Checks run once below with a clearer context; skip Django's implicit run.
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("names", nargs="*", metavar="NAME",
+                            help="Handler names to run (default: all registered).")
+        parser.add_argument("--queue", action="append", type=_queue, dest="queues", metavar="Q",
+                            help="Only WorkItems of this queue (repeatable; default: all).")
+        parser.add_argument("--concurrency", type=_positive_int,
+                            help="Worker threads (default: DBWORKER['CONCURRENCY']).")
+        parser.add_argument("--interval", type=_positive_float, metavar="SECONDS",
+                            help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).")
+        parser.add_argument("--burst", action="store_true",
+                            help="Exit 0 once nothing is claimable and nothing runs.")
+        parser.add_argument("--metrics-port", type=_port, metavar="PORT",
+                            help="Serve Prometheus /metrics on this port.")
+        parser.add_argument("--metrics-addr", metavar="ADDR",
+                            help="Address for /metrics (default: 127.0.0.1).")
+        parser.add_argument("--shutdown-timeout", type=_non_negative_float, metavar="SECONDS",
+                            help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).")
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS,
+                            help="Database alias holding the work (default: 'default').")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        _ensure_log_output(options["verbosity"])
+        self.check(display_num_errors=False)
+        autodiscover()
+        names: list[str] = options["names"] or sorted(registry)
+        unknown = [n for n in names if n not in registry]
+        if unknown:
+            known = ", ".join(sorted(registry)) or "(none: add a workers.py to an installed app)"
+            raise CommandError(
+                f"Unknown handler name(s): {', '.join(unknown)}. Registered handlers: {known}.",
+                returncode=2,
+            )
+        if not names:
+            raise CommandError(
+                "No handlers are registered. Define WorkItemHandler or Handler subclasses in a "
+                "`workers.py` module of an installed app.",
+                returncode=2,
+            )
+        using = options["database"]
+        self._check_database(using)
+
+        config = WorkerConfig(using=using, burst=options["burst"], queues=options["queues"])
+        if options["concurrency"] is not None:
+            config.concurrency = options["concurrency"]
+        if options["interval"] is not None:
+            config.poll_interval = options["interval"]
+        if options["shutdown_timeout"] is not None:
+            config.shutdown_timeout = options["shutdown_timeout"]
+        worker = Worker([registry[n] for n in names], config)
+
+        logger.info(
+            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s",
+            ",".join(names),
+            ",".join(config.queues) if config.queues else "all",
+            config.concurrency,
+            connections[using].vendor,
+            " (burst)" if config.burst else "",
+        )
+        self._start_metrics_server(options)
+        self._install_signal_handlers(worker)
+        worker.run()
+        logger.info("Worker stopped.")
+
+    def _check_database(self, using: str) -> None:
+        try:
+            ops = operations(using)
+            ops.check_version()
+        except UnsupportedDatabase as exc:
+            raise CommandError(str(exc)) from None
+        connection = connections[using]
+        try:
+            executor = MigrationExecutor(connection)
+            targets = [
+                key for key in executor.loader.graph.leaf_nodes() if key[0] == "django_dbworker"
+            ]
+            plan = executor.migration_plan(targets)
+        except Exception as exc:
+            raise CommandError(f"Cannot reach the database {using!r}: {exc}") from None
+        if plan:
+            raise CommandError(
+                f"django_dbworker migrations are not applied to database {using!r} "
+                f"({len(plan)} pending). Run `manage.py migrate` first."
+            )
+
+    def _start_metrics_server(self, options: dict[str, Any]) -> None:
+        from django_dbworker.conf import dbworker_settings
+
+        port = options["metrics_port"] or dbworker_settings.METRICS_PORT
+        if not port:
+            return
+        addr = options["metrics_addr"] or dbworker_settings.METRICS_ADDR
+        try:
+            from prometheus_client import start_http_server
+        except ImportError:
+            raise CommandError(
+                "--metrics-port needs prometheus_client: pip install 'django-dbworker[prometheus]'."
+            ) from None
+        try:
+            start_http_server(int(port), addr=addr)
+        except OSError as exc:
+            raise CommandError(f"Cannot serve metrics on {addr}:{port}: {exc}") from None
+        logger.info("Serving Prometheus metrics on http://%s:%s/metrics", addr, port)
+
+    def _install_signal_handlers(self, worker: Worker) -> None:
+        received = {"count": 0}
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            received["count"] += 1
+            name = signal.Signals(signum).name
+            if received["count"] == 1:
+                logger.info("%s received: finishing running items, then stopping "
+                            "(send again to stop at once).", name)
+                worker.stop()
+            else:
+                logger.warning("%s received again: releasing running items and stopping now.",
+                               name)
+                worker.stop(immediate=True)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+
+def _ensure_log_output(verbosity: int) -> None:
+    """Show the worker's log lines when the project has not configured logging for them."""
+    pkg = logging.getLogger("django_dbworker")
+    if pkg.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    pkg.addHandler(handler)
+    pkg.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)

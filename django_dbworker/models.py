@@ -1,0 +1,177 @@
+"""The ``WorkItem`` table, its states, and the querysets that name its subsets.
+
+State changes do not live here: each transition is one fenced UPDATE in
+``transitions.py``; the model methods below only delegate to them so that the
+admin, the worker and user code share one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+
+class Status(models.TextChoices):
+    PENDING = "pending", "Pending"
+    CLAIMED = "claimed", "Claimed"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+#: States in which a row is still "live" for unique_key purposes.
+ACTIVE_STATUSES = (Status.PENDING, Status.CLAIMED)
+#: States a row never leaves by itself.
+FINISHED_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+PRIORITY_MIN = -100
+PRIORITY_MAX = 100
+
+
+class WorkItemQuerySet(models.QuerySet["WorkItem"]):
+    """Adjectives for subsets of rows; every time comparison uses the DB clock."""
+
+    def pending(self) -> WorkItemQuerySet:
+        return self.filter(status=Status.PENDING)
+
+    def ready(self) -> WorkItemQuerySet:
+        """Pending rows whose ``run_after`` has passed by the database's clock."""
+        return self.filter(status=Status.PENDING, run_after__lte=Now())
+
+    def claimed(self) -> WorkItemQuerySet:
+        return self.filter(status=Status.CLAIMED)
+
+    def failed(self) -> WorkItemQuerySet:
+        return self.filter(status=Status.FAILED)
+
+    def finished(self) -> WorkItemQuerySet:
+        return self.filter(status__in=FINISHED_STATUSES)
+
+    def stale(self, stale_after: timedelta) -> WorkItemQuerySet:
+        """Claimed rows whose heartbeat is older than ``stale_after`` (DB clock)."""
+        return self.filter(status=Status.CLAIMED, heartbeat_at__lt=Now() - stale_after)
+
+    def in_order(self) -> WorkItemQuerySet:
+        """The claim order: higher priority first, then oldest due, then FIFO."""
+        return self.order_by("-priority", "run_after", "id")
+
+
+class WorkItem(models.Model):
+    Status = Status
+
+    id = models.BigAutoField(primary_key=True)
+    handler = models.CharField(max_length=200)
+    queue = models.CharField(max_length=100, default="default")
+    payload = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    priority = models.SmallIntegerField(default=0)
+    run_after = models.DateTimeField(db_default=Now())
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField()
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    claimed_by = models.CharField(max_length=255, blank=True, default="")
+    claim_token = models.UUIDField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    result = models.JSONField(null=True, blank=True)
+    unique_key = models.CharField(max_length=255, null=True, blank=True)
+    trace_context = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+
+    objects = WorkItemQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "work item"
+        verbose_name_plural = "work items"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(priority__gte=PRIORITY_MIN) & Q(priority__lte=PRIORITY_MAX),
+                name="dbworker_priority_range",
+            ),
+            models.UniqueConstraint(
+                fields=["handler", "unique_key"],
+                condition=Q(status__in=["pending", "claimed"]) & Q(unique_key__isnull=False),
+                name="dbworker_unique_active_key",
+            ),
+        ]
+        indexes = [
+            # The claim query: pending rows in claim order, optionally by queue.
+            models.Index(
+                models.F("priority").desc(),
+                "run_after",
+                "id",
+                condition=Q(status="pending"),
+                name="dbworker_claim_idx",
+            ),
+            models.Index(
+                "queue",
+                models.F("priority").desc(),
+                "run_after",
+                "id",
+                condition=Q(status="pending"),
+                name="dbworker_claim_queue_idx",
+            ),
+            # The stale scan: claimed rows by heartbeat age.
+            models.Index(
+                fields=["heartbeat_at"],
+                condition=Q(status="claimed"),
+                name="dbworker_stale_idx",
+            ),
+            # Admin filters and prune: by status, newest first.
+            models.Index(fields=["status", "-id"], name="dbworker_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.handler}#{self.pk} ({self.status})"
+
+    def cancel(self) -> bool:
+        """Pending -> cancelled. Returns whether this row changed."""
+        from django_dbworker import transitions
+
+        changed = transitions.cancel(WorkItem.objects.filter(pk=self.pk)) == 1
+        self.refresh_from_db()
+        return changed
+
+    def retry(self) -> bool:
+        """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
+        from django_dbworker import transitions
+
+        changed = transitions.retry(WorkItem.objects.filter(pk=self.pk)) == 1
+        self.refresh_from_db()
+        return changed
+
+    def run_now(self) -> bool:
+        """Pending: make it due now. Returns whether this row changed."""
+        from django_dbworker import transitions
+
+        changed = transitions.run_now(WorkItem.objects.filter(pk=self.pk)) == 1
+        self.refresh_from_db()
+        return changed
+
+
+class ClaimedWorkItem(WorkItem):
+    """Admin view of rows that a worker holds right now."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "claimed work item"
+        verbose_name_plural = "claimed work items"
+
+
+class FailedWorkItem(WorkItem):
+    """Admin view of rows that used up their attempts."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "failed work item"
+        verbose_name_plural = "failed work items"
+
+

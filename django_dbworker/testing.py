@@ -1,0 +1,103 @@
+"""Helpers for users' own test suites: run enqueued work in-process, inspect it.
+
+``run_until_empty`` goes through the same claim, execute and record code as
+``run_workers``, in the calling thread, so it works inside the test
+transaction of Django's ``TestCase``. Handler ``timeout``s are not enforced
+here (enforcing them needs a second thread, which would not see the test
+transaction's rows).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from django_dbworker import transitions
+from django_dbworker.db import operations
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
+from django_dbworker.registry import registry
+from django_dbworker.worker.execution import execute
+from django_dbworker.worker.identity import worker_id
+
+__all__ = ["assert_enqueued", "enqueued", "run_until_empty"]
+
+
+def _names(handlers: Iterable[str | type[WorkItemHandler]] | None) -> list[str]:
+    if handlers is None:
+        return [n for n, cls in registry.items() if issubclass(cls, WorkItemHandler)]
+    names = []
+    for h in handlers:
+        name = h if isinstance(h, str) else h.name
+        if name not in registry:
+            raise ValueError(f"Unknown handler {name!r}. Registered: {', '.join(sorted(registry))}")
+        names.append(name)
+    return names
+
+
+def run_until_empty(
+    handlers: Iterable[str | type[WorkItemHandler]] | None = None,
+    queues: Iterable[str] | None = None,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+    max_items: int = 100_000,
+) -> dict[str, int]:
+    """Run every claimable item, one at a time; return counts by outcome.
+
+    Stops when no pending row is due (retries scheduled in the future are
+    left pending). ``max_items`` guards against handlers that enqueue
+    themselves forever.
+    """
+    names = _names(handlers)
+    queue_list = list(queues) if queues is not None else None
+    instances = {name: registry[name]() for name in names}
+    ops = operations(using)
+    counts: Counter[str] = Counter()
+    transitions.rescue_stale(handlers=names, using=using)
+    for _ in range(max_items):
+        items = ops.claim(limit=1, handlers=names, queues=queue_list, worker=worker_id())
+        if not items:
+            break
+        item = items[0]
+        handler = instances[item.handler]
+        assert isinstance(handler, WorkItemHandler)
+        counts[execute(item, handler, enforce_timeout=False)] += 1
+    else:
+        raise RuntimeError(f"run_until_empty ran {max_items} items and work remains.")
+    return dict(counts)
+
+
+def enqueued(
+    handler: str | type[WorkItemHandler], *, using: str = DEFAULT_DB_ALIAS
+) -> WorkItemQuerySet:
+    """Pending rows of ``handler``, oldest first."""
+    name = handler if isinstance(handler, str) else handler.name
+    return WorkItem.objects.using(using).filter(handler=name, status=Status.PENDING).order_by("id")
+
+
+def assert_enqueued(
+    handler: str | type[WorkItemHandler],
+    payload: Any = None,
+    count: int | None = None,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[WorkItem]:
+    """Assert pending rows of ``handler`` exist (with ``payload``, ``count`` of them)."""
+    items = list(enqueued(handler, using=using))
+    name = handler if isinstance(handler, str) else handler.name
+    if payload is not None:
+        matching = [i for i in items if i.payload == payload]
+        if not matching:
+            seen = [i.payload for i in items[:10]]
+            raise AssertionError(
+                f"No pending {name!r} item with payload {payload!r}; pending payloads: {seen}"
+            )
+        items = matching
+    if count is not None and len(items) != count:
+        raise AssertionError(f"Expected {count} pending {name!r} item(s), found {len(items)}.")
+    if count is None and not items:
+        raise AssertionError(f"No pending {name!r} item was enqueued.")
+    return items

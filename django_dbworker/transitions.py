@@ -1,0 +1,230 @@
+"""Every state change of a ``WorkItem``, each one filtered UPDATE.
+
+This module owns the life cycle of SPEC.md. Writes after a claim are fenced:
+they match ``status='claimed' AND claim_token=<the claim's token>`` and report
+whether the row was still theirs, so a late finisher can never overwrite a
+newer attempt. Operator actions (cancel, retry, run now) take querysets and
+narrow them to eligible states in the same UPDATE, so they cannot race a
+worker that claims at the same moment. The claim itself is vendor SQL and
+lives in ``django_dbworker.db``.
+
+All times come from the database clock (``Now()``), never the worker host's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+from uuid import UUID
+
+from django.db.models import Case, F, Q, Value, When
+from django.db.models.functions import Concat, Now
+
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
+
+logger = logging.getLogger("django_dbworker.transitions")
+
+#: ``last_error`` is cut to this many characters (SPEC: 10 kB).
+MAX_ERROR_CHARS = 10_000
+#: Rows per UPDATE of the stale-recovery pass.
+RESCUE_BATCH = 500
+
+
+def _fenced(item: WorkItem) -> WorkItemQuerySet:
+    """The row only if it is still claimed under this claim's token."""
+    return WorkItem.objects.using(item._state.db).filter(
+        pk=item.pk, status=Status.CLAIMED, claim_token=item.claim_token
+    )
+
+
+def format_error(exc: BaseException, *, include_traceback: bool = True) -> str:
+    """Exception type, message and traceback, cut to ``MAX_ERROR_CHARS``."""
+    # The summary line comes first so that the admin's "first line" is useful.
+    summary = "".join(traceback.format_exception_only(exc)).strip()
+    text = summary
+    if include_traceback:
+        text += "\n\n" + "".join(traceback.format_exception(exc)).strip()
+    if len(text) > MAX_ERROR_CHARS:
+        head = MAX_ERROR_CHARS // 2
+        text = text[:head] + "\n... (truncated) ...\n" + text[-(MAX_ERROR_CHARS - head - 25) :]
+    return text
+
+
+# -- worker transitions (fenced) ----------------------------------------------------
+
+
+def heartbeat(claims: Mapping[int, UUID], using: str | None = None) -> set[int]:
+    """Refresh ``heartbeat_at`` of every row still held; return the ids still held.
+
+    One UPDATE for all in-flight rows of a process. Claim tokens are random
+    UUIDs, so ``id IN ids AND claim_token IN tokens`` only matches a row under
+    its own token. A second query runs only when some row was lost.
+    """
+    if not claims:
+        return set()
+    qs = WorkItem.objects.using(using).filter(
+        pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
+    )
+    changed = qs.update(heartbeat_at=Now())
+    if changed == len(claims):
+        return set(claims)
+    return set(qs.values_list("pk", flat=True))
+
+
+def succeed(item: WorkItem, result: Any) -> bool:
+    """claimed -> succeeded, recording ``result``. False if fenced out."""
+    return (
+        _fenced(item).update(
+            status=Status.SUCCEEDED,
+            result=result,
+            finished_at=Now(),
+            updated_at=Now(),
+            last_error="",
+        )
+        == 1
+    )
+
+
+def retry_later(item: WorkItem, *, delay: float, error: str) -> bool:
+    """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out."""
+    return (
+        _fenced(item).update(
+            status=Status.PENDING,
+            run_after=Now() + timedelta(seconds=max(0.0, delay)),
+            last_error=error,
+            claim_token=None,
+            updated_at=Now(),
+        )
+        == 1
+    )
+
+
+def fail(item: WorkItem, *, error: str) -> bool:
+    """claimed -> failed. False if fenced out."""
+    return (
+        _fenced(item).update(
+            status=Status.FAILED,
+            last_error=error,
+            finished_at=Now(),
+            claim_token=None,
+            updated_at=Now(),
+        )
+        == 1
+    )
+
+
+def release(items: Iterable[WorkItem], using: str | None = None) -> int:
+    """claimed -> pending for rows a stopping worker gives back unfinished.
+
+    The attempt the claim counted is handed back: a release is not a failure.
+    """
+    claims = {item.pk: item.claim_token for item in items}
+    if not claims:
+        return 0
+    return (
+        WorkItem.objects.using(using)
+        .filter(pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED)
+        .update(
+            status=Status.PENDING,
+            attempts=Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0)),
+            run_after=Now(),
+            claim_token=None,
+            updated_at=Now(),
+        )
+    )
+
+
+def rescue_stale(
+    *,
+    handlers: Sequence[str] | None = None,
+    stale_after: float | None = None,
+    using: str | None = None,
+    batch_size: int = RESCUE_BATCH,
+) -> dict[str, int]:
+    """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
+
+    Idempotent and safe to run from many processes at once: each UPDATE
+    repeats the staleness condition, so a row that another process already
+    rescued (or whose owner heartbeated meanwhile) is not touched again. The
+    lost run counts as an attempt, so a job that kills its worker every time
+    ends ``failed`` instead of looping forever. Returns counts by new status.
+    """
+    seconds = float(dbworker_settings.STALE_AFTER if stale_after is None else stale_after)
+    cutoff = timedelta(seconds=seconds)
+    base = WorkItem.objects.using(using).stale(cutoff)
+    if handlers is not None:
+        base = base.filter(handler__in=list(handlers))
+    exhausted = Q(attempts__gte=F("max_attempts"))
+    message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
+    counts = {Status.PENDING.value: 0, Status.FAILED.value: 0}
+    while True:
+        ids = list(base.order_by("heartbeat_at").values_list("pk", flat=True)[:batch_size])
+        if not ids:
+            break
+        rows = base.filter(pk__in=ids)
+        failed = rows.filter(exhausted).update(
+            status=Status.FAILED,
+            finished_at=Now(),
+            claim_token=None,
+            updated_at=Now(),
+            last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
+        )
+        requeued = rows.update(
+            status=Status.PENDING,
+            run_after=Now(),
+            claim_token=None,
+            updated_at=Now(),
+            last_error=Concat(Value(message), F("claimed_by"), Value(".")),
+        )
+        counts[Status.FAILED.value] += failed
+        counts[Status.PENDING.value] += requeued
+        if failed or requeued:
+            logger.warning(
+                "Recovered %d stale work item(s): %d back to pending, %d failed.",
+                failed + requeued,
+                requeued,
+                failed,
+            )
+        if len(ids) < batch_size:
+            break
+    return counts
+
+
+# -- operator transitions (querysets, narrowed to eligible states) -------------------
+
+
+def cancel(queryset: WorkItemQuerySet) -> int:
+    """pending -> cancelled. Rows in other states are left alone."""
+    return queryset.filter(status=Status.PENDING).update(
+        status=Status.CANCELLED, finished_at=Now(), updated_at=Now()
+    )
+
+
+def retry(queryset: WorkItemQuerySet) -> int:
+    """failed | cancelled -> pending, attempts reset to 0, due now."""
+    return queryset.filter(status__in=(Status.FAILED, Status.CANCELLED)).update(
+        status=Status.PENDING,
+        attempts=0,
+        run_after=Now(),
+        finished_at=None,
+        claim_token=None,
+        updated_at=Now(),
+    )
+
+
+def run_now(queryset: WorkItemQuerySet) -> int:
+    """pending: make due now (DB clock)."""
+    return queryset.filter(status=Status.PENDING).update(run_after=Now(), updated_at=Now())
+
+
+def ensure_json(value: Any, what: str) -> str:
+    """JSON-encode ``value`` or raise ``TypeError`` naming ``what``."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None

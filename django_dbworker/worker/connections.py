@@ -1,0 +1,108 @@
+"""Connection hygiene for long-lived worker threads.
+
+Django closes connections at the end of each request; a worker thread has
+no requests, so it tidies after every job instead. Connections are kept
+open between jobs (a reconnect per job would cost more than the job), but a
+connection that errored and is unusable, or that user code left outside
+autocommit, is reset so the next job starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+
+logger = logging.getLogger("django_dbworker.worker")
+
+T = TypeVar("T")
+
+#: Errors that mean "the database is unreachable or busy right now": retry them.
+TRANSIENT_ERRORS = (OperationalError, InterfaceError)
+
+
+def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
+    """Leave this thread's connection ready for the next job."""
+    conn = connections[using]
+    if conn.connection is None:
+        return
+    try:
+        if conn.in_atomic_block:
+            # Only reachable if user code entered atomic() without leaving it.
+            conn.close()
+            return
+        if not conn.get_autocommit():
+            conn.rollback()
+            conn.set_autocommit(True)
+        if conn.errors_occurred and not conn.is_usable():
+            conn.close()
+        conn.errors_occurred = False
+    except Exception:
+        logger.debug("Closing a connection that could not be tidied.", exc_info=True)
+        close_quietly(using)
+
+
+def close_quietly(using: str = DEFAULT_DB_ALIAS) -> None:
+    try:
+        connections[using].close()
+    except Exception:
+        logger.debug("Ignoring an error while closing a broken connection.", exc_info=True)
+
+
+def close_thread_connections() -> None:
+    for conn in connections.all(initialized_only=True):
+        try:
+            conn.close()
+        except Exception:
+            logger.debug("Ignoring an error while closing a connection.", exc_info=True)
+
+
+class Backoff:
+    """Exponential delays for reconnect attempts: 0.1 s doubling up to ``cap``."""
+
+    def __init__(self, first: float = 0.1, cap: float = 10.0) -> None:
+        self.first = first
+        self.cap = cap
+        self.delay = first
+
+    def next(self) -> float:
+        delay = self.delay
+        self.delay = min(self.cap, self.delay * 2)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+def persist(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    give_up: threading.Event | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> T:
+    """Run a database write until it goes through or ``give_up`` is set.
+
+    Used for outcome records: a job that ran must not be re-run just because
+    the database blinked while its result was being written. Retrying is
+    safe because every outcome write is fenced by the claim token.
+    """
+    backoff = Backoff()
+    while True:
+        try:
+            return fn()
+        except TRANSIENT_ERRORS as exc:
+            if give_up is not None and give_up.is_set():
+                raise
+            delay = backoff.next()
+            logger.warning("Database error while %s (%s); retrying in %.1fs.", what, exc, delay)
+            close_quietly(using)
+            if give_up is not None:
+                if give_up.wait(delay):
+                    raise
+            else:
+                time.sleep(delay)

@@ -1,0 +1,18 @@
+"""Worker identity as stored in ``WorkItem.claimed_by``: ``host:pid:thread``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from functools import cache
+
+
+@cache
+def _host() -> str:
+    return socket.gethostname()
+
+
+def worker_id() -> str:
+    """Identity of the calling thread, unique across hosts and processes."""
+    return f"{_host()}:{os.getpid()}:{threading.current_thread().name}"[:255]

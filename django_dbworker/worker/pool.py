@@ -1,0 +1,90 @@
+"""A fixed pool of daemon threads with slot accounting.
+
+Unlike ``ThreadPoolExecutor`` its threads are daemons, so a stopping worker
+that has released its rows can exit without waiting for abandoned user
+code, and its ``free()`` count is what the claim loop sizes batches by.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from django_dbworker.worker.connections import close_thread_connections
+
+logger = logging.getLogger("django_dbworker.worker")
+
+
+class Pool:
+    def __init__(
+        self, size: int, *, name: str, on_done: Callable[[], None] | None = None
+    ) -> None:
+        if size < 1:
+            raise ValueError("a pool needs at least one thread")
+        self.size = size
+        self._on_done = on_done
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._busy = 0
+        self._cond = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i + 1}", daemon=True)
+            for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def free(self) -> int:
+        with self._cond:
+            return self.size - self._busy
+
+    def busy(self) -> int:
+        with self._cond:
+            return self._busy
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._busy >= self.size:
+                raise RuntimeError("no free slot in the pool")
+            self._busy += 1
+        self._tasks.put(fn)
+
+    def wait_idle(self, timeout: float | None = None, abort: threading.Event | None = None) -> bool:
+        """Wait until no task runs; False on timeout or when ``abort`` is set."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._busy:
+                if abort is not None and abort.is_set():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                # Short waits so that ``abort`` (set from a signal handler) is noticed.
+                self._cond.wait(0.1 if remaining is None else min(0.1, remaining))
+            return True
+
+    def shutdown(self) -> None:
+        """Let idle threads exit; busy ones exit after their task."""
+        for _ in self._threads:
+            self._tasks.put(None)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                fn = self._tasks.get()
+                if fn is None:
+                    return
+                try:
+                    fn()
+                except BaseException:  # noqa: BLE001 - a slot must never leak
+                    logger.exception("Unexpected error in a worker thread.")
+                finally:
+                    with self._cond:
+                        self._busy -= 1
+                        self._cond.notify_all()
+                    if self._on_done is not None:
+                        self._on_done()
+        finally:
+            close_thread_connections()

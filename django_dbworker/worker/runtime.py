@@ -1,0 +1,285 @@
+"""``Worker``: the process-level runtime behind ``manage.py run_workers``.
+
+The calling (main) thread runs the WorkItem claim loop: it claims batches
+sized to free slots in one short statement, hands rows to the pool, runs
+the stale-recovery pass at a bounded rate, and sleeps on a wake-up event
+that LISTEN/NOTIFY, finished jobs and signals set. Handler code never runs
+on the main thread and never inside the claim transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS
+
+from django_dbworker import transitions
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.db import operations
+from django_dbworker.handlers import Handler, WorkItemHandler
+from django_dbworker.models import WorkItem
+from django_dbworker.worker import execution
+from django_dbworker.worker.connections import (
+    TRANSIENT_ERRORS,
+    Backoff,
+    close_quietly,
+    close_thread_connections,
+    persist,
+)
+from django_dbworker.worker.heartbeat import Heartbeat
+from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.own_table import HandlerLoop
+from django_dbworker.worker.pool import Pool
+from django_dbworker.worker.wakeup import Listener
+
+logger = logging.getLogger("django_dbworker.worker")
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a ``Worker`` needs; defaults come from ``DBWORKER`` settings."""
+
+    concurrency: int = field(default_factory=lambda: int(dbworker_settings.CONCURRENCY))
+    poll_interval: float = field(default_factory=lambda: float(dbworker_settings.POLL_INTERVAL))
+    batch_size: int = field(default_factory=lambda: int(dbworker_settings.BATCH_SIZE))
+    heartbeat_interval: float = field(
+        default_factory=lambda: float(dbworker_settings.HEARTBEAT_INTERVAL)
+    )
+    stale_after: float = field(default_factory=lambda: float(dbworker_settings.STALE_AFTER))
+    shutdown_timeout: float = field(
+        default_factory=lambda: float(dbworker_settings.SHUTDOWN_TIMEOUT)
+    )
+    burst: bool = False
+    queues: Sequence[str] | None = None
+    using: str = DEFAULT_DB_ALIAS
+
+
+@dataclass
+class _InFlight:
+    item: WorkItem
+    handler: WorkItemHandler
+    lost: bool = False
+
+
+class Worker:
+    """Runs the given handler classes until stopped (or, in burst mode, until idle)."""
+
+    def __init__(
+        self, handlers: Sequence[type[Handler[Any]]], config: WorkerConfig | None = None
+    ) -> None:
+        self.config = config or WorkerConfig()
+        self.work_item_handlers: dict[str, WorkItemHandler] = {}
+        self.own_table_handlers: list[Handler[Any]] = []
+        for cls in handlers:
+            instance = cls()
+            if isinstance(instance, WorkItemHandler):
+                self.work_item_handlers[cls.name] = instance
+            else:
+                self.own_table_handlers.append(instance)
+        self.ops = operations(self.config.using)
+        self.stopping = threading.Event()  # first signal: stop claiming, drain
+        self.aborting = threading.Event()  # second signal: release now
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, _InFlight] = {}
+        self._pool: Pool | None = None
+        self._next_rescue = 0.0
+        self._claim_backoff = Backoff(first=0.2, cap=10.0)
+        self.counts: dict[str, int] = {}
+
+    # -- control -----------------------------------------------------------------
+
+    def stop(self, *, immediate: bool = False) -> None:
+        """Stop claiming; with ``immediate`` also stop waiting for running items."""
+        if immediate:
+            self.aborting.set()
+        self.stopping.set()
+        self.wake.set()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until ``stop()`` (or idle, in burst mode); release unfinished rows."""
+        cfg = self.config
+        loops = [
+            HandlerLoop(h, stopping=self.stopping, burst=cfg.burst, using=cfg.using)
+            for h in self.own_table_handlers
+        ]
+        heartbeat = listener = None
+        if self.work_item_handlers:
+            self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self.wake.set)
+            heartbeat = Heartbeat(
+                interval=cfg.heartbeat_interval,
+                snapshot=self._claims_to_heartbeat,
+                on_lost=self._mark_lost,
+                using=cfg.using,
+            )
+            heartbeat.start()
+            if self.ops.supports_notify and not cfg.burst:
+                listener = Listener(using=cfg.using, queues=cfg.queues, wake=self.wake.set)
+                listener.start()
+        for loop in loops:
+            loop.start()
+        try:
+            if self._pool is not None:
+                self._claim_loop()
+            else:
+                while any(loop.is_alive() for loop in loops) and not self.stopping.is_set():
+                    self.stopping.wait(0.2)
+            self._drain(loops)
+        finally:
+            self.stopping.set()
+            if listener is not None:
+                listener.stop()
+            if heartbeat is not None:
+                heartbeat.stop()
+            if self._pool is not None:
+                self._pool.shutdown()
+            close_thread_connections()
+
+    def run_once(self) -> int:
+        """One claim-and-dispatch step: rescue if due, claim a batch, submit it.
+
+        Returns the number of rows claimed. Drives the same code as ``run``,
+        for tests that step the worker by hand.
+        """
+        assert self._pool is not None
+        self._maybe_rescue()
+        free = self._pool.free()
+        if free <= 0:
+            return 0
+        limit = min(free, self.config.batch_size) if self.config.batch_size > 0 else free
+        items = self.ops.claim(
+            limit=limit,
+            handlers=list(self.work_item_handlers),
+            queues=self.config.queues,
+            worker=worker_id(),
+        )
+        for item in items:
+            self._dispatch(item)
+        return len(items)
+
+    def _claim_loop(self) -> None:
+        assert self._pool is not None
+        cfg = self.config
+        while not self.stopping.is_set():
+            self.wake.clear()
+            try:
+                claimed = self.run_once()
+            except TRANSIENT_ERRORS as exc:
+                delay = self._claim_backoff.next()
+                logger.error("Database unavailable while claiming (%s); retrying in %.1fs.",
+                             exc, delay)
+                close_quietly(cfg.using)
+                self.stopping.wait(delay)
+                continue
+            self._claim_backoff.reset()
+            if claimed and self._pool.free() > 0:
+                continue  # a full batch: more rows may be ready right now
+            if cfg.burst and not claimed and self._pool.busy() == 0:
+                return
+            self.wake.wait(cfg.poll_interval)
+
+    def _dispatch(self, item: WorkItem) -> None:
+        assert self._pool is not None
+        handler = self.work_item_handlers[item.handler]
+        with self._lock:
+            self._in_flight[item.pk] = _InFlight(item, handler)
+
+        def run() -> None:
+            try:
+                outcome = execution.execute(item, handler, give_up=self.aborting)
+            finally:
+                with self._lock:
+                    self._in_flight.pop(item.pk, None)
+            with self._lock:
+                self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+        self._pool.submit(run)
+
+    # -- recovery ---------------------------------------------------------------
+
+    def _rescue_interval(self) -> float:
+        # Often enough to notice a crash soon after STALE_AFTER, rarely
+        # enough that many workers add little load; jitter de-synchronises them.
+        return max(0.5, min(self.config.stale_after / 4.0, 60.0)) * random.uniform(0.8, 1.2)
+
+    def _maybe_rescue(self) -> None:
+        now = time.monotonic()
+        if now < self._next_rescue:
+            return
+        self._next_rescue = now + self._rescue_interval()
+        transitions.rescue_stale(
+            handlers=list(self.work_item_handlers),
+            stale_after=self.config.stale_after,
+            using=self.config.using,
+        )
+
+    # -- heartbeat callbacks -------------------------------------------------------
+
+    def _claims_to_heartbeat(self) -> dict[int, UUID]:
+        with self._lock:
+            return {
+                pk: f.item.claim_token
+                for pk, f in self._in_flight.items()
+                if not f.lost and f.item.claim_token is not None
+            }
+
+    def _mark_lost(self, ids: set[int]) -> None:
+        with self._lock:
+            for pk in ids:
+                entry = self._in_flight.get(pk)
+                if entry is not None and not entry.lost:
+                    entry.lost = True
+                    logger.warning(
+                        "Lost the claim on work item %s (%s): it was recovered as stale. "
+                        "Its outcome will be discarded.",
+                        pk,
+                        entry.handler.name,
+                    )
+
+    # -- shutdown ---------------------------------------------------------------
+
+    def in_flight(self) -> list[WorkItem]:
+        with self._lock:
+            return [f.item for f in self._in_flight.values()]
+
+    def _drain(self, loops: Sequence[HandlerLoop]) -> None:
+        cfg = self.config
+        if self.stopping.is_set():
+            busy = self._pool.busy() if self._pool is not None else 0
+            if busy:
+                logger.info("Stopping: waiting up to %.0fs for %d running item(s).",
+                            cfg.shutdown_timeout, busy)
+        deadline = time.monotonic() + cfg.shutdown_timeout
+        if self._pool is not None:
+            self._pool.wait_idle(cfg.shutdown_timeout, abort=self.aborting)
+        for loop in loops:
+            remaining = max(0.0, deadline - time.monotonic())
+            loop.drain(remaining, self.aborting)
+            loop.join(timeout=max(0.0, deadline - time.monotonic()) if not self.aborting.is_set() else 0)
+        leftovers = self.in_flight()
+        if leftovers:
+            released = persist(
+                lambda: transitions.release(leftovers, using=cfg.using),
+                what="releasing unfinished work items",
+                using=cfg.using,
+                give_up=_deadline_event(5.0),
+            )
+            logger.warning("Released %d unfinished work item(s) back to pending.", released)
+
+
+def _deadline_event(seconds: float) -> threading.Event:
+    """An event that sets itself after ``seconds``: a bound for ``persist``."""
+    event = threading.Event()
+    timer = threading.Timer(seconds, event.set)
+    timer.daemon = True
+    timer.start()
+    return event

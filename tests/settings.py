@@ -1,0 +1,89 @@
+"""Settings for the test suite; the database comes from DATABASE_URL.
+
+Without DATABASE_URL the suite runs on a SQLite file (not :memory:, because
+process tests start ``run_workers`` subprocesses that must share it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_dbworker",
+    "tests.testapp",
+]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+_sqlite_file = os.environ.get("DBWORKER_TEST_SQLITE", str(BASE_DIR.parent / ".tmp" / "test.sqlite3"))
+_url = os.environ.get("DATABASE_URL", "")
+if _url:
+    DATABASES = {"default": dj_database_url.parse(_url)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": _sqlite_file,
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+            "TEST": {"NAME": _sqlite_file},
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Fast clocks for the process tests; the suite never waits on production defaults.
+DBWORKER = {
+    "POLL_INTERVAL": float(os.environ.get("DBWORKER_POLL_INTERVAL", "0.2")),
+    "HEARTBEAT_INTERVAL": float(os.environ.get("DBWORKER_HEARTBEAT_INTERVAL", "0.3")),
+    "STALE_AFTER": float(os.environ.get("DBWORKER_STALE_AFTER", "60")),
+    "SHUTDOWN_TIMEOUT": float(os.environ.get("DBWORKER_SHUTDOWN_TIMEOUT", "10")),
+    "RETRY_BACKOFF": float(os.environ.get("DBWORKER_RETRY_BACKOFF", "0.05")),
+    "RETRY_BACKOFF_MAX": 1.0,
+    "CONCURRENCY": int(os.environ.get("DBWORKER_CONCURRENCY", "4")),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_dbworker": {"handlers": ["stderr"], "level": "INFO"}},
+}

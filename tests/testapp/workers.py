@@ -1,0 +1,194 @@
+"""Handlers the suite runs in-process and in ``run_workers`` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from django_dbworker import Handler, NoTask, WorkItemHandler, claim_next
+from tests.testapp.models import Effect, Execution, Invoice
+
+
+def _record(payload: Any, kind: str = "run") -> int:
+    key = str(payload.get("key", "")) if isinstance(payload, dict) else str(payload)
+    Execution.objects.create(key=key, kind=kind, pid=os.getpid())
+    return Execution.objects.filter(key=key, kind=kind).count()
+
+
+class Noop(WorkItemHandler):
+    name = "noop"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+class Echo(WorkItemHandler):
+    name = "echo"
+    queue = "echoes"
+
+    def handle(self, payload: Any) -> Any:
+        return payload
+
+
+class Record(WorkItemHandler):
+    name = "record"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+
+
+class Sleep(WorkItemHandler):
+    name = "sleep"
+
+    def handle(self, payload: Any) -> str:
+        _record(payload, "start")
+        time.sleep(float(payload["seconds"]))
+        _record(payload, "end")
+        return "slept"
+
+
+class Flaky(WorkItemHandler):
+    """Fails the first ``fail_times`` runs of a key, then succeeds."""
+
+    name = "flaky"
+    max_attempts = 4
+
+    def handle(self, payload: Any) -> int:
+        runs = _record(payload)
+        if runs <= int(payload["fail_times"]):
+            raise ConnectionError(f"flaky failure {runs}")
+        return runs
+
+
+class AlwaysFail(WorkItemHandler):
+    name = "always_fail"
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise ValueError("always fails")
+
+
+class NoRetry(WorkItemHandler):
+    name = "no_retry"
+    max_attempts = 5
+    retry_on = (ConnectionError,)
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise ValueError("not a retryable error")
+
+
+class SystemExiter(WorkItemHandler):
+    name = "system_exit"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise SystemExit(3)
+
+
+class BadResult(WorkItemHandler):
+    name = "bad_result"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> Any:
+        return object()
+
+
+class Secret(WorkItemHandler):
+    name = "secret"
+    sensitive = True
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError(f"cannot use {payload['password']}")
+
+
+class Slow(WorkItemHandler):
+    """Runs past its timeout; records whether it ever finished."""
+
+    name = "slow"
+    timeout = 0.5
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> str:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 3)))
+        _record(payload, "end")
+        return "late"
+
+
+class KillWorker(WorkItemHandler):
+    """SIGKILLs its own worker process: ``times`` runs of a key, then succeeds."""
+
+    name = "kill_worker"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        runs = _record(payload)
+        if runs <= int(payload.get("times", 1_000_000)):
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)
+        return "survived"
+
+
+class AtomicWrite(WorkItemHandler):
+    """Writes an Effect, then lingers so a test can steal the claim meanwhile."""
+
+    name = "atomic_write"
+    atomic = True
+
+    def handle(self, payload: Any) -> str:
+        _record(payload, "start")
+        Effect.objects.create(key=str(payload["key"]))
+        time.sleep(float(payload.get("seconds", 0)))
+        return "written"
+
+
+class NonAtomicLinger(WorkItemHandler):
+    """Like AtomicWrite without the transaction: its late outcome must be fenced."""
+
+    name = "linger"
+
+    def handle(self, payload: Any) -> str:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        _record(payload, "end")
+        return "late"
+
+
+class Urgent(WorkItemHandler):
+    name = "urgent"
+    queue = "urgent"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+
+
+class InvoiceMailer(Handler[Invoice]):
+    """The own-table kit: claim pending invoices, mark them sent."""
+
+    name = "invoice-mailer"
+    interval = 0.2
+    max_concurrency = 3
+
+    def claim(self) -> Invoice:
+        invoice = claim_next(
+            Invoice.objects.filter(status="pending").order_by("id"), status="sending"
+        )
+        if invoice is None:
+            raise NoTask
+        return invoice
+
+    def process(self, invoice: Invoice) -> None:
+        Invoice.objects.filter(pk=invoice.pk).update(status="sent", sent_by=os.getpid())
+
+    def recover_stale(self) -> None:
+        Invoice.objects.filter(
+            status="sending", updated_at__lt=timezone.now() - timedelta(seconds=30)
+        ).update(status="pending")
