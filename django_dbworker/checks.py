@@ -122,8 +122,12 @@ def check_sqlite_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     (see https://www.sqlite.org/lang_transaction.html and Django's notes on
     SQLite "transaction_mode").
     """
+    return sqlite_warnings(settings.DATABASES)
+
+
+def sqlite_warnings(databases: dict[str, dict[str, Any]]) -> list[CheckMessage]:
     warnings: list[CheckMessage] = []
-    for alias, conf in settings.DATABASES.items():
+    for alias, conf in databases.items():
         if not str(conf.get("ENGINE", "")).endswith("sqlite3"):
             continue
         options = conf.get("OPTIONS", {}) or {}
@@ -137,8 +141,8 @@ def check_sqlite_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
                     id="django_dbworker.W001",
                 )
             )
-        timeout = options.get("timeout", 5)
-        if not _is_number(timeout) or timeout < 5:
+        timeout = options.get("timeout", 5)  # Python's sqlite3 default
+        if not _is_number(timeout) or timeout < 10:
             warnings.append(
                 Warning(
                     f"SQLite database {alias!r} has a busy timeout of {timeout!r}s.",

@@ -68,6 +68,10 @@ else:
         }
     }
 
+# Process tests point run_workers subprocesses at the test database by name.
+if os.environ.get("DBWORKER_TEST_DB_NAME"):
+    DATABASES["default"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Fast clocks for the process tests; the suite never waits on production defaults.

@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Any
 
-from django.db import transaction
+from django.db import connections, transaction
 
 from django_dbworker import transitions
 from django_dbworker.errors import HandlerTimeout
@@ -81,6 +81,14 @@ def execute(
 
 def _run_and_record(item: WorkItem, handler: WorkItemHandler, give_up: threading.Event | None) -> str:
     db = item._state.db or "default"
+    # Tidy the connection between steps only if we own its state: a caller
+    # inside a transaction (run_until_empty in a TestCase) keeps it as it is.
+    owned = not connections[db].in_atomic_block
+
+    def tidy_if_owned() -> None:
+        if owned:
+            tidy(db)
+
     try:
         try:
             if handler.atomic:
@@ -96,18 +104,18 @@ def _run_and_record(item: WorkItem, handler: WorkItemHandler, give_up: threading
             _log_fenced(item, handler)
             return FENCED
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-            tidy(db)
+            tidy_if_owned()
             return _record_failure(
                 item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
             )
-        tidy(db)
+        tidy_if_owned()
         if persist(lambda: transitions.succeed(item, result), what="recording a success",
                    give_up=give_up, using=db):
             return SUCCEEDED
         _log_fenced(item, handler)
         return FENCED
     finally:
-        tidy(db)
+        tidy_if_owned()
 
 
 def _record_failure(

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Throwaway PostgreSQL clusters for tests and benchmarks (stdlib only).
+
+    scripts/pgcluster.py start --state .tmp/pg.json [--durable]   # prints the URL
+    scripts/pgcluster.py stop  --state .tmp/pg.json
+
+Uses the Debian ``postgresql`` server binaries, installing them with apt-get
+when missing (root only). As root, the cluster is owned by the unprivileged
+``postgres`` user, since PostgreSQL refuses to run as root. The server
+listens on 127.0.0.1 and a private socket directory only. Tests run with
+``fsync=off`` (a crash of the test server loses nothing we need);
+benchmarks pass ``--durable`` to measure real commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def log(msg: str) -> None:
+    print(f"[pgcluster] {msg}", file=sys.stderr, flush=True)
+
+
+def find_bindir() -> Path | None:
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
+    if candidates:
+        return Path(candidates[-1]).parent
+    found = shutil.which("initdb")
+    return Path(found).resolve().parent if found else None
+
+
+def ensure_installed() -> Path:
+    bindir = find_bindir()
+    if bindir is not None:
+        return bindir
+    if os.geteuid() != 0:
+        sys.exit("PostgreSQL server binaries are missing; install the Debian 'postgresql' package.")
+    log("installing PostgreSQL server binaries (apt-get install postgresql)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "postgresql"],
+        check=True,
+        env=env,
+    )
+    bindir = find_bindir()
+    if bindir is None:
+        sys.exit("apt-get installed postgresql but no initdb was found")
+    return bindir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_as_owner(cmd: list[str], owner: str | None) -> subprocess.CompletedProcess[str]:
+    if owner:
+        cmd = ["runuser", "-u", owner, "--", *cmd]
+    return subprocess.run(cmd, check=True, text=True, capture_output=True)
+
+
+def start(state: Path, durable: bool) -> dict[str, object]:
+    if state.exists():
+        info = json.loads(state.read_text())
+        if Path(str(info["datadir"]), "postmaster.pid").exists():
+            log(f"reusing the running cluster in {info['datadir']}")
+            return info
+        stop(state)
+    bindir = ensure_installed()
+    owner = None
+    if os.geteuid() == 0:
+        owner = "postgres"
+        try:
+            pwd.getpwnam(owner)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", owner], check=True)
+    base = Path(tempfile.mkdtemp(prefix="dbworker-pg-"))
+    datadir = base / "data"
+    if owner:
+        shutil.chown(base, owner)
+    os.chmod(base, 0o755)
+    run_as_owner(
+        [str(bindir / "initdb"), "-D", str(datadir), "-U", "postgres", "--auth=trust",
+         "-E", "UTF8", "--locale=C.UTF-8" if _has_c_utf8() else "--locale=C", "--no-sync"],
+        owner,
+    )
+    port = free_port()
+    settings = {
+        "listen_addresses": "'127.0.0.1'",
+        "port": str(port),
+        "unix_socket_directories": f"'{base}'",
+        "max_connections": "300",
+        "shared_buffers": "256MB",
+        "fsync": "on" if durable else "off",
+        "synchronous_commit": "on" if durable else "off",
+        "full_page_writes": "on" if durable else "off",
+        "log_min_messages": "warning",
+        "logging_collector": "off",
+    }
+    conf = "".join(f"{k} = {v}\n" for k, v in settings.items())
+    with open(datadir / "postgresql.conf", "a") as fh:
+        fh.write(conf)
+    logfile = base / "server.log"
+    run_as_owner(
+        [str(bindir / "pg_ctl"), "-D", str(datadir), "-l", str(logfile), "-w", "-t", "60", "start"],
+        owner,
+    )
+    info: dict[str, object] = {
+        "datadir": str(datadir),
+        "base": str(base),
+        "port": port,
+        "bindir": str(bindir),
+        "owner": owner,
+        "url": f"postgres://postgres@127.0.0.1:{port}/postgres",
+        "durable": durable,
+    }
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps(info))
+    log(f"PostgreSQL started on 127.0.0.1:{port} ({'durable' if durable else 'fsync off'})")
+    return info
+
+
+def _has_c_utf8() -> bool:
+    return any(Path(p).exists() for p in ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8"))
+
+
+def stop(state: Path) -> None:
+    if not state.exists():
+        return
+    info = json.loads(state.read_text())
+    datadir = Path(str(info["datadir"]))
+    if (datadir / "postmaster.pid").exists():
+        try:
+            run_as_owner(
+                [str(Path(str(info["bindir"])) / "pg_ctl"), "-D", str(datadir), "-m", "fast",
+                 "-w", "-t", "60", "stop"],
+                info.get("owner") or None,  # type: ignore[arg-type]
+            )
+        except subprocess.CalledProcessError as exc:
+            log(f"pg_ctl stop failed: {exc.stderr.strip()}")
+    shutil.rmtree(str(info["base"]), ignore_errors=True)
+    state.unlink(missing_ok=True)
+    log("PostgreSQL stopped and removed")
+
+
+def restart(state: Path) -> None:
+    """Restart the server in place (used by the server-restart test)."""
+    info = json.loads(state.read_text())
+    run_as_owner(
+        [str(Path(str(info["bindir"])) / "pg_ctl"), "-D", str(info["datadir"]), "-m", "fast",
+         "-w", "-t", "60", "-l", str(Path(str(info["base"])) / "server.log"), "restart"],
+        info.get("owner") or None,  # type: ignore[arg-type]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("action", choices=["start", "stop", "restart", "ensure-installed"])
+    parser.add_argument("--state", type=Path, default=Path(".tmp/pg.json"))
+    parser.add_argument("--durable", action="store_true")
+    args = parser.parse_args()
+    if args.action == "start":
+        print(start(args.state, args.durable)["url"])
+    elif args.action == "stop":
+        stop(args.state)
+    elif args.action == "restart":
+        restart(args.state)
+    else:
+        print(ensure_installed())
+
+
+if __name__ == "__main__":
+    main()

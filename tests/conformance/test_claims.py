@@ -1,0 +1,89 @@
+"""Claim semantics, identical on every supported database (run once per leg)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db.models.functions import Now
+
+from django_dbworker.models import Status, WorkItem
+from tests.factories import claim, make_item
+
+pytestmark = pytest.mark.django_db
+
+
+def test_claim_marks_rows_claimed_with_fresh_tokens_and_counts_the_attempt() -> None:
+    a, b = make_item(), make_item()
+    items = claim(worker="host:42:MainThread")
+    assert sorted(i.pk for i in items) == [a.pk, b.pk]
+    tokens = {i.claim_token for i in items}
+    assert len(tokens) == 2 and None not in tokens
+    for row in WorkItem.objects.all():
+        assert row.status == Status.CLAIMED
+        assert row.attempts == 1
+        assert row.claimed_by == "host:42:MainThread"
+        assert row.claimed_at is not None and row.heartbeat_at == row.claimed_at
+    assert {i.claim_token for i in items} == set(WorkItem.objects.values_list("claim_token", flat=True))
+
+
+def test_claimed_rows_are_never_claimed_again() -> None:
+    make_item()
+    assert len(claim()) == 1
+    assert claim() == []
+
+
+def test_claim_returns_payload_and_metadata_decoded() -> None:
+    make_item(handler="echo", payload={"x": [1, 2, {"y": None}]}, queue="q1", priority=7)
+    (item,) = claim()
+    assert item.payload == {"x": [1, 2, {"y": None}]}
+    assert item.queue == "q1" and item.priority == 7 and item.handler == "echo"
+    assert item.max_attempts == 3 and item.attempts == 1
+    assert item.status == Status.CLAIMED
+
+
+def test_claim_order_is_priority_then_due_time_then_id() -> None:
+    low = make_item(priority=-5)
+    first = make_item(priority=10)
+    older = make_item(run_after=Now() - timedelta(seconds=30))
+    newer = make_item()
+    order = [claim(limit=1)[0].pk for _ in range(4)]
+    assert order == [first.pk, older.pk, newer.pk, low.pk]
+
+
+def test_limit_bounds_the_batch() -> None:
+    for _ in range(5):
+        make_item()
+    assert len(claim(limit=3)) == 3
+    assert len(claim(limit=3)) == 2
+
+
+def test_future_rows_wait_for_their_time_on_the_database_clock() -> None:
+    make_item(run_after=Now() + timedelta(hours=1))
+    assert claim() == []
+    WorkItem.objects.update(run_after=Now() - timedelta(seconds=1))
+    assert len(claim()) == 1
+
+
+def test_claim_filters_by_handler_and_queue() -> None:
+    make_item(handler="noop", queue="a")
+    b = make_item(handler="echo", queue="b")
+    make_item(handler="urgent", queue="b")
+    assert [i.pk for i in claim(handlers=["echo"], queues=["b"])] == [b.pk]
+    assert claim(handlers=["echo"]) == []
+    assert len(claim(handlers=["noop", "urgent"], queues=["a", "b"])) == 2
+
+
+def test_rows_in_other_states_are_not_claimed() -> None:
+    for status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
+        make_item(status=status)
+    assert claim() == []
+
+
+def test_each_claim_gets_a_new_token() -> None:
+    item = make_item()
+    (first,) = claim()
+    WorkItem.objects.filter(pk=item.pk).update(status=Status.PENDING)
+    (second,) = claim()
+    assert first.claim_token != second.claim_token
+    assert second.attempts == 2

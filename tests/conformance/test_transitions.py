@@ -1,0 +1,145 @@
+"""Fenced transitions and stale recovery, identical on every database."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db.models.functions import Now
+
+from django_dbworker import transitions
+from django_dbworker.models import Status, WorkItem
+from tests.factories import age_heartbeat, claim, make_item
+
+pytestmark = pytest.mark.django_db
+
+
+def test_succeed_records_result_and_finish_time() -> None:
+    make_item()
+    (item,) = claim()
+    assert transitions.succeed(item, {"ok": True})
+    row = WorkItem.objects.get()
+    assert row.status == Status.SUCCEEDED
+    assert row.result == {"ok": True}
+    assert row.finished_at is not None
+
+
+def test_writes_under_a_stale_token_are_fenced_out() -> None:
+    make_item()
+    (item,) = claim()
+    WorkItem.objects.update(status=Status.PENDING)  # recovered...
+    (newer,) = claim()  # ...and claimed again
+    assert not transitions.succeed(item, "late")
+    assert not transitions.fail(item, error="late")
+    assert not transitions.retry_later(item, delay=0, error="late")
+    assert transitions.release([item]) == 0
+    row = WorkItem.objects.get()
+    assert row.status == Status.CLAIMED and row.claim_token == newer.claim_token
+    assert row.result is None and row.last_error == ""
+
+
+def test_retry_later_schedules_on_the_database_clock() -> None:
+    make_item()
+    (item,) = claim()
+    assert transitions.retry_later(item, delay=3600, error="boom")
+    row = WorkItem.objects.get()
+    assert row.status == Status.PENDING and row.last_error == "boom"
+    assert row.claim_token is None
+    assert WorkItem.objects.filter(run_after__gt=Now()).count() == 1
+    assert claim() == []
+
+
+def test_heartbeat_reports_lost_claims() -> None:
+    make_item()
+    make_item()
+    a, b = claim()
+    WorkItem.objects.filter(pk=b.pk).update(status=Status.PENDING, claim_token=None)
+    held = transitions.heartbeat({a.pk: a.claim_token, b.pk: b.claim_token})
+    assert held == {a.pk}
+
+
+def test_heartbeat_with_a_foreign_token_does_not_touch_the_row() -> None:
+    make_item()
+    (a,) = claim()
+    age_heartbeat(a, 100)
+    assert transitions.heartbeat({a.pk: uuid.uuid4()}) == set()
+    assert WorkItem.objects.stale(__import__("datetime").timedelta(seconds=50)).count() == 1
+
+
+def test_release_hands_the_attempt_back() -> None:
+    make_item()
+    (item,) = claim()
+    assert transitions.release([item]) == 1
+    row = WorkItem.objects.get()
+    assert row.status == Status.PENDING and row.attempts == 0 and row.claim_token is None
+
+
+def test_stale_rows_are_requeued_and_the_lost_run_counts() -> None:
+    make_item()
+    (item,) = claim(worker="deadhost:1:t")
+    age_heartbeat(item, 120)
+    counts = transitions.rescue_stale(stale_after=60)
+    assert counts == {"pending": 1, "failed": 0}
+    row = WorkItem.objects.get()
+    assert row.status == Status.PENDING and row.attempts == 1
+    assert "deadhost:1:t" in row.last_error and "stale" in row.last_error
+    assert not transitions.succeed(item, "late")
+
+
+def test_fresh_heartbeats_are_not_stale() -> None:
+    make_item()
+    (item,) = claim()
+    age_heartbeat(item, 30)
+    assert transitions.rescue_stale(stale_after=60) == {"pending": 0, "failed": 0}
+    assert WorkItem.objects.get().status == Status.CLAIMED
+
+
+def test_stale_rows_with_attempts_used_up_end_failed() -> None:
+    make_item(attempts=2, max_attempts=3)
+    (item,) = claim()
+    assert item.attempts == 3
+    age_heartbeat(item, 120)
+    assert transitions.rescue_stale(stale_after=60) == {"pending": 0, "failed": 1}
+    row = WorkItem.objects.get()
+    assert row.status == Status.FAILED and row.finished_at is not None
+    assert "attempts used up" in row.last_error
+
+
+def test_rescue_is_idempotent_and_batched() -> None:
+    for _ in range(7):
+        make_item()
+    for item in claim():
+        age_heartbeat(item, 120)
+    assert transitions.rescue_stale(stale_after=60, batch_size=3) == {"pending": 7, "failed": 0}
+    assert transitions.rescue_stale(stale_after=60, batch_size=3) == {"pending": 0, "failed": 0}
+
+
+def test_rescue_can_be_limited_to_handlers() -> None:
+    make_item(handler="noop")
+    make_item(handler="echo")
+    for item in claim():
+        age_heartbeat(item, 120)
+    assert transitions.rescue_stale(stale_after=60, handlers=["echo"])["pending"] == 1
+    assert WorkItem.objects.get(handler="noop").status == Status.CLAIMED
+
+
+def test_operator_transitions_only_touch_eligible_rows() -> None:
+    pending = make_item()
+    failed = make_item(status=Status.FAILED, attempts=3)
+    claimed = make_item(status=Status.CLAIMED)
+    everything = WorkItem.objects.all()
+    assert transitions.retry(everything) == 1
+    row = WorkItem.objects.get(pk=failed.pk)
+    assert row.status == Status.PENDING and row.attempts == 0
+    assert transitions.cancel(WorkItem.objects.filter(pk__in=[pending.pk, claimed.pk])) == 1
+    assert WorkItem.objects.get(pk=pending.pk).status == Status.CANCELLED
+    assert WorkItem.objects.get(pk=claimed.pk).status == Status.CLAIMED
+    assert transitions.run_now(everything) == 1
+
+
+def test_model_methods_delegate_to_transitions() -> None:
+    item = make_item()
+    assert item.cancel() and item.status == Status.CANCELLED
+    assert not item.cancel()
+    assert item.retry() and item.status == Status.PENDING
+    assert item.run_now()

@@ -1,0 +1,28 @@
+"""Small helpers to put rows in known states, using the DB clock like the code does."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db.models.functions import Now
+
+from django_dbworker.db import operations
+from django_dbworker.models import WorkItem
+
+
+def make_item(handler: str = "noop", **fields: Any) -> WorkItem:
+    fields.setdefault("max_attempts", 3)
+    fields.setdefault("payload", {})
+    return WorkItem.objects.create(handler=handler, **fields)
+
+
+def claim(limit: int = 10, handlers: list[str] | None = None, queues: list[str] | None = None,
+          worker: str = "test:1:main") -> list[WorkItem]:
+    return operations().claim(limit=limit, handlers=handlers or ["noop", "echo", "urgent"],
+                              queues=queues, worker=worker)
+
+
+def age_heartbeat(item: WorkItem, seconds: float) -> None:
+    """Make the heartbeat ``seconds`` old by the database's clock."""
+    WorkItem.objects.filter(pk=item.pk).update(heartbeat_at=Now() - timedelta(seconds=seconds))

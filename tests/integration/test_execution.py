@@ -1,0 +1,138 @@
+"""Running items through handlers: outcomes, retries, errors, the testing helpers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from django.db import connection
+from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
+
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.testing import assert_enqueued, enqueued, run_until_empty
+from django_dbworker.worker.execution import execute
+from tests.factories import claim
+from tests.testapp.models import Execution
+from tests.testapp.workers import (
+    AlwaysFail,
+    BadResult,
+    Echo,
+    Flaky,
+    NoRetry,
+    Noop,
+    Secret,
+    SystemExiter,
+    Urgent,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def make_due() -> None:
+    """Skip the backoff wait: retries become due now (DB clock)."""
+    WorkItem.objects.filter(status=Status.PENDING).update(run_after=Now())
+
+
+def test_success_records_the_return_value() -> None:
+    item = Echo.enqueue({"hello": "world"})
+    assert run_until_empty() == {"succeeded": 1}
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.SUCCEEDED and row.result == {"hello": "world"}
+    assert row.attempts == 1 and row.finished_at is not None
+
+
+def test_failures_retry_with_backoff_until_success() -> None:
+    item = Flaky.enqueue({"key": "f", "fail_times": 2})
+    assert run_until_empty() == {"retried": 1}
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.PENDING and row.attempts == 1
+    assert row.last_error.startswith("ConnectionError: flaky failure 1")
+    assert "Traceback" in row.last_error
+    assert WorkItem.objects.filter(pk=item.pk, run_after__gt=Now()).exists()  # backoff
+    make_due()
+    assert run_until_empty() == {"retried": 1}
+    make_due()
+    assert run_until_empty() == {"succeeded": 1}
+    row.refresh_from_db()
+    assert (row.status, row.attempts, row.result) == (Status.SUCCEEDED, 3, 3)
+
+
+def test_attempts_used_up_end_failed() -> None:
+    item = AlwaysFail.enqueue({"key": "a"})
+    run_until_empty()
+    make_due()
+    assert run_until_empty() == {"failed": 1}
+    row = WorkItem.objects.get(pk=item.pk)
+    assert (row.status, row.attempts) == (Status.FAILED, 2)
+    assert row.last_error.startswith("ValueError: always fails")
+    assert Execution.objects.filter(key="a").count() == 2
+
+
+def test_exceptions_outside_retry_on_fail_at_once() -> None:
+    item = NoRetry.enqueue({"key": "n"})
+    assert run_until_empty() == {"failed": 1}
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.FAILED and row.attempts == 1
+
+
+def test_system_exit_in_a_handler_is_a_failure_not_an_exit() -> None:
+    item = SystemExiter.enqueue({})
+    assert run_until_empty() == {"failed": 1}
+    assert WorkItem.objects.get(pk=item.pk).last_error.startswith("SystemExit: 3")
+
+
+def test_a_result_that_is_not_json_fails_the_item() -> None:
+    item = BadResult.enqueue({})
+    assert run_until_empty() == {"failed": 1}
+    assert "return value is not JSON-serialisable" in WorkItem.objects.get(pk=item.pk).last_error
+
+
+def test_sensitive_payloads_stay_out_of_logs(caplog: pytest.LogCaptureFixture) -> None:
+    Secret.enqueue({"password": "hunter2"})
+    with caplog.at_level(logging.DEBUG, logger="django_dbworker"):
+        assert run_until_empty() == {"failed": 1}
+    assert caplog.records, "the failure should be logged"
+    assert "hunter2" not in caplog.text
+
+
+def test_priorities_and_queues_drive_the_order() -> None:
+    Urgent.enqueue({"key": "low"}, priority=-1)
+    Urgent.enqueue({"key": "high"}, priority=50)
+    Urgent.enqueue({"key": "other-queue"}, queue="elsewhere")
+    run_until_empty(queues=["urgent"])
+    assert list(Execution.objects.order_by("id").values_list("key", flat=True)) == ["high", "low"]
+    assert run_until_empty(handlers=["urgent"]) == {"succeeded": 1}
+
+
+def test_testing_helpers_inspect_enqueued_work() -> None:
+    Echo.enqueue({"n": 1})
+    Echo.enqueue({"n": 2})
+    assert enqueued(Echo).count() == 2
+    assert_enqueued("echo", {"n": 2})
+    assert_enqueued(Echo, count=2)
+    with pytest.raises(AssertionError, match="No pending 'echo' item with payload"):
+        assert_enqueued(Echo, {"n": 3})
+    with pytest.raises(AssertionError, match="Expected 1 pending"):
+        assert_enqueued(Echo, count=1)
+    with pytest.raises(AssertionError, match="No pending 'noop' item was enqueued"):
+        assert_enqueued(Noop)
+    with pytest.raises(ValueError, match="Unknown handler"):
+        run_until_empty(handlers=["missing"])
+
+
+def test_query_budget_of_one_claim_process_record_cycle() -> None:
+    """Claim (1 statement) + noop handler + fenced success (1 statement): 2 queries."""
+    Noop.enqueue(None)
+    handler = Noop()
+    with CaptureQueriesContext(connection) as ctx:
+        (item,) = claim(limit=1, handlers=["noop"])
+        assert execute(item, handler) == "succeeded"
+    assert len(ctx.captured_queries) == 2, [q["sql"] for q in ctx.captured_queries]
+
+
+def test_query_budget_does_not_grow_with_the_batch() -> None:
+    Noop.enqueue_many([None] * 20)
+    with CaptureQueriesContext(connection) as ctx:
+        items = claim(limit=20, handlers=["noop"])
+    assert len(items) == 20 and len(ctx.captured_queries) == 1

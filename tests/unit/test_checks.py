@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from django_dbworker.checks import check_settings, sqlite_warnings
+from django_dbworker.conf import dbworker_settings
+
+
+def ids(messages: list[Any]) -> list[str]:
+    return [m.id for m in messages]
+
+
+def test_test_settings_are_clean() -> None:
+    assert check_settings() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ([], ["django_dbworker.E001"]),
+        ({"CONCURENCY": 4}, ["django_dbworker.E002"]),
+        ({"CONCURRENCY": "8"}, ["django_dbworker.E003"]),
+        ({"CONCURRENCY": 2.5}, ["django_dbworker.E003"]),
+        ({"CONCURRENCY": True}, ["django_dbworker.E003"]),
+        ({"POLL_INTERVAL": 0}, ["django_dbworker.E004"]),
+        ({"SHUTDOWN_TIMEOUT": -1}, ["django_dbworker.E004"]),
+        ({"BATCH_SIZE": -1}, ["django_dbworker.E004"]),
+        ({"METRICS_PORT": 70000}, ["django_dbworker.E005"]),
+        ({"METRICS_ADDR": ""}, ["django_dbworker.E006"]),
+        ({"STALE_AFTER": 5.0, "HEARTBEAT_INTERVAL": 5.0}, ["django_dbworker.E007"]),
+        ({"RETRY_BACKOFF": 10.0, "RETRY_BACKOFF_MAX": 1.0}, ["django_dbworker.E008"]),
+    ],
+)
+def test_bad_settings_are_reported(value: Any, expected: list[str]) -> None:
+    with override_settings(DBWORKER=value):
+        assert ids(check_settings()) == expected
+
+
+def test_every_message_names_the_key() -> None:
+    with override_settings(DBWORKER={"MAX_ATTEMPTS": 0}):
+        (message,) = check_settings()
+    assert "MAX_ATTEMPTS" in message.msg
+
+
+def test_settings_object_follows_override_settings() -> None:
+    assert dbworker_settings.MAX_ATTEMPTS == 3
+    with override_settings(DBWORKER={"MAX_ATTEMPTS": 9}):
+        assert dbworker_settings.MAX_ATTEMPTS == 9
+    assert dbworker_settings.MAX_ATTEMPTS == 3
+
+
+def test_unknown_keys_are_not_attributes() -> None:
+    with pytest.raises(AttributeError):
+        dbworker_settings.NOT_A_SETTING  # noqa: B018
+
+
+def _sqlite(options: dict[str, Any]) -> dict[str, Any]:
+    return {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "x", "OPTIONS": options}}
+
+
+def test_unsafe_sqlite_settings_warn() -> None:
+    assert ids(sqlite_warnings(_sqlite({}))) == [
+        "django_dbworker.W001",
+        "django_dbworker.W002",
+        "django_dbworker.W003",
+    ]
+
+
+def test_safe_sqlite_settings_do_not_warn() -> None:
+    options = {
+        "init_command": "PRAGMA journal_mode = WAL;",
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+    }
+    assert sqlite_warnings(_sqlite(options)) == []

@@ -1,0 +1,31 @@
+"""Flag validation of run_workers, without a database or a worker."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import CommandError, call_command
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "0"], "must be at least 1"),
+        (["--concurrency", "x"], "is not an integer"),
+        (["--interval", "0"], "must be greater than 0"),
+        (["--interval", "-1"], "must be 0 or more"),
+        (["--shutdown-timeout", "nan"], "must be 0 or more"),
+        (["--metrics-port", "70000"], "is not a port number"),
+        (["--queue", "bad queue!"], "is not a valid queue name"),
+    ],
+)
+def test_bad_flags_are_refused_with_a_message(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        call_command("run_workers", *args)
+
+
+def test_unknown_handler_name_lists_the_registered_ones() -> None:
+    with pytest.raises(CommandError) as info:
+        call_command("run_workers", "no-such-handler")
+    assert info.value.returncode == 2
+    assert "no-such-handler" in str(info.value)
+    assert "noop" in str(info.value)
