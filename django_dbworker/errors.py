@@ -10,6 +10,3 @@ class EnqueueError(ValueError):
 class NoTask(Exception):  # noqa: N818 - name fixed by the public contract
     """Raised by ``Handler.claim`` when there is nothing to work on."""
 
-
-class HandlerTimeout(TimeoutError):
-    """Recorded in ``last_error`` when a handler runs past its ``timeout``."""

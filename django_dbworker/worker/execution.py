@@ -16,7 +16,6 @@ from typing import Any
 from django.db import connections, transaction
 
 from django_dbworker import transitions
-from django_dbworker.errors import HandlerTimeout
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.connections import close_thread_connections, persist, tidy
@@ -67,7 +66,7 @@ def execute(
     runner.join(timeout)
     if not runner.is_alive():
         return box.get("outcome", FAILED)
-    error = HandlerTimeout(f"{handler.name} ran longer than its timeout of {timeout:g}s")
+    error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
     return _record_failure(
         item,
         handler,

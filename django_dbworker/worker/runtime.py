@@ -87,6 +87,9 @@ class Worker:
         self.stopping = threading.Event()  # first signal: stop claiming, drain
         self.aborting = threading.Event()  # second signal: release now
         self.wake = threading.Event()
+        #: Set while the claim loop sleeps with nothing to claim (tests wait on it).
+        self.idle = threading.Event()
+        self.listener: Listener | None = None
         self._lock = threading.Lock()
         self._in_flight: dict[int, _InFlight] = {}
         self._pool: Pool | None = None
@@ -125,6 +128,7 @@ class Worker:
             if self.ops.supports_notify and not cfg.burst:
                 listener = Listener(using=cfg.using, queues=cfg.queues, wake=self.wake.set)
                 listener.start()
+                self.listener = listener
         for loop in loops:
             loop.start()
         try:
@@ -185,7 +189,10 @@ class Worker:
                 continue  # a full batch: more rows may be ready right now
             if cfg.burst and not claimed and self._pool.busy() == 0:
                 return
+            if not claimed:
+                self.idle.set()
             self.wake.wait(cfg.poll_interval)
+            self.idle.clear()
 
     def _dispatch(self, item: WorkItem) -> None:
         assert self._pool is not None

@@ -1,0 +1,198 @@
+"""``manage.py run_workers`` as a real subprocess: signals, crashes, many processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import DatabaseError, connection
+from django.db.models import Count
+
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import ROOT, is_postgres, wait_until
+from tests.testapp.models import Execution, Invoice
+from tests.testapp.workers import KillWorker, Record, Sleep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0"}
+
+
+def status_of(pk: int) -> str:
+    return WorkItem.objects.get(pk=pk).status
+
+
+def assert_each_key_ran_once(n: int) -> None:
+    counts = Execution.objects.values("key").annotate(n=Count("id"))
+    assert len(counts) == n
+    assert {c["n"] for c in counts} == {1}
+
+
+def test_burst_runs_everything_and_exits_zero(start_worker) -> None:
+    Record.enqueue_many([{"key": str(i)} for i in range(20)])
+    worker = start_worker("record", "--burst", "--concurrency", "2")
+    assert worker.wait() == 0
+    log = worker.log()
+    assert "Starting worker: handlers=record queues=all concurrency=2 database=" in log
+    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 20
+    assert_each_key_ran_once(20)
+    assert "succeeded" not in log.lower().replace("worker stopped", "")  # no per-success noise
+
+
+def test_unknown_handler_exits_2_and_lists_registered_names(start_worker) -> None:
+    worker = start_worker("nope")
+    assert worker.wait() == 2
+    assert "Unknown handler name(s): nope. Registered handlers:" in worker.log()
+    assert "record" in worker.log()
+
+
+def test_unmigrated_database_is_a_clear_startup_error(start_worker, tmp_path: Path) -> None:
+    env = {"DATABASE_URL": "", "DBWORKER_TEST_DB_NAME": "",
+           "DBWORKER_TEST_SQLITE": str(tmp_path / "empty.sqlite3")}
+    worker = start_worker("record", "--burst", env=env)
+    assert worker.wait() == 1
+    assert "migrations are not applied" in worker.log()
+    assert "manage.py migrate" in worker.log()
+
+
+def test_three_processes_run_each_item_exactly_once(start_worker) -> None:
+    n = 2000 if is_postgres() else 300
+    Record.enqueue_many([{"key": str(i)} for i in range(n)])
+    workers = [start_worker("record", "--burst", "--concurrency", "4") for _ in range(3)]
+    for worker in workers:
+        assert worker.wait(timeout=180) == 0, worker.log()
+    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == n
+    assert_each_key_ran_once(n)
+    # More than one process did real work (the claim spreads across them).
+    assert Execution.objects.values("pid").distinct().count() >= 2
+
+
+def test_sigkill_mid_job_is_recovered_and_the_lost_run_counts(start_worker) -> None:
+    item = Sleep.enqueue({"key": "k", "seconds": 1.0})
+    first = start_worker("sleep")
+    wait_until(lambda: Execution.objects.filter(key="k", kind="start").exists())
+    first.signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    assert status_of(item.pk) == Status.CLAIMED  # nobody finished it
+    second = start_worker("sleep", env=FAST_STALE)
+    wait_until(lambda: status_of(item.pk) == Status.SUCCEEDED, timeout=30,
+               what="the recovered item to succeed")
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.attempts == 2
+    assert Execution.objects.filter(key="k", kind="start").count() == 2
+    assert Execution.objects.filter(key="k", kind="end").count() == 1
+    second.signal(signal.SIGTERM)
+    assert second.wait() == 0
+
+
+def test_a_job_that_kills_its_worker_every_time_ends_failed(start_worker) -> None:
+    item = KillWorker.enqueue({"key": "doom"})
+    for _ in range(6):
+        worker = start_worker("kill_worker", env=FAST_STALE)
+        wait_until(lambda w=worker: w.proc.poll() is not None or status_of(item.pk) == "failed",
+                   timeout=30, what="the worker to die or the item to fail")
+        if status_of(item.pk) == Status.FAILED:
+            worker.signal(signal.SIGTERM)
+            assert worker.wait() == 0
+            break
+        assert worker.proc.returncode == -signal.SIGKILL
+    row = WorkItem.objects.get(pk=item.pk)
+    assert (row.status, row.attempts) == (Status.FAILED, 3)
+    assert "attempts used up" in row.last_error
+    assert Execution.objects.filter(key="doom").count() == 3
+
+
+def test_sigterm_lets_running_items_finish(start_worker) -> None:
+    item = Sleep.enqueue({"key": "t", "seconds": 1.0})
+    worker = start_worker("sleep", "--shutdown-timeout", "20")
+    wait_until(lambda: Execution.objects.filter(key="t", kind="start").exists())
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert status_of(item.pk) == Status.SUCCEEDED
+    assert "SIGTERM received" in worker.log()
+
+
+def test_sigterm_past_the_shutdown_timeout_releases_rows(start_worker) -> None:
+    item = Sleep.enqueue({"key": "r", "seconds": 30})
+    worker = start_worker("sleep", "--shutdown-timeout", "0.5")
+    wait_until(lambda: Execution.objects.filter(key="r", kind="start").exists())
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=15) == 0
+    row = WorkItem.objects.get(pk=item.pk)
+    assert (row.status, row.attempts, row.claim_token) == (Status.PENDING, 0, None)
+    assert "Released 1 unfinished work item(s)" in worker.log()
+
+
+def test_a_second_signal_releases_at_once(start_worker) -> None:
+    item = Sleep.enqueue({"key": "i", "seconds": 60})
+    worker = start_worker("sleep", "--shutdown-timeout", "120")
+    wait_until(lambda: Execution.objects.filter(key="i", kind="start").exists())
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_log("SIGTERM received")
+    worker.signal(signal.SIGINT)
+    assert worker.wait(timeout=15) == 0
+    assert status_of(item.pk) == Status.PENDING
+
+
+def test_own_table_handler_runs_in_its_own_loop(start_worker) -> None:
+    Invoice.objects.bulk_create([Invoice() for _ in range(30)])
+    worker = start_worker("invoice-mailer", "--burst")
+    assert worker.wait() == 0
+    assert Invoice.objects.filter(status="sent").count() == 30
+
+
+def _terminate_other_backends() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.postgres_only
+def test_worker_survives_killed_connections(start_worker) -> None:
+    Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(150)])
+    worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
+    wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 20)
+    assert _terminate_other_backends() >= 1
+    wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 60, timeout=30)
+    _terminate_other_backends()
+    wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 150,
+               timeout=60, what="every item to succeed after the connections were killed")
+    assert worker.proc.poll() is None, worker.log()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+
+
+def _succeeded_tolerating_restart() -> int:
+    try:
+        return WorkItem.objects.filter(status=Status.SUCCEEDED).count()
+    except DatabaseError:
+        connection.close()
+        return -1
+
+
+@pytest.mark.postgres_only
+def test_worker_survives_a_server_restart(start_worker) -> None:
+    state = os.environ.get("DBWORKER_PG_STATE")
+    if not state:
+        pytest.skip("DBWORKER_PG_STATE is not set: this run did not start its own PostgreSQL "
+                    "(scripts/test sets it), so the server cannot be restarted")
+    Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(120)])
+    worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
+    wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 20)
+    connection.close()
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "restart",
+                    "--state", state], check=True, timeout=120)
+    wait_until(lambda: _succeeded_tolerating_restart() == 120, timeout=90, what="every item to succeed after the restart")
+    assert worker.proc.poll() is None, worker.log()
+    assert "Database unavailable" in worker.log() or "retrying" in worker.log()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+
+
