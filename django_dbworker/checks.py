@@ -6,6 +6,7 @@ working configurations. Checks read settings only; they never connect.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -125,7 +126,7 @@ def check_sqlite_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     return sqlite_warnings(settings.DATABASES)
 
 
-def sqlite_warnings(databases: dict[str, dict[str, Any]]) -> list[CheckMessage]:
+def sqlite_warnings(databases: Mapping[str, Mapping[str, Any]]) -> list[CheckMessage]:
     warnings: list[CheckMessage] = []
     for alias, conf in databases.items():
         if not str(conf.get("ENGINE", "")).endswith("sqlite3"):

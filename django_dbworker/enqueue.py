@@ -67,9 +67,7 @@ def _check_priority(priority: Any) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise EnqueueError(f"Priority must be an integer, got {priority!r}.")
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise EnqueueError(
-            f"Priority {priority} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}."
-        )
+        raise EnqueueError(f"Priority {priority} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}.")
     return priority
 
 
@@ -87,7 +85,7 @@ def _run_after_value(run_after: Any) -> datetime | Expression | None:
         return None
     if isinstance(run_after, timedelta):
         # Relative delays are added to the database's clock, not this host's.
-        return Now() + run_after  # type: ignore[no-any-return]
+        return Now() + run_after
     if isinstance(run_after, datetime):
         if settings.USE_TZ and timezone.is_naive(run_after):
             raise EnqueueError(
@@ -128,7 +126,7 @@ def _build(
     )
     value = _run_after_value(run_after)
     if value is not None:
-        item.run_after = value  # type: ignore[assignment]
+        item.run_after = value
     return item
 
 

@@ -7,6 +7,5 @@ class EnqueueError(ValueError):
     """Raised by enqueue when its input is invalid; nothing has been written."""
 
 
-class NoTask(Exception):  # noqa: N818 - name fixed by the public contract
+class NoTask(Exception):
     """Raised by ``Handler.claim`` when there is nothing to work on."""
-

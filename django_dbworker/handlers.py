@@ -143,8 +143,8 @@ class WorkItemHandler(Handler["WorkItem"]):
     # -- the Handler[T] protocol, for driving one handler on its own ----------
 
     def claim(self) -> WorkItem:
-        from django_dbworker.worker.identity import worker_id
         from django_dbworker.db import operations
+        from django_dbworker.worker.identity import worker_id
 
         items = operations().claim(limit=1, handlers=[self.name], queues=None, worker=worker_id())
         if not items:

@@ -7,7 +7,7 @@ admin, the worker and user code share one implementation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.db import models
 from django.db.models import Q
@@ -81,7 +81,8 @@ class WorkItem(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
     result = models.JSONField(null=True, blank=True)
-    unique_key = models.CharField(max_length=255, null=True, blank=True)
+    # NULL (not "") means "no key", so the partial unique constraint ignores it.
+    unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     trace_context = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
@@ -173,5 +174,3 @@ class FailedWorkItem(WorkItem):
         proxy = True
         verbose_name = "failed work item"
         verbose_name_plural = "failed work items"
-
-

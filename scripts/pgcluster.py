@@ -95,8 +95,18 @@ def start(state: Path, durable: bool) -> dict[str, object]:
         shutil.chown(base, owner)
     os.chmod(base, 0o755)
     run_as_owner(
-        [str(bindir / "initdb"), "-D", str(datadir), "-U", "postgres", "--auth=trust",
-         "-E", "UTF8", "--locale=C.UTF-8" if _has_c_utf8() else "--locale=C", "--no-sync"],
+        [
+            str(bindir / "initdb"),
+            "-D",
+            str(datadir),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8" if _has_c_utf8() else "--locale=C",
+            "--no-sync",
+        ],
         owner,
     )
     port = free_port()
@@ -147,8 +157,17 @@ def stop(state: Path) -> None:
     if (datadir / "postmaster.pid").exists():
         try:
             run_as_owner(
-                [str(Path(str(info["bindir"])) / "pg_ctl"), "-D", str(datadir), "-m", "fast",
-                 "-w", "-t", "60", "stop"],
+                [
+                    str(Path(str(info["bindir"])) / "pg_ctl"),
+                    "-D",
+                    str(datadir),
+                    "-m",
+                    "fast",
+                    "-w",
+                    "-t",
+                    "60",
+                    "stop",
+                ],
                 info.get("owner") or None,  # type: ignore[arg-type]
             )
         except subprocess.CalledProcessError as exc:
@@ -162,8 +181,19 @@ def restart(state: Path) -> None:
     """Restart the server in place (used by the server-restart test)."""
     info = json.loads(state.read_text())
     run_as_owner(
-        [str(Path(str(info["bindir"])) / "pg_ctl"), "-D", str(info["datadir"]), "-m", "fast",
-         "-w", "-t", "60", "-l", str(Path(str(info["base"])) / "server.log"), "restart"],
+        [
+            str(Path(str(info["bindir"])) / "pg_ctl"),
+            "-D",
+            str(info["datadir"]),
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(Path(str(info["base"])) / "server.log"),
+            "restart",
+        ],
         info.get("owner") or None,  # type: ignore[arg-type]
     )
 

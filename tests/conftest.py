@@ -76,11 +76,15 @@ class WorkerProcess:
             self._log.close()
 
     def wait_for_log(self, text: str, timeout: float = 20.0) -> None:
-        wait_until(lambda: text in self.log() or self.proc.poll() is not None, timeout=timeout,
-                   what=f"{text!r} in the worker log")
+        wait_until(
+            lambda: text in self.log() or self.proc.poll() is not None,
+            timeout=timeout,
+            what=f"{text!r} in the worker log",
+        )
         if text not in self.log():
-            pytest.fail(f"worker exited ({self.proc.returncode}) before logging {text!r}:\n"
-                        f"{self.log()}")
+            pytest.fail(
+                f"worker exited ({self.proc.returncode}) before logging {text!r}:\n{self.log()}"
+            )
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -17,10 +17,15 @@ def make_item(handler: str = "noop", **fields: Any) -> WorkItem:
     return WorkItem.objects.create(handler=handler, **fields)
 
 
-def claim(limit: int = 10, handlers: list[str] | None = None, queues: list[str] | None = None,
-          worker: str = "test:1:main") -> list[WorkItem]:
-    return operations().claim(limit=limit, handlers=handlers or ["noop", "echo", "urgent"],
-                              queues=queues, worker=worker)
+def claim(
+    limit: int = 10,
+    handlers: list[str] | None = None,
+    queues: list[str] | None = None,
+    worker: str = "test:1:main",
+) -> list[WorkItem]:
+    return operations().claim(
+        limit=limit, handlers=handlers or ["noop", "echo", "urgent"], queues=queues, worker=worker
+    )
 
 
 def age_heartbeat(item: WorkItem, seconds: float) -> None:

@@ -50,7 +50,9 @@ TEMPLATES = [
     }
 ]
 
-_sqlite_file = os.environ.get("DBWORKER_TEST_SQLITE", str(BASE_DIR.parent / ".tmp" / "test.sqlite3"))
+_sqlite_file = os.environ.get(
+    "DBWORKER_TEST_SQLITE", str(BASE_DIR.parent / ".tmp" / "test.sqlite3")
+)
 _url = os.environ.get("DATABASE_URL", "")
 if _url:
     DATABASES = {"default": dj_database_url.parse(_url)}

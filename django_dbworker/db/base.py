@@ -86,12 +86,15 @@ class VendorOperations:
         qs = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             qs = qs.filter(queue__in=list(queues))
-        qs = qs.in_order().values("id")[:limit]
-        sql, params = qs.query.sql_with_params()
+        ids = qs.in_order().values("id")[:limit]
+        sql, params = ids.query.sql_with_params()
         return sql, tuple(params)
 
     def _compiler(self) -> SQLCompiler:
-        return WorkItem.objects.using(self.using).all().query.get_compiler(self.using)
+        compiler: SQLCompiler = (
+            WorkItem.objects.using(self.using).all().query.get_compiler(self.using)
+        )
+        return compiler
 
     def _now_sql(self) -> str:
         sql, _ = self._compiler().compile(Now())

@@ -78,7 +78,9 @@ def execute(
     )
 
 
-def _run_and_record(item: WorkItem, handler: WorkItemHandler, give_up: threading.Event | None) -> str:
+def _run_and_record(
+    item: WorkItem, handler: WorkItemHandler, give_up: threading.Event | None
+) -> str:
     db = item._state.db or "default"
     # Tidy the connection between steps only if we own its state: a caller
     # inside a transaction (run_until_empty in a TestCase) keeps it as it is.
@@ -102,14 +104,18 @@ def _run_and_record(item: WorkItem, handler: WorkItemHandler, give_up: threading
         except _FencedOut:
             _log_fenced(item, handler)
             return FENCED
-        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+        except BaseException as exc:
             tidy_if_owned()
             return _record_failure(
                 item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
             )
         tidy_if_owned()
-        if persist(lambda: transitions.succeed(item, result), what="recording a success",
-                   give_up=give_up, using=db):
+        if persist(
+            lambda: transitions.succeed(item, result),
+            what="recording a success",
+            give_up=give_up,
+            using=db,
+        ):
             return SUCCEEDED
         _log_fenced(item, handler)
         return FENCED
@@ -143,7 +149,12 @@ def _record_failure(
         if recorded:
             logger.warning(
                 "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
-                item.pk, handler.name, attempts, max_attempts, delay, shown,
+                item.pk,
+                handler.name,
+                attempts,
+                max_attempts,
+                delay,
+                shown,
             )
             return label or RETRIED
     else:
@@ -156,8 +167,12 @@ def _record_failure(
         if recorded:
             logger.error(
                 "Work item %s (%s) failed on attempt %d/%d%s: %s",
-                item.pk, handler.name, attempts, max_attempts,
-                "" if retriable else " (not retryable)", shown,
+                item.pk,
+                handler.name,
+                attempts,
+                max_attempts,
+                "" if retriable else " (not retryable)",
+                shown,
             )
             return label or FAILED
     _log_fenced(item, handler)

@@ -8,7 +8,11 @@ from collections.abc import Callable, Mapping
 from uuid import UUID
 
 from django_dbworker import transitions
-from django_dbworker.worker.connections import TRANSIENT_ERRORS, close_quietly, close_thread_connections
+from django_dbworker.worker.connections import (
+    TRANSIENT_ERRORS,
+    close_quietly,
+    close_thread_connections,
+)
 
 logger = logging.getLogger("django_dbworker.worker")
 

@@ -63,7 +63,7 @@ class HandlerLoop(threading.Thread):
                 except NoTask:
                     exhausted = True
                     break
-                except BaseException:  # noqa: BLE001 - user code may raise anything
+                except BaseException:
                     self.claim_errors += 1
                     logger.exception("claim() of handler %s raised.", handler.name)
                     exhausted = True
@@ -79,7 +79,7 @@ class HandlerLoop(threading.Thread):
                     item = handler.claim()
                 except NoTask:
                     return
-                except BaseException:  # noqa: BLE001
+                except BaseException:
                     self.claim_errors += 1
                     logger.exception("claim() of handler %s raised.", handler.name)
                     return
@@ -103,7 +103,7 @@ class HandlerLoop(threading.Thread):
     def _call(self, what: str, fn: Any) -> None:
         try:
             fn()
-        except BaseException:  # noqa: BLE001 - user code may raise anything
+        except BaseException:
             logger.exception("%s() of handler %s raised.", what, self.handler.name)
         finally:
             tidy(self.using)

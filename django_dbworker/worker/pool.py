@@ -19,9 +19,7 @@ logger = logging.getLogger("django_dbworker.worker")
 
 
 class Pool:
-    def __init__(
-        self, size: int, *, name: str, on_done: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, size: int, *, name: str, on_done: Callable[[], None] | None = None) -> None:
         if size < 1:
             raise ValueError("a pool needs at least one thread")
         self.size = size
@@ -78,7 +76,7 @@ class Pool:
                     return
                 try:
                     fn()
-                except BaseException:  # noqa: BLE001 - a slot must never leak
+                except BaseException:
                     logger.exception("Unexpected error in a worker thread.")
                 finally:
                     with self._cond:

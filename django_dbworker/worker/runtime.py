@@ -179,8 +179,9 @@ class Worker:
                 claimed = self.run_once()
             except TRANSIENT_ERRORS as exc:
                 delay = self._claim_backoff.next()
-                logger.error("Database unavailable while claiming (%s); retrying in %.1fs.",
-                             exc, delay)
+                logger.error(
+                    "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
+                )
                 close_quietly(cfg.using)
                 self.stopping.wait(delay)
                 continue
@@ -263,15 +264,20 @@ class Worker:
         if self.stopping.is_set():
             busy = self._pool.busy() if self._pool is not None else 0
             if busy:
-                logger.info("Stopping: waiting up to %.0fs for %d running item(s).",
-                            cfg.shutdown_timeout, busy)
+                logger.info(
+                    "Stopping: waiting up to %.0fs for %d running item(s).",
+                    cfg.shutdown_timeout,
+                    busy,
+                )
         deadline = time.monotonic() + cfg.shutdown_timeout
         if self._pool is not None:
             self._pool.wait_idle(cfg.shutdown_timeout, abort=self.aborting)
         for loop in loops:
             remaining = max(0.0, deadline - time.monotonic())
             loop.drain(remaining, self.aborting)
-            loop.join(timeout=max(0.0, deadline - time.monotonic()) if not self.aborting.is_set() else 0)
+            loop.join(
+                timeout=max(0.0, deadline - time.monotonic()) if not self.aborting.is_set() else 0
+            )
         leftovers = self.in_flight()
         if leftovers:
             released = persist(

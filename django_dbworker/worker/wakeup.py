@@ -58,8 +58,9 @@ class Listener(threading.Thread):
                 if self.stopped.is_set():
                     break
                 delay = backoff.next()
-                logger.warning("Wake-up listener lost its connection (%s); reconnecting in %.1fs.",
-                               exc, delay)
+                logger.warning(
+                    "Wake-up listener lost its connection (%s); reconnecting in %.1fs.", exc, delay
+                )
                 self.stopped.wait(delay)
             finally:
                 if conn is not None:

@@ -24,7 +24,9 @@ def test_claim_marks_rows_claimed_with_fresh_tokens_and_counts_the_attempt() -> 
         assert row.attempts == 1
         assert row.claimed_by == "host:42:MainThread"
         assert row.claimed_at is not None and row.heartbeat_at == row.claimed_at
-    assert {i.claim_token for i in items} == set(WorkItem.objects.values_list("claim_token", flat=True))
+    assert {i.claim_token for i in items} == set(
+        WorkItem.objects.values_list("claim_token", flat=True)
+    )
 
 
 def test_claimed_rows_are_never_claimed_again() -> None:

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.django_db
 def test_enqueue_fills_defaults_from_the_handler() -> None:
     item = Echo.enqueue({"a": 1})
     row = WorkItem.objects.get(pk=item.pk)
-    assert (row.handler, row.queue, row.payload, row.status) == ("echo", "echoes", {"a": 1}, "pending")
+    assert (row.handler, row.queue, row.payload, row.status) == (
+        "echo",
+        "echoes",
+        {"a": 1},
+        "pending",
+    )
     assert row.max_attempts == 3 and Flaky.enqueue({}).max_attempts == 4
     assert row.attempts == 0 and row.priority == 0
     assert item.run_after == row.run_after  # loaded from the DB default on access
@@ -31,7 +36,12 @@ def test_enqueue_fills_defaults_from_the_handler() -> None:
 
 def test_enqueue_by_name_and_options() -> None:
     item = enqueue("noop", [1, 2], priority=-100, queue="other.q:1")
-    assert (item.handler, item.priority, item.queue, item.payload) == ("noop", -100, "other.q:1", [1, 2])
+    assert (item.handler, item.priority, item.queue, item.payload) == (
+        "noop",
+        -100,
+        "other.q:1",
+        [1, 2],
+    )
 
 
 def test_run_after_timedelta_is_relative_to_the_database_clock() -> None:
@@ -89,9 +99,13 @@ def test_payload_size_limit() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_enqueue_is_transactional() -> None:
-    with pytest.raises(RuntimeError), transaction.atomic():
-        Noop.enqueue({"rolled": "back"})
-        raise RuntimeError
+    def enqueue_then_fail() -> None:
+        with transaction.atomic():
+            Noop.enqueue({"rolled": "back"})
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        enqueue_then_fail()
     assert not WorkItem.objects.exists()
     with transaction.atomic():
         Noop.enqueue({"committed": True})

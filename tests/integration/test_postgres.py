@@ -45,18 +45,26 @@ def test_an_idle_worker_wakes_on_notify_not_on_its_poll() -> None:
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: worker.listener is not None and worker.listener.listening.is_set(),
-                   timeout=10, what="the listener to LISTEN")
+        wait_until(
+            lambda: worker.listener is not None and worker.listener.listening.is_set(),
+            timeout=10,
+            what="the listener to LISTEN",
+        )
         # The listener wakes the loop once when it connects; wait until that
         # empty claim is done and the loop sleeps on its 30 s poll.
         worker.wake.set()
-        wait_until(lambda: worker.idle.is_set() and not worker.wake.is_set(), timeout=10,
-                   what="the claim loop to go idle")
+        wait_until(
+            lambda: worker.idle.is_set() and not worker.wake.is_set(),
+            timeout=10,
+            what="the claim loop to go idle",
+        )
         Record.enqueue({"key": "wake"})
         # Bounded far below the 30 s poll interval: only the NOTIFY can wake it in time.
-        wait_until(lambda: Execution.objects.filter(key="wake").exists(), timeout=10,
-                   what="the notified worker to run the item")
+        wait_until(
+            lambda: Execution.objects.filter(key="wake").exists(),
+            timeout=10,
+            what="the notified worker to run the item",
+        )
     finally:
         worker.stop(immediate=True)
         thread.join(10)
-

@@ -24,8 +24,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def config(**kwargs: object) -> WorkerConfig:
-    base: dict[str, object] = {"concurrency": 4, "poll_interval": 0.1, "heartbeat_interval": 0.2,
-                               "stale_after": 60.0, "shutdown_timeout": 5.0}
+    base: dict[str, object] = {
+        "concurrency": 4,
+        "poll_interval": 0.1,
+        "heartbeat_interval": 0.2,
+        "stale_after": 60.0,
+        "shutdown_timeout": 5.0,
+    }
     base.update(kwargs)
     return WorkerConfig(**base)  # type: ignore[arg-type]
 
@@ -68,8 +73,11 @@ def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
 ) -> None:
     item = Slow.enqueue({"key": "s", "seconds": 1.5})
     background_worker(["slow"])
-    wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.FAILED, timeout=15,
-               what="the slow item to fail after two timeouts")
+    wait_until(
+        lambda: WorkItem.objects.get(pk=item.pk).status == Status.FAILED,
+        timeout=15,
+        what="the slow item to fail after two timeouts",
+    )
     row = WorkItem.objects.get(pk=item.pk)
     assert row.attempts == 2
     assert row.last_error.startswith("TimeoutError: slow ran longer than its timeout of 0.5s")

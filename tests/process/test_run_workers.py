@@ -51,8 +51,11 @@ def test_unknown_handler_exits_2_and_lists_registered_names(start_worker) -> Non
 
 
 def test_unmigrated_database_is_a_clear_startup_error(start_worker, tmp_path: Path) -> None:
-    env = {"DATABASE_URL": "", "DBWORKER_TEST_DB_NAME": "",
-           "DBWORKER_TEST_SQLITE": str(tmp_path / "empty.sqlite3")}
+    env = {
+        "DATABASE_URL": "",
+        "DBWORKER_TEST_DB_NAME": "",
+        "DBWORKER_TEST_SQLITE": str(tmp_path / "empty.sqlite3"),
+    }
     worker = start_worker("record", "--burst", env=env)
     assert worker.wait() == 1
     assert "migrations are not applied" in worker.log()
@@ -79,8 +82,11 @@ def test_sigkill_mid_job_is_recovered_and_the_lost_run_counts(start_worker) -> N
     assert first.wait() == -signal.SIGKILL
     assert status_of(item.pk) == Status.CLAIMED  # nobody finished it
     second = start_worker("sleep", env=FAST_STALE)
-    wait_until(lambda: status_of(item.pk) == Status.SUCCEEDED, timeout=30,
-               what="the recovered item to succeed")
+    wait_until(
+        lambda: status_of(item.pk) == Status.SUCCEEDED,
+        timeout=30,
+        what="the recovered item to succeed",
+    )
     row = WorkItem.objects.get(pk=item.pk)
     assert row.attempts == 2
     assert Execution.objects.filter(key="k", kind="start").count() == 2
@@ -93,8 +99,11 @@ def test_a_job_that_kills_its_worker_every_time_ends_failed(start_worker) -> Non
     item = KillWorker.enqueue({"key": "doom"})
     for _ in range(6):
         worker = start_worker("kill_worker", env=FAST_STALE)
-        wait_until(lambda w=worker: w.proc.poll() is not None or status_of(item.pk) == "failed",
-                   timeout=30, what="the worker to die or the item to fail")
+        wait_until(
+            lambda w=worker: w.proc.poll() is not None or status_of(item.pk) == "failed",
+            timeout=30,
+            what="the worker to die or the item to fail",
+        )
         if status_of(item.pk) == Status.FAILED:
             worker.signal(signal.SIGTERM)
             assert worker.wait() == 0
@@ -162,8 +171,11 @@ def test_worker_survives_killed_connections(start_worker) -> None:
     assert _terminate_other_backends() >= 1
     wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 60, timeout=30)
     _terminate_other_backends()
-    wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 150,
-               timeout=60, what="every item to succeed after the connections were killed")
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 150,
+        timeout=60,
+        what="every item to succeed after the connections were killed",
+    )
     assert worker.proc.poll() is None, worker.log()
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0
@@ -181,18 +193,25 @@ def _succeeded_tolerating_restart() -> int:
 def test_worker_survives_a_server_restart(start_worker) -> None:
     state = os.environ.get("DBWORKER_PG_STATE")
     if not state:
-        pytest.skip("DBWORKER_PG_STATE is not set: this run did not start its own PostgreSQL "
-                    "(scripts/test sets it), so the server cannot be restarted")
+        pytest.skip(
+            "DBWORKER_PG_STATE is not set: this run did not start its own PostgreSQL "
+            "(scripts/test sets it), so the server cannot be restarted"
+        )
     Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(120)])
     worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
     wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 20)
     connection.close()
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "restart",
-                    "--state", state], check=True, timeout=120)
-    wait_until(lambda: _succeeded_tolerating_restart() == 120, timeout=90, what="every item to succeed after the restart")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "restart", "--state", state],
+        check=True,
+        timeout=120,
+    )
+    wait_until(
+        lambda: _succeeded_tolerating_restart() == 120,
+        timeout=90,
+        what="every item to succeed after the restart",
+    )
     assert worker.proc.poll() is None, worker.log()
     assert "Database unavailable" in worker.log() or "retrying" in worker.log()
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0
-
-

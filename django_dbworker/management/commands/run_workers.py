@@ -66,24 +66,56 @@ class Command(BaseCommand):
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        parser.add_argument("names", nargs="*", metavar="NAME",
-                            help="Handler names to run (default: all registered).")
-        parser.add_argument("--queue", action="append", type=_queue, dest="queues", metavar="Q",
-                            help="Only WorkItems of this queue (repeatable; default: all).")
-        parser.add_argument("--concurrency", type=_positive_int,
-                            help="Worker threads (default: DBWORKER['CONCURRENCY']).")
-        parser.add_argument("--interval", type=_positive_float, metavar="SECONDS",
-                            help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).")
-        parser.add_argument("--burst", action="store_true",
-                            help="Exit 0 once nothing is claimable and nothing runs.")
-        parser.add_argument("--metrics-port", type=_port, metavar="PORT",
-                            help="Serve Prometheus /metrics on this port.")
-        parser.add_argument("--metrics-addr", metavar="ADDR",
-                            help="Address for /metrics (default: 127.0.0.1).")
-        parser.add_argument("--shutdown-timeout", type=_non_negative_float, metavar="SECONDS",
-                            help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).")
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS,
-                            help="Database alias holding the work (default: 'default').")
+        parser.add_argument(
+            "names",
+            nargs="*",
+            metavar="NAME",
+            help="Handler names to run (default: all registered).",
+        )
+        parser.add_argument(
+            "--queue",
+            action="append",
+            type=_queue,
+            dest="queues",
+            metavar="Q",
+            help="Only WorkItems of this queue (repeatable; default: all).",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=_positive_int,
+            help="Worker threads (default: DBWORKER['CONCURRENCY']).",
+        )
+        parser.add_argument(
+            "--interval",
+            type=_positive_float,
+            metavar="SECONDS",
+            help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).",
+        )
+        parser.add_argument(
+            "--burst",
+            action="store_true",
+            help="Exit 0 once nothing is claimable and nothing runs.",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=_port,
+            metavar="PORT",
+            help="Serve Prometheus /metrics on this port.",
+        )
+        parser.add_argument(
+            "--metrics-addr", metavar="ADDR", help="Address for /metrics (default: 127.0.0.1)."
+        )
+        parser.add_argument(
+            "--shutdown-timeout",
+            type=_non_negative_float,
+            metavar="SECONDS",
+            help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).",
+        )
+        parser.add_argument(
+            "--database",
+            default=DEFAULT_DB_ALIAS,
+            help="Database alias holding the work (default: 'default').",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         _ensure_log_output(options["verbosity"])
@@ -175,12 +207,14 @@ class Command(BaseCommand):
             received["count"] += 1
             name = signal.Signals(signum).name
             if received["count"] == 1:
-                logger.info("%s received: finishing running items, then stopping "
-                            "(send again to stop at once).", name)
+                logger.info(
+                    "%s received: finishing running items, then stopping "
+                    "(send again to stop at once).",
+                    name,
+                )
                 worker.stop()
             else:
-                logger.warning("%s received again: releasing running items and stopping now.",
-                               name)
+                logger.warning("%s received again: releasing running items and stopping now.", name)
                 worker.stop(immediate=True)
 
         signal.signal(signal.SIGTERM, on_signal)

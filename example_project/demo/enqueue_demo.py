@@ -1,0 +1,28 @@
+"""The demo's batch of work, shared by the command and the home page."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import transaction
+
+from example_project.demo.workers import GenerateReport, ResizeImage, SendWelcomeEmail
+
+
+def enqueue_demo_work() -> int:
+    with transaction.atomic():  # all of it, or none of it
+        emails = SendWelcomeEmail.enqueue_many(
+            [{"email": f"user{n}@example.com"} for n in range(12)]
+        )
+        images = ResizeImage.enqueue_many([{"image": f"photo-{n}.jpg"} for n in range(10)])
+        later = [
+            SendWelcomeEmail.enqueue(
+                {"email": "later@example.com"}, run_after=timedelta(seconds=30)
+            ),
+            GenerateReport.enqueue({"report": "weekly"}, run_after=timedelta(seconds=60)),
+        ]
+        reports = [
+            GenerateReport.enqueue({"report": "sales"}, priority=10),
+            GenerateReport.enqueue({"report": "broken-export", "broken": True}),
+        ]
+    return len(emails) + len(images) + len(later) + len(reports)

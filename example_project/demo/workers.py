@@ -1,0 +1,45 @@
+"""Demo handlers: some succeed, some fail and retry, one always fails."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from django_dbworker import WorkItemHandler
+
+
+class SendWelcomeEmail(WorkItemHandler):
+    name = "send_welcome_email"
+    queue = "emails"
+
+    def handle(self, payload: Any) -> dict[str, Any]:
+        time.sleep(random.uniform(0.2, 1.0))  # pretend to talk to an SMTP server
+        return {"sent_to": payload["email"]}
+
+
+class ResizeImage(WorkItemHandler):
+    """Fails now and then; the retries show up in the admin."""
+
+    name = "resize_image"
+    queue = "images"
+    max_attempts = 4
+
+    def handle(self, payload: Any) -> dict[str, Any]:
+        time.sleep(random.uniform(0.1, 0.5))
+        if random.random() < 0.4:
+            raise OSError(f"image server busy while resizing {payload['image']}")
+        return {"thumbnail": payload["image"].replace(".jpg", "-thumb.jpg")}
+
+
+class GenerateReport(WorkItemHandler):
+    """Fails for broken input until its attempts are used up: see Failed work items."""
+
+    name = "generate_report"
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> str:
+        if payload.get("broken"):
+            raise ValueError(f"report {payload['report']!r} references a missing column")
+        time.sleep(0.5)
+        return f"report {payload['report']} ready"
