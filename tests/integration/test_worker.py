@@ -51,6 +51,13 @@ def background_worker() -> Iterator[Callable[..., Worker]]:
         worker.stop(immediate=True)
         thread.join(10)
         assert not thread.is_alive(), "worker did not stop"
+    # Abandoned handler threads (released or timed out) may still be running
+    # user code; let them end before the next test's tables are in use.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
+        timeout=30,
+        what="abandoned handler threads to finish",
+    )
 
 
 def test_burst_runs_every_item_exactly_once() -> None:
