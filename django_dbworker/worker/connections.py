@@ -1,10 +1,12 @@
 """Connection hygiene for long-lived worker threads.
 
 Django closes connections at the end of each request; a worker thread has
-no requests, so it tidies after every job instead. Connections are kept
-open between jobs (a reconnect per job would cost more than the job), but a
-connection that errored and is unusable, or that user code left outside
-autocommit, is reset so the next job starts clean.
+no requests, so it tidies after every job instead. With ``CONN_MAX_AGE`` set,
+connections are recycled between jobs exactly as Django recycles them
+between requests. With the default ``CONN_MAX_AGE = 0`` they are kept open
+(a reconnect per job would cost more than most jobs), but a connection that
+errored and is unusable, or that user code left outside autocommit, is
+reset so the next job starts clean.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
         if not conn.get_autocommit():
             conn.rollback()
             conn.set_autocommit(True)
-        if conn.errors_occurred and not conn.is_usable():
+        if conn.settings_dict.get("CONN_MAX_AGE"):
+            # The project asked for connection recycling: honour it between jobs
+            # exactly as Django does between requests.
+            conn.close_if_unusable_or_obsolete()
+        elif conn.errors_occurred and not conn.is_usable():
             conn.close()
         conn.errors_occurred = False
     except Exception:

@@ -185,6 +185,14 @@ class Worker:
                 close_quietly(cfg.using)
                 self.stopping.wait(delay)
                 continue
+            except Exception:
+                # Not a connection problem (a missing table, a bad query): say so
+                # loudly, but keep the process alive and its in-flight rows owned.
+                delay = self._claim_backoff.next()
+                logger.exception("Claiming failed; retrying in %.1fs.", delay)
+                close_quietly(cfg.using)
+                self.stopping.wait(delay)
+                continue
             self._claim_backoff.reset()
             if claimed and self._pool.free() > 0:
                 continue  # a full batch: more rows may be ready right now

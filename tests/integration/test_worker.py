@@ -18,7 +18,7 @@ from django_dbworker.worker import Worker
 from django_dbworker.worker.runtime import WorkerConfig
 from tests.conftest import wait_until
 from tests.testapp.models import Effect, Execution, Invoice
-from tests.testapp.workers import AtomicWrite, NonAtomicLinger, Record, Slow
+from tests.testapp.workers import AtomicWrite, Explosive, NonAtomicLinger, Record, Slow
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -153,3 +153,17 @@ def test_own_table_handler_loop_processes_every_row_once() -> None:
     Invoice.objects.bulk_create([Invoice() for _ in range(25)])
     Worker([registry["invoice-mailer"]], config(burst=True)).run()
     assert Invoice.objects.filter(status="sent").count() == 25
+
+
+def test_exceptions_from_every_hook_never_kill_the_loop_or_leak_slots(
+    background_worker: Callable[..., Worker],
+) -> None:
+    Invoice.objects.bulk_create([Invoice() for _ in range(12)])
+    background_worker(["explosive"])
+    wait_until(
+        lambda: Invoice.objects.filter(status="sent").count() == 12,
+        timeout=20,
+        what="every invoice to be sent despite the explosions",
+    )
+    loop_errors = Explosive.calls
+    assert loop_errors["claim"] >= 5 and loop_errors["process"] >= 4 and loop_errors["recover"] >= 2

@@ -192,3 +192,38 @@ class InvoiceMailer(Handler[Invoice]):
         Invoice.objects.filter(
             status="sending", updated_at__lt=timezone.now() - timedelta(seconds=30)
         ).update(status="pending")
+
+
+class Explosive(Handler[Invoice]):
+    """Raises from every hook now and then, BaseExceptions included."""
+
+    name = "explosive"
+    interval = 0.05
+    max_concurrency = 2
+    calls = {"claim": 0, "process": 0, "recover": 0}
+
+    def claim(self) -> Invoice:
+        Explosive.calls["claim"] += 1
+        if Explosive.calls["claim"] % 3 == 0:
+            raise RuntimeError("claim exploded")
+        if Explosive.calls["claim"] % 5 == 0:
+            raise SystemExit("claim exited")
+        invoice = claim_next(
+            Invoice.objects.filter(status="pending").order_by("id"), status="sending"
+        )
+        if invoice is None:
+            raise NoTask
+        return invoice
+
+    def process(self, invoice: Invoice) -> None:
+        Explosive.calls["process"] += 1
+        n = Explosive.calls["process"]
+        if n % 4 == 0:
+            Invoice.objects.filter(pk=invoice.pk).update(status="pending")
+            raise SystemExit("process exited")
+        Invoice.objects.filter(pk=invoice.pk).update(status="sent")
+
+    def recover_stale(self) -> None:
+        Explosive.calls["recover"] += 1
+        if Explosive.calls["recover"] % 2 == 0:
+            raise KeyError("recover exploded")

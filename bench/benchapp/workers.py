@@ -1,0 +1,24 @@
+"""Benchmark handlers: no work at all, so the queue itself is what is measured."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django_dbworker import WorkItemHandler
+
+
+class BenchNoop(WorkItemHandler):
+    name = "bench_noop"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+class BenchLatency(WorkItemHandler):
+    """Returns the wall-clock time at which the handler started."""
+
+    name = "bench_latency"
+
+    def handle(self, payload: Any) -> float:
+        return time.time()

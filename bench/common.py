@@ -1,0 +1,91 @@
+"""Shared benchmark plumbing: a durable throwaway PostgreSQL and Django setup."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = ROOT / ".tmp" / "pg-bench.json"
+
+
+def start_postgres() -> str:
+    """Start (or reuse) the durable benchmark cluster; return its URL."""
+    if os.environ.get("DATABASE_URL"):
+        return os.environ["DATABASE_URL"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "pgcluster.py"),
+            "start",
+            "--durable",
+            "--state",
+            str(STATE),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
+
+
+def stop_postgres() -> None:
+    if os.environ.get("BENCH_KEEP_PG"):
+        return
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "stop", "--state", str(STATE)],
+        check=False,
+        capture_output=True,
+    )
+
+
+def setup_django(url: str) -> None:
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+
+
+def reset_table() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE django_dbworker_workitem RESTART IDENTITY")
+
+
+def worker_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "django", "run_workers", *args]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
+def report(name: str, result: dict[str, Any]) -> None:
+    """One JSON line (for scripts) and a small table (for people)."""
+    print(json.dumps({"bench": name, **result, "machine": machine()}))
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
+        print(f"  {key.ljust(width)}  {shown}", file=sys.stderr)

@@ -1,0 +1,79 @@
+"""W1: throughput of run_workers on pre-enqueued no-op items.
+
+    .venv/bin/python bench/w1_throughput.py [--items 10000] [--processes 1]
+
+Enqueues ``--items`` no-op items in bulk (not timed), starts ``--processes``
+``run_workers --burst`` processes and times them until all exit (every item
+succeeded). Also reports the rate between the first claim and the last
+finish, from the rows' own timestamps (excludes interpreter start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+
+from common import (
+    report,
+    reset_table,
+    setup_django,
+    start_postgres,
+    stop_postgres,
+    worker_command,
+    worker_env,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--items", type=int, default=10_000)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=8)
+    args = parser.parse_args()
+    url = start_postgres()
+    try:
+        setup_django(url)
+        from django.db.models import Max, Min
+
+        from bench.benchapp.workers import BenchNoop
+        from django_dbworker.models import WorkItem
+
+        reset_table()
+        for start in range(0, args.items, 5000):
+            BenchNoop.enqueue_many([None] * min(5000, args.items - start))
+        started = time.perf_counter()
+        procs = [
+            subprocess.Popen(
+                worker_command("bench_noop", "--burst", "--concurrency", str(args.concurrency)),
+                env=worker_env(),
+            )
+            for _ in range(args.processes)
+        ]
+        codes = [p.wait() for p in procs]
+        wall = time.perf_counter() - started
+        done = WorkItem.objects.filter(status="succeeded").count()
+        span = WorkItem.objects.aggregate(first=Min("claimed_at"), last=Max("finished_at"))
+        active = (span["last"] - span["first"]).total_seconds()
+        report(
+            "w1_throughput",
+            {
+                "items": args.items,
+                "processes": args.processes,
+                "concurrency": args.concurrency,
+                "succeeded": done,
+                "exit_codes": codes,
+                "wall_seconds": wall,
+                "items_per_second_wall": args.items / wall,
+                "active_seconds": active,
+                "items_per_second_active": args.items / active,
+            },
+        )
+        if done != args.items or any(codes):
+            raise SystemExit("not every item succeeded")
+    finally:
+        stop_postgres()
+
+
+if __name__ == "__main__":
+    main()
