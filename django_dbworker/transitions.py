@@ -25,7 +25,7 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Concat, Now
 
 from django_dbworker.conf import dbworker_settings
-from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
+from django_dbworker.models import FINISHED_STATUSES, Status, WorkItem, WorkItemQuerySet
 
 logger = logging.getLogger("django_dbworker.transitions")
 
@@ -220,6 +220,31 @@ def retry(queryset: WorkItemQuerySet) -> int:
 def run_now(queryset: WorkItemQuerySet) -> int:
     """pending: make due now (DB clock)."""
     return queryset.filter(status=Status.PENDING).update(run_after=Now(), updated_at=Now())
+
+
+def prune(
+    *,
+    older_than: timedelta,
+    statuses: Sequence[str],
+    batch_size: int = 1000,
+    using: str | None = None,
+) -> int:
+    """Delete finished rows whose ``finished_at`` is older than ``older_than`` (DB clock).
+
+    Batched so that no single statement locks or logs millions of rows;
+    pending and claimed rows are never touched, whatever ``statuses`` says.
+    """
+    allowed = [s for s in statuses if s in FINISHED_STATUSES]
+    base = WorkItem.objects.using(using).filter(
+        status__in=allowed, finished_at__lt=Now() - older_than
+    )
+    deleted = 0
+    while True:
+        ids = list(base.order_by("pk").values_list("pk", flat=True)[:batch_size])
+        if not ids:
+            return deleted
+        count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
+        deleted += count
 
 
 def ensure_json(value: Any, what: str) -> str:

@@ -1,0 +1,38 @@
+"""``manage.py dbworker_stats``: counts by queue and status, and queue lag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import DEFAULT_DB_ALIAS
+
+from django_dbworker.stats import queue_stats
+
+
+class Command(BaseCommand):
+    help = "Show work item counts by queue and status, and the oldest claimable item's age."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        stats = queue_stats(using=options["database"])
+        if not stats:
+            self.stdout.write("No work items.")
+            return
+        statuses = ["pending", "claimed", "succeeded", "failed", "cancelled"]
+        header = ["queue", *statuses, "oldest pending"]
+        rows = []
+        for queue, entry in sorted(stats.items()):
+            age = entry["oldest_pending_age"]
+            rows.append(
+                [
+                    queue,
+                    *(str(entry["counts"].get(s, 0)) for s in statuses),
+                    "-" if age is None else f"{age:.1f}s",
+                ]
+            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            self.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))

@@ -1,0 +1,76 @@
+"""dbworker_stats and dbworker_prune."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db.models.functions import Now
+
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.stats import queue_stats
+from tests.factories import make_item
+
+pytestmark = pytest.mark.django_db
+
+
+def test_stats_count_by_queue_and_status_with_lag() -> None:
+    make_item(queue="a", run_after=Now() - timedelta(seconds=120))
+    make_item(queue="a", status=Status.FAILED)
+    make_item(queue="b", run_after=Now() + timedelta(hours=1))  # not claimable: no lag
+    stats = queue_stats()
+    assert stats["a"]["counts"] == {"pending": 1, "failed": 1}
+    assert 119 <= (stats["a"]["oldest_pending_age"] or 0) < 180
+    assert stats["b"]["oldest_pending_age"] is None
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == [
+        "queue",
+        "pending",
+        "claimed",
+        "succeeded",
+        "failed",
+        "cancelled",
+        "oldest",
+        "pending",
+    ]
+    assert lines[1].split()[:6] == ["a", "1", "0", "0", "1", "0"]
+
+
+def test_prune_deletes_old_finished_rows_only() -> None:
+    old = Now() - timedelta(days=10)
+    keep_recent = make_item(status=Status.SUCCEEDED, finished_at=Now())
+    old_ok = [make_item(status=Status.SUCCEEDED, finished_at=old) for _ in range(5)]
+    old_failed = make_item(status=Status.FAILED, finished_at=old)
+    pending = make_item(finished_at=old)  # odd, but must never be touched
+    claimed = make_item(status=Status.CLAIMED, finished_at=old)
+    out = StringIO()
+    call_command(
+        "dbworker_prune",
+        "--older-than",
+        "7d",
+        "--status",
+        "succeeded",
+        "--batch-size",
+        "2",
+        stdout=out,
+    )
+    assert "Deleted 5 work item(s)" in out.getvalue()
+    remaining = set(WorkItem.objects.values_list("pk", flat=True))
+    assert remaining == {keep_recent.pk, old_failed.pk, pending.pk, claimed.pk}
+    assert not remaining & {i.pk for i in old_ok}
+    call_command("dbworker_prune", "--older-than", "1d", stdout=StringIO())
+    assert set(WorkItem.objects.values_list("pk", flat=True)) == {
+        keep_recent.pk,
+        pending.pk,
+        claimed.pk,
+    }
+
+
+@pytest.mark.parametrize("age", ["", "7 days", "-1d", "d"])
+def test_prune_rejects_bad_ages(age: str) -> None:
+    with pytest.raises(CommandError, match="--older-than"):
+        call_command("dbworker_prune", "--older-than", age)
