@@ -134,9 +134,11 @@ class Worker:
         try:
             if self._pool is not None:
                 self._claim_loop()
-            else:
-                while any(loop.is_alive() for loop in loops) and not self.stopping.is_set():
-                    self.stopping.wait(0.2)
+            # Own-table loops end by themselves in burst mode; otherwise they
+            # run until a stop is requested.
+            while any(loop.is_alive() for loop in loops) and not self.stopping.is_set():
+                self.stopping.wait(0.2)
+            self.stopping.set()
             self._drain(loops)
         finally:
             self.stopping.set()
@@ -268,24 +270,20 @@ class Worker:
             return [f.item for f in self._in_flight.values()]
 
     def _drain(self, loops: Sequence[HandlerLoop]) -> None:
+        """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal)."""
         cfg = self.config
-        if self.stopping.is_set():
-            busy = self._pool.busy() if self._pool is not None else 0
-            if busy:
-                logger.info(
-                    "Stopping: waiting up to %.0fs for %d running item(s).",
-                    cfg.shutdown_timeout,
-                    busy,
-                )
+        busy = (self._pool.busy() if self._pool is not None else 0) + sum(
+            loop.pool.busy() for loop in loops
+        )
+        if busy:
+            logger.info(
+                "Stopping: waiting up to %.0fs for %d running item(s).", cfg.shutdown_timeout, busy
+            )
         deadline = time.monotonic() + cfg.shutdown_timeout
         if self._pool is not None:
             self._pool.wait_idle(cfg.shutdown_timeout, abort=self.aborting)
         for loop in loops:
-            remaining = max(0.0, deadline - time.monotonic())
-            loop.drain(remaining, self.aborting)
-            loop.join(
-                timeout=max(0.0, deadline - time.monotonic()) if not self.aborting.is_set() else 0
-            )
+            loop.drain(max(0.0, deadline - time.monotonic()), self.aborting)
         leftovers = self.in_flight()
         if leftovers:
             released = persist(
