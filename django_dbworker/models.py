@@ -126,8 +126,16 @@ class WorkItem(models.Model):
                 condition=Q(status="claimed"),
                 name="dbworker_stale_idx",
             ),
-            # Admin filters and prune: by status, newest first.
+            # Admin lists, filters and search: newest first within a status,
+            # queue or handler, and exact unique_key lookups.
             models.Index(fields=["status", "-id"], name="dbworker_status_idx"),
+            models.Index(fields=["queue", "-id"], name="dbworker_queue_idx"),
+            models.Index(fields=["handler", "-id"], name="dbworker_handler_idx"),
+            models.Index(
+                fields=["unique_key"],
+                condition=Q(unique_key__isnull=False),
+                name="dbworker_unique_key_idx",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -174,3 +182,12 @@ class FailedWorkItem(WorkItem):
         proxy = True
         verbose_name = "failed work item"
         verbose_name_plural = "failed work items"
+
+
+class QueueSummary(WorkItem):
+    """Admin entry for the queue summary page (counts, lag, stale workers)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "queue summary"
+        verbose_name_plural = "queue summary"

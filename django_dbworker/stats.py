@@ -1,43 +1,73 @@
-"""Aggregates over the work table: counts by queue/status and queue lag.
+"""Aggregates over the work table: counts by queue and status, and queue lag.
 
-Grouped queries only (served by the status index), with ages computed by the
-database clock. Used by ``dbworker_stats``, the admin summary and metrics.
+Live rows (pending, claimed) and failed rows are always counted exactly:
+they are what operators act on, and the status index keeps those counts
+cheap. Finished rows (succeeded, cancelled) can be millions; on a large
+PostgreSQL table they are estimated from the planner's statistics instead
+of counted, and marked as estimates. Ages use the database clock.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min
 from django.db.models.functions import Now
 
-from django_dbworker.models import WorkItem
+from django_dbworker.db import operations
+from django_dbworker.models import Status, WorkItem
+
+#: Below this many rows (planner estimate) everything is counted exactly.
+EXACT_BELOW = 200_000
+EXACT_STATUSES = (Status.PENDING, Status.CLAIMED, Status.FAILED)
+ESTIMATED_STATUSES = (Status.SUCCEEDED, Status.CANCELLED)
 
 
 class QueueStats(TypedDict):
     counts: dict[str, int]
+    #: Statuses whose count is a planner estimate.
+    estimated: set[str]
     oldest_pending_age: float | None
 
 
 def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
-    """``{queue: {"counts": {status: n}, "oldest_pending_age": seconds | None}}``."""
+    """``{queue: {"counts": {status: n}, "estimated": {...}, "oldest_pending_age": s}}``."""
+    db = using or DEFAULT_DB_ALIAS
+    estimate = operations(db).table_estimate(["queue", "status"])
+    approximate = estimate is not None and estimate.rows >= EXACT_BELOW
     stats: dict[str, QueueStats] = {}
-    rows = (
-        WorkItem.objects.using(using).order_by().values("queue", "status").annotate(n=Count("id"))
-    )
-    for row in rows:
-        entry = stats.setdefault(row["queue"], {"counts": {}, "oldest_pending_age": None})
-        entry["counts"][row["status"]] = row["n"]
+
+    def entry(queue: str) -> QueueStats:
+        return stats.setdefault(
+            queue, {"counts": {}, "estimated": set(), "oldest_pending_age": None}
+        )
+
+    rows = WorkItem.objects.using(db).order_by()
+    if approximate:
+        rows = rows.filter(status__in=EXACT_STATUSES)
+    for row in rows.values("queue", "status").annotate(n=Count("id")):
+        entry(row["queue"])["counts"][row["status"]] = row["n"]
+    if approximate:
+        assert estimate is not None
+        queue_col, status_col = estimate.columns["queue"], estimate.columns["status"]
+        queues = set(stats) | set(queue_col.frequencies)
+        for queue in queues:
+            for status in ESTIMATED_STATUSES:
+                guess = estimate.rows * queue_col.frequency(queue) * status_col.frequency(status)
+                if guess >= 0.5:
+                    item = entry(queue)
+                    item["counts"][status.value] = round(guess)
+                    item["estimated"].add(status.value)
     lag: Any = (
-        WorkItem.objects.using(using)
+        WorkItem.objects.using(db)
         .ready()
         .order_by()
         .values("queue")
         .annotate(oldest=Min("run_after"), now=Now())
     )
     for row in lag:
-        if row["queue"] in stats:
-            stats[row["queue"]]["oldest_pending_age"] = max(
-                0.0, (row["now"] - row["oldest"]).total_seconds()
-            )
+        entry(row["queue"])["oldest_pending_age"] = max(
+            0.0, (row["now"] - row["oldest"]).total_seconds()
+        )
     return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections
@@ -28,6 +29,29 @@ CLAIM_COLUMNS = (
 
 #: Channel of the PostgreSQL wake-up notifications; the payload is the queue name.
 NOTIFY_CHANNEL = "django_dbworker"
+
+
+@dataclass
+class ColumnStats:
+    """Planner statistics of one column: value frequencies and the rest."""
+
+    frequencies: dict[str, float]
+    n_distinct: float
+
+    def frequency(self, value: str) -> float:
+        if value in self.frequencies:
+            return self.frequencies[value]
+        others = self.n_distinct - len(self.frequencies)
+        rest = max(0.0, 1.0 - sum(self.frequencies.values()))
+        return rest / others if others >= 1 else 0.0
+
+
+@dataclass
+class TableEstimate:
+    """The planner's idea of the work table: row count and column statistics."""
+
+    rows: float
+    columns: dict[str, ColumnStats]
 
 
 class UnsupportedDatabase(Exception):
@@ -76,6 +100,10 @@ class VendorOperations:
 
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
+
+    def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
+        """Planner statistics for the work table, or None where there are none."""
+        return None
 
     # -- helpers shared by the vendors --------------------------------------------
 

@@ -1,0 +1,281 @@
+"""Django admin for work items: what is stuck, what failed, why, and fix it.
+
+Pages: all work items, claimed ones, failed ones, and a queue summary.
+Detail pages are read-only (a form save would race the workers); state
+changes happen only through the actions, which need the change permission.
+List pages defer payload, result and traceback columns, count with an
+estimating paginator and filter on indexed columns, so they stay fast on
+tables with millions of rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from django.contrib import admin
+from django.contrib.admin.views.main import ChangeList
+from django.db.models import Q, QuerySet
+from django.db.models.functions import Left, Now
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils.safestring import SafeString
+
+from django_dbworker.admin import actions, display
+from django_dbworker.admin.filters import HandlerFilter, QueueFilter
+from django_dbworker.admin.pagination import EstimatedCountPaginator
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.models import ClaimedWorkItem, FailedWorkItem, QueueSummary, Status, WorkItem
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[WorkItem]
+else:  # ModelAdmin is generic only in django-stubs
+    _ModelAdmin = admin.ModelAdmin
+
+
+class _LightChangeList(ChangeList):
+    """Loads only what the list shows: no payload, result, traceback or context."""
+
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        qs: QuerySet[Any] = super().get_queryset(request, exclude_parameters)
+        light = qs.defer("payload", "result", "last_error", "trace_context")
+        return cast(
+            "QuerySet[Any]", light.annotate(db_now=Now(), error_head=Left("last_error", 300))
+        )
+
+
+class BaseWorkItemAdmin(_ModelAdmin):
+    list_filter = ("status", QueueFilter, HandlerFilter)
+    # Exact matches only: each is served by an index (pk, handler, unique_key).
+    search_fields = ["=id", "=handler", "=unique_key"]
+    search_help_text = "Exact id, handler name or unique key."
+    ordering = ["-id"]
+    list_per_page = 50
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    actions = [actions.retry, actions.cancel, actions.run_now]
+    fieldsets = (
+        (None, {"fields": ("id", "handler", "queue", "status_badge", "priority", "unique_key")}),
+        (
+            "Schedule",
+            {
+                "fields": (
+                    "run_after",
+                    "attempts_display",
+                    "created_at",
+                    "updated_at",
+                    "finished_at",
+                )
+            },
+        ),
+        ("Claim", {"fields": ("claimed_by", "claimed_at", "heartbeat_at", "claim_token")}),
+        ("Data", {"fields": ("payload_pretty", "result_pretty", "error_pre", "trace_id")}),
+    )
+    readonly_fields = (
+        "id",
+        "handler",
+        "queue",
+        "status_badge",
+        "priority",
+        "unique_key",
+        "run_after",
+        "attempts_display",
+        "created_at",
+        "updated_at",
+        "finished_at",
+        "claimed_by",
+        "claimed_at",
+        "heartbeat_at",
+        "claim_token",
+        "payload_pretty",
+        "result_pretty",
+        "error_pre",
+        "trace_id",
+    )
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _LightChangeList
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
+        return super().get_queryset(request).annotate(db_now=Now())
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[WorkItem], search_term: str
+    ) -> tuple[QuerySet[WorkItem], bool]:
+        """Exact matches that each use an index.
+
+        Django's "=field" search is ``iexact`` (``UPPER(col) = UPPER(term)``),
+        which no plain index serves; on millions of rows that is a scan.
+        """
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        match = Q(handler=term) | Q(unique_key=term)
+        if term.isdigit() and len(term) < 19:
+            match |= Q(pk=int(term))
+        return queryset.filter(match), False
+
+    # Rows are written by workers and actions only: no add, no delete, no edit
+    # form. Change permission still gates the actions (obj is None there).
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None:
+            return False
+        return super().has_change_permission(request, obj)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        opts = WorkItem._meta
+        return bool(
+            request.user.has_perm(f"{opts.app_label}.view_{opts.model_name}")
+            or request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+        )
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    # -- columns ----------------------------------------------------------------
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj: WorkItem) -> SafeString:
+        return display.badge(obj.status)
+
+    @admin.display(description="attempts")
+    def attempts_display(self, obj: WorkItem) -> str:
+        return f"{obj.attempts}/{obj.max_attempts}"
+
+    @admin.display(description="heartbeat", ordering="heartbeat_at")
+    def heartbeat_age(self, obj: WorkItem) -> str:
+        if obj.status != Status.CLAIMED:
+            return "-"
+        return display.age(obj.heartbeat_at, display.db_now(obj))
+
+    @admin.display(description="next run", ordering="run_after")
+    def next_run(self, obj: WorkItem) -> str:
+        if obj.status != Status.PENDING:
+            return "-"
+        now = display.db_now(obj)
+        if now is not None and obj.run_after <= now:
+            return "due"
+        return display.age(obj.run_after, now)
+
+    @admin.display(description="error")
+    def error_summary(self, obj: WorkItem) -> str:
+        head = getattr(obj, "error_head", None)
+        return display.first_line(head if head is not None else obj.last_error) or "-"
+
+    @admin.display(description="payload")
+    def payload_pretty(self, obj: WorkItem) -> SafeString | str:
+        if display.is_sensitive(obj):
+            return "(redacted: this handler is marked sensitive)"
+        return display.pretty_json(obj.payload)
+
+    @admin.display(description="result")
+    def result_pretty(self, obj: WorkItem) -> SafeString:
+        return display.pretty_json(obj.result)
+
+    @admin.display(description="last error")
+    def error_pre(self, obj: WorkItem) -> SafeString | str:
+        if not obj.last_error:
+            return "-"
+        from django.utils.html import format_html
+
+        return format_html('<pre style="white-space:pre-wrap">{}</pre>', obj.last_error)
+
+    @admin.display(description="trace id")
+    def trace_id(self, obj: WorkItem) -> str:
+        return display.trace_id(obj.trace_context) or "-"
+
+
+@admin.register(WorkItem)
+class WorkItemAdmin(BaseWorkItemAdmin):
+    list_display = [
+        "id",
+        "handler",
+        "queue",
+        "status_badge",
+        "priority",
+        "attempts_display",
+        "next_run",
+        "claimed_by",
+        "heartbeat_age",
+        "created_at",
+        "error_summary",
+    ]
+
+
+@admin.register(ClaimedWorkItem)
+class ClaimedWorkItemAdmin(BaseWorkItemAdmin):
+    list_display = [
+        "id",
+        "handler",
+        "queue",
+        "claimed_by",
+        "claimed_at",
+        "heartbeat_age",
+        "stale_marker",
+        "attempts_display",
+    ]
+
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        return (QueueFilter, HandlerFilter)  # the status is fixed on this page
+
+    ordering = ["heartbeat_at"]
+    actions = []
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
+        return super().get_queryset(request).filter(status=Status.CLAIMED)
+
+    @admin.display(description="stale?")
+    def stale_marker(self, obj: WorkItem) -> SafeString | str:
+        now = display.db_now(obj)
+        if obj.heartbeat_at is None or now is None:
+            return "-"
+        if (now - obj.heartbeat_at).total_seconds() > float(dbworker_settings.STALE_AFTER):
+            from django.utils.html import format_html
+
+            return format_html('<strong style="color:#c53030">{}</strong>', "stale")
+        return "ok"
+
+
+@admin.register(FailedWorkItem)
+class FailedWorkItemAdmin(BaseWorkItemAdmin):
+    list_display = [
+        "id",
+        "handler",
+        "queue",
+        "attempts_display",
+        "finished_at",
+        "error_summary",
+    ]
+
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        return (QueueFilter, HandlerFilter)  # the status is fixed on this page
+
+    actions = [actions.retry]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
+        return super().get_queryset(request).filter(status=Status.FAILED)
+
+
+@admin.register(QueueSummary)
+class QueueSummaryAdmin(BaseWorkItemAdmin):
+    """One page: counts per queue and status, queue lag, rows of stale workers."""
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        from django_dbworker.admin.summary import summary_context
+
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        context = {
+            **self.admin_site.each_context(request),
+            **summary_context(),
+            "title": "Queue summary",
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/django_dbworker/summary.html", context)

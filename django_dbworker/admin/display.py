@@ -1,0 +1,68 @@
+"""How work item values are shown: badges, human durations, pretty JSON."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.timesince import timesince
+
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
+
+STATUS_COLOURS = {
+    Status.PENDING: "#2f6fad",
+    Status.CLAIMED: "#b7791f",
+    Status.SUCCEEDED: "#2f855a",
+    Status.FAILED: "#c53030",
+    Status.CANCELLED: "#718096",
+}
+
+
+def badge(status: str) -> SafeString:
+    colour = STATUS_COLOURS.get(Status(status), "#444")
+    return format_html(
+        '<span class="dbw-status dbw-{}" style="color:#fff;background:{};padding:1px 7px;'
+        'border-radius:8px;white-space:nowrap">{}</span>',
+        status,
+        colour,
+        status,
+    )
+
+
+def db_now(item: WorkItem) -> datetime | None:
+    """The database clock at query time (annotated by the admin's querysets)."""
+    return getattr(item, "db_now", None)
+
+
+def age(when: datetime | None, now: datetime | None) -> str:
+    if when is None or now is None:
+        return "-"
+    if when > now:
+        return "in " + timesince(now, when)
+    return timesince(when, now) + " ago"
+
+
+def is_sensitive(item: WorkItem) -> bool:
+    return bool(getattr(registry.get(item.handler), "sensitive", False))
+
+
+def pretty_json(value: Any) -> SafeString:
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return format_html('<pre style="white-space:pre-wrap">{}</pre>', text)
+
+
+def first_line(text: str | None, limit: int = 160) -> str:
+    line = (text or "").split("\n", 1)[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def trace_id(trace_context: Any) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``)."""
+    if not isinstance(trace_context, dict):
+        return None
+    parts = str(trace_context.get("traceparent", "")).split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None

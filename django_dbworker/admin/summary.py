@@ -1,0 +1,44 @@
+"""The queue summary page: counts per queue and status, lag, stale claims."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db.models.functions import Now
+
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.stats import queue_stats
+
+#: Stale claims listed on the page (the count is always complete).
+STALE_ROWS_SHOWN = 50
+
+
+def summary_context() -> dict[str, Any]:
+    stale_after = float(dbworker_settings.STALE_AFTER)
+    statuses = [s.value for s in Status]
+    rows = []
+    for queue, entry in sorted(queue_stats().items()):
+        rows.append(
+            {
+                "queue": queue,
+                "cells": [(s, entry["counts"].get(s, 0)) for s in statuses],
+                "estimated": entry["estimated"],
+                "oldest_pending_age": entry["oldest_pending_age"],
+            }
+        )
+    stale = (
+        WorkItem.objects.stale(timedelta(seconds=stale_after))
+        .order_by("heartbeat_at")
+        .only("id", "handler", "queue", "claimed_by", "heartbeat_at", "attempts", "max_attempts")
+        .annotate(db_now=Now())
+    )
+    stale_rows = list(stale[: STALE_ROWS_SHOWN + 1])
+    return {
+        "statuses": statuses,
+        "rows": rows,
+        "stale_rows": stale_rows[:STALE_ROWS_SHOWN],
+        "stale_more": len(stale_rows) > STALE_ROWS_SHOWN,
+        "stale_after": stale_after,
+    }

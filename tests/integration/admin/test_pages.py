@@ -1,0 +1,260 @@
+"""Every admin page, filter, action and permission, through the test client."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from django_dbworker.models import Status, WorkItem
+from tests.factories import age_heartbeat, claim, make_item
+
+pytestmark = pytest.mark.django_db
+
+CHANGELISTS = [
+    "admin:django_dbworker_workitem_changelist",
+    "admin:django_dbworker_claimedworkitem_changelist",
+    "admin:django_dbworker_failedworkitem_changelist",
+    "admin:django_dbworker_queuesummary_changelist",
+]
+
+
+def ids_on_page(html: str) -> set[int]:
+    return {int(m) for m in re.findall(r'name="_selected_action" value="(\d+)"', html)} | {
+        int(m) for m in re.findall(r"/(?:claimed|failed)?workitem/(\d+)/change/", html)
+    }
+
+
+@pytest.fixture
+def mixed() -> dict[str, WorkItem]:
+    items = {
+        "pending": make_item(handler="echo", queue="q1", payload={"p": 1}),
+        "failed": make_item(
+            handler="noop",
+            queue="q2",
+            status=Status.FAILED,
+            attempts=3,
+            last_error="ValueError: broke\n\nTraceback (most recent call last):",
+        ),
+        "succeeded": make_item(handler="echo", status=Status.SUCCEEDED, result={"r": 2}),
+        "cancelled": make_item(status=Status.CANCELLED),
+    }
+    make_item(handler="urgent", queue="urgent")
+    (items["claimed"],) = claim(limit=1, handlers=["urgent"], worker="host:7:MainThread")
+    return items
+
+
+def test_anonymous_users_are_sent_to_login(client: Client) -> None:
+    for name in CHANGELISTS:
+        response = client.get(reverse(name))
+        assert response.status_code == 302 and "/login/" in response["Location"]
+
+
+def test_staff_without_permission_is_forbidden(staff_client: Client, mixed: dict) -> None:
+    for name in CHANGELISTS:
+        assert staff_client.get(reverse(name)).status_code == 403
+    index = staff_client.get(reverse("admin:index")).content.decode()
+    assert "Work items" not in index
+
+
+def test_view_only_staff_sees_pages_without_actions(viewer_client: Client, mixed: dict) -> None:
+    for name in CHANGELISTS:
+        response = viewer_client.get(reverse(name))
+        assert response.status_code == 200, name
+        assert 'name="action"' not in response.content.decode()
+    index = viewer_client.get(reverse("admin:app_list", args=["django_dbworker"])).content.decode()
+    for label in ("Work items", "Claimed work items", "Failed work items", "Queue summary"):
+        assert label in index
+
+
+def test_view_only_staff_cannot_post_an_action(viewer_client: Client, mixed: dict) -> None:
+    url = reverse("admin:django_dbworker_workitem_changelist")
+    viewer_client.post(url, {"action": "retry", "_selected_action": [mixed["failed"].pk]})
+    assert WorkItem.objects.get(pk=mixed["failed"].pk).status == Status.FAILED
+
+
+def test_work_items_list_shows_every_row_with_badges_and_errors(
+    superuser_client: Client, mixed: dict
+) -> None:
+    html = superuser_client.get(reverse(CHANGELISTS[0])).content.decode()
+    assert ids_on_page(html) >= {i.pk for i in mixed.values()}
+    assert 'class="dbw-status dbw-failed"' in html
+    assert "ValueError: broke" in html and "Traceback" not in html  # first line only
+    assert "1/3" in html or "0/3" in html
+    assert 'name="action"' in html
+
+
+def test_claimed_page_shows_only_claimed_rows_with_stale_marker(
+    superuser_client: Client, mixed: dict
+) -> None:
+    age_heartbeat(mixed["claimed"], 3600)
+    html = superuser_client.get(reverse(CHANGELISTS[1])).content.decode()
+    assert ids_on_page(html) == {mixed["claimed"].pk}
+    assert "host:7:MainThread" in html
+    assert ">stale<" in html
+
+
+def test_failed_page_shows_only_failed_rows_with_their_error(
+    superuser_client: Client, mixed: dict
+) -> None:
+    html = superuser_client.get(reverse(CHANGELISTS[2])).content.decode()
+    assert ids_on_page(html) == {mixed["failed"].pk}
+    assert "ValueError: broke" in html and "3/3" in html
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("status__exact=failed", {"failed"}),
+        ("status__exact=pending", {"pending"}),
+        ("queue=q1", {"pending"}),
+        ("handler=noop&status__exact=failed", {"failed"}),
+    ],
+)
+def test_filters(superuser_client: Client, mixed: dict, query: str, expected: set[str]) -> None:
+    html = superuser_client.get(f"{reverse(CHANGELISTS[0])}?{query}").content.decode()
+    assert ids_on_page(html) == {mixed[k].pk for k in expected}
+
+
+def test_filter_choices_come_from_registry_and_live_rows(
+    superuser_client: Client, mixed: dict
+) -> None:
+    html = superuser_client.get(reverse(CHANGELISTS[0])).content.decode()
+    for choice in ("?handler=flaky", "?queue=q2", "?queue=echoes"):
+        assert choice in html
+
+
+def test_search_by_id_handler_and_unique_key(superuser_client: Client, mixed: dict) -> None:
+    keyed = make_item(handler="echo", unique_key="invoice:42")
+    url = reverse(CHANGELISTS[0])
+    assert ids_on_page(
+        superuser_client.get(url, {"q": str(mixed["failed"].pk)}).content.decode()
+    ) == {mixed["failed"].pk}
+    assert ids_on_page(superuser_client.get(url, {"q": "invoice:42"}).content.decode()) == {
+        keyed.pk
+    }
+    by_handler = ids_on_page(superuser_client.get(url, {"q": "noop"}).content.decode())
+    assert mixed["failed"].pk in by_handler and mixed["pending"].pk not in by_handler
+
+
+def test_detail_page_is_read_only_and_pretty(superuser_client: Client, mixed: dict) -> None:
+    item = mixed["failed"]
+    WorkItem.objects.filter(pk=item.pk).update(
+        trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    )
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    html = superuser_client.get(url).content.decode()
+    assert "<pre" in html and "Traceback (most recent call last):" in html
+    assert "0af7651916cd43dd8448eb211c80319c" in html
+    assert 'name="_save"' not in html
+    assert superuser_client.post(url, {"handler": "x"}).status_code == 403
+    assert WorkItem.objects.get(pk=item.pk).handler == "noop"
+
+
+def test_detail_page_pretty_prints_payload_and_result(
+    superuser_client: Client, mixed: dict
+) -> None:
+    url = reverse("admin:django_dbworker_workitem_change", args=[mixed["succeeded"].pk])
+    html = superuser_client.get(url).content.decode()
+    assert "&quot;r&quot;: 2" in html
+
+
+def test_sensitive_payload_is_redacted(superuser_client: Client) -> None:
+    item = make_item(handler="secret", payload={"password": "hunter2"})
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    html = superuser_client.get(url).content.decode()
+    assert "hunter2" not in html and "redacted" in html
+
+
+@pytest.mark.parametrize(
+    ("action", "selected", "changed", "new_status"),
+    [
+        (
+            "retry",
+            ["failed", "cancelled", "pending"],
+            2,
+            {"failed": "pending", "cancelled": "pending"},
+        ),
+        ("cancel", ["pending", "failed", "claimed"], 1, {"pending": "cancelled"}),
+        ("run_now", ["pending", "succeeded"], 1, {"pending": "pending"}),
+    ],
+)
+def test_actions_change_eligible_rows_and_report_skips(
+    superuser_client: Client,
+    mixed: dict,
+    action: str,
+    selected: list[str],
+    changed: int,
+    new_status: dict[str, str],
+) -> None:
+    before = {k: WorkItem.objects.get(pk=v.pk).status for k, v in mixed.items()}
+    response = superuser_client.post(
+        reverse(CHANGELISTS[0]),
+        {"action": action, "_selected_action": [mixed[k].pk for k in selected]},
+        follow=True,
+    )
+    text = response.content.decode()
+    assert f"{changed} work item(s)" in text
+    skipped = len(selected) - changed
+    assert (f"{skipped} skipped" in text) == bool(skipped)
+    for key, item in mixed.items():
+        expected = new_status.get(key, before[key])
+        assert WorkItem.objects.get(pk=item.pk).status == expected, key
+
+
+def test_retry_resets_attempts(superuser_client: Client, mixed: dict) -> None:
+    superuser_client.post(
+        reverse(CHANGELISTS[2]), {"action": "retry", "_selected_action": [mixed["failed"].pk]}
+    )
+    row = WorkItem.objects.get(pk=mixed["failed"].pk)
+    assert (row.status, row.attempts) == (Status.PENDING, 0)
+
+
+def test_summary_counts_lag_and_stale_claims(superuser_client: Client, mixed: dict) -> None:
+    age_heartbeat(mixed["claimed"], 3600)
+    html = superuser_client.get(reverse(CHANGELISTS[3])).content.decode()
+    assert "Work items by queue" in html
+    assert "?queue=q2&amp;status__exact=failed" in html
+    assert "host:7:MainThread" in html  # listed as a stale claim
+
+
+def test_list_pages_never_load_payload_result_or_traceback(
+    superuser_client: Client, mixed: dict
+) -> None:
+    for name in CHANGELISTS[:3]:
+        with CaptureQueriesContext(connection) as ctx:
+            superuser_client.get(reverse(name))
+        # The row query is the one that selects the annotated clock.
+        row_queries = [q["sql"] for q in ctx.captured_queries if '"db_now"' in q["sql"]]
+        assert row_queries, name
+        for sql in row_queries:
+            selected = sql.upper().split(" FROM ")[0]
+            assert '"PAYLOAD"' not in selected and '"RESULT"' not in selected
+            assert '"TRACE_CONTEXT"' not in selected
+            # last_error only as its first 300 characters, never whole
+            assert selected.count('"LAST_ERROR"') == selected.count("LEFT(") + selected.count(
+                "SUBSTR("
+            )
+
+
+def _queries(client: Client, url: str) -> int:
+    with CaptureQueriesContext(connection) as ctx:
+        assert client.get(url).status_code == 200
+    return len(ctx.captured_queries)
+
+
+@pytest.mark.parametrize("name", CHANGELISTS)
+def test_query_budget_does_not_grow_with_rows(superuser_client: Client, name: str) -> None:
+    make_item()
+    small = _queries(superuser_client, reverse(name))
+    for n in range(60):
+        make_item(handler="echo", queue=f"q{n % 3}", status=[Status.FAILED, Status.PENDING][n % 2])
+    for item in claim(limit=10):
+        age_heartbeat(item, 3600)
+    big = _queries(superuser_client, reverse(name))
+    assert big == small
+    assert big <= 8
