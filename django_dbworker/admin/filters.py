@@ -2,8 +2,8 @@
 
 Django's default filter for a plain CharField runs ``SELECT DISTINCT`` over
 the whole table to find its choices. Handler names come from the registry
-instead, and queue names from the handlers plus the (small, indexed) set
-of live and failed rows.
+instead, and queue names from the handlers plus a loose index scan of the
+queue index (one probe per queue).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.db import operations
 from django_dbworker.registry import registry
 
 
@@ -41,13 +41,7 @@ class QueueFilter(admin.SimpleListFilter):
         from django_dbworker.handlers import WorkItemHandler
 
         queues = {cls.queue for cls in registry.values() if issubclass(cls, WorkItemHandler)}
-        live = (
-            WorkItem.objects.filter(status__in=(Status.PENDING, Status.CLAIMED, Status.FAILED))
-            .order_by()
-            .values_list("queue", flat=True)
-            .distinct()
-        )
-        queues.update(live)
+        queues.update(operations(model_admin.model.objects.db).distinct_queues())
         return [(q, q) for q in sorted(queues)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:

@@ -101,6 +101,28 @@ class VendorOperations:
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
 
+    def distinct_queues(self) -> list[str]:
+        """Every queue name in the table, by a loose index scan.
+
+        ``SELECT DISTINCT queue`` reads every row (or index entry); this
+        recursive query jumps from one queue to the next through the
+        ``(queue, id)`` index, so it costs one index probe per queue whatever
+        the table size. Standard SQL, run as is by PostgreSQL and SQLite.
+        """
+        q = self.connection.ops.quote_name
+        table, col = q(WorkItem._meta.db_table), q("queue")
+        sql = (
+            f"WITH RECURSIVE queues(name) AS ("
+            f" SELECT (SELECT {col} FROM {table} ORDER BY {col} LIMIT 1)"
+            f" UNION ALL"
+            f" SELECT (SELECT {col} FROM {table} WHERE {col} > queues.name ORDER BY {col} LIMIT 1)"
+            f" FROM queues WHERE queues.name IS NOT NULL"
+            f") SELECT name FROM queues WHERE name IS NOT NULL"
+        )
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql)
+            return [row[0] for row in cursor.fetchall()]
+
     def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
         """Planner statistics for the work table, or None where there are none."""
         return None
