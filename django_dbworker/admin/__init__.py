@@ -51,6 +51,8 @@ class BaseWorkItemAdmin(_ModelAdmin):
     ordering = ["-id"]
     list_per_page = 50
     show_full_result_count = False
+    # Facet counts would run one COUNT per filter choice over the whole table.
+    show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
     actions = [actions.retry, actions.cancel, actions.run_now]
     fieldsets = (
@@ -163,9 +165,14 @@ class BaseWorkItemAdmin(_ModelAdmin):
         return display.age(obj.run_after, now)
 
     @admin.display(description="error")
-    def error_summary(self, obj: WorkItem) -> str:
+    def error_summary(self, obj: WorkItem) -> SafeString | str:
         head = getattr(obj, "error_head", None)
-        return display.first_line(head if head is not None else obj.last_error) or "-"
+        line = display.first_line(head if head is not None else obj.last_error)
+        return display.one_line(line) if line else "-"
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        title = str(self.model._meta.verbose_name_plural).capitalize()
+        return super().changelist_view(request, {"title": title, **(extra_context or {})})
 
     @admin.display(description="payload")
     def payload_pretty(self, obj: WorkItem) -> SafeString | str:
@@ -265,7 +272,9 @@ class FailedWorkItemAdmin(BaseWorkItemAdmin):
 class QueueSummaryAdmin(BaseWorkItemAdmin):
     """One page: counts per queue and status, queue lag, rows of stale workers."""
 
-    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+    def changelist_view(  # the summary page replaces the list
+        self, request: HttpRequest, extra_context: Any = None
+    ) -> HttpResponse:
         from django_dbworker.admin.summary import summary_context
 
         if not self.has_view_permission(request):

@@ -8,7 +8,6 @@ from typing import Any
 
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
-from django.utils.timesince import timesince
 
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
@@ -38,12 +37,26 @@ def db_now(item: WorkItem) -> datetime | None:
     return getattr(item, "db_now", None)
 
 
+def duration(seconds: float) -> str:
+    """A short human duration: ``4s``, ``3m 20s``, ``2h 5m``, ``3d 4h``."""
+    whole = round(abs(seconds))
+    for size, unit, sub_size, sub_unit in (
+        (86400, "d", 3600, "h"),
+        (3600, "h", 60, "m"),
+        (60, "m", 1, "s"),
+    ):
+        if whole >= size:
+            rest = (whole % size) // sub_size
+            return f"{whole // size}{unit}" + (f" {rest}{sub_unit}" if rest else "")
+    return f"{whole}s"
+
+
 def age(when: datetime | None, now: datetime | None) -> str:
+    """``5s ago`` or ``in 2m 10s``, relative to the database clock ``now``."""
     if when is None or now is None:
         return "-"
-    if when > now:
-        return "in " + timesince(now, when)
-    return timesince(when, now) + " ago"
+    delta = (when - now).total_seconds()
+    return f"in {duration(delta)}" if delta > 0 else f"{duration(delta)} ago"
 
 
 def is_sensitive(item: WorkItem) -> bool:
@@ -58,6 +71,16 @@ def pretty_json(value: Any) -> SafeString:
 def first_line(text: str | None, limit: int = 160) -> str:
     line = (text or "").split("\n", 1)[0]
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def one_line(text: str) -> SafeString:
+    """Text kept on one line in a list column, whole in its tooltip."""
+    return format_html(
+        '<span title="{}" style="display:inline-block;max-width:26em;overflow:hidden;'
+        'text-overflow:ellipsis;white-space:nowrap;vertical-align:bottom">{}</span>',
+        text,
+        text,
+    )
 
 
 def trace_id(trace_context: Any) -> str | None:

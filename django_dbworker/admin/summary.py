@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db.models.functions import Now
 
+from django_dbworker.admin import display
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import queue_stats
@@ -25,7 +26,11 @@ def summary_context() -> dict[str, Any]:
                 "queue": queue,
                 "cells": [(s, entry["counts"].get(s, 0)) for s in statuses],
                 "estimated": entry["estimated"],
-                "oldest_pending_age": entry["oldest_pending_age"],
+                "oldest_pending_age_display": (
+                    "-"
+                    if entry["oldest_pending_age"] is None
+                    else display.duration(entry["oldest_pending_age"])
+                ),
             }
         )
     stale = (
@@ -35,6 +40,8 @@ def summary_context() -> dict[str, Any]:
         .annotate(db_now=Now())
     )
     stale_rows = list(stale[: STALE_ROWS_SHOWN + 1])
+    for item in stale_rows:
+        item.heartbeat_age = display.age(item.heartbeat_at, display.db_now(item))  # type: ignore[attr-defined]
     return {
         "statuses": statuses,
         "rows": rows,

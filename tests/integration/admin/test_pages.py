@@ -258,3 +258,8 @@ def test_query_budget_does_not_grow_with_rows(superuser_client: Client, name: st
     big = _queries(superuser_client, reverse(name))
     assert big == small
     assert big <= 8
+
+
+def test_facet_counts_are_off(superuser_client: Client, mixed: dict) -> None:
+    html = superuser_client.get(reverse(CHANGELISTS[0]) + "?_facets=True").content.decode()
+    assert "Show counts" not in html and "Hide counts" not in html
