@@ -21,6 +21,7 @@ from django.db.models import Expression
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from django_dbworker import tracing
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.errors import EnqueueError
@@ -158,30 +159,34 @@ def enqueue(
     )
     db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
     ops = operations(db)
-    for _ in range(UNIQUE_RETRIES):
-        try:
-            # A savepoint inside the caller's transaction, or a transaction of
-            # its own in autocommit: a unique_key conflict must not poison the
-            # caller's transaction.
-            with transaction.atomic(using=db):
-                item.save(using=db, force_insert=True)
-                ops.notify([item.queue])
-        except IntegrityError:
-            if unique_key is None:
-                raise
-            existing = (
-                WorkItem.objects.using(db)
-                .filter(handler=cls.name, unique_key=unique_key, status__in=ACTIVE_STATUSES)
-                .first()
-            )
-            if existing is not None:
-                return existing
-            # The holder finished between our insert and our read: try again.
-            item.pk = None
-            item._state.adding = True
-            continue
-        _forget_expressions(item)
-        return item
+    with tracing.sending(item.queue, cls.name) as send:
+        item.trace_context = send.context
+        for _ in range(UNIQUE_RETRIES):
+            try:
+                # A savepoint inside the caller's transaction, or a transaction
+                # of its own in autocommit: a unique_key conflict must not
+                # poison the caller's transaction.
+                with transaction.atomic(using=db):
+                    item.save(using=db, force_insert=True)
+                    ops.notify([item.queue])
+            except IntegrityError:
+                if unique_key is None:
+                    raise
+                existing = (
+                    WorkItem.objects.using(db)
+                    .filter(handler=cls.name, unique_key=unique_key, status__in=ACTIVE_STATUSES)
+                    .first()
+                )
+                if existing is not None:
+                    send.set_message_id(existing.pk)
+                    return existing
+                # The holder finished between our insert and our read: try again.
+                item.pk = None
+                item._state.adding = True
+                continue
+            send.set_message_id(item.pk)
+            _forget_expressions(item)
+            return item
     raise EnqueueError(
         f"Could not enqueue {cls.name!r} with unique_key {unique_key!r}: the key kept "
         "changing hands; try again."
@@ -210,9 +215,12 @@ def enqueue_many(
     if not items:
         return []
     db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
-    with transaction.atomic(using=db):
-        created = WorkItem.objects.using(db).bulk_create(items)
-        operations(db).notify([items[0].queue])
+    with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
+        for item in items:
+            item.trace_context = send.context
+        with transaction.atomic(using=db):
+            created = WorkItem.objects.using(db).bulk_create(items)
+            operations(db).notify([items[0].queue])
     for item in created:
         _forget_expressions(item)
     return created

@@ -17,6 +17,7 @@ import json
 import logging
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
@@ -139,60 +140,80 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     )
 
 
+@dataclass
+class Rescued:
+    """What one stale-recovery pass did."""
+
+    requeued: int = 0
+    failed: int = 0
+    by_handler: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.requeued + self.failed
+
+
 def rescue_stale(
     *,
     handlers: Sequence[str] | None = None,
     stale_after: float | None = None,
     using: str | None = None,
     batch_size: int = RESCUE_BATCH,
-) -> dict[str, int]:
+) -> Rescued:
     """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
 
     Idempotent and safe to run from many processes at once: each UPDATE
     repeats the staleness condition, so a row that another process already
     rescued (or whose owner heartbeated meanwhile) is not touched again. The
     lost run counts as an attempt, so a job that kills its worker every time
-    ends ``failed`` instead of looping forever. Returns counts by new status.
+    ends ``failed`` instead of looping forever.
     """
     seconds = float(dbworker_settings.STALE_AFTER if stale_after is None else stale_after)
-    cutoff = timedelta(seconds=seconds)
-    base = WorkItem.objects.using(using).stale(cutoff)
+    base = WorkItem.objects.using(using).stale(timedelta(seconds=seconds))
     if handlers is not None:
         base = base.filter(handler__in=list(handlers))
     exhausted = Q(attempts__gte=F("max_attempts"))
     message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
-    counts = {Status.PENDING.value: 0, Status.FAILED.value: 0}
+    result = Rescued()
     while True:
-        ids = list(base.order_by("heartbeat_at").values_list("pk", flat=True)[:batch_size])
-        if not ids:
+        batch = list(base.order_by("heartbeat_at").values_list("pk", "handler")[:batch_size])
+        if not batch:
             break
-        rows = base.filter(pk__in=ids)
-        failed = rows.filter(exhausted).update(
-            status=Status.FAILED,
-            finished_at=Now(),
-            claim_token=None,
-            updated_at=Now(),
-            last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
-        )
-        requeued = rows.update(
-            status=Status.PENDING,
-            run_after=Now(),
-            claim_token=None,
-            updated_at=Now(),
-            last_error=Concat(Value(message), F("claimed_by"), Value(".")),
-        )
-        counts[Status.FAILED.value] += failed
-        counts[Status.PENDING.value] += requeued
-        if failed or requeued:
-            logger.warning(
-                "Recovered %d stale work item(s): %d back to pending, %d failed.",
-                failed + requeued,
-                requeued,
-                failed,
+        by_handler: dict[str, list[int]] = {}
+        for pk, handler in batch:
+            by_handler.setdefault(handler, []).append(pk)
+        # One pair of UPDATEs per handler (usually one or two): exact counts
+        # per handler for the metrics, still bounded by the batch size.
+        for handler, ids in by_handler.items():
+            rows = base.filter(pk__in=ids)
+            failed = rows.filter(exhausted).update(
+                status=Status.FAILED,
+                finished_at=Now(),
+                claim_token=None,
+                updated_at=Now(),
+                last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
             )
-        if len(ids) < batch_size:
+            requeued = rows.update(
+                status=Status.PENDING,
+                run_after=Now(),
+                claim_token=None,
+                updated_at=Now(),
+                last_error=Concat(Value(message), F("claimed_by"), Value(".")),
+            )
+            result.failed += failed
+            result.requeued += requeued
+            if failed or requeued:
+                result.by_handler[handler] = result.by_handler.get(handler, 0) + failed + requeued
+        if len(batch) < batch_size:
             break
-    return counts
+    if result.total:
+        logger.warning(
+            "Recovered %d stale work item(s): %d back to pending, %d failed.",
+            result.total,
+            result.requeued,
+            result.failed,
+        )
+    return result
 
 
 # -- operator transitions (querysets, narrowed to eligible states) -------------------

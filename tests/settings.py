@@ -25,7 +25,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django_prometheus",
     "django_dbworker",
+    "django_dbworker.contrib.prometheus",
     "tests.testapp",
 ]
 

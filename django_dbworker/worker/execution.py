@@ -9,14 +9,17 @@ fails, so those writes commit exactly once per job.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
+import time
 from typing import Any
 
 from django.db import connections, transaction
 
-from django_dbworker import transitions
+from django_dbworker import tracing, transitions
 from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.connections import close_thread_connections, persist, tidy
 
@@ -40,12 +43,30 @@ def execute(
     *,
     give_up: threading.Event | None = None,
     enforce_timeout: bool = True,
+    metrics: WorkerMetrics | None = None,
 ) -> str:
     """Run ``item`` and record its outcome; returns one of the outcome labels.
 
     Never raises for anything the handler does (``BaseException`` included):
-    the caller's slot and loop must survive any user code.
+    the caller's slot and loop must survive any user code. Each attempt is
+    one CONSUMER span and one observation of the task metrics.
     """
+    metrics = metrics or default_metrics()
+    started = time.perf_counter()
+    with metrics.running(handler.name), tracing.processing(item, handler):
+        outcome = _execute(item, handler, give_up=give_up, enforce_timeout=enforce_timeout)
+        tracing.record_outcome(outcome)
+    metrics.task_done(handler.name, outcome, time.perf_counter() - started)
+    return outcome
+
+
+def _execute(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    *,
+    give_up: threading.Event | None,
+    enforce_timeout: bool,
+) -> str:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
         return _run_and_record(item, handler, give_up)
@@ -61,7 +82,11 @@ def execute(
     # Python cannot stop a thread, so a handler that overruns is abandoned:
     # its attempt is recorded as timed out now, and whatever it records
     # later is discarded by fencing.
-    runner = threading.Thread(target=target, name=f"dbworker-item-{item.pk}", daemon=True)
+    # The runner carries this thread's context: its spans nest under ours.
+    context = contextvars.copy_context()
+    runner = threading.Thread(
+        target=context.run, args=(target,), name=f"dbworker-item-{item.pk}", daemon=True
+    )
     runner.start()
     runner.join(timeout)
     if not runner.is_alive():
@@ -136,6 +161,7 @@ def _record_failure(
     db = item._state.db or "default"
     error = text if text is not None else transitions.format_error(exc)
     attempts, max_attempts = item.attempts, item.max_attempts
+    tracing.record_failure(exc, sensitive=handler.sensitive)
     # A sensitive handler's exception message may quote its payload.
     shown: Any = type(exc).__name__ if handler.sensitive else f"{type(exc).__name__}: {exc}"
     if retriable and attempts < max_attempts:

@@ -24,6 +24,7 @@ from django_dbworker import transitions
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.handlers import Handler, WorkItemHandler
+from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker import execution
 from django_dbworker.worker.connections import (
@@ -72,9 +73,14 @@ class Worker:
     """Runs the given handler classes until stopped (or, in burst mode, until idle)."""
 
     def __init__(
-        self, handlers: Sequence[type[Handler[Any]]], config: WorkerConfig | None = None
+        self,
+        handlers: Sequence[type[Handler[Any]]],
+        config: WorkerConfig | None = None,
+        *,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config or WorkerConfig()
+        self.metrics = metrics or default_metrics()
         self.work_item_handlers: dict[str, WorkItemHandler] = {}
         self.own_table_handlers: list[Handler[Any]] = []
         for cls in handlers:
@@ -112,7 +118,9 @@ class Worker:
         """Run until ``stop()`` (or idle, in burst mode); release unfinished rows."""
         cfg = self.config
         loops = [
-            HandlerLoop(h, stopping=self.stopping, burst=cfg.burst, using=cfg.using)
+            HandlerLoop(
+                h, stopping=self.stopping, burst=cfg.burst, using=cfg.using, metrics=self.metrics
+            )
             for h in self.own_table_handlers
         ]
         heartbeat = listener = None
@@ -162,12 +170,15 @@ class Worker:
         if free <= 0:
             return 0
         limit = min(free, self.config.batch_size) if self.config.batch_size > 0 else free
+        self.metrics.poll(WORK_ITEM_LOOP)
+        started = time.perf_counter()
         items = self.ops.claim(
             limit=limit,
             handlers=list(self.work_item_handlers),
             queues=self.config.queues,
             worker=worker_id(),
         )
+        self.metrics.claim_took(WORK_ITEM_LOOP, time.perf_counter() - started)
         for item in items:
             self._dispatch(item)
         return len(items)
@@ -180,6 +191,7 @@ class Worker:
             try:
                 claimed = self.run_once()
             except TRANSIENT_ERRORS as exc:
+                self.metrics.claim_error(WORK_ITEM_LOOP)
                 delay = self._claim_backoff.next()
                 logger.error(
                     "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
@@ -188,6 +200,7 @@ class Worker:
                 self.stopping.wait(delay)
                 continue
             except Exception:
+                self.metrics.claim_error(WORK_ITEM_LOOP)
                 # Not a connection problem (a missing table, a bad query): say so
                 # loudly, but keep the process alive and its in-flight rows owned.
                 delay = self._claim_backoff.next()
@@ -213,7 +226,9 @@ class Worker:
 
         def run() -> None:
             try:
-                outcome = execution.execute(item, handler, give_up=self.aborting)
+                outcome = execution.execute(
+                    item, handler, give_up=self.aborting, metrics=self.metrics
+                )
             finally:
                 with self._lock:
                     self._in_flight.pop(item.pk, None)
@@ -234,11 +249,15 @@ class Worker:
         if now < self._next_rescue:
             return
         self._next_rescue = now + self._rescue_interval()
-        transitions.rescue_stale(
+        started = time.perf_counter()
+        rescued = transitions.rescue_stale(
             handlers=list(self.work_item_handlers),
             stale_after=self.config.stale_after,
             using=self.config.using,
         )
+        self.metrics.recover_took(WORK_ITEM_LOOP, time.perf_counter() - started)
+        for name, count in rescued.by_handler.items():
+            self.metrics.recovered(name, count)
 
     # -- heartbeat callbacks -------------------------------------------------------
 

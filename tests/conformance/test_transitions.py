@@ -78,8 +78,8 @@ def test_stale_rows_are_requeued_and_the_lost_run_counts() -> None:
     make_item()
     (item,) = claim(worker="deadhost:1:t")
     age_heartbeat(item, 120)
-    counts = transitions.rescue_stale(stale_after=60)
-    assert counts == {"pending": 1, "failed": 0}
+    result = transitions.rescue_stale(stale_after=60)
+    assert (result.requeued, result.failed, result.by_handler) == (1, 0, {"noop": 1})
     row = WorkItem.objects.get()
     assert row.status == Status.PENDING and row.attempts == 1
     assert "deadhost:1:t" in row.last_error and "stale" in row.last_error
@@ -90,7 +90,7 @@ def test_fresh_heartbeats_are_not_stale() -> None:
     make_item()
     (item,) = claim()
     age_heartbeat(item, 30)
-    assert transitions.rescue_stale(stale_after=60) == {"pending": 0, "failed": 0}
+    assert transitions.rescue_stale(stale_after=60).total == 0
     assert WorkItem.objects.get().status == Status.CLAIMED
 
 
@@ -99,7 +99,8 @@ def test_stale_rows_with_attempts_used_up_end_failed() -> None:
     (item,) = claim()
     assert item.attempts == 3
     age_heartbeat(item, 120)
-    assert transitions.rescue_stale(stale_after=60) == {"pending": 0, "failed": 1}
+    result = transitions.rescue_stale(stale_after=60)
+    assert (result.requeued, result.failed) == (0, 1)
     row = WorkItem.objects.get()
     assert row.status == Status.FAILED and row.finished_at is not None
     assert "attempts used up" in row.last_error
@@ -110,8 +111,8 @@ def test_rescue_is_idempotent_and_batched() -> None:
         make_item()
     for item in claim():
         age_heartbeat(item, 120)
-    assert transitions.rescue_stale(stale_after=60, batch_size=3) == {"pending": 7, "failed": 0}
-    assert transitions.rescue_stale(stale_after=60, batch_size=3) == {"pending": 0, "failed": 0}
+    assert transitions.rescue_stale(stale_after=60, batch_size=3).requeued == 7
+    assert transitions.rescue_stale(stale_after=60, batch_size=3).total == 0
 
 
 def test_rescue_can_be_limited_to_handlers() -> None:
@@ -119,7 +120,7 @@ def test_rescue_can_be_limited_to_handlers() -> None:
     make_item(handler="echo")
     for item in claim():
         age_heartbeat(item, 120)
-    assert transitions.rescue_stale(stale_after=60, handlers=["echo"])["pending"] == 1
+    assert transitions.rescue_stale(stale_after=60, handlers=["echo"]).by_handler == {"echo": 1}
     assert WorkItem.objects.get(handler="noop").status == Status.CLAIMED
 
 

@@ -8,10 +8,12 @@ from argparse import ArgumentParser, ArgumentTypeError
 from types import FrameType
 from typing import Any
 
+from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from django_dbworker import metrics
 from django_dbworker.db import UnsupportedDatabase, operations
 from django_dbworker.enqueue import QUEUE_NAME
 from django_dbworker.registry import autodiscover, registry
@@ -157,7 +159,10 @@ class Command(BaseCommand):
         )
         self._start_metrics_server(options)
         self._install_signal_handlers(worker)
-        worker.run()
+        try:
+            worker.run()
+        finally:
+            metrics.mark_process_dead()
         logger.info("Worker stopped.")
 
     def _check_database(self, using: str) -> None:
@@ -184,18 +189,20 @@ class Command(BaseCommand):
     def _start_metrics_server(self, options: dict[str, Any]) -> None:
         from django_dbworker.conf import dbworker_settings
 
+        if apps.is_installed("django_dbworker.contrib.prometheus"):
+            # Queue gauges belong to the web process's /metrics: every worker
+            # would report the same global numbers (and query for them).
+            from django_dbworker.contrib.prometheus.collector import unregister
+
+            unregister()
         port = options["metrics_port"] or dbworker_settings.METRICS_PORT
         if not port:
             return
         addr = options["metrics_addr"] or dbworker_settings.METRICS_ADDR
         try:
-            from prometheus_client import start_http_server
-        except ImportError:
-            raise CommandError(
-                "--metrics-port needs prometheus_client: pip install 'django-dbworker[prometheus]'."
-            ) from None
-        try:
-            start_http_server(int(port), addr=addr)
+            metrics.serve(int(port), addr)
+        except RuntimeError as exc:
+            raise CommandError(str(exc)) from None
         except OSError as exc:
             raise CommandError(f"Cannot serve metrics on {addr}:{port}: {exc}") from None
         logger.info("Serving Prometheus metrics on http://%s:%s/metrics", addr, port)

@@ -1,0 +1,207 @@
+"""Prometheus metrics of the worker runtime, on an injectable registry.
+
+``prometheus_client`` is optional (the ``prometheus`` extra): without it
+every recording call is a no-op. Metrics are created once per registry,
+however many handlers and threads record them. Label ``worker`` is the
+handler name for per-task metrics; the shared WorkItem claim loop, which
+claims for all WorkItem handlers at once, reports its loop metrics under
+``worker="workitems"``.
+
+Several worker processes on one host either get one ``--metrics-port`` each,
+or share prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
+set for all of them, one of them serving ``/metrics`` for all); see
+``serve``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+try:
+    import prometheus_client
+except ImportError:  # the optional extra is not installed
+    prometheus_client = None  # type: ignore[assignment]
+
+#: Label value of the shared WorkItem claim loop's metrics.
+WORK_ITEM_LOOP = "workitems"
+
+#: Task durations from a millisecond to an hour.
+TASK_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
+#: Claim and recovery queries: sub-millisecond to tens of seconds.
+QUERY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
+
+
+class WorkerMetrics:
+    """The worker metrics of SPEC.md, registered on one registry."""
+
+    def __init__(self, registry: Any = None) -> None:
+        self.enabled = prometheus_client is not None
+        if not self.enabled:
+            return
+        pc = prometheus_client
+        reg = registry if registry is not None else pc.REGISTRY
+        kw: dict[str, Any] = {"registry": reg}
+        self.poll_cycles = pc.Counter(
+            "worker_poll_cycles_total",
+            "Polling cycles (claim attempts) of a worker loop.",
+            ["worker"],
+            **kw,
+        )
+        self.claim_errors = pc.Counter(
+            "worker_claim_errors_total", "Claims that raised an error.", ["worker"], **kw
+        )
+        self.claim_duration = pc.Histogram(
+            "worker_claim_duration_seconds",
+            "Time spent in one claim.",
+            ["worker"],
+            buckets=QUERY_BUCKETS,
+            **kw,
+        )
+        self.recover_duration = pc.Histogram(
+            "worker_recover_stale_duration_seconds",
+            "Time spent in one stale-recovery pass.",
+            ["worker"],
+            buckets=QUERY_BUCKETS,
+            **kw,
+        )
+        self.tasks = pc.Counter(
+            "worker_tasks_total",
+            "Finished attempts by outcome (succeeded, failed, retried, timeout).",
+            ["worker", "status"],
+            **kw,
+        )
+        self.task_duration = pc.Histogram(
+            "worker_task_duration_seconds",
+            "Duration of one attempt, by outcome.",
+            ["worker", "status"],
+            buckets=TASK_BUCKETS,
+            **kw,
+        )
+        self.in_flight = pc.Gauge(
+            "worker_tasks_in_flight",
+            "Items being processed right now.",
+            ["worker"],
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.fenced = pc.Counter(
+            "worker_fenced_total",
+            "Outcomes discarded because a newer claim owned the row.",
+            ["worker"],
+            **kw,
+        )
+        self.stale_recovered = pc.Counter(
+            "worker_stale_recovered_total", "Rows returned from crashed workers.", ["worker"], **kw
+        )
+
+    # Each method is a no-op without prometheus_client; callers never check.
+
+    def poll(self, worker: str) -> None:
+        if self.enabled:
+            self.poll_cycles.labels(worker).inc()
+
+    def claim_error(self, worker: str) -> None:
+        if self.enabled:
+            self.claim_errors.labels(worker).inc()
+
+    def claim_took(self, worker: str, seconds: float) -> None:
+        if self.enabled:
+            self.claim_duration.labels(worker).observe(seconds)
+
+    def recover_took(self, worker: str, seconds: float) -> None:
+        if self.enabled:
+            self.recover_duration.labels(worker).observe(seconds)
+
+    def recovered(self, worker: str, count: int) -> None:
+        if self.enabled and count:
+            self.stale_recovered.labels(worker).inc(count)
+
+    def task_done(self, worker: str, status: str, seconds: float) -> None:
+        if not self.enabled:
+            return
+        if status == "fenced":
+            self.fenced.labels(worker).inc()
+            return
+        self.tasks.labels(worker, status).inc()
+        self.task_duration.labels(worker, status).observe(seconds)
+
+    @contextmanager
+    def running(self, worker: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        gauge = self.in_flight.labels(worker)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+
+
+_default: WorkerMetrics | None = None
+_default_lock = threading.Lock()
+
+
+def default_metrics() -> WorkerMetrics:
+    """The process-wide metrics on prometheus_client's default registry."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = WorkerMetrics()
+        return _default
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def serve(port: int, addr: str) -> None:
+    """Serve ``/metrics`` from this process (raises OSError if the port is taken).
+
+    In multiprocess mode the endpoint aggregates every process that shares
+    ``PROMETHEUS_MULTIPROC_DIR``; serve it from one process only.
+    """
+    if prometheus_client is None:
+        raise RuntimeError(
+            "serving metrics needs prometheus_client: pip install 'django-dbworker[prometheus]'"
+        )
+    registry: Any = prometheus_client.REGISTRY
+    if multiprocess_mode():
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    prometheus_client.start_http_server(port, addr=addr, registry=registry)
+
+
+def mark_process_dead() -> None:
+    """Drop this process's live gauges from the multiprocess directory."""
+    if prometheus_client is not None and multiprocess_mode():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]

@@ -1,0 +1,139 @@
+"""OpenTelemetry spans for enqueue (PRODUCER) and execution (CONSUMER).
+
+Follows the messaging semantic conventions so that tracing backends draw
+the hop from the request that enqueued a job to each attempt that ran it:
+enqueue opens ``send {queue}`` and stores its W3C context in
+``WorkItem.trace_context``; each attempt opens ``process {queue}`` whose
+parent is that stored context, so retries are separate spans of one trace.
+
+Only ``opentelemetry-api`` is used (the ``otel`` extra). Without it, or
+while no SDK tracer provider is configured, every helper here returns a
+no-op at the cost of one ``isinstance`` check. Payloads never become span
+attributes; for ``sensitive`` handlers not even exception messages do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+try:
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind, StatusCode
+except ImportError:  # the optional extra is not installed
+    trace = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from django_dbworker.handlers import WorkItemHandler
+    from django_dbworker.models import WorkItem
+
+SYSTEM = "django_dbworker"
+_provider_override: Any = None
+
+
+def use_tracer_provider(provider: Any) -> None:
+    """Use ``provider`` instead of the global one (tests inject an in-memory one)."""
+    global _provider_override
+    _provider_override = provider
+
+
+def _tracer() -> Any:
+    if trace is None:
+        return None
+    provider = _provider_override or trace.get_tracer_provider()
+    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        return None  # no SDK configured: tracing must cost nothing
+    from django_dbworker import __version__
+
+    return provider.get_tracer("django_dbworker", __version__)
+
+
+class _Send:
+    """The PRODUCER span of one enqueue, or a stand-in when tracing is off."""
+
+    def __init__(self, span: Any = None) -> None:
+        self.span = span
+        self.context: dict[str, str] = {}
+        if span is not None:
+            propagate.inject(self.context)
+
+    def set_message_id(self, item_id: int) -> None:
+        if self.span is not None:
+            self.span.set_attribute("messaging.message.id", str(item_id))
+
+
+@contextmanager
+def sending(queue: str, handler: str, *, batch_size: int | None = None) -> Iterator[_Send]:
+    """Wrap an enqueue; ``.context`` is the carrier to store in ``trace_context``."""
+    tracer = _tracer()
+    if tracer is None:
+        yield _Send()
+        return
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.name": "send",
+        "messaging.operation.type": "send",
+        "messaging.destination.name": queue,
+        "worker.name": handler,
+    }
+    if batch_size is not None:
+        attributes["messaging.batch.message_count"] = batch_size
+    with tracer.start_as_current_span(
+        f"send {queue}", kind=SpanKind.PRODUCER, attributes=attributes
+    ) as span:
+        yield _Send(span)
+
+
+@contextmanager
+def processing(item: WorkItem, handler: WorkItemHandler) -> Iterator[None]:
+    """The CONSUMER span of one attempt, parented to the enqueuer's context."""
+    tracer = _tracer()
+    if tracer is None:
+        yield
+        return
+    parent = propagate.extract(item.trace_context or {})
+    attributes = {
+        "messaging.system": SYSTEM,
+        "messaging.operation.name": "process",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": item.queue,
+        "messaging.message.id": str(item.pk),
+        "worker.name": handler.name,
+        "dbworker.attempt": item.attempts,
+    }
+    with tracer.start_as_current_span(
+        f"process {item.queue}",
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ):
+        yield
+
+
+def record_outcome(outcome: str) -> None:
+    """Tag the current attempt's span with its outcome (succeeded, retried, ...)."""
+    if trace is None:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("dbworker.outcome", outcome)
+
+
+def record_failure(exc: BaseException, *, sensitive: bool) -> None:
+    """Record ``exc`` on the current attempt's span and mark it ERROR."""
+    if trace is None:
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    kind = type(exc).__qualname__
+    if sensitive:
+        # The message (and traceback locals) may quote the payload.
+        span.add_event("exception", {"exception.type": kind})
+        span.set_status(StatusCode.ERROR, kind)
+    else:
+        span.record_exception(exc)
+        span.set_status(StatusCode.ERROR, f"{kind}: {exc}"[:500])
