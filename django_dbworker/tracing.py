@@ -62,14 +62,42 @@ class _Send:
         if self.span is not None:
             self.span.set_attribute("messaging.message.id", str(item_id))
 
+    # Used directly as the context manager when tracing is off: no generator,
+    # no span, nothing but this object.
+    def __enter__(self) -> _Send:
+        return self
 
-@contextmanager
-def sending(queue: str, handler: str, *, batch_size: int | None = None) -> Iterator[_Send]:
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Attempt:
+    """The CONSUMER span of one attempt (``span`` is None when tracing is off)."""
+
+    def __init__(self, span: Any = None) -> None:
+        self.span = span
+
+    def outcome(self, outcome: str) -> None:
+        if self.span is not None:
+            self.span.set_attribute("dbworker.outcome", outcome)
+
+    def __enter__(self) -> _Attempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def sending(queue: str, handler: str, *, batch_size: int | None = None) -> Any:
     """Wrap an enqueue; ``.context`` is the carrier to store in ``trace_context``."""
     tracer = _tracer()
     if tracer is None:
-        yield _Send()
-        return
+        return _Send()
+    return _sending(tracer, queue, handler, batch_size)
+
+
+@contextmanager
+def _sending(tracer: Any, queue: str, handler: str, batch_size: int | None) -> Iterator[_Send]:
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
         "messaging.operation.name": "send",
@@ -85,13 +113,19 @@ def sending(queue: str, handler: str, *, batch_size: int | None = None) -> Itera
         yield _Send(span)
 
 
-@contextmanager
-def processing(item: WorkItem, handler: WorkItemHandler) -> Iterator[None]:
+_OFF = _Attempt()
+
+
+def processing(item: WorkItem, handler: WorkItemHandler) -> Any:
     """The CONSUMER span of one attempt, parented to the enqueuer's context."""
     tracer = _tracer()
     if tracer is None:
-        yield
-        return
+        return _OFF
+    return _processing(tracer, item, handler)
+
+
+@contextmanager
+def _processing(tracer: Any, item: WorkItem, handler: WorkItemHandler) -> Iterator[_Attempt]:
     parent = propagate.extract(item.trace_context or {})
     attributes = {
         "messaging.system": SYSTEM,
@@ -109,17 +143,8 @@ def processing(item: WorkItem, handler: WorkItemHandler) -> Iterator[None]:
         attributes=attributes,
         record_exception=False,
         set_status_on_exception=False,
-    ):
-        yield
-
-
-def record_outcome(outcome: str) -> None:
-    """Tag the current attempt's span with its outcome (succeeded, retried, ...)."""
-    if trace is None:
-        return
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.set_attribute("dbworker.outcome", outcome)
+    ) as span:
+        yield _Attempt(span)
 
 
 def record_failure(exc: BaseException, *, sensitive: bool) -> None:

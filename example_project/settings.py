@@ -22,11 +22,14 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django_prometheus",
     "django_dbworker",
+    "django_dbworker.contrib.prometheus",  # queue gauges on this project's /metrics
     "example_project.demo",
 ]
 
 MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -34,6 +37,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
 ROOT_URLCONF = "example_project.urls"
@@ -83,6 +87,10 @@ DBWORKER = {
     "RETRY_BACKOFF": 3.0,
     "STALE_AFTER": 30.0,
 }
+
+# Tracing: OTEL_TRACES_EXPORTER=console prints spans, =otlp sends them to
+# OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4318); unset, tracing
+# stays off and costs nothing. See example_project/demo/tracing.py.
 
 LOGGING = {
     "version": 1,

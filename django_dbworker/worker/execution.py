@@ -53,9 +53,9 @@ def execute(
     """
     metrics = metrics or default_metrics()
     started = time.perf_counter()
-    with metrics.running(handler.name), tracing.processing(item, handler):
+    with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
         outcome = _execute(item, handler, give_up=give_up, enforce_timeout=enforce_timeout)
-        tracing.record_outcome(outcome)
+        attempt.outcome(outcome)
     metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
 
