@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -70,6 +71,8 @@ class VendorOperations:
 
     def __init__(self, using: str) -> None:
         self.using = using
+        self._claim_cache: dict[Any, tuple[str, tuple[Any, ...]]] = {}
+        self._converters: list[tuple[list[Converter], Any]] | None = None
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
@@ -95,8 +98,71 @@ class VendorOperations:
         Each row gets ``attempts + 1``, a fresh ``claim_token``, ``claimed_by``
         and DB-clock ``claimed_at``/``heartbeat_at``. Rows locked or claimed by
         another worker are skipped, never waited for and never returned twice.
+        One statement, one round trip; its SQL is built once per
+        (limit, handlers, queues) and reused, since a worker claims with the
+        same filters thousands of times a minute.
+        """
+        if limit <= 0 or not handlers:
+            return []
+        key = (limit, tuple(handlers), tuple(queues) if queues else None)
+        statement = self._claim_cache.get(key)
+        if statement is None:
+            inner, params = self._ready_subquery(limit, handlers, queues)
+            statement = (self._claim_sql(inner), params)
+            if len(self._claim_cache) < 1024:
+                self._claim_cache[key] = statement
+        sql, params = statement
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, (worker, *params))
+            rows = cursor.fetchall()
+        return self._rows_to_items(rows)
+
+    def _claim_sql(self, ready_ids_sql: str) -> str:
+        """The vendor's claim statement around the "next ready ids" subquery.
+
+        Its first placeholder is the worker identity; it returns
+        ``CLAIM_COLUMNS`` of the claimed rows.
         """
         raise NotImplementedError
+
+    def succeed_many(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> set[int]:
+        """Record several successes in one fenced UPDATE; return the ids recorded.
+
+        ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``.
+        Each row is matched on its own id, token and ``claimed`` status, so
+        batching keeps per-row fencing: a row recovered and re-claimed
+        meanwhile is simply not in the returned set.
+        """
+        if not outcomes:
+            return set()
+        q = self.connection.ops.quote_name
+        id_, token, result = self._value_placeholders()
+        values = ", ".join([f"({id_}, {token}, {result})"] * len(outcomes))
+        now = self._now_sql()
+        table = q(WorkItem._meta.db_table)
+        sql = (
+            f"WITH v(id, token, result) AS (VALUES {values}) "
+            f"UPDATE {table} SET {q('status')} = '{Status.SUCCEEDED.value}', "
+            f"{q('result')} = v.result, {q('finished_at')} = {now}, "
+            f"{q('updated_at')} = {now}, {q('last_error')} = '' "
+            f"FROM v WHERE {table}.{q('id')} = v.id "
+            f"AND {table}.{q('claim_token')} = v.token "
+            f"AND {table}.{q('status')} = '{Status.CLAIMED.value}' "
+            f"RETURNING {table}.{q('id')}"
+        )
+        params: list[Any] = []
+        for pk, claim_token, result_json in outcomes:
+            params += [pk, self._token_param(claim_token), result_json]
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return {row[0] for row in cursor.fetchall()}
+
+    def _value_placeholders(self) -> tuple[str, str, str]:
+        """Placeholders (with any casts) for a VALUES row of (id, token, result)."""
+        return "%s", "%s", "%s"
+
+    def _token_param(self, token: UUID) -> Any:
+        return token
 
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
@@ -168,16 +234,18 @@ class VendorOperations:
     def _rows_to_items(self, rows: Sequence[Sequence[Any]]) -> list[WorkItem]:
         """Build model instances from raw rows, through Django's own converters."""
         connection = self.connection
-        table = WorkItem._meta.db_table
-        converters: list[tuple[list[Converter], Any]] = []
-        for name in CLAIM_COLUMNS:
-            col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
-            funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
-            converters.append((funcs, col))
+        if self._converters is None:
+            table = WorkItem._meta.db_table
+            converters: list[tuple[list[Converter], Any]] = []
+            for name in CLAIM_COLUMNS:
+                col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
+                funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+                converters.append((funcs, col))
+            self._converters = converters
         items = []
         for row in rows:
             values = []
-            for value, (funcs, col) in zip(row, converters, strict=True):
+            for value, (funcs, col) in zip(row, self._converters, strict=True):
                 for func in funcs:
                     value = func(value, col, connection)
                 values.append(value)

@@ -28,33 +28,22 @@ class PostgresOperations(VendorOperations):
                 f"django-dbworker needs PostgreSQL 13 or newer; this server is {version}."
             )
 
-    def claim(
-        self,
-        *,
-        limit: int,
-        handlers: Sequence[str],
-        queues: Sequence[str] | None,
-        worker: str,
-    ) -> list[WorkItem]:
-        if limit <= 0 or not handlers:
-            return []
-        inner, params = self._ready_subquery(limit, handlers, queues)
+    def _claim_sql(self, ready_ids_sql: str) -> str:
         q = self.connection.ops.quote_name
         table = q(WorkItem._meta.db_table)
-        # One statement, one round trip, its own transaction in autocommit.
         # The LIMIT subquery in FROM is evaluated once (LIMIT blocks pull-up),
         # and SKIP LOCKED lets concurrent claimers take disjoint rows instead
         # of queueing behind each other's locks.
-        sql = (
+        return (
             f"UPDATE {table} AS w SET {self._claim_set_clause('gen_random_uuid()')} "
-            f"FROM ({inner} FOR UPDATE SKIP LOCKED) AS c "
+            f"FROM ({ready_ids_sql} FOR UPDATE SKIP LOCKED) AS c "
             f"WHERE w.{q('id')} = c.{q('id')} "
             f"RETURNING {self._returning_columns('w.')}"
         )
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, (worker, *params))
-            rows = cursor.fetchall()
-        return self._rows_to_items(rows)
+
+    def _value_placeholders(self) -> tuple[str, str, str]:
+        # VALUES columns take their types from the first row; say them.
+        return "%s::bigint", "%s::uuid", "%s::jsonb"
 
     def notify(self, queues: Sequence[str]) -> None:
         # NOTIFY is transactional in PostgreSQL: it is delivered only if (and

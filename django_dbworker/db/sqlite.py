@@ -9,7 +9,8 @@ connection's ``timeout`` option (see the system check).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
 
 from django_dbworker.db.base import UnsupportedDatabase, VendorOperations
 from django_dbworker.models import Status, WorkItem
@@ -29,29 +30,18 @@ class SQLiteOperations(VendorOperations):
                 f"this Python links SQLite {sqlite3.sqlite_version}."
             )
 
-    def claim(
-        self,
-        *,
-        limit: int,
-        handlers: Sequence[str],
-        queues: Sequence[str] | None,
-        worker: str,
-    ) -> list[WorkItem]:
-        if limit <= 0 or not handlers:
-            return []
-        inner, params = self._ready_subquery(limit, handlers, queues)
+    def _claim_sql(self, ready_ids_sql: str) -> str:
         q = self.connection.ops.quote_name
         table = q(WorkItem._meta.db_table)
         # Django stores UUIDField as 32 hex characters on SQLite, which is
         # exactly what hex(randomblob(16)) yields: a fresh token per row.
         # The status test repeats the subquery's condition so that the
         # statement stays a conditional UPDATE even if the plan changes.
-        sql = (
+        return (
             f"UPDATE {table} SET {self._claim_set_clause('lower(hex(randomblob(16)))')} "
-            f"WHERE {q('id')} IN ({inner}) AND {q('status')} = '{Status.PENDING.value}' "
+            f"WHERE {q('id')} IN ({ready_ids_sql}) AND {q('status')} = '{Status.PENDING.value}' "
             f"RETURNING {self._returning_columns()}"
         )
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, (worker, *params))
-            rows = cursor.fetchall()
-        return self._rows_to_items(rows)
+
+    def _token_param(self, token: UUID) -> Any:
+        return token.hex  # UUIDField's storage on SQLite

@@ -13,6 +13,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.db import connections, transaction
@@ -24,6 +25,9 @@ from django_dbworker.models import WorkItem
 from django_dbworker.worker.connections import close_thread_connections, persist, tidy
 
 logger = logging.getLogger("django_dbworker.worker")
+
+#: Records a success: (item, result as JSON text or None) -> still ours?
+RecordSuccess = Callable[[WorkItem, "str | None"], bool]
 
 SUCCEEDED = "succeeded"
 FAILED = "failed"
@@ -44,17 +48,26 @@ def execute(
     give_up: threading.Event | None = None,
     enforce_timeout: bool = True,
     metrics: WorkerMetrics | None = None,
+    record_success: RecordSuccess | None = None,
 ) -> str:
     """Run ``item`` and record its outcome; returns one of the outcome labels.
 
     Never raises for anything the handler does (``BaseException`` included):
     the caller's slot and loop must survive any user code. Each attempt is
     one CONSUMER span and one observation of the task metrics.
+    ``record_success`` replaces the single-row success write (the worker
+    passes its batching writer); atomic handlers always write their own.
     """
     metrics = metrics or default_metrics()
     started = time.perf_counter()
     with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
-        outcome = _execute(item, handler, give_up=give_up, enforce_timeout=enforce_timeout)
+        outcome = _execute(
+            item,
+            handler,
+            give_up=give_up,
+            enforce_timeout=enforce_timeout,
+            record_success=record_success,
+        )
         attempt.outcome(outcome)
     metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
@@ -66,16 +79,17 @@ def _execute(
     *,
     give_up: threading.Event | None,
     enforce_timeout: bool,
+    record_success: RecordSuccess | None,
 ) -> str:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
-        return _run_and_record(item, handler, give_up)
+        return _run_and_record(item, handler, give_up, record_success)
 
     box: dict[str, str] = {}
 
     def target() -> None:
         try:
-            box["outcome"] = _run_and_record(item, handler, give_up)
+            box["outcome"] = _run_and_record(item, handler, give_up, record_success)
         finally:
             close_thread_connections()
 
@@ -104,7 +118,10 @@ def _execute(
 
 
 def _run_and_record(
-    item: WorkItem, handler: WorkItemHandler, give_up: threading.Event | None
+    item: WorkItem,
+    handler: WorkItemHandler,
+    give_up: threading.Event | None,
+    record_success: RecordSuccess | None,
 ) -> str:
     db = item._state.db or "default"
     # Tidy the connection between steps only if we own its state: a caller
@@ -125,7 +142,7 @@ def _run_and_record(
                         raise _FencedOut
                 return SUCCEEDED
             result = handler.handle(item.payload)
-            transitions.ensure_json(result, "The handler's return value")
+            encoded = transitions.ensure_json(result, "The handler's return value")
         except _FencedOut:
             _log_fenced(item, handler)
             return FENCED
@@ -135,12 +152,16 @@ def _run_and_record(
                 item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
             )
         tidy_if_owned()
-        if persist(
-            lambda: transitions.succeed(item, result),
-            what="recording a success",
-            give_up=give_up,
-            using=db,
-        ):
+        if record_success is not None:
+            recorded = record_success(item, None if result is None else encoded)
+        else:
+            recorded = persist(
+                lambda: transitions.succeed(item, result),
+                what="recording a success",
+                give_up=give_up,
+                using=db,
+            )
+        if recorded:
             return SUCCEEDED
         _log_fenced(item, handler)
         return FENCED

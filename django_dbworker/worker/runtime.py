@@ -36,6 +36,7 @@ from django_dbworker.worker.connections import (
 )
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.outcomes import SuccessWriter
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.wakeup import Listener
@@ -99,6 +100,7 @@ class Worker:
         self._lock = threading.Lock()
         self._in_flight: dict[int, _InFlight] = {}
         self._pool: Pool | None = None
+        self._writer: SuccessWriter | None = None
         self._next_rescue = 0.0
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
         self.counts: dict[str, int] = {}
@@ -125,6 +127,8 @@ class Worker:
         ]
         heartbeat = listener = None
         if self.work_item_handlers:
+            self._writer = SuccessWriter(operations(cfg.using), give_up=self.aborting)
+            self._writer.start()
             self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self.wake.set)
             heartbeat = Heartbeat(
                 interval=cfg.heartbeat_interval,
@@ -156,6 +160,9 @@ class Worker:
                 heartbeat.stop()
             if self._pool is not None:
                 self._pool.shutdown()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer.join(10)
             close_thread_connections()
 
     def run_once(self) -> int:
@@ -221,13 +228,18 @@ class Worker:
     def _dispatch(self, item: WorkItem) -> None:
         assert self._pool is not None
         handler = self.work_item_handlers[item.handler]
+        writer = self._writer
         with self._lock:
             self._in_flight[item.pk] = _InFlight(item, handler)
 
         def run() -> None:
             try:
                 outcome = execution.execute(
-                    item, handler, give_up=self.aborting, metrics=self.metrics
+                    item,
+                    handler,
+                    give_up=self.aborting,
+                    metrics=self.metrics,
+                    record_success=writer.record if writer is not None else None,
                 )
             finally:
                 with self._lock:

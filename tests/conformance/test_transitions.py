@@ -144,3 +144,29 @@ def test_model_methods_delegate_to_transitions() -> None:
     assert not item.cancel()
     assert item.retry() and item.status == Status.PENDING
     assert item.run_now()
+
+
+def test_succeed_many_is_fenced_per_row() -> None:
+    from django_dbworker.db import operations
+
+    for _ in range(4):
+        make_item()
+    a, b, c, d = claim()
+    WorkItem.objects.filter(pk=b.pk).update(status=Status.PENDING)  # recovered...
+    (b_again,) = claim(limit=1)  # ...and re-claimed under a new token
+    done = operations().succeed_many(
+        [
+            (a.pk, a.claim_token, '{"n": 1}'),
+            (b.pk, b.claim_token, '"late"'),
+            (c.pk, c.claim_token, None),
+            (d.pk, uuid.uuid4(), "1"),
+        ]
+    )
+    assert done == {a.pk, c.pk}
+    rows = {r.pk: r for r in WorkItem.objects.all()}
+    assert (rows[a.pk].status, rows[a.pk].result) == (Status.SUCCEEDED, {"n": 1})
+    assert (rows[c.pk].status, rows[c.pk].result) == (Status.SUCCEEDED, None)
+    assert rows[c.pk].finished_at is not None
+    assert rows[b.pk].status == Status.CLAIMED and rows[b.pk].claim_token == b_again.claim_token
+    assert rows[d.pk].status == Status.CLAIMED
+    assert operations().succeed_many([]) == set()
