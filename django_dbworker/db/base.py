@@ -72,6 +72,7 @@ class VendorOperations:
     def __init__(self, using: str) -> None:
         self.using = using
         self._claim_cache: dict[Any, tuple[str, tuple[Any, ...]]] = {}
+        self._succeed_cache: dict[int, str] = {}
         self._converters: list[tuple[list[Converter], Any]] | None = None
 
     @property
@@ -135,12 +136,25 @@ class VendorOperations:
         """
         if not outcomes:
             return set()
+        sql = self._succeed_cache.get(len(outcomes))
+        if sql is None:
+            sql = self._succeed_sql(len(outcomes))
+            if len(self._succeed_cache) < 1024:
+                self._succeed_cache[len(outcomes)] = sql
+        params: list[Any] = []
+        for pk, claim_token, result_json in outcomes:
+            params += [pk, self._token_param(claim_token), result_json]
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return {row[0] for row in cursor.fetchall()}
+
+    def _succeed_sql(self, rows: int) -> str:
         q = self.connection.ops.quote_name
         id_, token, result = self._value_placeholders()
-        values = ", ".join([f"({id_}, {token}, {result})"] * len(outcomes))
+        values = ", ".join([f"({id_}, {token}, {result})"] * rows)
         now = self._now_sql()
         table = q(WorkItem._meta.db_table)
-        sql = (
+        return (
             f"WITH v(id, token, result) AS (VALUES {values}) "
             f"UPDATE {table} SET {q('status')} = '{Status.SUCCEEDED.value}', "
             f"{q('result')} = v.result, {q('finished_at')} = {now}, "
@@ -150,12 +164,6 @@ class VendorOperations:
             f"AND {table}.{q('status')} = '{Status.CLAIMED.value}' "
             f"RETURNING {table}.{q('id')}"
         )
-        params: list[Any] = []
-        for pk, claim_token, result_json in outcomes:
-            params += [pk, self._token_param(claim_token), result_json]
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            return {row[0] for row in cursor.fetchall()}
 
     def _value_placeholders(self) -> tuple[str, str, str]:
         """Placeholders (with any casts) for a VALUES row of (id, token, result)."""

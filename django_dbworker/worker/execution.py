@@ -26,8 +26,9 @@ from django_dbworker.worker.connections import close_thread_connections, persist
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Records a success: (item, result as JSON text or None) -> still ours?
-RecordSuccess = Callable[[WorkItem, "str | None"], bool]
+#: Records a success: (item, result as JSON text or None) -> still ours? None
+#: means "handed over": the recorder reports the outcome itself, later.
+RecordSuccess = Callable[[WorkItem, "str | None"], "bool | None"]
 
 SUCCEEDED = "succeeded"
 FAILED = "failed"
@@ -35,6 +36,8 @@ RETRIED = "retried"
 TIMEOUT = "timeout"
 #: The outcome was discarded because the row was recovered and re-claimed meanwhile.
 FENCED = "fenced"
+#: The success was handed to a writer that reports it later (see RecordSuccess).
+DEFERRED = "deferred"
 
 
 class _FencedOut(Exception):
@@ -68,8 +71,9 @@ def execute(
             enforce_timeout=enforce_timeout,
             record_success=record_success,
         )
-        attempt.outcome(outcome)
-    metrics.task_done(handler.name, outcome, time.perf_counter() - started)
+        attempt.outcome(SUCCEEDED if outcome == DEFERRED else outcome)
+    if outcome != DEFERRED:
+        metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
 
 
@@ -144,7 +148,7 @@ def _run_and_record(
             result = handler.handle(item.payload)
             encoded = transitions.ensure_json(result, "The handler's return value")
         except _FencedOut:
-            _log_fenced(item, handler)
+            log_fenced(item, handler)
             return FENCED
         except BaseException as exc:
             tidy_if_owned()
@@ -154,6 +158,8 @@ def _run_and_record(
         tidy_if_owned()
         if record_success is not None:
             recorded = record_success(item, None if result is None else encoded)
+            if recorded is None:
+                return DEFERRED
         else:
             recorded = persist(
                 lambda: transitions.succeed(item, result),
@@ -163,7 +169,7 @@ def _run_and_record(
             )
         if recorded:
             return SUCCEEDED
-        _log_fenced(item, handler)
+        log_fenced(item, handler)
         return FENCED
     finally:
         tidy_if_owned()
@@ -222,11 +228,11 @@ def _record_failure(
                 shown,
             )
             return label or FAILED
-    _log_fenced(item, handler)
+    log_fenced(item, handler)
     return FENCED
 
 
-def _log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:
+def log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:
     logger.warning(
         "Discarded the outcome of work item %s (%s): its claim was recovered and "
         "re-claimed meanwhile, so a newer attempt owns the row.",

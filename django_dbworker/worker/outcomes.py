@@ -1,7 +1,8 @@
 """Batched success records: many finished items, one fenced UPDATE, one commit.
 
-Pool threads hand their successes to one writer thread and wait for the
-answer. Whatever arrives while a write is in flight goes into the next
+Pool threads hand their successes to one writer thread and go on to the
+next item (the row stays in the worker's in-flight set, heartbeated, until
+its callback reports the write). Whatever arrives while a write is in flight goes into the next
 write, so batches form by themselves under load and a lone success is
 written at once (group commit: no timer, no added latency). Each row in a
 batch is still fenced by its own claim token.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import UUID
 
@@ -25,14 +27,27 @@ logger = logging.getLogger("django_dbworker.worker")
 MAX_BATCH = 200
 
 
+#: Told the outcome of a write: True recorded, False fenced out, or the error.
+Callback = Callable[[bool | BaseException], None]
+
+
 @dataclass
 class _Pending:
     pk: int
     token: UUID
     result_json: str | None
+    callback: Callback | None = None
     done: threading.Event = field(default_factory=threading.Event)
     recorded: bool = False
     error: BaseException | None = None
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.callback is not None:
+            try:
+                self.callback(self.error if self.error is not None else self.recorded)
+            except Exception:
+                logger.exception("Error in a success callback.")
 
 
 class SuccessWriter(threading.Thread):
@@ -45,9 +60,22 @@ class SuccessWriter(threading.Thread):
         self._closed = False
 
     def record(self, item: WorkItem, result_json: str | None) -> bool:
-        """Record ``item`` as succeeded; True if it was still ours (not fenced)."""
+        """Record ``item`` as succeeded and wait; True if it was still ours (not fenced)."""
+        entry = self._enqueue(item, result_json, None)
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        return entry.recorded
+
+    def submit(self, item: WorkItem, result_json: str | None, callback: Callback) -> None:
+        """Record ``item`` as succeeded without waiting; ``callback`` hears how it went."""
+        self._enqueue(item, result_json, callback)
+
+    def _enqueue(
+        self, item: WorkItem, result_json: str | None, callback: Callback | None
+    ) -> _Pending:
         assert item.claim_token is not None
-        entry = _Pending(item.pk, item.claim_token, result_json)
+        entry = _Pending(item.pk, item.claim_token, result_json, callback)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -55,11 +83,7 @@ class SuccessWriter(threading.Thread):
         if closed:
             # A straggler after shutdown (an abandoned, timed-out run): write it alone.
             self._write([entry])
-        else:
-            entry.done.wait()
-        if entry.error is not None:
-            raise entry.error
-        return entry.recorded
+        return entry
 
     def close(self) -> None:
         """Write what is queued, then stop."""
@@ -125,7 +149,7 @@ class SuccessWriter(threading.Thread):
         finally:
             tidy(self.ops.using)
             for entry in batch:
-                entry.done.set()
+                entry.finish()
 
     def _already_recorded(self, entries: list[_Pending]) -> set[int]:
         """Rows our own earlier attempt of this write already recorded.

@@ -43,6 +43,9 @@ from django_dbworker.worker.wakeup import Listener
 
 logger = logging.getLogger("django_dbworker.worker")
 
+#: Finished rows whose success write may still be pending, beyond CONCURRENCY.
+UNRECORDED_EXTRA = 100
+
 
 @dataclass
 class WorkerConfig:
@@ -103,7 +106,6 @@ class Worker:
         self._writer: SuccessWriter | None = None
         self._next_rescue = 0.0
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
-        self.counts: dict[str, int] = {}
 
     # -- control -----------------------------------------------------------------
 
@@ -160,7 +162,7 @@ class Worker:
                 heartbeat.stop()
             if self._pool is not None:
                 self._pool.shutdown()
-            if self._writer is not None:
+            if self._writer is not None and self._writer.is_alive():
                 self._writer.close()
                 self._writer.join(10)
             close_thread_connections()
@@ -173,7 +175,13 @@ class Worker:
         """
         assert self._pool is not None
         self._maybe_rescue()
-        free = self._pool.free()
+        # Rows awaiting their success write still count against the process:
+        # at most CONCURRENCY + UNRECORDED_EXTRA rows are claimed and not yet
+        # recorded, so a slow database applies back-pressure instead of a
+        # growing queue (and heartbeats stay one bounded UPDATE).
+        with self._lock:
+            unrecorded = len(self._in_flight)
+        free = min(self._pool.free(), self.config.concurrency + UNRECORDED_EXTRA - unrecorded)
         if free <= 0:
             return 0
         limit = min(free, self.config.batch_size) if self.config.batch_size > 0 else free
@@ -218,7 +226,7 @@ class Worker:
             self._claim_backoff.reset()
             if claimed and self._pool.free() > 0:
                 continue  # a full batch: more rows may be ready right now
-            if cfg.burst and not claimed and self._pool.busy() == 0:
+            if cfg.burst and not claimed and not self._has_in_flight():
                 return
             if not claimed:
                 self.idle.set()
@@ -232,22 +240,50 @@ class Worker:
         with self._lock:
             self._in_flight[item.pk] = _InFlight(item, handler)
 
+        started = time.perf_counter()
+
+        def hand_over(item: WorkItem, result_json: str | None) -> None:
+            # The thread is free for the next item as soon as the success is
+            # queued; the row stays in flight (heartbeated) until it is written.
+            assert writer is not None
+            took = time.perf_counter() - started
+
+            def written(recorded: bool | BaseException) -> None:
+                if isinstance(recorded, BaseException):
+                    return  # still in flight: released at shutdown
+                if not recorded:
+                    execution.log_fenced(item, handler)
+                outcome = execution.SUCCEEDED if recorded else execution.FENCED
+                self.metrics.task_done(handler.name, outcome, took)
+                self._forget(item.pk)
+
+            writer.submit(item, result_json, written)
+
         def run() -> None:
+            outcome = execution.FAILED
             try:
                 outcome = execution.execute(
                     item,
                     handler,
                     give_up=self.aborting,
                     metrics=self.metrics,
-                    record_success=writer.record if writer is not None else None,
+                    record_success=hand_over if writer is not None else None,
                 )
             finally:
-                with self._lock:
-                    self._in_flight.pop(item.pk, None)
-            with self._lock:
-                self.counts[outcome] = self.counts.get(outcome, 0) + 1
+                if outcome != execution.DEFERRED:
+                    self._forget(item.pk)
 
         self._pool.submit(run)
+
+    def _forget(self, pk: int) -> None:
+        with self._lock:
+            self._in_flight.pop(pk, None)
+        self.wake.set()  # room for another claim
+
+    def _has_in_flight(self) -> bool:
+        """Rows claimed by this process and not yet recorded (running or being written)."""
+        with self._lock:
+            return bool(self._in_flight)
 
     # -- recovery ---------------------------------------------------------------
 
@@ -313,6 +349,10 @@ class Worker:
         deadline = time.monotonic() + cfg.shutdown_timeout
         if self._pool is not None:
             self._pool.wait_idle(cfg.shutdown_timeout, abort=self.aborting)
+        if self._writer is not None:
+            # Successes handed over but not yet written are written now.
+            self._writer.close()
+            self._writer.join(max(1.0, deadline - time.monotonic()))
         for loop in loops:
             loop.drain(max(0.0, deadline - time.monotonic()), self.aborting)
         leftovers = self.in_flight()
