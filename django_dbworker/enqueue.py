@@ -51,7 +51,8 @@ def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
     return cls
 
 
-def _check_payload(payload: Any) -> None:
+def _check_payload(payload: Any) -> str:
+    """The payload as JSON text; raises EnqueueError if it is not JSON or too big."""
     try:
         encoded = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -62,6 +63,7 @@ def _check_payload(payload: Any) -> None:
         raise EnqueueError(
             f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
         )
+    return encoded
 
 
 def _check_priority(priority: Any) -> int:
@@ -115,8 +117,9 @@ def _build(
     priority: Any,
     queue: str | None,
     unique_key: str | None = None,
-) -> WorkItem:
-    _check_payload(payload)
+) -> tuple[WorkItem, str]:
+    """A validated, unsaved item and its payload as JSON text."""
+    encoded = _check_payload(payload)
     item = WorkItem(
         handler=cls.name,
         queue=_check_queue(cls.queue if queue is None else queue),
@@ -128,7 +131,7 @@ def _build(
     value = _run_after_value(run_after)
     if value is not None:
         item.run_after = value
-    return item
+    return item, encoded
 
 
 def _forget_expressions(item: WorkItem) -> None:
@@ -154,13 +157,19 @@ def enqueue(
 ) -> WorkItem:
     """Insert one work item; returns it (or, for a live ``unique_key``, the existing row)."""
     cls = _handler_class(handler)
-    item = _build(
+    item, payload_json = _build(
         cls, payload, run_after=run_after, priority=priority, queue=queue, unique_key=unique_key
     )
     db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
     ops = operations(db)
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
+        if unique_key is None and ops.insert_item(
+            item, run_after=run_after, payload_json=payload_json
+        ):
+            # One statement: the insert and its wake-up (the common case).
+            send.set_message_id(item.pk)
+            return item
         for _ in range(UNIQUE_RETRIES):
             try:
                 # A savepoint inside the caller's transaction, or a transaction
@@ -209,7 +218,9 @@ def enqueue_many(
     items = []
     for index, payload in enumerate(payloads):
         try:
-            items.append(_build(cls, payload, run_after=run_after, priority=priority, queue=queue))
+            items.append(
+                _build(cls, payload, run_after=run_after, priority=priority, queue=queue)[0]
+            )
         except EnqueueError as exc:
             raise EnqueueError(f"Payload #{index}: {exc}") from None
     if not items:

@@ -14,19 +14,32 @@ from django_dbworker.db.base import UnsupportedDatabase, VendorOperations
 __all__ = ["UnsupportedDatabase", "VendorOperations", "operations"]
 
 
+_instances: dict[tuple[str, str], VendorOperations] = {}
+
+
 def operations(using: str | None = None) -> VendorOperations:
-    """The vendor operations for the database alias ``using``."""
+    """The vendor operations for the database alias ``using``.
+
+    One instance per alias and vendor, shared by all threads: it holds only
+    caches of built SQL (connections are looked up per thread on each use).
+    """
     alias = using or DEFAULT_DB_ALIAS
     vendor = connections[alias].vendor
+    ops = _instances.get((alias, vendor))
+    if ops is not None:
+        return ops
     if vendor == "postgresql":
         from django_dbworker.db.postgresql import PostgresOperations
 
-        return PostgresOperations(alias)
-    if vendor == "sqlite":
+        ops = PostgresOperations(alias)
+    elif vendor == "sqlite":
         from django_dbworker.db.sqlite import SQLiteOperations
 
-        return SQLiteOperations(alias)
-    raise UnsupportedDatabase(
-        f"django-dbworker does not support the {vendor!r} database backend yet "
-        "(supported: PostgreSQL 13+, SQLite 3.35+)."
-    )
+        ops = SQLiteOperations(alias)
+    else:
+        raise UnsupportedDatabase(
+            f"django-dbworker does not support the {vendor!r} database backend yet "
+            "(supported: PostgreSQL 13+, SQLite 3.35+)."
+        )
+    _instances[(alias, vendor)] = ops
+    return ops

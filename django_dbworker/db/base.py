@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -171,6 +172,22 @@ class VendorOperations:
 
     def _token_param(self, token: UUID) -> Any:
         return token
+
+    def insert_item(
+        self,
+        item: WorkItem,
+        *,
+        run_after: datetime | timedelta | None,
+        payload_json: str | None = None,
+    ) -> bool:
+        """Insert a validated item without a unique_key, and wake workers; in one go.
+
+        Returns False where the vendor has no faster way than the ORM's
+        ``save()`` followed by ``notify()``; the caller then does that.
+        ``run_after`` is the caller's original value (None: now, by the DB clock);
+        ``payload_json`` the payload already encoded by validation.
+        """
+        return False
 
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
