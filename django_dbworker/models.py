@@ -34,6 +34,16 @@ PRIORITY_MIN = -100
 PRIORITY_MAX = 100
 
 
+def handler_match(name: str) -> Q:
+    """``handler = name`` split so that PostgreSQL can OR two partial indexes."""
+    return (Q(handler=name) & ~Q(status=Status.PENDING)) | Q(handler=name, status=Status.PENDING)
+
+
+def live_or_failed() -> Q:
+    """Pending, claimed or failed rows, split the same way (claim index + status index)."""
+    return Q(status=Status.PENDING) | Q(status__in=(Status.CLAIMED, Status.FAILED))
+
+
 class WorkItemQuerySet(models.QuerySet["WorkItem"]):
     """Adjectives for subsets of rows; every time comparison uses the DB clock."""
 
@@ -56,6 +66,15 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
     def stale(self, stale_after: timedelta) -> WorkItemQuerySet:
         """Claimed rows whose heartbeat is older than ``stale_after`` (DB clock)."""
         return self.filter(status=Status.CLAIMED, heartbeat_at__lt=Now() - stale_after)
+
+    def of_handler(self, name: str) -> WorkItemQuerySet:
+        """Rows of handler ``name``, in a form every index can serve.
+
+        The handler index leaves pending rows out (see Meta.indexes), so the
+        condition is split in two arms: non-pending rows through the handler
+        index, pending ones through the claim index.
+        """
+        return self.filter(handler_match(name))
 
     def in_order(self) -> WorkItemQuerySet:
         """The claim order: higher priority first, then oldest due, then FIFO."""
@@ -127,10 +146,23 @@ class WorkItem(models.Model):
                 name="dbworker_stale_idx",
             ),
             # Admin lists, filters and search: newest first within a status,
-            # queue or handler, and exact unique_key lookups.
-            models.Index(fields=["status", "-id"], name="dbworker_status_idx"),
+            # queue or handler, and exact unique_key lookups. The status and
+            # handler indexes leave pending rows out on purpose: the claim
+            # query must only ever be able to use the claim indexes above,
+            # even when planner statistics are stale (a queue table's pending
+            # set changes faster than ANALYZE runs); pending rows are the
+            # newest, which the primary key finds for the admin.
+            models.Index(
+                fields=["status", "-id"],
+                condition=~Q(status="pending"),
+                name="dbworker_status_idx",
+            ),
             models.Index(fields=["queue", "-id"], name="dbworker_queue_idx"),
-            models.Index(fields=["handler", "-id"], name="dbworker_handler_idx"),
+            models.Index(
+                fields=["handler", "-id"],
+                condition=~Q(status="pending"),
+                name="dbworker_handler_idx",
+            ),
             models.Index(
                 fields=["unique_key"],
                 condition=Q(unique_key__isnull=False),

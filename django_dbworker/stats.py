@@ -16,11 +16,10 @@ from django.db.models import Count, Min
 from django.db.models.functions import Now
 
 from django_dbworker.db import operations
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.models import Status, WorkItem, live_or_failed
 
 #: Below this many rows (planner estimate) everything is counted exactly.
 EXACT_BELOW = 200_000
-EXACT_STATUSES = (Status.PENDING, Status.CLAIMED, Status.FAILED)
 ESTIMATED_STATUSES = (Status.SUCCEEDED, Status.CANCELLED)
 
 
@@ -45,7 +44,7 @@ def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
 
     rows = WorkItem.objects.using(db).order_by()
     if approximate:
-        rows = rows.filter(status__in=EXACT_STATUSES)
+        rows = rows.filter(live_or_failed())
     for row in rows.values("queue", "status").annotate(n=Count("id")):
         entry(row["queue"])["counts"][row["status"]] = row["n"]
     if approximate:

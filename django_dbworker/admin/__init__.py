@@ -24,7 +24,14 @@ from django_dbworker.admin import actions, display
 from django_dbworker.admin.filters import HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
 from django_dbworker.conf import dbworker_settings
-from django_dbworker.models import ClaimedWorkItem, FailedWorkItem, QueueSummary, Status, WorkItem
+from django_dbworker.models import (
+    ClaimedWorkItem,
+    FailedWorkItem,
+    QueueSummary,
+    Status,
+    WorkItem,
+    handler_match,
+)
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[WorkItem]
@@ -111,7 +118,7 @@ class BaseWorkItemAdmin(_ModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        match = Q(handler=term) | Q(unique_key=term)
+        match = handler_match(term) | Q(unique_key=term)
         if term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))
         return queryset.filter(match), False

@@ -15,6 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from django_dbworker.db import operations
+from django_dbworker.models import handler_match
 from django_dbworker.registry import registry
 
 
@@ -30,7 +31,7 @@ class HandlerFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
-        return queryset.filter(handler=value) if value else queryset
+        return queryset.filter(handler_match(value)) if value else queryset
 
 
 class QueueFilter(admin.SimpleListFilter):

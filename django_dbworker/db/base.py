@@ -145,6 +145,7 @@ class VendorOperations:
         params: list[Any] = []
         for pk, claim_token, result_json in outcomes:
             params += [pk, self._token_param(claim_token), result_json]
+        params += [pk for pk, _, _ in outcomes]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             return {row[0] for row in cursor.fetchall()}
@@ -160,7 +161,9 @@ class VendorOperations:
             f"UPDATE {table} SET {q('status')} = '{Status.SUCCEEDED.value}', "
             f"{q('result')} = v.result, {q('finished_at')} = {now}, "
             f"{q('updated_at')} = {now}, {q('last_error')} = '' "
-            f"FROM v WHERE {table}.{q('id')} = v.id "
+            # The explicit id list pins the plan to primary-key lookups.
+            f"FROM v WHERE {table}.{q('id')} IN ({', '.join([id_] * rows)}) "
+            f"AND {table}.{q('id')} = v.id "
             f"AND {table}.{q('claim_token')} = v.token "
             f"AND {table}.{q('status')} = '{Status.CLAIMED.value}' "
             f"RETURNING {table}.{q('id')}"

@@ -46,6 +46,8 @@ def _pages() -> list[tuple[str, str]]:
     return [
         ("work items", changelist),
         ("work items: failed", changelist + "?status__exact=failed"),
+        ("work items: pending", changelist + "?status__exact=pending"),
+        ("work items: handler", changelist + "?handler=record"),
         ("work items: queue", changelist + "?queue=urgent"),
         ("work items: handler+status", changelist + "?handler=echo&status__exact=succeeded"),
         ("work items: search id", changelist + f"?q={failed}"),
