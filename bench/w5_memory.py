@@ -66,11 +66,16 @@ def main() -> None:
         done = WorkItem.objects.filter(status="succeeded").count()
         if start_rss is None or last_rss is None:
             raise SystemExit("the worker finished before it could be sampled")
-        report("w5_memory", {
-            "items": args.items, "succeeded": done,
-            "rss_start_mib": start_rss / 1024, "rss_end_mib": last_rss / 1024,
-            "growth": (last_rss - start_rss) / start_rss,
-        })
+        report(
+            "w5_memory",
+            {
+                "items": args.items,
+                "succeeded": done,
+                "rss_start_mib": start_rss / 1024,
+                "rss_end_mib": last_rss / 1024,
+                "growth": (last_rss - start_rss) / start_rss,
+            },
+        )
     finally:
         stop_postgres()
 
