@@ -216,19 +216,24 @@ def enqueue_many(
         raise EnqueueError("enqueue_many takes an iterable of payloads, not a single payload.")
     cls = _handler_class(handler)
     items = []
+    encoded = []
     for index, payload in enumerate(payloads):
         try:
-            items.append(
-                _build(cls, payload, run_after=run_after, priority=priority, queue=queue)[0]
+            item, payload_json = _build(
+                cls, payload, run_after=run_after, priority=priority, queue=queue
             )
         except EnqueueError as exc:
             raise EnqueueError(f"Payload #{index}: {exc}") from None
+        items.append(item)
+        encoded.append(None if payload is None else payload_json)
     if not items:
         return []
     db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
     with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
         for item in items:
             item.trace_context = send.context
+        if operations(db).insert_items(items, run_after=run_after, payloads_json=encoded):
+            return items
         with transaction.atomic(using=db):
             created = WorkItem.objects.using(db).bulk_create(items)
             operations(db).notify([items[0].queue])

@@ -16,18 +16,22 @@ if not settings.configured:
         DEBUG=False,
         USE_TZ=True,
         INSTALLED_APPS=["django_tasks", "django_tasks_db"],
-        DATABASES={"default": {
-            "ENGINE": "django.db.backends.postgresql", "NAME": parts.path.lstrip("/"),
-            "USER": parts.username, "HOST": parts.hostname, "PORT": parts.port,
-        }},
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": parts.path.lstrip("/"),
+                "USER": parts.username,
+                "HOST": parts.hostname,
+                "PORT": parts.port,
+            }
+        },
         TASKS={"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}},
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
     )
     django.setup()
 
-from django_tasks import task  # noqa: E402
-
-from peer_common import stamp  # noqa: E402
+from django_tasks import task
+from peer_common import stamp
 
 
 @task()

@@ -22,15 +22,21 @@ def main() -> None:
             djtasks_app.noop.enqueue()
         started = time.perf_counter()
         call_command("db_worker", "--batch", "--no-startup-delay", "--no-reload", verbosity=0)
-        emit(bench="w1_throughput", items=items,
-             items_per_second=items / (time.perf_counter() - started))
+        emit(
+            bench="w1_throughput",
+            items=items,
+            items_per_second=items / (time.perf_counter() - started),
+        )
     elif mode == "w2":
         single = int(sys.argv[2])
         started = time.perf_counter()
         for _ in range(single):
             djtasks_app.noop.enqueue()
-        emit(bench="w2_enqueue", single_per_second=single / (time.perf_counter() - started),
-             many_per_second=None)
+        emit(
+            bench="w2_enqueue",
+            single_per_second=single / (time.perf_counter() - started),
+            many_per_second=None,
+        )
     elif mode == "w3":
         counter = iter(range(10**9))
 

@@ -64,8 +64,13 @@ def latency_run(
                 break
             time.sleep(0.1)
         lat = sorted((stamps[k] - committed[k]) * 1000 for k in committed if k in stamps)
-        emit(bench="w3_latency", items=items, done=len(lat), p50_ms=statistics.median(lat),
-             p99_ms=lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))])
+        emit(
+            bench="w3_latency",
+            items=items,
+            done=len(lat),
+            p50_ms=statistics.median(lat),
+            p99_ms=lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+        )
     finally:
         worker.terminate()
         try:

@@ -13,8 +13,6 @@ from pgqueuer.db import PsycopgDriver
 from pgqueuer.queries import Queries
 from pgqueuer.types import QueueExecutionMode
 
-CONCURRENCY = 8
-
 
 async def connect() -> psycopg.AsyncConnection:
     return await psycopg.AsyncConnection.connect(URL, autocommit=True)
@@ -45,7 +43,7 @@ async def w1(items: int) -> None:
         await q.enqueue(["noop"] * n, [None] * n, [0] * n)
     pgq = make_app(await connect(), record=False)
     started = time.perf_counter()
-    await pgq.run(mode=QueueExecutionMode.drain, max_concurrent_tasks=CONCURRENCY)
+    await pgq.run(mode=QueueExecutionMode.drain)  # its defaults: batches of 10
     elapsed = time.perf_counter() - started
     emit(bench="w1_throughput", items=items, items_per_second=items / elapsed)
 
@@ -58,13 +56,16 @@ async def w2(single: int, many: int) -> None:
     single_rate = single / (time.perf_counter() - started)
     started = time.perf_counter()
     await q.enqueue(["noop"] * many, [None] * many, [0] * many)
-    emit(bench="w2_enqueue", single_per_second=single_rate,
-         many_per_second=many / (time.perf_counter() - started))
+    emit(
+        bench="w2_enqueue",
+        single_per_second=single_rate,
+        many_per_second=many / (time.perf_counter() - started),
+    )
 
 
 async def worker() -> None:
     pgq = make_app(await connect(), record=True)
-    await pgq.run(max_concurrent_tasks=CONCURRENCY)
+    await pgq.run()
 
 
 def main() -> None:
@@ -82,8 +83,12 @@ def main() -> None:
         from pgqueuer.queries import SyncQueries
 
         sq = SyncQueries(SyncPsycopgDriver(conn))
-        latency_run(lambda: sq.enqueue("noop", None)[0], int(sys.argv[2]), float(sys.argv[3]),
-                    [__file__, "worker"])
+        latency_run(
+            lambda: sq.enqueue("noop", None)[0],
+            int(sys.argv[2]),
+            float(sys.argv[3]),
+            [__file__, "worker"],
+        )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -20,11 +21,8 @@ async def noop(key: str = "") -> None:
 
 
 def install() -> None:
-    with app.open():
-        try:
-            app.schema_manager.apply_schema()
-        except Exception:  # already installed
-            pass
+    with app.open(), contextlib.suppress(Exception):  # already installed
+        app.schema_manager.apply_schema()
 
 
 def main() -> None:
@@ -40,8 +38,11 @@ def main() -> None:
                 noop.batch_defer(*[{} for _ in range(min(1000, items - start))])
         started = time.perf_counter()
         app.run_worker(concurrency=CONCURRENCY, wait=False)
-        emit(bench="w1_throughput", items=items,
-             items_per_second=items / (time.perf_counter() - started))
+        emit(
+            bench="w1_throughput",
+            items=items,
+            items_per_second=items / (time.perf_counter() - started),
+        )
     elif mode == "w2":
         single, many = int(sys.argv[2]), int(sys.argv[3])
         with app.open():
@@ -51,11 +52,15 @@ def main() -> None:
             single_rate = single / (time.perf_counter() - started)
             started = time.perf_counter()
             noop.batch_defer(*[{} for _ in range(many)])
-            emit(bench="w2_enqueue", single_per_second=single_rate,
-                 many_per_second=many / (time.perf_counter() - started))
+            emit(
+                bench="w2_enqueue",
+                single_per_second=single_rate,
+                many_per_second=many / (time.perf_counter() - started),
+            )
     elif mode == "w3":
         counter = iter(range(10**9))
         with app.open():
+
             def enqueue() -> str:
                 key = f"k{next(counter)}"
                 noop.defer(key=key)

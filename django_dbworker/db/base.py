@@ -192,6 +192,16 @@ class VendorOperations:
         """
         return False
 
+    def insert_items(
+        self,
+        items: Sequence[WorkItem],
+        *,
+        run_after: datetime | timedelta | None,
+        payloads_json: Sequence[str | None],
+    ) -> bool:
+        """``insert_item`` for a batch sharing handler, queue, priority and run_after."""
+        return False
+
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
 

@@ -25,7 +25,7 @@ class PostgresOperations(VendorOperations):
 
     def __init__(self, using: str) -> None:
         super().__init__(using)
-        self._insert_cache: dict[str, str] = {}
+        self._insert_cache: dict[tuple[str, bool], str] = {}
 
     def check_version(self) -> None:
         self.connection.ensure_connection()
@@ -61,7 +61,30 @@ class PostgresOperations(VendorOperations):
     ) -> bool:
         # One round trip and, in autocommit, one commit: the INSERT and the
         # NOTIFY run as one statement, and NOTIFY is delivered at commit.
-        # Values were validated by enqueue; JSON is encoded here once.
+        if payload_json is None and item.payload is not None:
+            payload_json = json.dumps(item.payload)
+        payload = None if item.payload is None else payload_json
+        return self._insert([item], run_after, [payload], many=False)
+
+    def insert_items(
+        self,
+        items: Sequence[WorkItem],
+        *,
+        run_after: datetime | timedelta | None,
+        payloads_json: Sequence[str | None],
+    ) -> bool:
+        # All payloads travel as one jsonb[] parameter: one statement whatever
+        # the batch size (no 65,535-parameter ceiling, no per-row SQL).
+        return self._insert(items, run_after, list(payloads_json), many=True)
+
+    def _insert(
+        self,
+        items: Sequence[WorkItem],
+        run_after: datetime | timedelta | None,
+        payloads: list[str | None],
+        *,
+        many: bool,
+    ) -> bool:
         extra: tuple[Any, ...] = ()
         if run_after is None:
             run_after_sql = "statement_timestamp()"
@@ -69,42 +92,55 @@ class PostgresOperations(VendorOperations):
             run_after_sql, extra = "statement_timestamp() + %s::interval", (run_after,)
         else:
             run_after_sql, extra = "%s", (run_after,)
-        sql = self._insert_cache.get(run_after_sql)
+        key = (run_after_sql, many)
+        sql = self._insert_cache.get(key)
         if sql is None:
-            table = self.connection.ops.quote_name(WorkItem._meta.db_table)
-            sql = (
-                f"WITH ins AS (INSERT INTO {table} (handler, queue, payload, status, priority, "
-                f"run_after, attempts, max_attempts, claimed_by, last_error, trace_context, "
-                f"created_at, updated_at) VALUES (%s, %s, %s::jsonb, 'pending', %s, "
-                f"{run_after_sql}, 0, %s, '', '', %s::jsonb, statement_timestamp(), "
-                f"statement_timestamp()) RETURNING id, run_after, created_at, updated_at) "
-                f"SELECT id, run_after, created_at, updated_at, pg_notify(%s, %s) FROM ins"
-            )
-            self._insert_cache[run_after_sql] = sql
-        if payload_json is None and item.payload is not None:
-            payload_json = json.dumps(item.payload)
-        payload = None if item.payload is None else payload_json
+            sql = self._insert_sql(run_after_sql, many)
+            self._insert_cache[key] = sql
+        first = items[0]
+        values = (first.handler, first.queue) + (() if many else (payloads[0],))
         params = (
-            item.handler,
-            item.queue,
-            payload,
-            item.priority,
+            *values,
+            first.priority,
             *extra,
-            item.max_attempts,
-            json.dumps(item.trace_context or {}),
+            first.max_attempts,
+            json.dumps(first.trace_context or {}),
+            *((payloads,) if many else ()),
             NOTIFY_CHANNEL,
-            item.queue,
+            first.queue,
         )
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
-            pk, run_after_value, created_at, updated_at, _ = cursor.fetchone()
-        item.pk = pk
-        item.run_after = run_after_value
-        item.created_at = created_at
-        item.updated_at = updated_at
-        item._state.adding = False
-        item._state.db = self.using
+            rows = cursor.fetchall()
+        if len(rows) != len(items):
+            raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
+        for item, (pk, run_after_value, created_at, updated_at) in zip(items, rows, strict=True):
+            item.pk = pk
+            item.run_after = run_after_value
+            item.created_at = created_at
+            item.updated_at = updated_at
+            item._state.adding = False
+            item._state.db = self.using
         return True
+
+    def _insert_sql(self, run_after_sql: str, many: bool) -> str:
+        table = self.connection.ops.quote_name(WorkItem._meta.db_table)
+        columns = (
+            "handler, queue, payload, status, priority, run_after, attempts, max_attempts, "
+            "claimed_by, last_error, trace_context, created_at, updated_at"
+        )
+        payload = "u.p" if many else "%s::jsonb"
+        source = "FROM unnest(%s::jsonb[]) WITH ORDINALITY AS u(p, n) ORDER BY u.n" if many else ""
+        # Ids come from the sequence in insertion order, which follows the
+        # ORDER BY; the outer ORDER BY id lines the rows up with the items.
+        return (
+            f"WITH ins AS (INSERT INTO {table} ({columns}) "
+            f"SELECT %s, %s, {payload}, 'pending', %s, {run_after_sql}, 0, %s, '', '', "
+            f"%s::jsonb, statement_timestamp(), statement_timestamp() {source} "
+            f"RETURNING id, run_after, created_at, updated_at) "
+            f"SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at "
+            f"FROM ins, (SELECT pg_notify(%s, %s)) AS wake ORDER BY ins.id"
+        )
 
     def notify(self, queues: Sequence[str]) -> None:
         # NOTIFY is transactional in PostgreSQL: it is delivered only if (and
