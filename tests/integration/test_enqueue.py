@@ -142,7 +142,7 @@ def test_enqueue_many_is_one_insert() -> None:
     payloads = [{"n": n} for n in range(50)]
     with CaptureQueriesContext(connection) as ctx:
         items = Echo.enqueue_many(payloads, priority=3)
-    inserts = [q for q in ctx.captured_queries if q["sql"].lstrip().upper().startswith("INSERT")]
+    inserts = [q for q in ctx.captured_queries if "INSERT INTO" in q["sql"].upper()]
     assert len(inserts) == 1
     assert len(items) == 50 and all(i.pk for i in items)
     assert sorted(WorkItem.objects.values_list("payload__n", flat=True)) == list(range(50))
@@ -161,3 +161,12 @@ def test_handler_class_is_accepted_as_name() -> None:
     assert enqueue(Echo, 1).handler == "echo"
     with pytest.raises(EnqueueError):
         enqueue(InvoiceMailer, 1)  # type: ignore[arg-type]
+
+
+def test_enqueue_many_returns_saved_items_in_order_with_db_values() -> None:
+    items = Echo.enqueue_many([{"n": n} for n in range(5)] + [None], run_after=timedelta(hours=1))
+    rows = {r.pk: r for r in WorkItem.objects.all()}
+    assert [rows[i.pk].payload for i in items] == [{"n": n} for n in range(5)] + [None]
+    assert all(i.run_after == rows[i.pk].run_after for i in items)
+    assert all(i.created_at is not None and not i._state.adding for i in items)
+    assert not WorkItem.objects.ready().exists()
