@@ -15,10 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 STATE = ROOT / ".tmp" / "pg-bench.json"
 
 
+_started_here = False
+
+
 def start_postgres() -> str:
-    """Start (or reuse) the durable benchmark cluster; return its URL."""
+    """Start (or reuse) the durable benchmark cluster; return its URL.
+
+    With DATABASE_URL set, that database is used and nothing is started.
+    """
+    global _started_here
     if os.environ.get("DATABASE_URL"):
         return os.environ["DATABASE_URL"]
+    _started_here = True
     out = subprocess.run(
         [
             sys.executable,
@@ -36,7 +44,8 @@ def start_postgres() -> str:
 
 
 def stop_postgres() -> None:
-    if os.environ.get("BENCH_KEEP_PG"):
+    """Stop the cluster if this process started it (and BENCH_KEEP_PG is unset)."""
+    if not _started_here or os.environ.get("BENCH_KEEP_PG"):
         return
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "stop", "--state", str(STATE)],

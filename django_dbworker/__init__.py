@@ -14,7 +14,7 @@ from django_dbworker.registry import registry
 
 if TYPE_CHECKING:
     from django_dbworker.claiming import claim_next
-    from django_dbworker.enqueue import enqueue, enqueue_many
+    from django_dbworker.enqueuing import enqueue, enqueue_many
     from django_dbworker.handlers import Handler, WorkItemHandler
 
 __all__ = [
@@ -34,8 +34,8 @@ _LAZY = {
     "Handler": "django_dbworker.handlers",
     "WorkItemHandler": "django_dbworker.handlers",
     "claim_next": "django_dbworker.claiming",
-    "enqueue": "django_dbworker.enqueue",
-    "enqueue_many": "django_dbworker.enqueue",
+    "enqueue": "django_dbworker.enqueuing",
+    "enqueue_many": "django_dbworker.enqueuing",
 }
 
 

@@ -112,7 +112,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         unique_key: str | None = None,
         using: str | None = None,
     ) -> WorkItem:
-        from django_dbworker.enqueue import enqueue
+        from django_dbworker.enqueuing import enqueue
 
         return enqueue(
             cls.name,
@@ -134,7 +134,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         queue: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
-        from django_dbworker.enqueue import enqueue_many
+        from django_dbworker.enqueuing import enqueue_many
 
         return enqueue_many(
             cls.name, payloads, run_after=run_after, priority=priority, queue=queue, using=using

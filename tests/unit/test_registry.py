@@ -68,3 +68,17 @@ def test_max_attempts_defaults_to_the_setting(cleanup: list[str]) -> None:
 
     cleanup.append("unit-plain")
     assert Plain.get_max_attempts() == 3
+
+
+def test_public_enqueue_is_the_function_even_after_its_module_is_imported() -> None:
+    import importlib
+
+    import django_dbworker
+
+    importlib.import_module("django_dbworker.enqueuing")
+    importlib.import_module("django_dbworker.management.commands.run_workers")
+    assert callable(django_dbworker.enqueue)
+    assert django_dbworker.enqueue.__module__ == "django_dbworker.enqueuing"
+    from django_dbworker import enqueue
+
+    assert enqueue is django_dbworker.enqueue

@@ -15,7 +15,7 @@ from django.db.migrations.executor import MigrationExecutor
 
 from django_dbworker import metrics
 from django_dbworker.db import UnsupportedDatabase, operations
-from django_dbworker.enqueue import QUEUE_NAME
+from django_dbworker.enqueuing import QUEUE_NAME
 from django_dbworker.registry import autodiscover, registry
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 

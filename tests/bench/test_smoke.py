@@ -1,0 +1,87 @@
+"""Every benchmark script, run at tiny sizes so that none of them can rot.
+
+Speed is not asserted here (benchmarks are not tests): only that each
+script runs to completion and prints its JSON result line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+BENCH = ROOT / "bench"
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
+
+SCRIPTS = [
+    ("raw_ceiling.py", ["--items", "200", "--inserts", "50"], "raw_ceiling"),
+    ("w1_throughput.py", ["--items", "300"], "w1_throughput"),
+    ("w1_throughput.py", ["--items", "300", "--processes", "2"], "w1_throughput"),
+    ("w2_enqueue.py", ["--single", "30", "--many", "100"], "w2_enqueue"),
+    ("w3_latency.py", ["--items", "5", "--rate", "50"], "w3_latency"),
+    ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
+    ("w5_memory.py", ["--items", "4000"], "w5_memory"),
+    ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),
+]
+
+
+def bench_env() -> dict[str, str]:
+    """The benchmarks use the cluster's ``postgres`` database, not the test database."""
+    settings = connection.settings_dict
+    url = f"postgres://{settings['USER']}@{settings['HOST']}:{settings['PORT']}/postgres"
+    env = dict(os.environ, DATABASE_URL=url)
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    return env
+
+
+@pytest.mark.parametrize(("script", "args", "name"), SCRIPTS)
+def test_bench_script_runs(script: str, args: list[str], name: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[0])
+    assert result["bench"] == name
+
+
+def test_peers_script_runs_pgqueuer() -> None:
+    """Installs pgqueuer into bench/.peers from PyPI (once) and runs it tiny."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "peers.py"),
+            "--only",
+            "pgqueuer",
+            "--items",
+            "200",
+            "--single",
+            "20",
+            "--many",
+            "50",
+            "--latency-items",
+            "5",
+            "--rate",
+            "50",
+        ],
+        cwd=ROOT,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["peer"] == "pgqueuer"
+    assert {"w1", "w2", "w3"} <= set(result)
