@@ -4,7 +4,7 @@
 
 Installs each peer from PyPI into bench/.peers/NAME (once), gives it a
 fresh database in the same durable PostgreSQL cluster as our benchmarks,
-and runs its harness (bench/peers/NAME_bench.py) with the same sizes and
+and runs its harness (bench/peer_harness/NAME_bench.py) with the same sizes and
 the same concurrency (8) as ours. Prints one JSON line per result.
 """
 
@@ -21,7 +21,7 @@ from common import machine, start_postgres, stop_postgres
 
 BENCH = Path(__file__).resolve().parent
 VENVS = BENCH / ".peers"
-HARNESS = BENCH / "peers"
+HARNESS = BENCH / "peer_harness"
 
 PEERS = {
     "pgqueuer": (["pgqueuer==1.6.0", "psycopg[binary]>=3.2"], "pgqueuer_bench.py"),

@@ -129,14 +129,19 @@ class PostgresOperations(VendorOperations):
             "handler, queue, payload, status, priority, run_after, attempts, max_attempts, "
             "claimed_by, last_error, trace_context, created_at, updated_at"
         )
-        payload = "u.p" if many else "%s::jsonb"
-        source = "FROM unnest(%s::jsonb[]) WITH ORDINALITY AS u(p, n) ORDER BY u.n" if many else ""
+        row = (
+            f"%s, %s, {'u.p' if many else '%s::jsonb'}, 'pending', %s, {run_after_sql}, 0, %s, "
+            "'', '', %s::jsonb, statement_timestamp(), statement_timestamp()"
+        )
         # Ids come from the sequence in insertion order, which follows the
         # ORDER BY; the outer ORDER BY id lines the rows up with the items.
+        source = (
+            f"SELECT {row} FROM unnest(%s::jsonb[]) WITH ORDINALITY AS u(p, n) ORDER BY u.n"
+            if many
+            else f"VALUES ({row})"
+        )
         return (
-            f"WITH ins AS (INSERT INTO {table} ({columns}) "
-            f"SELECT %s, %s, {payload}, 'pending', %s, {run_after_sql}, 0, %s, '', '', "
-            f"%s::jsonb, statement_timestamp(), statement_timestamp() {source} "
+            f"WITH ins AS (INSERT INTO {table} ({columns}) {source} "
             f"RETURNING id, run_after, created_at, updated_at) "
             f"SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at "
             f"FROM ins, (SELECT pg_notify(%s, %s)) AS wake ORDER BY ins.id"
