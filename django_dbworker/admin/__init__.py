@@ -18,6 +18,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Left, Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from django_dbworker.admin import actions, display
@@ -195,8 +196,6 @@ class BaseWorkItemAdmin(_ModelAdmin):
     def error_pre(self, obj: WorkItem) -> SafeString | str:
         if not obj.last_error:
             return "-"
-        from django.utils.html import format_html
-
         return format_html('<pre style="white-space:pre-wrap">{}</pre>', obj.last_error)
 
     @admin.display(description="trace id")
@@ -221,8 +220,15 @@ class WorkItemAdmin(BaseWorkItemAdmin):
     ]
 
 
+class _OneStatusAdmin(BaseWorkItemAdmin):
+    """A page fixed to one status: no status filter."""
+
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        return (QueueFilter, HandlerFilter)
+
+
 @admin.register(ClaimedWorkItem)
-class ClaimedWorkItemAdmin(BaseWorkItemAdmin):
+class ClaimedWorkItemAdmin(_OneStatusAdmin):
     list_display = [
         "id",
         "handler",
@@ -233,9 +239,6 @@ class ClaimedWorkItemAdmin(BaseWorkItemAdmin):
         "stale_marker",
         "attempts_display",
     ]
-
-    def get_list_filter(self, request: HttpRequest) -> Any:
-        return (QueueFilter, HandlerFilter)  # the status is fixed on this page
 
     ordering = ["heartbeat_at"]
     actions = []
@@ -249,14 +252,12 @@ class ClaimedWorkItemAdmin(BaseWorkItemAdmin):
         if obj.heartbeat_at is None or now is None:
             return "-"
         if (now - obj.heartbeat_at).total_seconds() > float(dbworker_settings.STALE_AFTER):
-            from django.utils.html import format_html
-
             return format_html('<strong style="color:#c53030">{}</strong>', "stale")
         return "ok"
 
 
 @admin.register(FailedWorkItem)
-class FailedWorkItemAdmin(BaseWorkItemAdmin):
+class FailedWorkItemAdmin(_OneStatusAdmin):
     list_display = [
         "id",
         "handler",
@@ -265,9 +266,6 @@ class FailedWorkItemAdmin(BaseWorkItemAdmin):
         "finished_at",
         "error_summary",
     ]
-
-    def get_list_filter(self, request: HttpRequest) -> Any:
-        return (QueueFilter, HandlerFilter)  # the status is fixed on this page
 
     actions = [actions.retry]
 
