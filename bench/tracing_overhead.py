@@ -3,7 +3,7 @@
     .venv/bin/python bench/tracing_overhead.py [--iterations 200000]
 
 Times the hooks that every enqueue and every attempt go through
-(``tracing.sending`` and ``tracing.processing`` with ``record_outcome``),
+(``tracing.sending``, and ``tracing.processing`` with the attempt's outcome),
 first with no SDK configured (the default), then with an SDK tracer
 provider and a no-op exporter, against an empty loop. No database needed.
 """

@@ -47,8 +47,6 @@ class HandlerLoop(threading.Thread):
             name=f"dbworker-{handler.name}",
             on_done=self.slot_freed.set,
         )
-        self.claim_errors = 0
-        self.cycles = 0
 
     def run(self) -> None:
         try:
@@ -59,7 +57,6 @@ class HandlerLoop(threading.Thread):
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            self.cycles += 1
             self.metrics.poll(self.handler.name)
             self._recover()
             exhausted = self._fill()
@@ -98,7 +95,6 @@ class HandlerLoop(threading.Thread):
         except NoTask:
             return _NOTHING
         except BaseException:  # user code may raise anything
-            self.claim_errors += 1
             self.metrics.claim_error(name)
             logger.exception("claim() of handler %s raised.", name)
             return _NOTHING
