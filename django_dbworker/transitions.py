@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db.models import Case, F, Q, Value, When
+from django.db.models import Case, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Concat, Now
 
 from django_dbworker.conf import dbworker_settings
@@ -227,8 +227,21 @@ def cancel(queryset: WorkItemQuerySet) -> int:
 
 
 def retry(queryset: WorkItemQuerySet) -> int:
-    """failed | cancelled -> pending, attempts reset to 0, due now."""
-    return queryset.filter(status__in=(Status.FAILED, Status.CANCELLED)).update(
+    """failed | cancelled -> pending, attempts reset to 0, due now.
+
+    A row whose ``unique_key`` is live again (another row of its handler with
+    that key is pending or claimed) is skipped: retrying it would break the
+    unique-work guarantee (and the partial unique index would refuse it).
+    """
+    live_twin = WorkItem.objects.filter(
+        handler=OuterRef("handler"),
+        unique_key=OuterRef("unique_key"),
+        status__in=(Status.PENDING, Status.CLAIMED),
+    )
+    eligible = queryset.filter(status__in=(Status.FAILED, Status.CANCELLED)).exclude(
+        Q(unique_key__isnull=False) & Exists(live_twin)
+    )
+    return eligible.update(
         status=Status.PENDING,
         attempts=0,
         run_after=Now(),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
+from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
@@ -27,7 +28,17 @@ def _make(
     def action(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         selected = queryset.count()
         rows = WorkItem.objects.using(queryset.db).filter(pk__in=queryset.values("pk"))
-        changed = transition(rows)
+        try:
+            with transaction.atomic(using=queryset.db):
+                changed = transition(rows)
+        except IntegrityError:
+            modeladmin.message_user(
+                request,
+                "Nothing changed: some selected rows share a unique key, and only one row "
+                "per key may be pending at a time. Select one of them.",
+                messages.ERROR,
+            )
+            return
         skipped = selected - changed
         text = f"{changed} work item(s) {done}."
         if skipped > 0:

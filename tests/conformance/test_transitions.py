@@ -170,3 +170,12 @@ def test_succeed_many_is_fenced_per_row() -> None:
     assert rows[b.pk].status == Status.CLAIMED and rows[b.pk].claim_token == b_again.claim_token
     assert rows[d.pk].status == Status.CLAIMED
     assert operations().succeed_many([]) == set()
+
+
+def test_retry_skips_rows_whose_unique_key_is_live_again() -> None:
+    old = make_item(handler="echo", status=Status.FAILED, unique_key="k")
+    other = make_item(handler="echo", status=Status.FAILED, unique_key="k2")
+    make_item(handler="echo", unique_key="k")  # a newer live row holds the key
+    assert transitions.retry(WorkItem.objects.filter(pk__in=[old.pk, other.pk])) == 1
+    assert WorkItem.objects.get(pk=old.pk).status == Status.FAILED
+    assert WorkItem.objects.get(pk=other.pk).status == Status.PENDING
