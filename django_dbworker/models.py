@@ -54,27 +54,9 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         """Pending rows whose ``run_after`` has passed by the database's clock."""
         return self.filter(status=Status.PENDING, run_after__lte=Now())
 
-    def claimed(self) -> WorkItemQuerySet:
-        return self.filter(status=Status.CLAIMED)
-
-    def failed(self) -> WorkItemQuerySet:
-        return self.filter(status=Status.FAILED)
-
-    def finished(self) -> WorkItemQuerySet:
-        return self.filter(status__in=FINISHED_STATUSES)
-
     def stale(self, stale_after: timedelta) -> WorkItemQuerySet:
         """Claimed rows whose heartbeat is older than ``stale_after`` (DB clock)."""
         return self.filter(status=Status.CLAIMED, heartbeat_at__lt=Now() - stale_after)
-
-    def of_handler(self, name: str) -> WorkItemQuerySet:
-        """Rows of handler ``name``, in a form every index can serve.
-
-        The handler index leaves pending rows out (see Meta.indexes), so the
-        condition is split in two arms: non-pending rows through the handler
-        index, pending ones through the claim index.
-        """
-        return self.filter(handler_match(name))
 
     def in_order(self) -> WorkItemQuerySet:
         """The claim order: higher priority first, then oldest due, then FIFO."""

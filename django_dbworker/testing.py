@@ -18,7 +18,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django_dbworker import transitions
 from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
+from django_dbworker.models import WorkItem, WorkItemQuerySet
 from django_dbworker.registry import registry
 from django_dbworker.worker.execution import execute
 from django_dbworker.worker.identity import worker_id
@@ -75,7 +75,7 @@ def enqueued(
 ) -> WorkItemQuerySet:
     """Pending rows of ``handler``, oldest first."""
     name = handler if isinstance(handler, str) else handler.name
-    return WorkItem.objects.using(using).filter(handler=name, status=Status.PENDING).order_by("id")
+    return WorkItem.objects.using(using).pending().filter(handler=name).order_by("id")
 
 
 def assert_enqueued(

@@ -221,9 +221,7 @@ def rescue_stale(
 
 def cancel(queryset: WorkItemQuerySet) -> int:
     """pending -> cancelled. Rows in other states are left alone."""
-    return queryset.filter(status=Status.PENDING).update(
-        status=Status.CANCELLED, finished_at=Now(), updated_at=Now()
-    )
+    return queryset.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
 
 
 def retry(queryset: WorkItemQuerySet) -> int:
@@ -253,7 +251,7 @@ def retry(queryset: WorkItemQuerySet) -> int:
 
 def run_now(queryset: WorkItemQuerySet) -> int:
     """pending: make due now (DB clock)."""
-    return queryset.filter(status=Status.PENDING).update(run_after=Now(), updated_at=Now())
+    return queryset.pending().update(run_after=Now(), updated_at=Now())
 
 
 def prune(
