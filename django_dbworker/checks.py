@@ -81,6 +81,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if errors:
         return errors
     merged = {**DEFAULTS, **raw}
+    cap = merged["MAX_ABANDONED_THREADS"]
+    if cap is not None and (not _is_int(cap) or cap < 1):
+        errors.append(
+            Error(
+                f"DBWORKER['MAX_ABANDONED_THREADS'] must be None or an integer of 1 or more, "
+                f"got {cap!r}.",
+                id="django_dbworker.E003",
+            )
+        )
     port = merged["METRICS_PORT"]
     if port is not None and (not _is_int(port) or not 0 < port < 65536):
         errors.append(

@@ -32,6 +32,9 @@ RETRY_BACKOFF = 2.0
 RETRY_BACKOFF_MAX = 3600.0
 #: Largest accepted payload, in bytes of its JSON encoding.
 MAX_PAYLOAD_BYTES = 1048576
+#: Handler threads abandoned after a timeout and still running at which a
+#: worker stops claiming and exits non-zero; ``None`` means ``CONCURRENCY``.
+MAX_ABANDONED_THREADS: int | None = None
 #: Port for ``run_workers``'s ``/metrics``; ``None`` serves none.
 METRICS_PORT: int | None = None
 #: Address the metrics server binds to; loopback unless asked otherwise.
@@ -48,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_BACKOFF": RETRY_BACKOFF,
     "RETRY_BACKOFF_MAX": RETRY_BACKOFF_MAX,
     "MAX_PAYLOAD_BYTES": MAX_PAYLOAD_BYTES,
+    "MAX_ABANDONED_THREADS": MAX_ABANDONED_THREADS,
     "METRICS_PORT": METRICS_PORT,
     "METRICS_ADDR": METRICS_ADDR,
 }

@@ -118,6 +118,12 @@ class WorkerMetrics:
         self.stale_recovered = pc.Counter(
             "worker_stale_recovered_total", "Rows returned from crashed workers.", ["worker"], **kw
         )
+        self.abandoned = pc.Gauge(
+            "worker_abandoned_threads",
+            "Handler threads abandoned after their timeout that are still running.",
+            multiprocess_mode="livesum",
+            **kw,
+        )
 
     # Each method is a no-op without prometheus_client; callers never check.
 
@@ -149,6 +155,10 @@ class WorkerMetrics:
             return
         self.tasks.labels(worker, status).inc()
         self.task_duration.labels(worker, status).observe(seconds)
+
+    def abandoned_threads(self, count: int) -> None:
+        if self.enabled:
+            self.abandoned.set(count)
 
     @contextmanager
     def running(self, worker: str) -> Iterator[None]:

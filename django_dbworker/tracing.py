@@ -126,7 +126,7 @@ def processing(item: WorkItem, handler: WorkItemHandler) -> Any:
 
 @contextmanager
 def _processing(tracer: Any, item: WorkItem, handler: WorkItemHandler) -> Iterator[_Attempt]:
-    parent = propagate.extract(item.trace_context or {})
+    parent = propagate.extract(_carrier(item.trace_context))
     attributes = {
         "messaging.system": SYSTEM,
         "messaging.operation.name": "process",
@@ -147,6 +147,17 @@ def _processing(tracer: Any, item: WorkItem, handler: WorkItemHandler) -> Iterat
         yield _Attempt(span)
 
 
+def _carrier(value: Any) -> dict[str, str]:
+    """The stored context as a W3C carrier; anything malformed is ignored.
+
+    ``trace_context`` is data from the table (written by any version, or by
+    hand): a bad value must cost the trace its parent, never the attempt.
+    """
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 def record_failure(exc: BaseException, *, sensitive: bool) -> None:
     """Record ``exc`` on the current attempt's span and mark it ERROR."""
     if trace is None:
@@ -160,5 +171,15 @@ def record_failure(exc: BaseException, *, sensitive: bool) -> None:
         span.add_event("exception", {"exception.type": kind})
         span.set_status(StatusCode.ERROR, kind)
     else:
-        span.record_exception(exc)
-        span.set_status(StatusCode.ERROR, f"{kind}: {exc}"[:500])
+        from django_dbworker.transitions import error_summary, format_error
+
+        summary = error_summary(exc)  # never raises, unlike str(exc)
+        span.add_event(
+            "exception",
+            {
+                "exception.type": kind,
+                "exception.message": summary.partition(": ")[2],
+                "exception.stacktrace": format_error(exc),
+            },
+        )
+        span.set_status(StatusCode.ERROR, summary)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,10 +30,17 @@ from django_dbworker.models import FINISHED_STATUSES, Status, WorkItem, WorkItem
 
 logger = logging.getLogger("django_dbworker.transitions")
 
-#: ``last_error`` is cut to this many characters (SPEC: 10 kB).
-MAX_ERROR_CHARS = 10_000
+#: ``last_error`` is cut to this many bytes of UTF-8 (SPEC: 10 kB).
+MAX_ERROR_BYTES = 10_000
 #: Rows per UPDATE of the stale-recovery pass.
 RESCUE_BATCH = 500
+#: What replaces exception messages of sensitive handlers.
+REDACTED = "[redacted]"
+
+_TRUNCATED = "\n... (truncated) ...\n"
+# The interpreter's own words between chained exceptions.
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
 
 
 def _fenced(item: WorkItem) -> WorkItemQuerySet:
@@ -43,38 +50,122 @@ def _fenced(item: WorkItem) -> WorkItemQuerySet:
     )
 
 
-def format_error(exc: BaseException, *, include_traceback: bool = True) -> str:
-    """Exception type, message and traceback, cut to ``MAX_ERROR_CHARS``."""
+def format_error(
+    exc: BaseException, *, include_traceback: bool = True, sensitive: bool = False
+) -> str:
+    """Exception type, message and traceback as ``last_error`` stores them.
+
+    Never raises: formatting runs user code (``__str__``), and a failure that
+    cannot be formatted must still be recorded. For ``sensitive`` handlers
+    every message in the chain is replaced by ``[redacted]`` (a message may
+    quote the payload); types and frames stay, since they are what a reader
+    needs. NUL characters, which PostgreSQL's text columns refuse, are
+    escaped; the text is cut to ``MAX_ERROR_BYTES`` bytes of UTF-8.
+    """
+    try:
+        text = _redacted(exc, include_traceback) if sensitive else _plain(exc, include_traceback)
+    except Exception:
+        text = f"{_type_name(exc)}: (the exception could not be formatted)"
+    return clean_error_text(text)
+
+
+def clean_error_text(text: str) -> str:
+    """``text`` as every database stores it: NUL escaped, at most ``MAX_ERROR_BYTES``."""
+    return cap_text(text.replace("\x00", "\\x00"), MAX_ERROR_BYTES)
+
+
+def error_summary(exc: BaseException, *, sensitive: bool = False, limit: int = 500) -> str:
+    """One short line for logs: ``Type: message``, never raising, secrets redacted."""
+    if sensitive:
+        return f"{_type_name(exc)}: {REDACTED}"
+    line = format_error(exc, include_traceback=False).replace("\n", " ")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def cap_text(text: str, max_bytes: int) -> str:
+    """``text`` cut in the middle to at most ``max_bytes`` bytes of UTF-8.
+
+    The head (type and message) and the tail (the innermost frames) are what
+    a reader needs; the middle of a long traceback is not.
+    """
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    room = max_bytes - len(_TRUNCATED.encode("utf-8"))
+    head = data[: room // 2].decode("utf-8", "ignore")
+    tail = data[len(data) - (room - room // 2) :].decode("utf-8", "ignore")
+    return head + _TRUNCATED + tail
+
+
+def _type_name(exc: BaseException) -> str:
+    cls = type(exc)
+    module = getattr(cls, "__module__", "")
+    name = getattr(cls, "__qualname__", cls.__name__)
+    return name if module in ("builtins", "__main__", "") else f"{module}.{name}"
+
+
+def _plain(exc: BaseException, include_traceback: bool) -> str:
     # The summary line comes first so that the admin's "first line" is useful.
-    summary = "".join(traceback.format_exception_only(exc)).strip()
-    text = summary
+    text = "".join(traceback.format_exception_only(exc)).strip()
     if include_traceback:
         text += "\n\n" + "".join(traceback.format_exception(exc)).strip()
-    if len(text) > MAX_ERROR_CHARS:
-        head = MAX_ERROR_CHARS // 2
-        text = text[:head] + "\n... (truncated) ...\n" + text[-(MAX_ERROR_CHARS - head - 25) :]
     return text
+
+
+def _redacted(exc: BaseException, include_traceback: bool) -> str:
+    summary = f"{_type_name(exc)}: {REDACTED}"
+    if not include_traceback:
+        return summary
+    # The chain as the interpreter prints it, oldest first, messages replaced.
+    chain: list[tuple[BaseException, str]] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    link = ""
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append((current, link))
+        if current.__cause__ is not None:
+            current, link = current.__cause__, _CAUSE
+        elif current.__context__ is not None and not current.__suppress_context__:
+            current, link = current.__context__, _CONTEXT
+        else:
+            current = None
+    parts = []
+    for index, (item, _) in enumerate(reversed(chain)):
+        if index:
+            parts.append(chain[len(chain) - index][1])
+        if item.__traceback__ is not None:
+            parts.append("Traceback (most recent call last):\n")
+            parts.extend(traceback.format_tb(item.__traceback__))
+        parts.append(f"{_type_name(item)}: {REDACTED}\n")
+    return summary + "\n\n" + "".join(parts).strip()
 
 
 # -- worker transitions (fenced) ----------------------------------------------------
 
 
-def heartbeat(claims: Mapping[int, UUID], using: str | None = None) -> set[int]:
-    """Refresh ``heartbeat_at`` of every row still held; return the ids still held.
+def heartbeat(
+    claims: Collection[tuple[int, UUID]], using: str | None = None
+) -> set[tuple[int, UUID]]:
+    """Refresh ``heartbeat_at`` of every attempt still held; return those still held.
 
-    One UPDATE for all in-flight rows of a process. Claim tokens are random
-    UUIDs, so ``id IN ids AND claim_token IN tokens`` only matches a row under
-    its own token. A second query runs only when some row was lost.
+    ``claims`` are attempts, ``(id, claim_token)``: one UPDATE for all
+    in-flight rows of a process. Claim tokens are random UUIDs, so ``id IN
+    ids AND claim_token IN tokens`` only matches a row under its own token.
+    A second query runs only when some attempt was lost.
     """
     if not claims:
         return set()
+    wanted = set(claims)
     qs = WorkItem.objects.using(using).filter(
-        pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
+        pk__in={pk for pk, _ in wanted},
+        claim_token__in={token for _, token in wanted},
+        status=Status.CLAIMED,
     )
     changed = qs.update(heartbeat_at=Now())
-    if changed == len(claims):
-        return set(claims)
-    return set(qs.values_list("pk", flat=True))
+    if changed == len(wanted):
+        return wanted
+    return wanted & set(qs.values_list("pk", "claim_token"))
 
 
 def succeed(item: WorkItem, result: Any) -> bool:

@@ -56,6 +56,11 @@ class TableEstimate:
     columns: dict[str, ColumnStats]
 
 
+def _as_uuid(value: Any) -> UUID:
+    """A claim token as the driver returns it (a UUID, or hex text on SQLite)."""
+    return value if isinstance(value, UUID) else UUID(str(value))
+
+
 class UnsupportedDatabase(Exception):
     """The configured database cannot run django-dbworker."""
 
@@ -127,13 +132,17 @@ class VendorOperations:
         """
         raise NotImplementedError
 
-    def succeed_many(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> set[int]:
-        """Record several successes in one fenced UPDATE; return the ids recorded.
+    def succeed_many(
+        self, outcomes: Sequence[tuple[int, UUID, str | None]]
+    ) -> set[tuple[int, UUID]]:
+        """Record several successes in one fenced UPDATE; return the attempts recorded.
 
-        ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``.
-        Each row is matched on its own id, token and ``claimed`` status, so
-        batching keeps per-row fencing: a row recovered and re-claimed
-        meanwhile is simply not in the returned set.
+        ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``;
+        the answer holds ``(id, claim_token)`` of the rows written. Each row
+        is matched on its own id, token and ``claimed`` status, so batching
+        keeps per-row fencing: a row recovered and re-claimed meanwhile is
+        not in the answer, and two attempts of one row in one batch (a late,
+        superseded one and the current one) are told apart by their tokens.
         """
         if not outcomes:
             return set()
@@ -148,7 +157,7 @@ class VendorOperations:
         params += [pk for pk, _, _ in outcomes]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
-            return {row[0] for row in cursor.fetchall()}
+            return {(row[0], _as_uuid(row[1])) for row in cursor.fetchall()}
 
     def _succeed_sql(self, rows: int) -> str:
         q = self.connection.ops.quote_name
@@ -166,7 +175,7 @@ class VendorOperations:
             f"AND {table}.{q('id')} = v.id "
             f"AND {table}.{q('claim_token')} = v.token "
             f"AND {table}.{q('status')} = '{Status.CLAIMED.value}' "
-            f"RETURNING {table}.{q('id')}"
+            f"RETURNING {table}.{q('id')}, {table}.{q('claim_token')}"
         )
 
     def _value_placeholders(self) -> tuple[str, str, str]:

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_dbworker.db.errors import is_transient
 
 logger = logging.getLogger("django_dbworker.worker")
 
 T = TypeVar("T")
-
-#: Errors that mean "the database is unreachable or busy right now": retry them.
-TRANSIENT_ERRORS = (OperationalError, InterfaceError)
 
 
 def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
@@ -95,14 +94,16 @@ def persist(
 
     Used for outcome records: a job that ran must not be re-run just because
     the database blinked while its result was being written. Retrying is
-    safe because every outcome write is fenced by the claim token.
+    safe because every outcome write is fenced by the claim token. Errors
+    that retrying cannot cure (the database refuses a value) are raised at
+    once for the caller's fallback.
     """
     backoff = Backoff()
     while True:
         try:
             return fn()
-        except TRANSIENT_ERRORS as exc:
-            if give_up is not None and give_up.is_set():
+        except Exception as exc:
+            if not is_transient(exc) or (give_up is not None and give_up.is_set()):
                 raise
             delay = backoff.next()
             logger.warning("Database error while %s (%s); retrying in %.1fs.", what, exc, delay)

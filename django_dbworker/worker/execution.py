@@ -5,23 +5,34 @@ user code runs: the claim committed already, and outcome writes are short
 fenced UPDATEs. For ``atomic`` handlers the handler's own writes and the
 success record share one transaction, which rolls back when the fence
 fails, so those writes commit exactly once per job.
+
+Every attempt ends in exactly one recorded outcome: whatever the handler
+raises or returns, however its exception prints, whatever its ``backoff``
+answers, and whatever value the database refuses, an outcome is written
+(falling back to a plain fenced failure), or the attempt is reported
+``UNRECORDED`` so that its owner releases it.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import tracing, transitions
+from django_dbworker.backoff import exponential_backoff
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
+from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import close_thread_connections, persist, tidy
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -38,10 +49,40 @@ TIMEOUT = "timeout"
 FENCED = "fenced"
 #: The success was handed to a writer that reports it later (see RecordSuccess).
 DEFERRED = "deferred"
+#: No outcome could be written (the worker is stopping at once, or the
+#: database refused even a plain failure): the row is still claimed under
+#: this attempt's token, for the owner to release or stale recovery to return.
+UNRECORDED = "unrecorded"
+
+#: The longest retry delay a ``backoff()`` may ask for (ten years): any
+#: datetime arithmetic of every supported database stays in range.
+MAX_RETRY_DELAY = 10 * 365 * 86400.0
+#: Prefix of ``last_error`` when the database refused the handler's result.
+RESULT_NOT_STORED = "result could not be stored: "
+
+
+class _Recording:
+    """Tells the owner, once, that the attempt's outcome is about to be written."""
+
+    def __init__(self, callback: Callable[[], None] | None) -> None:
+        self._callback = callback
+
+    def __call__(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 class _FencedOut(Exception):
     """Rolls back an atomic handler's transaction whose claim was lost."""
+
+
+class _ResultRefused(Exception):
+    """The handler's result cannot be stored; retrying would produce it again."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def execute(
@@ -52,6 +93,8 @@ def execute(
     enforce_timeout: bool = True,
     metrics: WorkerMetrics | None = None,
     record_success: RecordSuccess | None = None,
+    abandoned: AbandonedThreads | None = None,
+    on_recording: Callable[[], None] | None = None,
 ) -> str:
     """Run ``item`` and record its outcome; returns one of the outcome labels.
 
@@ -60,19 +103,40 @@ def execute(
     one CONSUMER span and one observation of the task metrics.
     ``record_success`` replaces the single-row success write (the worker
     passes its batching writer); atomic handlers always write their own.
+    ``on_recording`` is told when the handler is done and its outcome is
+    about to be written (a heartbeat that misses the row after that point
+    raced the write; it did not lose the claim).
     """
     metrics = metrics or default_metrics()
+    ready = _Recording(on_recording)
     started = time.perf_counter()
-    with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
-        outcome = _execute(
-            item,
-            handler,
-            give_up=give_up,
-            enforce_timeout=enforce_timeout,
-            record_success=record_success,
+    outcome: str | None = None
+    try:
+        with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
+            outcome = _execute(
+                item,
+                handler,
+                give_up=give_up,
+                enforce_timeout=enforce_timeout,
+                record_success=record_success,
+                abandoned=abandoned,
+                ready=ready,
+            )
+            attempt.outcome(SUCCEEDED if outcome == DEFERRED else outcome)
+    except BaseException as exc:
+        # Our own code (or a tracing SDK) failed around the handler. If no
+        # outcome was recorded yet, the attempt still needs one.
+        logger.error(
+            "Unexpected error around work item %s (%s): %s",
+            item.pk,
+            handler.name,
+            transitions.error_summary(exc, sensitive=handler.sensitive),
+            exc_info=not handler.sensitive,
         )
-        attempt.outcome(SUCCEEDED if outcome == DEFERRED else outcome)
-    if outcome != DEFERRED:
+        if outcome is None:
+            ready()
+            outcome = _record_failure(item, handler, exc, retriable=True, give_up=give_up)
+    if outcome not in (DEFERRED, UNRECORDED):
         metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
 
@@ -84,18 +148,23 @@ def _execute(
     give_up: threading.Event | None,
     enforce_timeout: bool,
     record_success: RecordSuccess | None,
+    abandoned: AbandonedThreads | None,
+    ready: _Recording,
 ) -> str:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
-        return _run_and_record(item, handler, give_up, record_success)
+        return _run_and_record(item, handler, give_up, record_success, ready)
 
     box: dict[str, str] = {}
+    tracker = abandoned or AbandonedThreads()
+    finished, gone = tracker.track()
 
     def target() -> None:
         try:
-            box["outcome"] = _run_and_record(item, handler, give_up, record_success)
+            box["outcome"] = _run_and_record(item, handler, give_up, record_success, ready)
         finally:
             close_thread_connections()
+            tracker.finish(finished, gone)
 
     # Python cannot stop a thread, so a handler that overruns is abandoned:
     # its attempt is recorded as timed out now, and whatever it records
@@ -107,9 +176,11 @@ def _execute(
     )
     runner.start()
     runner.join(timeout)
-    if not runner.is_alive():
+    if not tracker.abandon(finished, gone):
+        runner.join()  # it ended just now: its own outcome stands
         return box.get("outcome", FAILED)
     error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
+    ready()
     return _record_failure(
         item,
         handler,
@@ -126,6 +197,7 @@ def _run_and_record(
     handler: WorkItemHandler,
     give_up: threading.Event | None,
     record_success: RecordSuccess | None,
+    ready: _Recording,
 ) -> str:
     db = item._state.db or "default"
     # Tidy the connection between steps only if we own its state: a caller
@@ -141,16 +213,23 @@ def _run_and_record(
             if handler.atomic:
                 with transaction.atomic(using=db):
                     result = handler.handle(item.payload)
-                    transitions.ensure_json(result, "The handler's return value")
-                    if not transitions.succeed(item, result):
+                    _encode_result(result)
+                    ready()
+                    if not _succeed_or_refuse(item, result):
                         raise _FencedOut
                 return SUCCEEDED
             result = handler.handle(item.payload)
-            encoded = transitions.ensure_json(result, "The handler's return value")
+            ready()
+            encoded = _encode_result(result)
         except _FencedOut:
             log_fenced(item, handler)
             return FENCED
+        except _ResultRefused as refused:
+            ready()
+            tidy_if_owned()
+            return record_refused_result(item, handler, refused.cause, give_up=give_up)
         except BaseException as exc:
+            ready()
             tidy_if_owned()
             return _record_failure(
                 item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
@@ -161,18 +240,67 @@ def _run_and_record(
             if recorded is None:
                 return DEFERRED
         else:
-            recorded = persist(
-                lambda: transitions.succeed(item, result),
-                what="recording a success",
-                give_up=give_up,
-                using=db,
-            )
+            try:
+                recorded = persist(
+                    lambda: _succeed_or_refuse(item, result),
+                    what="recording a success",
+                    give_up=give_up,
+                    using=db,
+                )
+            except _ResultRefused as refused:
+                tidy_if_owned()
+                return record_refused_result(item, handler, refused.cause, give_up=give_up)
+            except Exception as exc:
+                return _unrecorded(item, handler, exc)
         if recorded:
             return SUCCEEDED
         log_fenced(item, handler)
         return FENCED
     finally:
         tidy_if_owned()
+
+
+def _encode_result(result: Any) -> str:
+    try:
+        return transitions.ensure_json(result, "The handler's return value")
+    except TypeError as exc:
+        raise _ResultRefused(exc) from None
+
+
+def _succeed_or_refuse(item: WorkItem, result: Any) -> bool:
+    try:
+        return transitions.succeed(item, result)
+    except DatabaseError as exc:
+        if is_transient(exc):
+            raise
+        raise _ResultRefused(exc) from exc
+
+
+def retry_delay(handler: WorkItemHandler, attempt: int) -> float:
+    """The handler's ``backoff(attempt)``, or the default one if it misbehaves.
+
+    ``backoff`` is user code: it may raise, or answer infinity, NaN or
+    something that is not a number; none of that may keep a failure from
+    being recorded.
+    """
+    try:
+        delay = float(handler.backoff(attempt))
+        problem = None if math.isfinite(delay) else f"returned {delay!r}"
+    except BaseException as exc:
+        problem = f"raised {transitions.error_summary(exc)}"
+    if problem is not None:
+        logger.error(
+            "%s.backoff(%d) %s; using the default backoff.",
+            type(handler).__qualname__,
+            attempt,
+            problem,
+        )
+        delay = exponential_backoff(
+            attempt,
+            base=float(dbworker_settings.RETRY_BACKOFF),
+            cap=float(dbworker_settings.RETRY_BACKOFF_MAX),
+        )
+    return min(max(0.0, delay), MAX_RETRY_DELAY)
 
 
 def _record_failure(
@@ -185,51 +313,128 @@ def _record_failure(
     label: str | None = None,
     text: str | None = None,
 ) -> str:
-    db = item._state.db or "default"
-    error = text if text is not None else transitions.format_error(exc)
+    sensitive = handler.sensitive
+    error = text if text is not None else transitions.format_error(exc, sensitive=sensitive)
+    try:
+        tracing.record_failure(exc, sensitive=sensitive)
+    except Exception:
+        logger.debug("Could not record the failure on the span.", exc_info=True)
+    shown = transitions.error_summary(exc, sensitive=sensitive)
     attempts, max_attempts = item.attempts, item.max_attempts
-    tracing.record_failure(exc, sensitive=handler.sensitive)
-    # A sensitive handler's exception message may quote its payload.
-    shown: Any = type(exc).__name__ if handler.sensitive else f"{type(exc).__name__}: {exc}"
-    if retriable and attempts < max_attempts:
-        delay = handler.backoff(attempts)
-        recorded = persist(
-            lambda: transitions.retry_later(item, delay=delay, error=error),
-            what="recording a retry",
-            give_up=give_up,
-            using=db,
+    retry = retriable and attempts < max_attempts
+    delay = retry_delay(handler, attempts) if retry else 0.0
+
+    def write() -> bool:
+        if retry:
+            return transitions.retry_later(item, delay=delay, error=error)
+        return transitions.fail(item, error=error)
+
+    try:
+        recorded = _write_outcome(item, handler, write, give_up=give_up)
+    except Exception as exc_write:
+        return _unrecorded(item, handler, exc_write)
+    if not recorded:
+        log_fenced(item, handler)
+        return FENCED
+    if retry:
+        logger.warning(
+            "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
+            item.pk,
+            handler.name,
+            attempts,
+            max_attempts,
+            delay,
+            shown,
         )
-        if recorded:
-            logger.warning(
-                "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
-                item.pk,
-                handler.name,
-                attempts,
-                max_attempts,
-                delay,
-                shown,
-            )
-            return label or RETRIED
-    else:
-        recorded = persist(
-            lambda: transitions.fail(item, error=error),
-            what="recording a failure",
-            give_up=give_up,
-            using=db,
+        return label or RETRIED
+    logger.error(
+        "Work item %s (%s) failed on attempt %d/%d%s: %s",
+        item.pk,
+        handler.name,
+        attempts,
+        max_attempts,
+        "" if retriable else " (not retryable)",
+        shown,
+    )
+    return label or FAILED
+
+
+def record_refused_result(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    cause: BaseException,
+    *,
+    give_up: threading.Event | None,
+) -> str:
+    """The handler finished but its result cannot be stored: record ``failed``.
+
+    Not retried: a new attempt would compute the same result (and repeat the
+    handler's side effects) only to be refused again.
+    """
+    reason = transitions.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
+    error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
+    try:
+        recorded = _write_outcome(
+            item, handler, lambda: transitions.fail(item, error=error), give_up=give_up
         )
-        if recorded:
-            logger.error(
-                "Work item %s (%s) failed on attempt %d/%d%s: %s",
-                item.pk,
-                handler.name,
-                attempts,
-                max_attempts,
-                "" if retriable else " (not retryable)",
-                shown,
-            )
-            return label or FAILED
-    log_fenced(item, handler)
-    return FENCED
+    except Exception as exc_write:
+        return _unrecorded(item, handler, exc_write)
+    if not recorded:
+        log_fenced(item, handler)
+        return FENCED
+    logger.error(
+        "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
+        item.pk,
+        handler.name,
+        reason,
+    )
+    return FAILED
+
+
+def _write_outcome(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    write: Callable[[], bool],
+    *,
+    give_up: threading.Event | None,
+) -> bool:
+    """``write`` until it lands; if the database refuses it, a plain fenced failure.
+
+    Raises only when even the plain failure cannot be written (or the worker
+    is stopping at once while the database is away).
+    """
+    db = item._state.db or "default"
+    try:
+        return persist(write, what="recording an outcome", give_up=give_up, using=db)
+    except Exception as exc:
+        if is_transient(exc):
+            raise
+        refusal = transitions.error_summary(exc)
+    logger.error(
+        "The database refused the outcome of work item %s (%s): %s; "
+        "recording a plain failure instead.",
+        item.pk,
+        handler.name,
+        refusal,
+    )
+    plain = f"The outcome could not be recorded: {refusal}"
+    return persist(
+        lambda: transitions.fail(item, error=transitions.clean_error_text(plain)),
+        what="recording a plain failure",
+        give_up=give_up,
+        using=db,
+    )
+
+
+def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> str:
+    logger.error(
+        "Could not record any outcome of work item %s (%s): %s. It stays claimed under "
+        "this attempt until it is released or recovered as stale.",
+        item.pk,
+        handler.name,
+        transitions.error_summary(exc),
+    )
+    return UNRECORDED
 
 
 def log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:

@@ -1,36 +1,42 @@
-"""One thread per process that heartbeats every in-flight row in one UPDATE."""
+"""One thread per process that heartbeats every in-flight attempt in one UPDATE.
+
+The thread must not die: a worker without heartbeats keeps running jobs
+that other workers then recover as stale and run again. So every error is
+logged, backed off and retried (a failover's read-only window, a trigger, a
+bug in a callback alike). What cannot be caught (a ``BaseException``) ends
+the thread, and the worker's watchdog then stops the process.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection
 from uuid import UUID
 
 from django_dbworker import transitions
-from django_dbworker.worker.connections import (
-    TRANSIENT_ERRORS,
-    close_quietly,
-    close_thread_connections,
-)
+from django_dbworker.worker.connections import Backoff, close_quietly, close_thread_connections
 
 logger = logging.getLogger("django_dbworker.worker")
 
+#: An attempt: (row id, claim token).
+AttemptKey = tuple[int, UUID]
+
 
 class Heartbeat(threading.Thread):
-    """Keeps claims alive; tells the owner which claims were lost.
+    """Keeps claims alive; tells the owner which attempts were lost.
 
-    ``snapshot`` returns ``{id: claim_token}`` of the rows to keep alive;
-    ``on_lost`` receives the ids whose token is gone (recovered as stale and
-    possibly re-claimed elsewhere), which are then no longer heartbeated.
+    ``snapshot`` returns the attempts to keep alive; ``on_lost`` receives
+    those whose token is gone from the row (recovered as stale and possibly
+    re-claimed elsewhere), which are then no longer heartbeated.
     """
 
     def __init__(
         self,
         *,
         interval: float,
-        snapshot: Callable[[], Mapping[int, UUID]],
-        on_lost: Callable[[set[int]], None],
+        snapshot: Callable[[], Collection[AttemptKey]],
+        on_lost: Callable[[set[AttemptKey]], None],
         using: str,
     ) -> None:
         super().__init__(name="dbworker-heartbeat", daemon=True)
@@ -41,23 +47,33 @@ class Heartbeat(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        backoff = Backoff(first=min(0.1, self.interval), cap=self.interval)
+        delay = self.interval
         try:
-            while not self.stopped.wait(self.interval):
-                self.beat()
+            while not self.stopped.wait(delay):
+                try:
+                    self.beat()
+                except Exception as exc:
+                    delay = backoff.next()
+                    logger.warning(
+                        "Heartbeat failed (%s: %s); retrying in %.1fs.",
+                        type(exc).__name__,
+                        str(exc).strip()[:300],
+                        delay,
+                    )
+                    close_quietly(self.using)
+                else:
+                    backoff.reset()
+                    delay = self.interval
         finally:
             close_thread_connections()
 
     def beat(self) -> None:
-        claims = dict(self.snapshot())
+        claims = set(self.snapshot())
         if not claims:
             return
-        try:
-            held = transitions.heartbeat(claims, using=self.using)
-        except TRANSIENT_ERRORS as exc:
-            logger.warning("Heartbeat failed (%s); retrying in %.1fs.", exc, self.interval)
-            close_quietly(self.using)
-            return
-        lost = set(claims) - held
+        held = transitions.heartbeat(claims, using=self.using)
+        lost = claims - held
         if lost:
             self.on_lost(lost)
 

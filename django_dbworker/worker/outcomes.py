@@ -1,11 +1,18 @@
 """Batched success records: many finished items, one fenced UPDATE, one commit.
 
 Pool threads hand their successes to one writer thread and go on to the
-next item (the row stays in the worker's in-flight set, heartbeated, until
-its callback reports the write). Whatever arrives while a write is in flight goes into the next
-write, so batches form by themselves under load and a lone success is
-written at once (group commit: no timer, no added latency). Each row in a
-batch is still fenced by its own claim token.
+next item (the attempt stays in the worker's in-flight set, heartbeated,
+until its callback reports the write). Whatever arrives while a write is in
+flight goes into the next write, so batches form by themselves under load
+and a lone success is written at once (group commit: no timer, no added
+latency). Each row in a batch is still fenced by its own claim token.
+
+Every entry is settled: recorded, fenced out, refused by the database (one
+value the database will not store fails the whole statement, so the batch
+is retried row by row and only the refused row is reported as such), or,
+when the worker stops at once while the database is away, the error. If
+the writer thread is gone, entries are written by the thread that submits
+them, so a success is never queued where nobody will write it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from uuid import UUID
 
 from django_dbworker.db import VendorOperations
+from django_dbworker.db.errors import is_transient
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker.connections import close_thread_connections, persist, tidy
 
@@ -27,25 +35,38 @@ logger = logging.getLogger("django_dbworker.worker")
 MAX_BATCH = 200
 
 
-#: Told the outcome of a write: True recorded, False fenced out, or the error.
-Callback = Callable[[bool | BaseException], None]
+@dataclass(frozen=True)
+class Refused:
+    """The database refused to store this result; ``error`` says why."""
+
+    error: BaseException
 
 
-@dataclass
+#: How a write went: True recorded, False fenced out, ``Refused``, or the
+#: error that made the writer give up (the row is still claimed).
+Written = bool | Refused | BaseException
+Callback = Callable[[Written], None]
+
+
+@dataclass(eq=False)
 class _Pending:
-    pk: int
+    item: WorkItem
     token: UUID
     result_json: str | None
     callback: Callback | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    recorded: bool = False
-    error: BaseException | None = None
+    written: Written | None = None
+
+    @property
+    def key(self) -> tuple[int, UUID]:
+        return (self.item.pk, self.token)
 
     def finish(self) -> None:
         self.done.set()
         if self.callback is not None:
+            assert self.written is not None
             try:
-                self.callback(self.error if self.error is not None else self.recorded)
+                self.callback(self.written)
             except Exception:
                 logger.exception("Error in a success callback.")
 
@@ -60,12 +81,18 @@ class SuccessWriter(threading.Thread):
         self._closed = False
 
     def record(self, item: WorkItem, result_json: str | None) -> bool:
-        """Record ``item`` as succeeded and wait; True if it was still ours (not fenced)."""
+        """Record ``item`` as succeeded and wait; True if it was still ours (not fenced).
+
+        Raises the database's error if it refused the result.
+        """
         entry = self._enqueue(item, result_json, None)
         entry.done.wait()
-        if entry.error is not None:
-            raise entry.error
-        return entry.recorded
+        written = entry.written
+        if isinstance(written, Refused):
+            raise written.error
+        if isinstance(written, BaseException):
+            raise written
+        return bool(written)
 
     def submit(self, item: WorkItem, result_json: str | None, callback: Callback) -> None:
         """Record ``item`` as succeeded without waiting; ``callback`` hears how it went."""
@@ -75,19 +102,26 @@ class SuccessWriter(threading.Thread):
         self, item: WorkItem, result_json: str | None, callback: Callback | None
     ) -> _Pending:
         assert item.claim_token is not None
-        entry = _Pending(item.pk, item.claim_token, result_json, callback)
+        entry = _Pending(item, item.claim_token, result_json, callback)
         with self._lock:
-            closed = self._closed
-            if not closed:
+            direct = self._closed or (self.ident is not None and not self.is_alive())
+            if not direct:
                 self._queue.put(entry)
-        if closed:
-            # A straggler after shutdown (an abandoned, timed-out run): write it alone.
+        if direct:
+            # A straggler after shutdown (an abandoned, timed-out run), or a
+            # writer thread that died: write it here, alone.
             self._write([entry])
         return entry
 
     def close(self) -> None:
-        """Write what is queued, then stop."""
-        self._queue.put(None)
+        """Write what is queued, then stop (or write it here if the thread is gone)."""
+        with self._lock:
+            self._queue.put(None)
+            dead = self.ident is not None and not self.is_alive()
+            if dead:
+                self._closed = True
+        if dead:
+            self._write(self._drain([]))
 
     def run(self) -> None:
         try:
@@ -131,39 +165,51 @@ class SuccessWriter(threading.Thread):
         if not batch:
             return
         try:
-            rows = [(e.pk, e.token, e.result_json) for e in batch]
-            recorded = persist(
-                lambda: self.ops.succeed_many(rows),
-                what="recording successes",
-                give_up=self.give_up,
-                using=self.ops.using,
-            )
-            missing = [e for e in batch if e.pk not in recorded]
-            if missing:
-                recorded |= self._already_recorded(missing)
+            self._settle(batch)
+        except BaseException as exc:  # gave up, or a bug: the submitters must hear of it
             for entry in batch:
-                entry.recorded = entry.pk in recorded
-        except BaseException as exc:  # the waiting pool threads must hear of it
-            for entry in batch:
-                entry.error = exc
+                if entry.written is None:
+                    entry.written = exc
         finally:
             tidy(self.ops.using)
             for entry in batch:
                 entry.finish()
 
-    def _already_recorded(self, entries: list[_Pending]) -> set[int]:
-        """Rows our own earlier attempt of this write already recorded.
+    def _settle(self, batch: list[_Pending]) -> None:
+        """Write ``batch``; a batch the database refuses is retried row by row."""
+        try:
+            recorded = persist(
+                lambda: self.ops.succeed_many([(e.item.pk, e.token, e.result_json) for e in batch]),
+                what="recording successes",
+                give_up=self.give_up,
+                using=self.ops.using,
+            )
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            if len(batch) == 1:
+                batch[0].written = Refused(exc)
+                return
+            tidy(self.ops.using)
+            for entry in batch:
+                self._settle([entry])
+            return
+        missing = [e for e in batch if e.key not in recorded]
+        if missing:
+            recorded |= self._already_recorded(missing)
+        for entry in batch:
+            entry.written = entry.key in recorded
+
+    def _already_recorded(self, entries: list[_Pending]) -> set[tuple[int, UUID]]:
+        """Attempts our own earlier try of this write already recorded.
 
         When a write's connection dies after the commit but before the answer,
         ``persist`` writes again and those rows no longer match ``claimed``.
         ``succeeded`` under our own token tells them apart from fenced rows.
         """
-        return set(
-            WorkItem.objects.using(self.ops.using)
-            .filter(
-                pk__in=[e.pk for e in entries],
-                claim_token__in=[e.token for e in entries],
-                status=Status.SUCCEEDED,
-            )
-            .values_list("pk", flat=True)
+        rows = WorkItem.objects.using(self.ops.using).filter(
+            pk__in=[e.item.pk for e in entries],
+            claim_token__in=[e.token for e in entries],
+            status=Status.SUCCEEDED,
         )
+        return {e.key for e in entries} & set(rows.values_list("pk", "claim_token"))

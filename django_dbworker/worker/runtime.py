@@ -16,27 +16,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
 from django_dbworker import transitions
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
+from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker import execution
+from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
-    TRANSIENT_ERRORS,
     Backoff,
     close_quietly,
     close_thread_connections,
     persist,
 )
-from django_dbworker.worker.heartbeat import Heartbeat
+from django_dbworker.worker.heartbeat import AttemptKey, Heartbeat
 from django_dbworker.worker.identity import worker_id
-from django_dbworker.worker.outcomes import SuccessWriter
+from django_dbworker.worker.outcomes import Refused, SuccessWriter, Written
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.wakeup import Listener
@@ -61,16 +61,36 @@ class WorkerConfig:
     shutdown_timeout: float = field(
         default_factory=lambda: float(dbworker_settings.SHUTDOWN_TIMEOUT)
     )
+    #: Timed-out handler threads still running at which the process stops
+    #: claiming and exits non-zero; None means ``concurrency``.
+    max_abandoned_threads: int | None = field(
+        default_factory=lambda: dbworker_settings.MAX_ABANDONED_THREADS
+    )
     burst: bool = False
     queues: Sequence[str] | None = None
     using: str = DEFAULT_DB_ALIAS
 
 
-@dataclass
-class _InFlight:
+@dataclass(eq=False)
+class Attempt:
+    """One claim of one row, from the claim until its outcome is recorded.
+
+    Keyed by ``(id, claim_token)``: a row claimed again by this same process
+    (a retry after a timeout, a re-claim after a false stale detection) is a
+    different attempt, and nothing the older one does touches it.
+    """
+
     item: WorkItem
     handler: WorkItemHandler
+    #: The handler returned and its outcome is being written.
+    recording: bool = False
+    #: The heartbeat found the token gone: recovered as stale meanwhile.
     lost: bool = False
+
+    @property
+    def key(self) -> AttemptKey:
+        assert self.item.claim_token is not None
+        return (self.item.pk, self.item.claim_token)
 
 
 class Worker:
@@ -101,7 +121,11 @@ class Worker:
         self.idle = threading.Event()
         self.listener: Listener | None = None
         self._lock = threading.Lock()
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight: dict[AttemptKey, Attempt] = {}
+        self.abandoned = AbandonedThreads(self.metrics)
+        #: Why the process stopped itself (watchdog), or None; exit non-zero if set.
+        self.unhealthy: str | None = None
+        self._heartbeat: Heartbeat | None = None
         self._pool: Pool | None = None
         self._writer: SuccessWriter | None = None
         self._next_rescue = 0.0
@@ -119,7 +143,12 @@ class Worker:
     # -- the loop ---------------------------------------------------------------
 
     def run(self) -> None:
-        """Run until ``stop()`` (or idle, in burst mode); release unfinished rows."""
+        """Run until ``stop()`` (or idle, in burst mode); release unfinished rows.
+
+        If a helper thread dies or abandoned threads reach their cap, the
+        worker stops claiming, drains like on SIGTERM and sets ``unhealthy``
+        (``run_workers`` then exits non-zero so a supervisor restarts it).
+        """
         cfg = self.config
         loops = [
             HandlerLoop(
@@ -127,18 +156,18 @@ class Worker:
             )
             for h in self.own_table_handlers
         ]
-        heartbeat = listener = None
+        listener = None
         if self.work_item_handlers:
             self._writer = SuccessWriter(operations(cfg.using), give_up=self.aborting)
             self._writer.start()
             self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self.wake.set)
-            heartbeat = Heartbeat(
+            self._heartbeat = Heartbeat(
                 interval=cfg.heartbeat_interval,
                 snapshot=self._claims_to_heartbeat,
                 on_lost=self._mark_lost,
                 using=cfg.using,
             )
-            heartbeat.start()
+            self._heartbeat.start()
             if self.ops.supports_notify and not cfg.burst:
                 listener = Listener(using=cfg.using, queues=cfg.queues, wake=self.wake.set)
                 listener.start()
@@ -158,8 +187,8 @@ class Worker:
             self.stopping.set()
             if listener is not None:
                 listener.stop()
-            if heartbeat is not None:
-                heartbeat.stop()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
             if self._pool is not None:
                 self._pool.shutdown()
             if self._writer is not None and self._writer.is_alive():
@@ -174,10 +203,12 @@ class Worker:
         for tests that step the worker by hand.
         """
         assert self._pool is not None
+        if self._check_health():
+            return 0
         self._maybe_rescue()
         # Rows awaiting their success write still count against the process:
-        # at most CONCURRENCY + UNRECORDED_EXTRA rows are claimed and not yet
-        # recorded, so a slow database applies back-pressure instead of a
+        # at most CONCURRENCY + UNRECORDED_EXTRA attempts are claimed and not
+        # yet recorded, so a slow database applies back-pressure instead of a
         # growing queue (and heartbeats stay one bounded UPDATE).
         with self._lock:
             unrecorded = len(self._in_flight)
@@ -205,25 +236,23 @@ class Worker:
             self.wake.clear()
             try:
                 claimed = self.run_once()
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
                 self.metrics.claim_error(WORK_ITEM_LOOP)
                 delay = self._claim_backoff.next()
-                logger.error(
-                    "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
-                )
-                close_quietly(cfg.using)
-                self.stopping.wait(delay)
-                continue
-            except Exception:
-                self.metrics.claim_error(WORK_ITEM_LOOP)
-                # Not a connection problem (a missing table, a bad query): say so
-                # loudly, but keep the process alive and its in-flight rows owned.
-                delay = self._claim_backoff.next()
-                logger.exception("Claiming failed; retrying in %.1fs.", delay)
+                if is_transient(exc):
+                    logger.error(
+                        "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
+                    )
+                else:
+                    # Not a connection problem (a missing table, a bad query): say
+                    # so loudly, but keep the process alive and its rows owned.
+                    logger.exception("Claiming failed; retrying in %.1fs.", delay)
                 close_quietly(cfg.using)
                 self.stopping.wait(delay)
                 continue
             self._claim_backoff.reset()
+            if self.stopping.is_set():
+                return
             if claimed and self._pool.free() > 0:
                 continue  # a full batch: more rows may be ready right now
             if cfg.burst and not claimed and not self._has_in_flight():
@@ -233,34 +262,82 @@ class Worker:
             self.wake.wait(cfg.poll_interval)
             self.idle.clear()
 
+    # -- watchdog ---------------------------------------------------------------
+
+    def _check_health(self) -> bool:
+        """Stop claiming if the process cannot keep its promises; True if stopping.
+
+        Without heartbeats every job longer than STALE_AFTER would run twice;
+        without the writer no success would be recorded; past the cap of
+        abandoned threads, hung handlers would pile up threads and
+        connections. A supervisor restarting the process is the cure.
+        """
+        reason = None
+        cap = self.config.max_abandoned_threads or self.config.concurrency
+        if self._heartbeat is not None and not self._heartbeat.is_alive():
+            reason = "the heartbeat thread died"
+        elif self._writer is not None and not self._writer.is_alive():
+            reason = "the success writer thread died"
+        elif self.abandoned.count >= cap:
+            reason = (
+                f"{self.abandoned.count} handler thread(s) that overran their timeout are still "
+                f"running (abandoned threads), the cap is {cap} (MAX_ABANDONED_THREADS)"
+            )
+        if reason is None:
+            return False
+        if self.unhealthy is None:
+            self.unhealthy = reason
+            logger.critical(
+                "Stopping this worker: %s. It finishes or releases its running items and "
+                "exits non-zero so that a supervisor restarts it.",
+                reason,
+            )
+        self.stopping.set()
+        self.wake.set()
+        return True
+
+    # -- running one attempt -------------------------------------------------------
+
     def _dispatch(self, item: WorkItem) -> None:
         assert self._pool is not None
         handler = self.work_item_handlers[item.handler]
         writer = self._writer
+        attempt = Attempt(item, handler)
         with self._lock:
-            self._in_flight[item.pk] = _InFlight(item, handler)
+            self._in_flight[attempt.key] = attempt
 
         started = time.perf_counter()
 
         def hand_over(item: WorkItem, result_json: str | None) -> None:
             # The thread is free for the next item as soon as the success is
-            # queued; the row stays in flight (heartbeated) until it is written.
+            # queued; the attempt stays in flight (heartbeated) until written.
             assert writer is not None
             took = time.perf_counter() - started
 
-            def written(recorded: bool | BaseException) -> None:
-                if isinstance(recorded, BaseException):
-                    return  # still in flight: released at shutdown
-                if not recorded:
+            def written(outcome: Written) -> None:
+                if isinstance(outcome, Refused):
+                    label = execution.record_refused_result(
+                        item, handler, outcome.error, give_up=self.aborting
+                    )
+                elif isinstance(outcome, BaseException):
+                    return  # still claimed: released at shutdown
+                elif outcome:
+                    label = execution.SUCCEEDED
+                else:
                     execution.log_fenced(item, handler)
-                outcome = execution.SUCCEEDED if recorded else execution.FENCED
-                self.metrics.task_done(handler.name, outcome, took)
-                self._forget(item.pk)
+                    label = execution.FENCED
+                if label != execution.UNRECORDED:
+                    self.metrics.task_done(handler.name, label, took)
+                self._forget(attempt)
 
             writer.submit(item, result_json, written)
 
+        def recording() -> None:
+            with self._lock:
+                attempt.recording = True
+
         def run() -> None:
-            outcome = execution.FAILED
+            outcome = execution.UNRECORDED
             try:
                 outcome = execution.execute(
                     item,
@@ -268,20 +345,28 @@ class Worker:
                     give_up=self.aborting,
                     metrics=self.metrics,
                     record_success=hand_over if writer is not None else None,
+                    abandoned=self.abandoned,
+                    on_recording=recording,
                 )
             finally:
-                if outcome != execution.DEFERRED:
-                    self._forget(item.pk)
+                if outcome == execution.DEFERRED:
+                    pass  # the writer's callback retires the attempt
+                elif outcome == execution.UNRECORDED and self.aborting.is_set():
+                    pass  # still claimed under this attempt: released at shutdown
+                else:
+                    self._forget(attempt)
 
         self._pool.submit(run)
 
-    def _forget(self, pk: int) -> None:
+    def _forget(self, attempt: Attempt) -> None:
+        """Retire ``attempt`` (and only it) once its outcome is recorded."""
         with self._lock:
-            self._in_flight.pop(pk, None)
+            if self._in_flight.get(attempt.key) is attempt:
+                del self._in_flight[attempt.key]
         self.wake.set()  # room for another claim
 
     def _has_in_flight(self) -> bool:
-        """Rows claimed by this process and not yet recorded (running or being written)."""
+        """Attempts of this process not yet recorded (running or being written)."""
         with self._lock:
             return bool(self._in_flight)
 
@@ -309,32 +394,32 @@ class Worker:
 
     # -- heartbeat callbacks -------------------------------------------------------
 
-    def _claims_to_heartbeat(self) -> dict[int, UUID]:
+    def _claims_to_heartbeat(self) -> list[AttemptKey]:
         with self._lock:
-            return {
-                pk: f.item.claim_token
-                for pk, f in self._in_flight.items()
-                if not f.lost and f.item.claim_token is not None
-            }
+            return [key for key, attempt in self._in_flight.items() if not attempt.lost]
 
-    def _mark_lost(self, ids: set[int]) -> None:
+    def _mark_lost(self, keys: set[AttemptKey]) -> None:
         with self._lock:
-            for pk in ids:
-                entry = self._in_flight.get(pk)
-                if entry is not None and not entry.lost:
-                    entry.lost = True
+            for key in keys:
+                attempt = self._in_flight.get(key)
+                if attempt is None or attempt.lost:
+                    continue
+                attempt.lost = True
+                # An attempt whose outcome is being written lost nothing: the
+                # heartbeat raced the write (and a fenced write says so itself).
+                if not attempt.recording:
                     logger.warning(
                         "Lost the claim on work item %s (%s): it was recovered as stale. "
                         "Its outcome will be discarded.",
-                        pk,
-                        entry.handler.name,
+                        key[0],
+                        attempt.handler.name,
                     )
 
     # -- shutdown ---------------------------------------------------------------
 
     def in_flight(self) -> list[WorkItem]:
         with self._lock:
-            return [f.item for f in self._in_flight.values()]
+            return [attempt.item for attempt in self._in_flight.values()]
 
     def _drain(self, loops: Sequence[HandlerLoop]) -> None:
         """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal)."""

@@ -54,16 +54,34 @@ def test_heartbeat_reports_lost_claims() -> None:
     make_item()
     a, b = claim()
     WorkItem.objects.filter(pk=b.pk).update(status=Status.PENDING, claim_token=None)
-    held = transitions.heartbeat({a.pk: a.claim_token, b.pk: b.claim_token})
-    assert held == {a.pk}
+    held = transitions.heartbeat({(a.pk, a.claim_token), (b.pk, b.claim_token)})
+    assert held == {(a.pk, a.claim_token)}
 
 
 def test_heartbeat_with_a_foreign_token_does_not_touch_the_row() -> None:
     make_item()
     (a,) = claim()
     age_heartbeat(a, 100)
-    assert transitions.heartbeat({a.pk: uuid.uuid4()}) == set()
+    assert transitions.heartbeat({(a.pk, uuid.uuid4())}) == set()
     assert WorkItem.objects.stale(__import__("datetime").timedelta(seconds=50)).count() == 1
+
+
+def test_heartbeat_tells_two_attempts_of_one_row_apart() -> None:
+    make_item()
+    (a,) = claim()
+    old_token = uuid.uuid4()  # a superseded attempt of the same row
+    held = transitions.heartbeat({(a.pk, old_token), (a.pk, a.claim_token)})
+    assert held == {(a.pk, a.claim_token)}
+
+
+def test_succeed_many_tells_two_attempts_of_one_row_apart() -> None:
+    from django_dbworker.db import operations
+
+    make_item()
+    (a,) = claim()
+    done = operations().succeed_many([(a.pk, uuid.uuid4(), '"late"'), (a.pk, a.claim_token, "1")])
+    assert done == {(a.pk, a.claim_token)}
+    assert WorkItem.objects.get(pk=a.pk).result == 1
 
 
 def test_release_hands_the_attempt_back() -> None:
@@ -162,7 +180,7 @@ def test_succeed_many_is_fenced_per_row() -> None:
             (d.pk, uuid.uuid4(), "1"),
         ]
     )
-    assert done == {a.pk, c.pk}
+    assert done == {(a.pk, a.claim_token), (c.pk, c.claim_token)}
     rows = {r.pk: r for r in WorkItem.objects.all()}
     assert (rows[a.pk].status, rows[a.pk].result) == (Status.SUCCEEDED, {"n": 1})
     assert (rows[c.pk].status, rows[c.pk].result) == (Status.SUCCEEDED, None)

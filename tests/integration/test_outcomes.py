@@ -25,7 +25,7 @@ def test_successes_arriving_during_a_write_share_the_next_one() -> None:
     batches: list[int] = []
     real = ops.succeed_many
 
-    def observed(rows: Any) -> set[int]:
+    def observed(rows: Any) -> Any:
         if not batches:
             # Hold the first write until the other 19 successes are queued.
             deadline = time.monotonic() + 10
@@ -73,7 +73,7 @@ def test_a_write_already_committed_is_not_mistaken_for_fencing() -> None:
     make_item()
     (item,) = claim(limit=1)
     ops = operations()
-    assert ops.succeed_many([(item.pk, item.claim_token, None)]) == {item.pk}
+    assert ops.succeed_many([(item.pk, item.claim_token, None)]) == {(item.pk, item.claim_token)}
     writer = SuccessWriter(ops)
     writer.start()
     # The same write again (as after a lost answer): recognised as ours.

@@ -227,3 +227,107 @@ class Explosive(Handler[Invoice]):
         Explosive.calls["recover"] += 1
         if Explosive.calls["recover"] % 2 == 0:
             raise KeyError("recover exploded")
+
+
+# -- handlers for the fault tests (tests/integration/test_faults.py) ------------------
+
+
+class OverrunOnce(WorkItemHandler):
+    """Run n sleeps ``durations[n - 1]``: a first run can overrun a long timeout."""
+
+    name = "overrun_once"
+    timeout = 3.0
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> int:
+        runs = _record(payload, "start")
+        durations = payload["durations"]
+        time.sleep(float(durations[min(runs, len(durations)) - 1]))
+        _record(payload, "end")
+        return runs
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be printed")
+
+
+class Unprintable(WorkItemHandler):
+    name = "unprintable"
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise UnprintableError()
+
+
+class _BadBackoff(WorkItemHandler):
+    abstract = True
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise ConnectionError("retry me")
+
+
+class RaisingBackoff(_BadBackoff):
+    name = "raising_backoff"
+
+    def backoff(self, attempt: int) -> float:
+        raise ZeroDivisionError("backoff exploded")
+
+
+class InfiniteBackoff(_BadBackoff):
+    name = "infinite_backoff"
+
+    def backoff(self, attempt: int) -> float:
+        return float("inf")
+
+
+class NanBackoff(_BadBackoff):
+    name = "nan_backoff"
+
+    def backoff(self, attempt: int) -> float:
+        return float("nan")
+
+
+class NulError(WorkItemHandler):
+    """An error text PostgreSQL's text columns refuse."""
+
+    name = "nul_error"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("bad \x00 byte")
+
+
+class NulResult(WorkItemHandler):
+    """A result PostgreSQL's jsonb refuses."""
+
+    name = "nul_result"
+
+    def handle(self, payload: Any) -> Any:
+        _record(payload)
+        return {"text": "bad\x00"}
+
+
+class SecretSlowFail(WorkItemHandler):
+    """Sensitive, and its exception quotes the payload."""
+
+    name = "secret_retry"
+    sensitive = True
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> None:
+        try:
+            int(payload["password"])
+        except ValueError as exc:
+            raise KeyError(f"password {payload['password']} refused") from exc
+
+
+class LongError(WorkItemHandler):
+    name = "long_error"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("x" * 50_000)
