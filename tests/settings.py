@@ -90,6 +90,8 @@ DBWORKER = {
     "RETRY_BACKOFF_MAX": 1.0,
     "CONCURRENCY": int(os.environ.get("DBWORKER_CONCURRENCY", "4")),
 }
+if os.environ.get("DBWORKER_MAX_ABANDONED_THREADS"):
+    DBWORKER["MAX_ABANDONED_THREADS"] = int(os.environ["DBWORKER_MAX_ABANDONED_THREADS"])
 
 LOGGING = {
     "version": 1,

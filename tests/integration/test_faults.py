@@ -72,8 +72,10 @@ def run_until_finished(names: list[str], timeout: float = 30.0, **kwargs: Any) -
     """Burst runs until no row is pending or claimed (retries come back after a backoff)."""
     live = (Status.PENDING, Status.CLAIMED)
     wait_until(
-        lambda: run_burst(names, timeout=timeout, **kwargs)
-        and not WorkItem.objects.filter(status__in=live).exists(),
+        lambda: (
+            run_burst(names, timeout=timeout, **kwargs)
+            and not WorkItem.objects.filter(status__in=live).exists()
+        ),
         timeout=timeout,
         interval=0.05,
         what="every item to finish",
@@ -300,13 +302,16 @@ def test_abandoned_threads_are_counted_and_capped(caplog: pytest.LogCaptureFixtu
     registry_ = CollectorRegistry()
     metrics = WorkerMetrics(registry_)
     Slow.enqueue_many([{"key": f"a{n}", "seconds": 2.5} for n in range(3)])
-    worker = Worker([Slow], config(concurrency=2, max_abandoned_threads=2), metrics=metrics)
+    # Two run at once; the first timeout reaches the cap of one: no third claim.
+    worker = Worker([Slow], config(concurrency=2, max_abandoned_threads=1), metrics=metrics)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     thread.join(20)
     assert not thread.is_alive(), "the worker kept claiming past the cap"
     assert worker.unhealthy is not None and "abandoned" in worker.unhealthy
+    # The second run overran too while the worker drained.
     assert registry_.get_sample_value("worker_abandoned_threads") == 2
+    assert worker.abandoned.count == 2
     # The third item was never claimed: the worker stopped at the cap.
     assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 1
     wait_until(

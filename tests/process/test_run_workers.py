@@ -215,3 +215,17 @@ def test_worker_survives_a_server_restart(start_worker) -> None:
     assert "Database unavailable" in worker.log() or "retrying" in worker.log()
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0
+
+
+def test_abandoned_threads_at_the_cap_stop_the_worker_non_zero(start_worker) -> None:
+    from tests.testapp.workers import Slow
+
+    Slow.enqueue_many([{"key": f"s{n}", "seconds": 4} for n in range(3)])
+    worker = start_worker("slow", "--concurrency", "1", env={"DBWORKER_MAX_ABANDONED_THREADS": "1"})
+    assert worker.wait(timeout=30) == 3
+    log = worker.log()
+    assert "abandoned threads" in log and "the cap is 1 (MAX_ABANDONED_THREADS)" in log
+    assert "Worker stopped itself" in log
+    # One item timed out (retry scheduled); the others were never claimed.
+    assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 2
+    assert not WorkItem.objects.filter(status=Status.CLAIMED).exists()

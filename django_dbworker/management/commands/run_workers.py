@@ -21,6 +21,10 @@ from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 logger = logging.getLogger("django_dbworker")
 
+#: Exit status when the worker stopped itself because it could not keep its
+#: promises (a helper thread died, too many abandoned handler threads).
+EXIT_UNHEALTHY = 3
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -163,6 +167,11 @@ class Command(BaseCommand):
             worker.run()
         finally:
             metrics.mark_process_dead()
+        if worker.unhealthy is not None:
+            # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process.
+            raise CommandError(
+                f"Worker stopped itself: {worker.unhealthy}.", returncode=EXIT_UNHEALTHY
+            )
         logger.info("Worker stopped.")
 
     def _check_database(self, using: str) -> None:
