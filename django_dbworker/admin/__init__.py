@@ -120,7 +120,8 @@ class BaseWorkItemAdmin(_ModelAdmin):
         if not term:
             return queryset, False
         match = handler_match(term) | Q(unique_key=term)
-        if term.isdigit() and len(term) < 19:
+        # isdigit() alone accepts "²", which int() refuses; ids are ASCII digits.
+        if term.isascii() and term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))
         return queryset.filter(match), False
 

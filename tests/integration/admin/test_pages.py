@@ -141,6 +141,16 @@ def test_search_by_id_handler_and_unique_key(superuser_client: Client, mixed: di
     assert mixed["failed"].pk in by_handler and mixed["pending"].pk not in by_handler
 
 
+@pytest.mark.parametrize("term", ["²", "12²"])
+def test_search_for_non_ascii_digits_finds_nothing(
+    superuser_client: Client, mixed: dict, term: str
+) -> None:
+    # "²".isdigit() is true but int("²") fails; only ASCII digits are ids.
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == set()
+
+
 def test_detail_page_is_read_only_and_pretty(superuser_client: Client, mixed: dict) -> None:
     item = mixed["failed"]
     WorkItem.objects.filter(pk=item.pk).update(
