@@ -30,6 +30,17 @@ class QueueStats(TypedDict):
     oldest_pending_age: float | None
 
 
+def status_columns(stats: dict[str, QueueStats]) -> list[str]:
+    """The statuses to show: the known ones in life-cycle order, then any others found.
+
+    A row may carry a status this version does not know (written by a newer
+    version, or by hand); it is shown under its own name, not dropped.
+    """
+    known = [s.value for s in Status]
+    found = {status for entry in stats.values() for status in entry["counts"]}
+    return known + sorted(found - set(known))
+
+
 def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
     """``{queue: {"counts": {status: n}, "estimated": {...}, "oldest_pending_age": s}}``."""
     db = using or DEFAULT_DB_ALIAS

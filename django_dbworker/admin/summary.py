@@ -9,8 +9,8 @@ from django.db.models.functions import Now
 
 from django_dbworker.admin import display
 from django_dbworker.conf import dbworker_settings
-from django_dbworker.models import Status, WorkItem
-from django_dbworker.stats import queue_stats
+from django_dbworker.models import WorkItem
+from django_dbworker.stats import queue_stats, status_columns
 
 #: Stale claims listed on the page (the count is always complete).
 STALE_ROWS_SHOWN = 50
@@ -18,9 +18,10 @@ STALE_ROWS_SHOWN = 50
 
 def summary_context() -> dict[str, Any]:
     stale_after = float(dbworker_settings.STALE_AFTER)
-    statuses = [s.value for s in Status]
+    stats = queue_stats()
+    statuses = status_columns(stats)
     rows = []
-    for queue, entry in sorted(queue_stats().items()):
+    for queue, entry in sorted(stats.items()):
         rows.append(
             {
                 "queue": queue,

@@ -40,6 +40,16 @@ def test_stats_count_by_queue_and_status_with_lag() -> None:
     assert lines[1].split()[:6] == ["a", "1", "0", "0", "1", "0"]
 
 
+def test_stats_show_a_status_this_version_does_not_know() -> None:
+    odd = make_item(queue="a")
+    WorkItem.objects.filter(pk=odd.pk).update(status="weird")  # a newer version's, or by hand
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert header.split()[5:7] == ["cancelled", "weird"]
+    assert row.split()[:7] == ["a", "0", "0", "0", "0", "0", "1"]
+
+
 def test_prune_deletes_old_finished_rows_only() -> None:
     old = Now() - timedelta(days=10)
     keep_recent = make_item(status=Status.SUCCEEDED, finished_at=Now())

@@ -7,7 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import DEFAULT_DB_ALIAS
 
-from django_dbworker.stats import queue_stats
+from django_dbworker.stats import queue_stats, status_columns
 
 
 class Command(BaseCommand):
@@ -21,7 +21,7 @@ class Command(BaseCommand):
         if not stats:
             self.stdout.write("No work items.")
             return
-        statuses = ["pending", "claimed", "succeeded", "failed", "cancelled"]
+        statuses = status_columns(stats)
         header = ["queue", *statuses, "oldest pending"]
         rows = []
         for queue, entry in sorted(stats.items()):

@@ -151,6 +151,29 @@ def test_search_for_non_ascii_digits_finds_nothing(
     assert ids_on_page(response.content.decode()) == set()
 
 
+def test_every_page_renders_a_row_with_an_unknown_status(
+    superuser_client: Client, mixed: dict
+) -> None:
+    # Written by a newer version or by hand: the admin must still show it.
+    odd = make_item(handler="echo", queue="q1")
+    WorkItem.objects.filter(pk=odd.pk).update(status="weird")
+    for name in CHANGELISTS:
+        response = superuser_client.get(reverse(name))
+        assert response.status_code == 200, name
+    listed = superuser_client.get(reverse(CHANGELISTS[0])).content.decode()
+    assert odd.pk in ids_on_page(listed) and 'class="dbw-status dbw-weird"' in listed
+    summary = superuser_client.get(reverse(CHANGELISTS[3])).content.decode()
+    assert "?queue=q1&amp;status__exact=weird" in summary
+    for model in ("workitem", "claimedworkitem", "failedworkitem"):
+        url = reverse(f"admin:django_dbworker_{model}_change", args=[odd.pk])
+        response = superuser_client.get(url, follow=True)
+        assert response.status_code == 200, model
+    detail = superuser_client.get(
+        reverse("admin:django_dbworker_workitem_change", args=[odd.pk])
+    ).content.decode()
+    assert "weird" in detail
+
+
 def test_detail_page_is_read_only_and_pretty(superuser_client: Client, mixed: dict) -> None:
     item = mixed["failed"]
     WorkItem.objects.filter(pk=item.pk).update(
