@@ -185,8 +185,9 @@ class BaseWorkItemAdmin(_ModelAdmin):
 
     @admin.display(description="payload")
     def payload_pretty(self, obj: WorkItem) -> SafeString | str:
-        if display.is_sensitive(obj):
-            return "(redacted: this handler is marked sensitive)"
+        redaction = display.payload_redaction(obj)
+        if redaction is not None:
+            return redaction
         return display.pretty_json(obj.payload)
 
     @admin.display(description="result")

@@ -62,8 +62,22 @@ def age(when: datetime | None, now: datetime | None) -> str:
     return f"in {duration(delta)}" if delta > 0 else f"{duration(delta)} ago"
 
 
-def is_sensitive(item: WorkItem) -> bool:
-    return bool(getattr(registry.get(item.handler), "sensitive", False))
+def payload_redaction(item: WorkItem) -> str | None:
+    """Why ``item``'s payload must not be shown, or None when it may be.
+
+    Fails closed: a handler that is not registered in this process (its
+    ``workers`` module is only deployed with the workers, or it was renamed)
+    might be sensitive, so its payload is hidden too.
+    """
+    cls = registry.get(item.handler)
+    if cls is None:
+        return (
+            f"(redacted: handler {item.handler} is not registered in this process, "
+            "so it cannot be told whether its payload is sensitive)"
+        )
+    if getattr(cls, "sensitive", False):
+        return "(redacted: this handler is marked sensitive)"
+    return None
 
 
 def pretty_json(value: Any) -> SafeString:

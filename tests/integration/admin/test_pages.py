@@ -203,6 +203,25 @@ def test_sensitive_payload_is_redacted(superuser_client: Client) -> None:
     assert "hunter2" not in html and "redacted" in html
 
 
+def test_payload_of_an_unregistered_handler_is_redacted(superuser_client: Client) -> None:
+    # Not registered in this process: it cannot be told whether the handler
+    # is sensitive, so the payload stays hidden (fail closed).
+    item = make_item(handler="only-in-the-worker", payload={"password": "hunter2"})
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    html = superuser_client.get(url).content.decode()
+    assert "hunter2" not in html
+    assert (
+        "(redacted: handler only-in-the-worker is not registered in this process, "
+        "so it cannot be told whether its payload is sensitive)"
+    ) in html
+
+
+def test_payload_of_a_registered_plain_handler_is_shown(superuser_client: Client) -> None:
+    item = make_item(handler="echo", payload={"visible": "yes-shown"})
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    assert "yes-shown" in superuser_client.get(url).content.decode()
+
+
 @pytest.mark.parametrize(
     ("action", "selected", "changed", "new_status"),
     [
