@@ -1,4 +1,4 @@
-"""The queue summary page: counts per queue and status, lag, stale claims."""
+"""The queue summary page: counts per queue and status, lag, stale claims, orphans."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from django.db.models.functions import Now
 from django_dbworker.admin import display
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import WorkItem
-from django_dbworker.stats import queue_stats, status_columns
+from django_dbworker.stats import orphaned_handlers, queue_stats, status_columns
 
 #: Stale claims listed on the page (the count is always complete).
 STALE_ROWS_SHOWN = 50
@@ -43,7 +43,12 @@ def summary_context() -> dict[str, Any]:
     stale_rows = list(stale[: STALE_ROWS_SHOWN + 1])
     for item in stale_rows:
         item.heartbeat_age = display.age(item.heartbeat_at, display.db_now(item))  # type: ignore[attr-defined]
+    orphans = [
+        {**orphan, "oldest_age_display": display.duration(orphan["oldest_age"]) + " ago"}
+        for orphan in orphaned_handlers()
+    ]
     return {
+        "orphans": orphans,
         "statuses": statuses,
         "rows": rows,
         "stale_rows": stale_rows[:STALE_ROWS_SHOWN],

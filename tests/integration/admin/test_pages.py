@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.db.models.functions import Now
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -272,6 +274,31 @@ def test_summary_counts_lag_and_stale_claims(superuser_client: Client, mixed: di
     assert "Work items by queue" in html
     assert "?queue=q2&amp;status__exact=failed" in html
     assert "host:7:MainThread" in html  # listed as a stale claim
+
+
+def test_summary_lists_pending_work_of_unregistered_handlers(
+    superuser_client: Client, mixed: dict
+) -> None:
+    for age in (7200, 60):
+        make_item(handler="gone-handler", created_at=Now() - timedelta(seconds=age))
+    make_item(handler="gone-finished", status=Status.FAILED)  # nothing waits for it
+    html = superuser_client.get(reverse(CHANGELISTS[3])).content.decode()
+    assert "Pending work of handlers not registered in this process" in html
+    section = html.split("Pending work of handlers not registered")[1]
+    assert "?handler=gone-handler&amp;status__exact=pending" in section
+    assert re.search(r"gone-handler</a></td>\s*<td>2</td>\s*<td>2h ago</td>", section)
+    assert "gone-finished" not in html
+    listed = superuser_client.get(
+        reverse(CHANGELISTS[0]), {"handler": "gone-handler", "status__exact": "pending"}
+    ).content.decode()
+    assert len(ids_on_page(listed)) == 2
+
+
+def test_summary_without_unregistered_handlers_says_so(
+    superuser_client: Client, mixed: dict
+) -> None:
+    html = superuser_client.get(reverse(CHANGELISTS[3])).content.decode()
+    assert "None: every handler with pending work is registered" in html
 
 
 def test_list_pages_never_load_payload_result_or_traceback(
