@@ -1,7 +1,8 @@
 """System checks for ``DBWORKER`` settings and the database configuration.
 
-Ids are stable: E001-E009 for settings values, W001-W009 for risky but
-working configurations. Checks read settings only; they never connect.
+Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ),
+W001-W009 for risky but working configurations. Checks read settings only;
+they never connect.
 """
 
 from __future__ import annotations
@@ -119,6 +120,27 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return errors
+
+
+@register(Tags.compatibility)
+def check_time_zone_support(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse USE_TZ = False: due times would be compared across time zones.
+
+    Every due-time comparison uses the database clock (``CURRENT_TIMESTAMP``,
+    UTC on SQLite). Without USE_TZ, Django stores a naive ``run_after`` as
+    local time, so on a host east of UTC work due in two hours runs at once,
+    and west of UTC it runs hours late.
+    """
+    if settings.USE_TZ:
+        return []
+    return [
+        Error(
+            "django_dbworker requires USE_TZ = True; it is False.",
+            hint="Set USE_TZ = True. Due times are compared with the database's clock in "
+            "UTC, and naive datetimes stored as local time would make work run early or late.",
+            id="django_dbworker.E009",
+        )
+    ]
 
 
 @register(Tags.compatibility)

@@ -51,12 +51,50 @@ def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
     return cls
 
 
+#: How ``json.dumps`` (ASCII output) writes a NUL character.
+_NUL_ESCAPE = "\\u0000"
+
+
+def _nul_place(payload: Any) -> str | None:
+    """Where a NUL character sits in ``payload`` ("a dict key", "a string"), or None.
+
+    Iterative, so it never recurses deeper than ``json.dumps`` just did.
+    """
+    stack = [payload]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                return "a string"
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                if isinstance(key, str) and "\x00" in key:
+                    return "a dict key"
+                stack.append(inner)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return None
+
+
 def _check_payload(payload: Any) -> str:
     """The payload as JSON text; raises EnqueueError if it is not JSON or too big."""
     try:
         encoded = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise EnqueueError(f"Payload is not JSON-serialisable: {exc}.") from None
+    # PostgreSQL's jsonb refuses \u0000 (with an error that quotes the whole
+    # payload); SQLite would store it. Refused everywhere, so a SQLite dev
+    # setup fails like production. The walk runs only when the escape shows
+    # up in the text (a literal backslash before "u0000" shows it too, and
+    # the walk then finds no NUL), so ordinary payloads pay one substring
+    # search. The message names where, never what: payloads may be sensitive.
+    if _NUL_ESCAPE in encoded:
+        place = _nul_place(payload)
+        if place is not None:
+            raise EnqueueError(
+                f"Payload contains a NUL character (\\u0000) in {place}; PostgreSQL "
+                "cannot store it in JSON, so it is refused on every database."
+            )
     limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
     size = len(encoded.encode("utf-8"))
     if size > limit:

@@ -1,4 +1,4 @@
-"""Aggregates over the work table: counts by queue and status, and queue lag.
+"""Aggregates over the work table: counts by queue and status, queue lag, orphans.
 
 Live rows (pending, claimed) and failed rows are always counted exactly:
 they are what operators act on, and the status index keeps those counts
@@ -16,7 +16,9 @@ from django.db.models import Count, Min
 from django.db.models.functions import Now
 
 from django_dbworker.db import operations
+from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Status, WorkItem, live_or_failed
+from django_dbworker.registry import registry
 
 #: Below this many rows (planner estimate) everything is counted exactly.
 EXACT_BELOW = 200_000
@@ -28,6 +30,17 @@ class QueueStats(TypedDict):
     #: Statuses whose count is a planner estimate.
     estimated: set[str]
     oldest_pending_age: float | None
+
+
+def status_columns(stats: dict[str, QueueStats]) -> list[str]:
+    """The statuses to show: the known ones in life-cycle order, then any others found.
+
+    A row may carry a status this version does not know (written by a newer
+    version, or by hand); it is shown under its own name, not dropped.
+    """
+    known = [s.value for s in Status]
+    found = {status for entry in stats.values() for status in entry["counts"]}
+    return known + sorted(found - set(known))
 
 
 def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
@@ -70,3 +83,41 @@ def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
             0.0, (row["now"] - row["oldest"]).total_seconds()
         )
     return stats
+
+
+class OrphanedHandler(TypedDict):
+    handler: str
+    pending: int
+    #: Seconds since the oldest of these rows was enqueued (database clock).
+    oldest_age: float
+
+
+def orphaned_handlers(using: str | None = None) -> list[OrphanedHandler]:
+    """Handler names with pending rows that no WorkItemHandler here registers, by name.
+
+    Nothing runs such rows: the handler was renamed or removed, or its
+    ``workers`` module is not installed in this process. They would wait
+    forever without a sign, so the stats and the admin list them. Only this
+    process's registry is known; a name registered only in the workers'
+    deployment shows up here too, and is worth fixing anyway (the admin
+    cannot tell whether its payloads are sensitive). One query over the
+    pending rows, grouped by handler; not-yet-due rows count too.
+    """
+    runnable = [name for name, cls in registry.items() if issubclass(cls, WorkItemHandler)]
+    rows: Any = (
+        WorkItem.objects.using(using or DEFAULT_DB_ALIAS)
+        .pending()
+        .exclude(handler__in=runnable)
+        .order_by()
+        .values("handler")
+        .annotate(n=Count("id"), oldest=Min("created_at"), now=Now())
+        .order_by("handler")
+    )
+    return [
+        {
+            "handler": row["handler"],
+            "pending": row["n"],
+            "oldest_age": max(0.0, (row["now"] - row["oldest"]).total_seconds()),
+        }
+        for row in rows
+    ]

@@ -120,7 +120,8 @@ class BaseWorkItemAdmin(_ModelAdmin):
         if not term:
             return queryset, False
         match = handler_match(term) | Q(unique_key=term)
-        if term.isdigit() and len(term) < 19:
+        # isdigit() alone accepts "²", which int() refuses; ids are ASCII digits.
+        if term.isascii() and term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))
         return queryset.filter(match), False
 
@@ -184,8 +185,9 @@ class BaseWorkItemAdmin(_ModelAdmin):
 
     @admin.display(description="payload")
     def payload_pretty(self, obj: WorkItem) -> SafeString | str:
-        if display.is_sensitive(obj):
-            return "(redacted: this handler is marked sensitive)"
+        redaction = display.payload_redaction(obj)
+        if redaction is not None:
+            return redaction
         return display.pretty_json(obj.payload)
 
     @admin.display(description="result")

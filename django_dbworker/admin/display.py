@@ -12,17 +12,20 @@ from django.utils.safestring import SafeString
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 
-STATUS_COLOURS = {
-    Status.PENDING: "#2f6fad",
-    Status.CLAIMED: "#b7791f",
-    Status.SUCCEEDED: "#2f855a",
-    Status.FAILED: "#c53030",
-    Status.CANCELLED: "#718096",
+STATUS_COLOURS: dict[str, str] = {
+    Status.PENDING.value: "#2f6fad",
+    Status.CLAIMED.value: "#b7791f",
+    Status.SUCCEEDED.value: "#2f855a",
+    Status.FAILED.value: "#c53030",
+    Status.CANCELLED.value: "#718096",
 }
+#: For a status this version does not know (a newer version's, or set by hand).
+UNKNOWN_STATUS_COLOUR = "#444"
 
 
 def badge(status: str) -> SafeString:
-    colour = STATUS_COLOURS.get(Status(status), "#444")
+    """A coloured status label; any string renders, known status or not."""
+    colour = STATUS_COLOURS.get(status, UNKNOWN_STATUS_COLOUR)
     return format_html(
         '<span class="dbw-status dbw-{}" style="color:#fff;background:{};padding:1px 7px;'
         'border-radius:8px;white-space:nowrap">{}</span>',
@@ -59,8 +62,22 @@ def age(when: datetime | None, now: datetime | None) -> str:
     return f"in {duration(delta)}" if delta > 0 else f"{duration(delta)} ago"
 
 
-def is_sensitive(item: WorkItem) -> bool:
-    return bool(getattr(registry.get(item.handler), "sensitive", False))
+def payload_redaction(item: WorkItem) -> str | None:
+    """Why ``item``'s payload must not be shown, or None when it may be.
+
+    Fails closed: a handler that is not registered in this process (its
+    ``workers`` module is only deployed with the workers, or it was renamed)
+    might be sensitive, so its payload is hidden too.
+    """
+    cls = registry.get(item.handler)
+    if cls is None:
+        return (
+            f"(redacted: handler {item.handler} is not registered in this process, "
+            "so it cannot be told whether its payload is sensitive)"
+        )
+    if getattr(cls, "sensitive", False):
+        return "(redacted: this handler is marked sensitive)"
+    return None
 
 
 def pretty_json(value: Any) -> SafeString:

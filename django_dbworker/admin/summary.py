@@ -1,4 +1,4 @@
-"""The queue summary page: counts per queue and status, lag, stale claims."""
+"""The queue summary page: counts per queue and status, lag, stale claims, orphans."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from django.db.models.functions import Now
 
 from django_dbworker.admin import display
 from django_dbworker.conf import dbworker_settings
-from django_dbworker.models import Status, WorkItem
-from django_dbworker.stats import queue_stats
+from django_dbworker.models import WorkItem
+from django_dbworker.stats import orphaned_handlers, queue_stats, status_columns
 
 #: Stale claims listed on the page (the count is always complete).
 STALE_ROWS_SHOWN = 50
@@ -18,9 +18,10 @@ STALE_ROWS_SHOWN = 50
 
 def summary_context() -> dict[str, Any]:
     stale_after = float(dbworker_settings.STALE_AFTER)
-    statuses = [s.value for s in Status]
+    stats = queue_stats()
+    statuses = status_columns(stats)
     rows = []
-    for queue, entry in sorted(queue_stats().items()):
+    for queue, entry in sorted(stats.items()):
         rows.append(
             {
                 "queue": queue,
@@ -42,7 +43,12 @@ def summary_context() -> dict[str, Any]:
     stale_rows = list(stale[: STALE_ROWS_SHOWN + 1])
     for item in stale_rows:
         item.heartbeat_age = display.age(item.heartbeat_at, display.db_now(item))  # type: ignore[attr-defined]
+    orphans = [
+        {**orphan, "oldest_age_display": display.duration(orphan["oldest_age"]) + " ago"}
+        for orphan in orphaned_handlers()
+    ]
     return {
+        "orphans": orphans,
         "statuses": statuses,
         "rows": rows,
         "stale_rows": stale_rows[:STALE_ROWS_SHOWN],

@@ -10,7 +10,7 @@ from django.core.management import CommandError, call_command
 from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
-from django_dbworker.stats import queue_stats
+from django_dbworker.stats import orphaned_handlers, queue_stats
 from tests.factories import make_item
 
 pytestmark = pytest.mark.django_db
@@ -38,6 +38,56 @@ def test_stats_count_by_queue_and_status_with_lag() -> None:
         "pending",
     ]
     assert lines[1].split()[:6] == ["a", "1", "0", "0", "1", "0"]
+
+
+def test_stats_show_a_status_this_version_does_not_know() -> None:
+    odd = make_item(queue="a")
+    WorkItem.objects.filter(pk=odd.pk).update(status="weird")  # a newer version's, or by hand
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    header, row = out.getvalue().splitlines()[:2]
+    assert header.split()[5:7] == ["cancelled", "weird"]
+    assert row.split()[:7] == ["a", "0", "0", "0", "0", "0", "1"]
+
+
+def _orphans() -> None:
+    """Pending rows of two handlers no process registers, and decoys."""
+    for age in (7200, 60):
+        make_item(handler="gone-handler", created_at=Now() - timedelta(seconds=age))
+    make_item(handler="also-gone", run_after=Now() + timedelta(hours=1))  # not due: still orphaned
+    make_item(handler="gone-finished", status=Status.FAILED)  # not pending: nothing waits
+    make_item(handler="echo")  # registered
+
+
+def test_orphaned_handlers_are_pending_rows_of_unregistered_names() -> None:
+    _orphans()
+    orphans = orphaned_handlers()
+    assert [(o["handler"], o["pending"]) for o in orphans] == [
+        ("also-gone", 1),
+        ("gone-handler", 2),
+    ]
+    assert 7199 <= orphans[1]["oldest_age"] < 7260
+    assert 0 <= orphans[0]["oldest_age"] < 60
+
+
+def test_stats_list_orphaned_handlers() -> None:
+    _orphans()
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    assert "not registered in this process" in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["handler", "pending"])
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert [r[:2] for r in rows] == [["also-gone", "1"], ["gone-handler", "2"]]
+    assert rows[1][2].startswith("720") and "gone-finished" not in text
+
+
+def test_stats_say_nothing_of_orphans_when_there_are_none() -> None:
+    make_item(handler="echo")
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    assert "registered" not in out.getvalue()
 
 
 def test_prune_deletes_old_finished_rows_only() -> None:

@@ -85,6 +85,37 @@ def test_bad_input_raises_enqueue_error_and_writes_nothing(kwargs: dict, message
     assert not WorkItem.objects.exists()
 
 
+NUL_PAYLOADS = [
+    "secret-marker\x00",
+    {"note": "secret-marker \x00 in a value"},
+    {"secret-marker\x00": "in a key"},
+    {"a": [1, {"b": ["fine", ("secret-marker", {"c": "nested \x00"})]}]},
+    [{"k": 1}, {"secret-marker": {"deep\x00": None}}],
+    {"C:\\u0000": "\\u0000", "z": "secret-marker\\\x00"},  # literal escapes, then a NUL
+]
+
+
+@pytest.mark.parametrize("payload", NUL_PAYLOADS)
+def test_a_nul_character_in_a_payload_is_refused_without_quoting_it(payload: object) -> None:
+    # PostgreSQL's jsonb cannot hold \u0000; SQLite could. Refused on both,
+    # so a SQLite dev setup fails the same way as PostgreSQL production.
+    with pytest.raises(EnqueueError, match="NUL character") as enqueued:
+        Echo.enqueue(payload)
+    with pytest.raises(EnqueueError, match=r"^Payload #1: .*NUL character") as many:
+        Echo.enqueue_many([{"ok": 1}, payload, {"ok": 2}])
+    for exc in (enqueued.value, many.value):
+        assert "secret-marker" not in str(exc)
+    assert not WorkItem.objects.exists()
+
+
+def test_a_backslash_before_u0000_is_not_a_nul() -> None:
+    text = "C:\\u0000\\path"  # a literal backslash, then "u0000": JSON "\\u0000"
+    item = Echo.enqueue({text: text})
+    (many,) = Echo.enqueue_many([[text]])
+    assert WorkItem.objects.get(pk=item.pk).payload == {text: text}
+    assert WorkItem.objects.get(pk=many.pk).payload == [text]
+
+
 def test_enqueue_error_is_a_value_error() -> None:
     assert issubclass(EnqueueError, ValueError)
 

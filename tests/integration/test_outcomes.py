@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -11,43 +10,60 @@ import pytest
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker.outcomes import SuccessWriter
+from tests.conftest import wait_until
 from tests.factories import claim, make_item
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_successes_arriving_during_a_write_share_the_next_one() -> None:
+def test_successes_arriving_during_a_write_share_the_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for _ in range(20):
         make_item()
-    items = claim(limit=20)
+    first, *rest = claim(limit=20)
     ops = operations()
     writer = SuccessWriter(ops)
-    batches: list[int] = []
+    batches: list[list[int]] = []
+    in_flight = threading.Event()
+    release = threading.Event()
     real = ops.succeed_many
 
     def observed(rows: Any) -> Any:
-        if not batches:
-            # Hold the first write until the other 19 successes are queued.
-            deadline = time.monotonic() + 10
-            while writer._queue.qsize() < 19 and time.monotonic() < deadline:
-                time.sleep(0.005)
-        batches.append(len(rows))
+        batches.append([pk for pk, _token, _result in rows])
+        if len(batches) == 1:
+            # Hold the first write open until the test has queued the others.
+            in_flight.set()
+            release.wait(20)
         return real(rows)
 
-    ops.succeed_many = observed  # type: ignore[method-assign]
+    # operations() is shared per alias: monkeypatch puts the method back afterwards.
+    monkeypatch.setattr(ops, "succeed_many", observed)
     writer.start()
     results: dict[int, bool] = {}
-    threads = [
-        threading.Thread(target=lambda i=i: results.__setitem__(i.pk, writer.record(i, f"{i.pk}")))
-        for i in items
-    ]
-    for t in threads:
-        t.start()
+
+    def record(item: WorkItem) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: results.__setitem__(item.pk, writer.record(item, f"{item.pk}"))
+        )
+        thread.start()
+        return thread
+
+    # One success alone, so the first write holds exactly it; the other 19
+    # are handed over only once that write is in flight.
+    threads = [record(first)]
+    try:
+        wait_until(in_flight.is_set, what="the first write to start")
+        threads += [record(item) for item in rest]
+        wait_until(lambda: writer._queue.qsize() == len(rest), what="19 queued successes")
+    finally:
+        release.set()
     for t in threads:
         t.join(10)
     writer.close()
     writer.join(10)
-    assert batches == [1, 19]
+    # Two writes: the lone first success, then all 19 that arrived meanwhile.
+    assert [sorted(batch) for batch in batches] == [[first.pk], sorted(i.pk for i in rest)]
     assert all(results.values()) and len(results) == 20
     rows = WorkItem.objects.all()
     assert {r.status for r in rows} == {Status.SUCCEEDED}

@@ -3,9 +3,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.core.checks import run_checks
 from django.test import override_settings
 
-from django_dbworker.checks import check_settings, sqlite_warnings
+from django_dbworker.checks import check_settings, check_time_zone_support, sqlite_warnings
 from django_dbworker.conf import dbworker_settings
 
 
@@ -37,6 +38,17 @@ def test_test_settings_are_clean() -> None:
 def test_bad_settings_are_reported(value: Any, expected: list[str]) -> None:
     with override_settings(DBWORKER=value):
         assert ids(check_settings()) == expected
+
+
+def test_use_tz_is_required() -> None:
+    # Without USE_TZ, SQLite stores a naive run_after as local time but the
+    # claim compares it with the database's UTC clock: work runs hours early.
+    assert "django_dbworker.E009" not in ids(run_checks())
+    with override_settings(USE_TZ=False):
+        assert "django_dbworker.E009" in ids(run_checks())  # registered, not only defined
+        (message,) = check_time_zone_support()
+    assert message.id == "django_dbworker.E009"
+    assert "USE_TZ" in message.msg and message.hint and "USE_TZ = True" in message.hint
 
 
 def test_every_message_names_the_key() -> None:
