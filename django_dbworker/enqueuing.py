@@ -82,6 +82,8 @@ def _check_payload(payload: Any) -> str:
         encoded = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise EnqueueError(f"Payload is not JSON-serialisable: {exc}.") from None
+    except RecursionError:
+        raise EnqueueError("Payload is nested too deeply to encode as JSON.") from None
     # PostgreSQL's jsonb refuses \u0000 (with an error that quotes the whole
     # payload); SQLite would store it. Refused everywhere, so a SQLite dev
     # setup fails like production. The walk runs only when the escape shows
@@ -144,6 +146,9 @@ def _check_unique_key(key: Any) -> str | None:
         return None
     if not isinstance(key, str) or not 1 <= len(key) <= 255:
         raise EnqueueError(f"unique_key must be a string of 1 to 255 characters, got {key!r}.")
+    if "\x00" in key:
+        # PostgreSQL's text columns refuse NUL; refused everywhere, like payloads.
+        raise EnqueueError("unique_key contains a NUL character (\\u0000), which is not allowed.")
     return key
 
 

@@ -201,3 +201,18 @@ def test_enqueue_many_returns_saved_items_in_order_with_db_values() -> None:
     assert all(i.run_after == rows[i.pk].run_after for i in items)
     assert all(i.created_at is not None and not i._state.adding for i in items)
     assert not WorkItem.objects.ready().exists()
+
+
+def test_a_unique_key_with_a_nul_character_is_refused() -> None:
+    with pytest.raises(EnqueueError, match="unique_key contains a NUL character"):
+        Echo.enqueue({}, unique_key="a\x00b")
+    assert not WorkItem.objects.exists()
+
+
+def test_a_payload_nested_too_deeply_is_refused() -> None:
+    payload: list[object] = []
+    for _ in range(100_000):
+        payload = [payload]
+    with pytest.raises(EnqueueError, match="nested too deeply"):
+        Echo.enqueue(payload)
+    assert not WorkItem.objects.exists()
