@@ -26,6 +26,8 @@ from django_dbworker.worker.runtime import WorkerConfig
 from tests.conftest import wait_until
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
+    Echo,
+    HugeResult,
     NonAtomicLinger,
     NulResult,
     QuietSleep,
@@ -254,3 +256,29 @@ def test_sigterm_during_a_read_only_window_does_not_release_a_finished_job(
     # Expected: the handler returned, so the row is succeeded (or at worst still
     # claimed for stale recovery); it must not be handed back as never run.
     assert row.status == Status.SUCCEEDED, (row.status, row.attempts, row.last_error)
+
+
+# -- a result the database refuses with a "program limit" error (PostgreSQL) -----------
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_result_too_large_for_jsonb_fails_that_item_alone() -> None:
+    # PostgreSQL refuses a jsonb string over 256 MiB with SQLSTATE 54000
+    # (program_limit_exceeded), which psycopg/Django raise as OperationalError.
+    # db/errors.py is_transient() calls every OperationalError transient, so
+    # the writer's persist() retries the same refused batch for ever (backoff
+    # up to 10 s): the item is never recorded, nor is any other success queued
+    # behind it, and the burst worker never exits.
+    bad = HugeResult.enqueue({"key": "huge"})
+    good = Echo.enqueue_many([{"n": n} for n in range(5)])
+    worker, thread = start(["attack_huge_result", "echo"], burst=True)
+    finished = finish(worker, thread, 60)
+    row = WorkItem.objects.get(pk=bad.pk)
+    assert finished, f"the burst worker did not finish; huge item is {row.status}"
+    assert row.status == Status.FAILED
+    assert row.last_error.startswith("result could not be stored: ")
+    assert Execution.objects.filter(key="huge").count() == 1
+    assert {r.status for r in WorkItem.objects.filter(pk__in=[g.pk for g in good])} == {
+        Status.SUCCEEDED
+    }

@@ -375,3 +375,13 @@ class QuietSleep(WorkItemHandler):
         _record(payload, "start")
         time.sleep(float(payload.get("seconds", 0)))
         return "done"
+
+
+class HugeResult(WorkItemHandler):
+    """Returns valid JSON that PostgreSQL's jsonb cannot hold (a string over 256 MiB)."""
+
+    name = "attack_huge_result"
+
+    def handle(self, payload: Any) -> Any:
+        _record(payload)
+        return {"blob": "x" * (1 << 28)}
