@@ -331,3 +331,57 @@ class LongError(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         raise ValueError("x" * 50_000)
+
+
+# -- handlers for the attack tests (tests/integration/test_attack.py, --------------
+# -- tests/process/test_attack.py) -------------------------------------------------
+
+
+def _undecodable_name() -> str:
+    """A file name as os.listdir()/sys.argv give it for bytes that are not UTF-8."""
+    return b"report-\xff.csv".decode("utf-8", "surrogateescape")
+
+
+class SurrogateErrorTimed(WorkItemHandler):
+    """Raises an error whose message holds a lone surrogate; runs under a timeout."""
+
+    name = "attack_surrogate_timed"
+    timeout = 10.0
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise ValueError(f"cannot import {_undecodable_name()}")
+
+
+class SurrogateErrorNoRetry(WorkItemHandler):
+    """Same error, outside retry_on: must fail at once, as a ValueError."""
+
+    name = "attack_surrogate_no_retry"
+    max_attempts = 3
+    retry_on = (ConnectionError,)
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        raise ValueError(f"cannot import {_undecodable_name()}")
+
+
+class QuietSleep(WorkItemHandler):
+    """Records its start, then sleeps and returns without touching the database."""
+
+    name = "attack_quiet_sleep"
+
+    def handle(self, payload: Any) -> str:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        return "done"
+
+
+class HugeResult(WorkItemHandler):
+    """Returns valid JSON that PostgreSQL's jsonb cannot hold (a string over 256 MiB)."""
+
+    name = "attack_huge_result"
+
+    def handle(self, payload: Any) -> Any:
+        _record(payload)
+        return {"blob": "x" * (1 << 28)}
