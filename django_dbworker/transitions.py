@@ -64,13 +64,19 @@ def format_error(
     """
     try:
         text = _redacted(exc, include_traceback) if sensitive else _plain(exc, include_traceback)
+        return clean_error_text(text)
     except Exception:
-        text = f"{_type_name(exc)}: (the exception could not be formatted)"
-    return clean_error_text(text)
+        return clean_error_text(f"{_type_name(exc)}: (the exception could not be formatted)")
 
 
 def clean_error_text(text: str) -> str:
-    """``text`` as every database stores it: NUL escaped, at most ``MAX_ERROR_BYTES``."""
+    """``text`` as every database stores it: valid UTF-8, NUL escaped, at most 10 kB.
+
+    Messages quote file names and bytes: a lone surrogate (undecodable bytes
+    read with ``surrogateescape``) cannot be encoded, so it is written as a
+    backslash escape instead of making the failure unrecordable.
+    """
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return cap_text(text.replace("\x00", "\\x00"), MAX_ERROR_BYTES)
 
 

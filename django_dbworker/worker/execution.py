@@ -155,13 +155,15 @@ def _execute(
     if timeout is None or not enforce_timeout:
         return _run_and_record(item, handler, give_up, record_success, ready)
 
-    box: dict[str, str] = {}
+    box: dict[str, Any] = {}
     tracker = abandoned or AbandonedThreads()
     finished, gone = tracker.track()
 
     def target() -> None:
         try:
             box["outcome"] = _run_and_record(item, handler, give_up, record_success, ready)
+        except BaseException as exc:  # our bug: the attempt still needs an outcome
+            box["error"] = exc
         finally:
             close_thread_connections()
             tracker.finish(finished, gone)
@@ -178,7 +180,10 @@ def _execute(
     runner.join(timeout)
     if not tracker.abandon(finished, gone):
         runner.join()  # it ended just now: its own outcome stands
-        return box.get("outcome", FAILED)
+        if "outcome" in box:
+            return str(box["outcome"])
+        ready()
+        return _record_failure(item, handler, box["error"], retriable=True, give_up=give_up)
     error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
     ready()
     return _record_failure(
@@ -267,9 +272,24 @@ def _encode_result(result: Any) -> str:
         raise _ResultRefused(exc) from None
 
 
+def _guarded(item: WorkItem, write: Callable[[], bool]) -> bool:
+    """``write`` in a savepoint when a caller's transaction is open.
+
+    A statement the database refuses aborts the whole transaction on
+    PostgreSQL; inside ``run_until_empty`` in a test's transaction the
+    fallback write must still be possible. In autocommit (the worker) no
+    savepoint is needed and none is paid for.
+    """
+    db = item._state.db or "default"
+    if not connections[db].in_atomic_block:
+        return write()
+    with transaction.atomic(using=db):
+        return write()
+
+
 def _succeed_or_refuse(item: WorkItem, result: Any) -> bool:
     try:
-        return transitions.succeed(item, result)
+        return _guarded(item, lambda: transitions.succeed(item, result))
     except DatabaseError as exc:
         if is_transient(exc):
             raise
@@ -405,7 +425,9 @@ def _write_outcome(
     """
     db = item._state.db or "default"
     try:
-        return persist(write, what="recording an outcome", give_up=give_up, using=db)
+        return persist(
+            lambda: _guarded(item, write), what="recording an outcome", give_up=give_up, using=db
+        )
     except Exception as exc:
         if is_transient(exc):
             raise
@@ -419,7 +441,9 @@ def _write_outcome(
     )
     plain = f"The outcome could not be recorded: {refusal}"
     return persist(
-        lambda: transitions.fail(item, error=transitions.clean_error_text(plain)),
+        lambda: _guarded(
+            item, lambda: transitions.fail(item, error=transitions.clean_error_text(plain))
+        ),
         what="recording a plain failure",
         give_up=give_up,
         using=db,
@@ -439,8 +463,8 @@ def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) ->
 
 def log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:
     logger.warning(
-        "Discarded the outcome of work item %s (%s): its claim was recovered and "
-        "re-claimed meanwhile, so a newer attempt owns the row.",
+        "Discarded the outcome of work item %s (%s): the row is no longer claimed by "
+        "this attempt (recovered as stale, and maybe re-claimed, meanwhile).",
         item.pk,
         handler.name,
     )

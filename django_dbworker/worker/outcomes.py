@@ -196,7 +196,12 @@ class SuccessWriter(threading.Thread):
             return
         missing = [e for e in batch if e.key not in recorded]
         if missing:
-            recorded |= self._already_recorded(missing)
+            recorded |= persist(
+                lambda: self._already_recorded(missing),
+                what="checking fenced successes",
+                give_up=self.give_up,
+                using=self.ops.using,
+            )
         for entry in batch:
             entry.written = entry.key in recorded
 

@@ -45,6 +45,9 @@ logger = logging.getLogger("django_dbworker.worker")
 
 #: Finished rows whose success write may still be pending, beyond CONCURRENCY.
 UNRECORDED_EXTRA = 100
+#: Seconds past SHUTDOWN_TIMEOUT a stopping worker waits for the outcomes of
+#: finished handlers to be written (while the database is briefly away).
+RECORD_GRACE = 30.0
 
 
 @dataclass
@@ -320,7 +323,17 @@ class Worker:
                         item, handler, outcome.error, give_up=self.aborting
                     )
                 elif isinstance(outcome, BaseException):
-                    return  # still claimed: released at shutdown
+                    if self.aborting.is_set():
+                        return  # still claimed: released at shutdown
+                    # Not a stop: the writer met an error it could not handle.
+                    # Retire the attempt; stale recovery returns the row.
+                    logger.error(
+                        "Could not record the success of work item %s (%s): %s",
+                        item.pk,
+                        handler.name,
+                        transitions.error_summary(outcome),
+                    )
+                    label = execution.UNRECORDED
                 elif outcome:
                     label = execution.SUCCEEDED
                 else:
@@ -435,13 +448,27 @@ class Worker:
         if self._pool is not None:
             self._pool.wait_idle(cfg.shutdown_timeout, abort=self.aborting)
         if self._writer is not None:
-            # Successes handed over but not yet written are written now.
-            self._writer.close()
-            self._writer.join(max(1.0, deadline - time.monotonic()))
+            self._writer.close()  # successes handed over are written now
+        # A finished handler's outcome is recorded, never released: releasing
+        # it would run a finished job again. Its write may be waiting for the
+        # database (a failover's read-only window), so it gets a grace period
+        # past the deadline; a second signal stops waiting at once.
+        grace_end = max(deadline, time.monotonic()) + RECORD_GRACE
+        while not self.aborting.is_set() and time.monotonic() < grace_end:
+            writing = self._writer is not None and self._writer.is_alive()
+            if not writing and not self._recording():
+                break
+            self.aborting.wait(0.05)
         for loop in loops:
             loop.drain(max(0.0, deadline - time.monotonic()), self.aborting)
-        leftovers = self.in_flight()
+        with self._lock:
+            leftovers = [
+                a.item
+                for a in self._in_flight.values()
+                if self.aborting.is_set() or not a.recording
+            ]
         if leftovers:
+            # Fenced like every write: a row whose outcome did land is not touched.
             released = persist(
                 lambda: transitions.release(leftovers, using=cfg.using),
                 what="releasing unfinished work items",
@@ -449,6 +476,10 @@ class Worker:
                 give_up=_deadline_event(5.0),
             )
             logger.warning("Released %d unfinished work item(s) back to pending.", released)
+
+    def _recording(self) -> bool:
+        with self._lock:
+            return any(a.recording for a in self._in_flight.values())
 
 
 def _deadline_event(seconds: float) -> threading.Event:
