@@ -121,8 +121,13 @@ def test_testing_helpers_inspect_enqueued_work() -> None:
         run_until_empty(handlers=["missing"])
 
 
+@pytest.mark.django_db(transaction=True)
 def test_query_budget_of_one_claim_process_record_cycle() -> None:
-    """Claim (1 statement) + noop handler + fenced success (1 statement): 2 queries."""
+    """Claim (1 statement) + noop handler + fenced success (1 statement): 2 queries.
+
+    In autocommit, as the worker runs. Inside a caller's transaction each
+    outcome write adds a savepoint (a refused write must not poison it).
+    """
     Noop.enqueue(None)
     handler = Noop()
     with CaptureQueriesContext(connection) as ctx:
