@@ -149,6 +149,12 @@ DB_ERRORS = frozenset(
 )
 
 
+def db_error(last_error: str) -> bool:
+    """Whether a failure's first line names a database error (a fault's symptom here)."""
+    first = last_error.split(":", 1)[0]
+    return first.rsplit(".", 1)[-1] in DB_ERRORS
+
+
 def load_rows(faults: list[Injected], now: float, evidence: Evidence) -> list[Row]:
     from django_dbworker.models import WorkItem
 
@@ -247,7 +253,7 @@ def check_all(
         elif row.status != "failed":
             status.violations.append(evidence.describe(row))
         elif not row.last_error.startswith(exp.error_prefix):
-            if row.touched and stale_exhausted(row.last_error):
+            if row.touched and (stale_exhausted(row.last_error) or db_error(row.last_error)):
                 exempt.append(f"lost to faults: {evidence.describe(row, 0)}")
             else:
                 status.violations.append(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -59,8 +60,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tail", type=float, default=10.0, help="fault-free seconds of work after the faults"
     )
     parser.add_argument("--gap", type=float, nargs=2, default=(2.0, 4.0), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--faults",
+        type=_fault_list,
+        default=FAULTS,
+        help=f"comma-separated subset of {','.join(FAULTS)}, or 'none' (default: all)",
+    )
     parser.add_argument("--run-dir", type=Path, default=None)
     return parser.parse_args(argv)
+
+
+def _fault_list(text: str) -> tuple[str, ...]:
+    if text == "none":
+        return ()
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fault(s) {', '.join(unknown)}")
+    return names
 
 
 class Runner:
@@ -167,14 +184,17 @@ class Runner:
 
     def fault_phase(self) -> None:
         assert self.injector is not None
-        mandatory = list(FAULTS)
+        chosen = tuple(self.args.faults)
+        mandatory = list(chosen)
         self.faults_rng.shuffle(mandatory)
         end = time.monotonic() + self.args.duration
         while mandatory or time.monotonic() < end:
             self.pause(self.faults_rng.uniform(*self.args.gap), trickle=True)
+            if not chosen:
+                continue  # --faults none: a baseline run, only the workload
             if not mandatory and time.monotonic() >= end:
                 break
-            fault = mandatory.pop(0) if mandatory else self.faults_rng.choice(FAULTS)
+            fault = mandatory.pop(0) if mandatory else self.faults_rng.choice(chosen)
             record = self.injector.inject(fault)
             self.injected.append(record)
             print(
@@ -318,7 +338,12 @@ class Runner:
         args = self.args
         lines = [
             f"== chaos run, seed {self.seed}: reproduce with python -m tests.chaos.runner "
-            f"--duration {args.duration:g} --workers {args.workers} --seed {self.seed}",
+            f"--duration {args.duration:g} --workers {args.workers} --seed {self.seed}"
+            + (
+                ""
+                if tuple(args.faults) == FAULTS
+                else f" --faults {','.join(args.faults) or 'none'}"
+            ),
             f"run dir: {self.run_dir}",
             "phases: "
             + ", ".join(f"{k} {v:.1f}s" for k, v in self.phases.items())
@@ -348,8 +373,11 @@ class Runner:
             if len(check.violations) > 12:
                 lines.append(f"      ... and {len(check.violations) - 12} more")
         if outcome.exempt:
+            handlers = Counter(re.findall(r"\((chaos_\w+) n=", "\n".join(outcome.exempt)))
             lines.append(
-                f"items whose attempts faults used up (not violations): {len(outcome.exempt)}"
+                f"items whose attempts faults used up (not violations): {len(outcome.exempt)} ("
+                + ", ".join(f"{h} {n}" for h, n in handlers.most_common())
+                + ")"
             )
             lines += [_indent(text, "  ") for text in outcome.exempt[:10]]
         if outcome.observations:
