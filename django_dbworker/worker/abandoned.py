@@ -47,13 +47,15 @@ class AbandonedThreads:
             self._publish()
             return True
 
-    def finish(self, finished: threading.Event, abandoned: threading.Event) -> None:
-        """Called by the runner as it ends: counts it out if it was abandoned."""
+    def finish(self, finished: threading.Event, abandoned: threading.Event) -> bool:
+        """Called by the runner as it ends: counts it out; True if it was abandoned."""
         with self._lock:
             finished.set()
-            if abandoned.is_set():
-                self._count -= 1
-                self._publish()
+            if not abandoned.is_set():
+                return False
+            self._count -= 1
+            self._publish()
+            return True
 
     def _publish(self) -> None:
         if self._metrics is not None:

@@ -121,6 +121,7 @@ def execute(
                 record_success=record_success,
                 abandoned=abandoned,
                 ready=ready,
+                metrics=metrics,
             )
             attempt.outcome(SUCCEEDED if outcome == DEFERRED else outcome)
     except BaseException as exc:
@@ -150,6 +151,7 @@ def _execute(
     record_success: RecordSuccess | None,
     abandoned: AbandonedThreads | None,
     ready: _Recording,
+    metrics: WorkerMetrics,
 ) -> str:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
@@ -160,13 +162,21 @@ def _execute(
     finished, gone = tracker.track()
 
     def target() -> None:
+        started = time.perf_counter()
+        outcome = None
         try:
-            box["outcome"] = _run_and_record(item, handler, give_up, record_success, ready)
+            outcome = box["outcome"] = _run_and_record(
+                item, handler, give_up, record_success, ready
+            )
         except BaseException as exc:  # our bug: the attempt still needs an outcome
             box["error"] = exc
         finally:
             close_thread_connections()
-            tracker.finish(finished, gone)
+            late = tracker.finish(finished, gone)
+            if late and outcome not in (None, DEFERRED, UNRECORDED):
+                # Abandoned: the caller reported the timeout, and only this
+                # thread knows how the late run ended (usually fenced).
+                metrics.task_done(handler.name, outcome, time.perf_counter() - started)
 
     # Python cannot stop a thread, so a handler that overruns is abandoned:
     # its attempt is recorded as timed out now, and whatever it records

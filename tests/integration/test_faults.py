@@ -321,6 +321,26 @@ def test_abandoned_threads_are_counted_and_capped(caplog: pytest.LogCaptureFixtu
     )
 
 
+def test_late_outcomes_of_abandoned_threads_are_fenced_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.testapp.workers import SlowFail
+
+    registry_ = CollectorRegistry()
+    metrics = WorkerMetrics(registry_)
+    item = SlowFail.enqueue({"key": "late", "seconds": 1.0})
+    # Both attempts time out; a burst may end before the retry is due.
+    while WorkItem.objects.get(pk=item.pk).status == Status.PENDING:
+        Worker([SlowFail], config(burst=True), metrics=metrics).run()
+    assert WorkItem.objects.get(pk=item.pk).status == Status.FAILED
+    wait_until(
+        lambda: caplog.text.count("Discarded the outcome of work item") == 2,
+        what="both late failures to be discarded",
+    )
+    fenced = registry_.get_sample_value("worker_fenced_total", {"worker": "slow_fail"})
+    assert fenced == 2
+
+
 # -- fault 8: smaller ones ----------------------------------------------------------------
 
 

@@ -385,3 +385,16 @@ class HugeResult(WorkItemHandler):
     def handle(self, payload: Any) -> Any:
         _record(payload)
         return {"blob": "x" * (1 << 28)}
+
+
+class SlowFail(WorkItemHandler):
+    """Overruns its timeout, then raises: the late failure must be fenced and counted."""
+
+    name = "slow_fail"
+    timeout = 0.3
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 1.0)))
+        raise ValueError("late failure")
