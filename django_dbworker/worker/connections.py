@@ -25,6 +25,10 @@ logger = logging.getLogger("django_dbworker.worker")
 
 T = TypeVar("T")
 
+#: A thread's connection idle for longer than this is checked before the next job.
+IDLE_CHECK_AFTER = 1.0
+_last_used = threading.local()
+
 
 def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
     """Leave this thread's connection ready for the next job."""
@@ -48,6 +52,30 @@ def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
         conn.errors_occurred = False
     except Exception:
         logger.debug("Closing a connection that could not be tidied.", exc_info=True)
+        close_quietly(using)
+    setattr(_last_used, using, time.monotonic())
+
+
+def refresh_if_idle(using: str = DEFAULT_DB_ALIAS) -> None:
+    """Before a job: drop this thread's connection if it died while idle.
+
+    A connection killed between jobs (a failover, ``pg_terminate_backend``,
+    a proxy's idle timeout) would fail the next job's first query and cost
+    it an attempt. Django checks at request start only with
+    ``CONN_HEALTH_CHECKS``; a worker checks a connection that sat idle for
+    more than ``IDLE_CHECK_AFTER`` seconds, so a busy worker pays nothing.
+    """
+    conn = connections[using]
+    if conn.connection is None or conn.in_atomic_block:
+        return
+    last = getattr(_last_used, using, None)
+    if last is not None and time.monotonic() - last < IDLE_CHECK_AFTER:
+        return
+    try:
+        usable = conn.is_usable()
+    except Exception:
+        usable = False
+    if not usable:
         close_quietly(using)
 
 

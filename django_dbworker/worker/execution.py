@@ -33,7 +33,12 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.abandoned import AbandonedThreads
-from django_dbworker.worker.connections import close_thread_connections, persist, tidy
+from django_dbworker.worker.connections import (
+    close_thread_connections,
+    persist,
+    refresh_if_idle,
+    tidy,
+)
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -223,6 +228,8 @@ def _run_and_record(
         if owned:
             tidy(db)
 
+    if owned:
+        refresh_if_idle(db)
     try:
         try:
             if handler.atomic:

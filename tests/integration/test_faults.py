@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,6 +340,29 @@ def test_late_outcomes_of_abandoned_threads_are_fenced_and_counted(
     )
     fenced = registry_.get_sample_value("worker_fenced_total", {"worker": "slow_fail"})
     assert fenced == 2
+
+
+@pytest.mark.postgres_only
+def test_a_connection_killed_while_idle_does_not_cost_the_next_job_an_attempt(
+    background_worker: Callable[..., Worker],
+) -> None:
+    from django_dbworker.worker.connections import IDLE_CHECK_AFTER
+
+    first = Record.enqueue({"key": "warm"})
+    background_worker(["record"], concurrency=1)
+    wait_until(lambda: WorkItem.objects.get(pk=first.pk).status == Status.SUCCEEDED)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        assert cursor.fetchone()[0] >= 1
+    # The pool thread's connection is now dead and idle past the threshold.
+    time.sleep(IDLE_CHECK_AFTER + 0.2)
+    item = Record.enqueue({"key": "after"})
+    wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, timeout=20)
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.attempts == 1, row.last_error
 
 
 # -- fault 8: smaller ones ----------------------------------------------------------------
