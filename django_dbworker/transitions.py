@@ -249,6 +249,15 @@ class Rescued:
     def total(self) -> int:
         return self.requeued + self.failed
 
+    def log(self) -> None:
+        if self.total:
+            logger.warning(
+                "Recovered %d stale work item(s): %d back to pending, %d failed.",
+                self.total,
+                self.requeued,
+                self.failed,
+            )
+
 
 def rescue_stale(
     *,
@@ -256,6 +265,7 @@ def rescue_stale(
     stale_after: float | None = None,
     using: str | None = None,
     batch_size: int = RESCUE_BATCH,
+    log: bool = True,
 ) -> Rescued:
     """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
 
@@ -303,13 +313,8 @@ def rescue_stale(
                 result.by_handler[handler] = result.by_handler.get(handler, 0) + failed + requeued
         if len(batch) < batch_size:
             break
-    if result.total:
-        logger.warning(
-            "Recovered %d stale work item(s): %d back to pending, %d failed.",
-            result.total,
-            result.requeued,
-            result.failed,
-        )
+    if log:
+        result.log()
     return result
 
 

@@ -39,6 +39,8 @@ def is_postgres() -> bool:
 def _vendor_markers(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("postgres_only") and not is_postgres():
         pytest.skip(f"needs PostgreSQL; this leg runs on {connection.vendor}")
+    if request.node.get_closest_marker("sqlite_only") and connection.vendor != "sqlite":
+        pytest.skip(f"about SQLite's database write lock; this leg runs on {connection.vendor}")
 
 
 class WorkerProcess:

@@ -10,7 +10,9 @@ the thread, and the worker's watchdog then stops the process.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Collection
 from uuid import UUID
 
@@ -38,12 +40,14 @@ class Heartbeat(threading.Thread):
         snapshot: Callable[[], Collection[AttemptKey]],
         on_lost: Callable[[set[AttemptKey]], None],
         using: str,
+        observe: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(name="dbworker-heartbeat", daemon=True)
         self.interval = interval
         self.snapshot = snapshot
         self.on_lost = on_lost
         self.using = using
+        self.observe = observe
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -51,9 +55,12 @@ class Heartbeat(threading.Thread):
         delay = self.interval
         try:
             while not self.stopped.wait(delay):
+                started = time.monotonic()
                 try:
                     self.beat()
+                    self._observe(time.monotonic() - started)
                 except Exception as exc:
+                    self._observe(math.inf)
                     delay = backoff.next()
                     logger.warning(
                         "Heartbeat failed (%s: %s); retrying in %.1fs.",
@@ -76,6 +83,10 @@ class Heartbeat(threading.Thread):
         lost = claims - held
         if lost:
             self.on_lost(lost)
+
+    def _observe(self, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(seconds)
 
     def stop(self) -> None:
         self.stopped.set()

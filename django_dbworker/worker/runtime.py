@@ -10,6 +10,7 @@ on the main thread and never inside the claim transaction.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, transaction
 
 from django_dbworker import transitions
 from django_dbworker.conf import dbworker_settings
@@ -132,6 +133,10 @@ class Worker:
         self._pool: Pool | None = None
         self._writer: SuccessWriter | None = None
         self._next_rescue = 0.0
+        #: When one of this process's writes (claim, heartbeat) last waited
+        #: longer than HEARTBEAT_INTERVAL; monotonic seconds.
+        self._slow_write_at = -math.inf
+        self._rescue_deferred_since: float | None = None
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
 
     # -- control -----------------------------------------------------------------
@@ -169,6 +174,7 @@ class Worker:
                 snapshot=self._claims_to_heartbeat,
                 on_lost=self._mark_lost,
                 using=cfg.using,
+                observe=self._observe_write,
             )
             self._heartbeat.start()
             if self.ops.supports_notify and not cfg.burst:
@@ -227,7 +233,9 @@ class Worker:
             queues=self.config.queues,
             worker=worker_id(),
         )
-        self.metrics.claim_took(WORK_ITEM_LOOP, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self.metrics.claim_took(WORK_ITEM_LOOP, took)
+        self._observe_write(took)
         for item in items:
             self._dispatch(item)
         return len(items)
@@ -390,20 +398,62 @@ class Worker:
         # enough that many workers add little load; jitter de-synchronises them.
         return max(0.5, min(self.config.stale_after / 4.0, 60.0)) * random.uniform(0.8, 1.2)
 
+    def _observe_write(self, seconds: float) -> None:
+        if seconds > self.config.heartbeat_interval:
+            self._slow_write_at = time.monotonic()
+
     def _maybe_rescue(self) -> None:
+        """Run the stale-recovery pass if it is due, unless heartbeats may be held up.
+
+        A heartbeat that could not be written is not a sign of a dead worker.
+        On SQLite every write waits while any transaction holds the database
+        write lock (a long atomic handler, in any process): no heartbeat gets
+        through, and the first pass after the lock is released would take
+        live rows for crashed ones. So the pass is put off while this
+        process's own writes are waiting, and rolled back if it had to wait
+        itself; a pass put off for longer than STALE_AFTER runs regardless,
+        so recovery is delayed, never lost.
+        """
+        cfg = self.config
         now = time.monotonic()
         if now < self._next_rescue:
             return
         self._next_rescue = now + self._rescue_interval()
-        started = time.perf_counter()
-        rescued = transitions.rescue_stale(
-            handlers=list(self.work_item_handlers),
-            stale_after=self.config.stale_after,
-            using=self.config.using,
+        overdue = (
+            self._rescue_deferred_since is not None
+            and now - self._rescue_deferred_since > cfg.stale_after
         )
+        if not overdue and now - self._slow_write_at < 2 * cfg.heartbeat_interval:
+            self._defer_rescue(now, "this worker's own writes were waiting")
+            return
+        started = time.perf_counter()
+        try:
+            with transaction.atomic(using=cfg.using):
+                rescued = transitions.rescue_stale(
+                    handlers=list(self.work_item_handlers),
+                    stale_after=cfg.stale_after,
+                    using=cfg.using,
+                    log=False,  # said once committed
+                )
+                if not overdue and time.perf_counter() - started > cfg.heartbeat_interval:
+                    raise _RescueWaited
+        except _RescueWaited:
+            self._defer_rescue(now, "the recovery pass itself had to wait")
+            return
+        except Exception as exc:
+            # Recovery is best effort per pass; claiming must go on.
+            logger.warning("Stale recovery failed (%s); trying again later.", exc)
+            return
+        self._rescue_deferred_since = None
+        rescued.log()
         self.metrics.recover_took(WORK_ITEM_LOOP, time.perf_counter() - started)
         for name, count in rescued.by_handler.items():
             self.metrics.recovered(name, count)
+
+    def _defer_rescue(self, now: float, why: str) -> None:
+        if self._rescue_deferred_since is None:
+            self._rescue_deferred_since = now
+        logger.debug("Stale recovery put off: %s, so heartbeats may be held up too.", why)
 
     # -- heartbeat callbacks -------------------------------------------------------
 
@@ -480,6 +530,10 @@ class Worker:
     def _recording(self) -> bool:
         with self._lock:
             return any(a.recording for a in self._in_flight.values())
+
+
+class _RescueWaited(Exception):
+    """Rolls back a recovery pass that waited for the database."""
 
 
 def _deadline_event(seconds: float) -> threading.Event:

@@ -229,3 +229,30 @@ def test_abandoned_threads_at_the_cap_stop_the_worker_non_zero(start_worker) -> 
     # One item timed out (retry scheduled); the others were never claimed.
     assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 2
     assert not WorkItem.objects.filter(status=Status.CLAIMED).exists()
+
+
+@pytest.mark.sqlite_only
+def test_a_long_atomic_handler_on_sqlite_does_not_make_other_workers_claims_stale(
+    start_worker,
+) -> None:
+    from tests.testapp.workers import AtomicWrite, NonAtomicLinger
+
+    # SQLite has one write lock: while an atomic handler's transaction holds
+    # it (2.5 s, more than twice STALE_AFTER) no heartbeat can be written.
+    lingering = NonAtomicLinger.enqueue_many([{"key": f"l{n}", "seconds": 5} for n in range(4)])
+    workers = [start_worker("linger", "atomic_write", env=FAST_STALE) for _ in range(2)]
+    wait_until(lambda: Execution.objects.filter(kind="start").count() == 4)
+    atomic = AtomicWrite.enqueue({"key": "a", "seconds": 2.5})
+    wait_until(
+        lambda: not WorkItem.objects.filter(status__in=(Status.PENDING, Status.CLAIMED)).exists(),
+        timeout=40,
+        what="every item to finish",
+    )
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0
+    logs = "".join(w.log() for w in workers)
+    for item in [*lingering, atomic]:
+        row = WorkItem.objects.get(pk=item.pk)
+        assert (row.status, row.attempts) == (Status.SUCCEEDED, 1), (row.pk, row.last_error, logs)
+    assert "Recovered" not in logs
