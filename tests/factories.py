@@ -5,10 +5,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.db import transaction
 from django.db.models.functions import Now
 
+from django_dbworker import transitions
 from django_dbworker.db import operations
 from django_dbworker.models import WorkItem
+from django_dbworker.worker.runtime import WorkerConfig
 
 
 def make_item(handler: str = "noop", **fields: Any) -> WorkItem:
@@ -31,3 +34,24 @@ def claim(
 def age_heartbeat(item: WorkItem, seconds: float) -> None:
     """Make the heartbeat ``seconds`` old by the database's clock."""
     WorkItem.objects.filter(pk=item.pk).update(heartbeat_at=Now() - timedelta(seconds=seconds))
+
+
+def worker_config(**kwargs: Any) -> WorkerConfig:
+    """A WorkerConfig with fast clocks for in-process worker tests."""
+    base: dict[str, Any] = {
+        "concurrency": 4,
+        "poll_interval": 0.1,
+        "heartbeat_interval": 0.2,
+        "stale_after": 60.0,
+        "shutdown_timeout": 5.0,
+    }
+    base.update(kwargs)
+    return WorkerConfig(**base)
+
+
+def steal_claim(item_pk: int) -> None:
+    """Force a false stale detection: age the heartbeat and recover, atomically."""
+    with transaction.atomic():
+        WorkItem.objects.filter(pk=item_pk).update(heartbeat_at=Now() - timedelta(hours=1))
+        result = transitions.rescue_stale(stale_after=60)
+    assert result.requeued == 1

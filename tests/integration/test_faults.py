@@ -26,8 +26,8 @@ from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
-from django_dbworker.worker.runtime import WorkerConfig
 from tests.conftest import wait_until
+from tests.factories import worker_config
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
     Echo,
@@ -44,21 +44,9 @@ from tests.testapp.workers import (
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def config(**kwargs: object) -> WorkerConfig:
-    base: dict[str, object] = {
-        "concurrency": 4,
-        "poll_interval": 0.1,
-        "heartbeat_interval": 0.2,
-        "stale_after": 60.0,
-        "shutdown_timeout": 5.0,
-    }
-    base.update(kwargs)
-    return WorkerConfig(**base)  # type: ignore[arg-type]
-
-
 def run_burst(names: list[str], timeout: float = 30.0, **kwargs: Any) -> Worker:
     """Run a burst worker; fail (instead of hanging) if it does not finish."""
-    worker = Worker([registry[n] for n in names], config(burst=True, **kwargs))
+    worker = Worker([registry[n] for n in names], worker_config(burst=True, **kwargs))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     thread.join(timeout)
@@ -80,29 +68,6 @@ def run_until_finished(names: list[str], timeout: float = 30.0, **kwargs: Any) -
         timeout=timeout,
         interval=0.05,
         what="every item to finish",
-    )
-
-
-@pytest.fixture
-def background_worker() -> Iterator[Callable[..., Worker]]:
-    running: list[tuple[Worker, threading.Thread]] = []
-
-    def start(names: list[str], **kwargs: object) -> Worker:
-        worker = Worker([registry[n] for n in names], config(**kwargs))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        running.append((worker, thread))
-        return worker
-
-    yield start
-    for worker, thread in running:
-        worker.stop(immediate=True)
-        thread.join(10)
-        assert not thread.is_alive(), "worker did not stop"
-    wait_until(
-        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
-        timeout=30,
-        what="abandoned handler threads to finish",
     )
 
 
@@ -260,7 +225,7 @@ def test_a_dead_heartbeat_thread_stops_the_worker(caplog: pytest.LogCaptureFixtu
     from django_dbworker.worker import heartbeat
 
     Record.enqueue({"key": "w"})
-    worker = Worker([Record], config(heartbeat_interval=0.05))
+    worker = Worker([Record], worker_config(heartbeat_interval=0.05))
     original = heartbeat.Heartbeat.beat
 
     def die(self: heartbeat.Heartbeat) -> None:
@@ -304,7 +269,7 @@ def test_abandoned_threads_are_counted_and_capped(caplog: pytest.LogCaptureFixtu
     metrics = WorkerMetrics(registry_)
     Slow.enqueue_many([{"key": f"a{n}", "seconds": 2.5} for n in range(3)])
     # Two run at once; the first timeout reaches the cap of one: no third claim.
-    worker = Worker([Slow], config(concurrency=2, max_abandoned_threads=1), metrics=metrics)
+    worker = Worker([Slow], worker_config(concurrency=2, max_abandoned_threads=1), metrics=metrics)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     thread.join(20)
@@ -332,7 +297,7 @@ def test_late_outcomes_of_abandoned_threads_are_fenced_and_counted(
     item = SlowFail.enqueue({"key": "late", "seconds": 1.0})
     # Both attempts time out; a burst may end before the retry is due.
     while WorkItem.objects.get(pk=item.pk).status == Status.PENDING:
-        Worker([SlowFail], config(burst=True), metrics=metrics).run()
+        Worker([SlowFail], worker_config(burst=True), metrics=metrics).run()
     assert WorkItem.objects.get(pk=item.pk).status == Status.FAILED
     wait_until(
         lambda: caplog.text.count("Discarded the outcome of work item") == 2,

@@ -2,67 +2,26 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
 from django.db.models import Count
-from django.db.models.functions import Now
 
-from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.worker import Worker
-from django_dbworker.worker.runtime import WorkerConfig
 from tests.conftest import wait_until
+from tests.factories import steal_claim, worker_config
 from tests.testapp.models import Effect, Execution, Invoice
 from tests.testapp.workers import AtomicWrite, Explosive, NonAtomicLinger, Record, Slow
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def config(**kwargs: object) -> WorkerConfig:
-    base: dict[str, object] = {
-        "concurrency": 4,
-        "poll_interval": 0.1,
-        "heartbeat_interval": 0.2,
-        "stale_after": 60.0,
-        "shutdown_timeout": 5.0,
-    }
-    base.update(kwargs)
-    return WorkerConfig(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def background_worker() -> Iterator[Callable[..., Worker]]:
-    running: list[tuple[Worker, threading.Thread]] = []
-
-    def start(names: list[str], **kwargs: object) -> Worker:
-        worker = Worker([registry[n] for n in names], config(**kwargs))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        running.append((worker, thread))
-        return worker
-
-    yield start
-    for worker, thread in running:
-        worker.stop(immediate=True)
-        thread.join(10)
-        assert not thread.is_alive(), "worker did not stop"
-    # Abandoned handler threads (released or timed out) may still be running
-    # user code; let them end before the next test's tables are in use.
-    wait_until(
-        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
-        timeout=30,
-        what="abandoned handler threads to finish",
-    )
-
-
 def test_burst_runs_every_item_exactly_once() -> None:
     Record.enqueue_many([{"key": str(n)} for n in range(60)])
-    Worker([Record], config(burst=True)).run()
+    Worker([Record], worker_config(burst=True)).run()
     assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 60
     counts = Execution.objects.values("key").annotate(n=Count("id"))
     assert len(counts) == 60 and {c["n"] for c in counts} == {1}
@@ -71,7 +30,7 @@ def test_burst_runs_every_item_exactly_once() -> None:
 def test_burst_leaves_future_work_pending() -> None:
     Record.enqueue({"key": "later"}, run_after=timedelta(hours=1))
     Record.enqueue({"key": "now"})
-    Worker([Record], config(burst=True)).run()
+    Worker([Record], worker_config(burst=True)).run()
     assert list(Execution.objects.values_list("key", flat=True)) == ["now"]
 
 
@@ -94,14 +53,6 @@ def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
     assert row.status == Status.FAILED and row.result is None
 
 
-def _steal_claim(item_pk: int) -> None:
-    """Force a false stale detection: age the heartbeat and recover, atomically."""
-    with transaction.atomic():
-        WorkItem.objects.filter(pk=item_pk).update(heartbeat_at=Now() - timedelta(hours=1))
-        result = transitions.rescue_stale(stale_after=60)
-    assert result.requeued == 1
-
-
 @pytest.mark.postgres_only
 def test_false_stale_atomic_handler_commits_its_writes_exactly_once(
     background_worker: Callable[..., Worker],
@@ -111,7 +62,7 @@ def test_false_stale_atomic_handler_commits_its_writes_exactly_once(
     # The handler's own writes are invisible until it commits, so wait for
     # the claim; the handler then sleeps for a second inside its transaction.
     wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.CLAIMED)
-    _steal_claim(item.pk)
+    steal_claim(item.pk)
     wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, timeout=15)
     row = WorkItem.objects.get(pk=item.pk)
     assert row.attempts == 2
@@ -126,7 +77,7 @@ def test_false_stale_late_finisher_never_overwrites_the_newer_attempt(
     item = NonAtomicLinger.enqueue({"key": "l", "seconds": 1.0})
     background_worker(["linger"])
     wait_until(lambda: Execution.objects.filter(key="l", kind="start").count() == 1)
-    _steal_claim(item.pk)
+    steal_claim(item.pk)
     # Attempt 2 starts while attempt 1 still sleeps; attempt 1 ends first.
     wait_until(lambda: Execution.objects.filter(key="l", kind="end").count() == 2, timeout=15)
     wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, timeout=5)
@@ -151,7 +102,7 @@ def test_stop_releases_unfinished_rows_after_the_shutdown_timeout(
 
 def test_own_table_handler_loop_processes_every_row_once() -> None:
     Invoice.objects.bulk_create([Invoice() for _ in range(25)])
-    Worker([registry["invoice-mailer"]], config(burst=True)).run()
+    Worker([registry["invoice-mailer"]], worker_config(burst=True)).run()
     assert Invoice.objects.filter(status="sent").count() == 25
 
 

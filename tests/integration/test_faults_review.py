@@ -1,4 +1,4 @@
-"""Attack tests for "every claimed attempt ends in exactly one recorded outcome".
+"""Fault paths a review of the fix in test_faults.py found (attack tests).
 
 Each test describes a fault path where an attempt still ends without its
 outcome (or with the wrong one) after commit 365e2ce.
@@ -9,21 +9,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection, transaction
-from django.db.models.functions import Now
+from django.db import OperationalError, connection
 
-from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from django_dbworker.worker.outcomes import SuccessWriter
-from django_dbworker.worker.runtime import WorkerConfig
 from tests.conftest import wait_until
+from tests.factories import steal_claim, worker_config
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
     Echo,
@@ -36,20 +33,8 @@ from tests.testapp.workers import (
 )
 
 
-def config(**kwargs: object) -> WorkerConfig:
-    base: dict[str, object] = {
-        "concurrency": 4,
-        "poll_interval": 0.1,
-        "heartbeat_interval": 0.2,
-        "stale_after": 60.0,
-        "shutdown_timeout": 5.0,
-    }
-    base.update(kwargs)
-    return WorkerConfig(**base)  # type: ignore[arg-type]
-
-
 def start(names: list[str], **kwargs: Any) -> tuple[Worker, threading.Thread]:
-    worker = Worker([registry[n] for n in names], config(**kwargs))
+    worker = Worker([registry[n] for n in names], worker_config(**kwargs))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     return worker, thread
@@ -63,14 +48,6 @@ def finish(worker: Worker, thread: threading.Thread, timeout: float) -> bool:
     worker.stop(immediate=True)
     thread.join(10)
     return False
-
-
-def _steal_claim(item_pk: int) -> None:
-    """Force a false stale detection: age the heartbeat and recover, atomically."""
-    with transaction.atomic():
-        WorkItem.objects.filter(pk=item_pk).update(heartbeat_at=Now() - timedelta(hours=1))
-        result = transitions.rescue_stale(stale_after=60)
-    assert result.requeued == 1
 
 
 # -- error text that cannot be encoded ------------------------------------------------
@@ -151,7 +128,7 @@ def test_a_connection_blip_in_the_fence_check_does_not_leak_the_attempt(
     item = NonAtomicLinger.enqueue({"key": "l", "seconds": 1.0})
     worker, thread = start(["linger"], burst=True)
     wait_until(lambda: Execution.objects.filter(key="l", kind="start").count() == 1)
-    _steal_claim(item.pk)
+    steal_claim(item.pk)
     wait_until(lambda: Execution.objects.filter(key="l", kind="end").count() == 2, timeout=15)
     wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, timeout=5)
     assert flaky_fence_check, "the fenced success never reached the fence check"

@@ -1,0 +1,39 @@
+"""Fixtures of the integration tests: workers running in background threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from django_dbworker.registry import registry
+from django_dbworker.worker import Worker
+from tests.conftest import wait_until
+from tests.factories import worker_config
+
+
+@pytest.fixture
+def background_worker() -> Iterator[Callable[..., Worker]]:
+    """Start in-process workers; stop them (and wait for their threads) afterwards."""
+    running: list[tuple[Worker, threading.Thread]] = []
+
+    def start(names: list[str], **kwargs: object) -> Worker:
+        worker = Worker([registry[n] for n in names], worker_config(**kwargs))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        running.append((worker, thread))
+        return worker
+
+    yield start
+    for worker, thread in running:
+        worker.stop(immediate=True)
+        thread.join(10)
+        assert not thread.is_alive(), "worker did not stop"
+    # Abandoned handler threads (released or timed out) may still be running
+    # user code; let them end before the next test's tables are in use.
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
+        timeout=30,
+        what="abandoned handler threads to finish",
+    )
