@@ -249,6 +249,7 @@ class Worker:
                 claimed = self.run_once()
             except Exception as exc:
                 self.metrics.claim_error(WORK_ITEM_LOOP)
+                self._observe_write(math.inf)  # a claim that failed was held up too
                 delay = self._claim_backoff.next()
                 if is_transient(exc):
                     logger.error(
@@ -442,6 +443,7 @@ class Worker:
             return
         except Exception as exc:
             # Recovery is best effort per pass; claiming must go on.
+            self._observe_write(math.inf)
             logger.warning("Stale recovery failed (%s); trying again later.", exc)
             return
         self._rescue_deferred_since = None
