@@ -159,4 +159,4 @@ class WorkItemHandler(Handler["WorkItem"]):
     def recover_stale(self) -> None:
         from django_dbworker import transitions
 
-        transitions.rescue_stale(handlers=[self.name])
+        transitions.recover_stale(handlers=[self.name])

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django_dbworker.outcomes import Outcome
+
 try:
     import prometheus_client
 except ImportError:  # the optional extra is not installed
@@ -147,10 +149,10 @@ class WorkerMetrics:
         if self.enabled and count:
             self.stale_recovered.labels(worker).inc(count)
 
-    def task_done(self, worker: str, status: str, seconds: float) -> None:
+    def task_done(self, worker: str, status: Outcome, seconds: float) -> None:
         if not self.enabled:
             return
-        if status == "fenced":
+        if status is Outcome.FENCED:
             self.fenced.labels(worker).inc()
             return
         self.tasks.labels(worker, status).inc()

@@ -1,27 +1,23 @@
 """Helpers for users' own test suites: run enqueued work in-process, inspect it.
 
-``run_until_empty`` goes through the same claim, execute and record code as
-``run_workers``, in the calling thread, so it works inside the test
-transaction of Django's ``TestCase``. Handler ``timeout``s are not enforced
-here (enforcing them needs a second thread, which would not see the test
-transaction's rows).
+``run_until_empty`` runs the real ``Worker`` (burst mode, inline): the same
+claim loop, execution and success writer as ``run_workers``, in the calling
+thread, so it works inside the test transaction of Django's ``TestCase``.
+Handler ``timeout``s are not enforced here (enforcing them needs a second
+thread, which would not see the test transaction's rows).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
-from django_dbworker import transitions
-from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem, WorkItemQuerySet
 from django_dbworker.registry import registry
-from django_dbworker.worker.execution import execute
-from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 __all__ = ["assert_enqueued", "enqueued", "run_until_empty"]
 
@@ -47,27 +43,32 @@ def run_until_empty(
 ) -> dict[str, int]:
     """Run every claimable item, one at a time; return counts by outcome.
 
-    Stops when no pending row is due (retries scheduled in the future are
-    left pending). ``max_items`` guards against handlers that enqueue
-    themselves forever.
+    Drives the real ``Worker`` in burst mode, inline: the same claim loop,
+    dispatch, execution and success writer as ``run_workers``, in the
+    calling thread and its transaction. Stops when no pending row is due
+    (retries scheduled in the future are left pending). ``max_items`` guards
+    against handlers that enqueue themselves forever.
     """
     names = _names(handlers)
-    queue_list = list(queues) if queues is not None else None
-    instances = {name: registry[name]() for name in names}
-    ops = operations(using)
-    counts: Counter[str] = Counter()
-    transitions.rescue_stale(handlers=names, using=using)
-    for _ in range(max_items):
-        items = ops.claim(limit=1, handlers=names, queues=queue_list, worker=worker_id())
-        if not items:
-            break
-        item = items[0]
-        handler = instances[item.handler]
-        assert isinstance(handler, WorkItemHandler)
-        counts[execute(item, handler, enforce_timeout=False)] += 1
-    else:
+    config = WorkerConfig(
+        burst=True,
+        inline=True,
+        queues=list(queues) if queues is not None else None,
+        using=using,
+        max_items=max_items,
+    )
+    worker = Worker([registry[name] for name in names], config)
+    worker.run()
+    if worker.claimed >= max_items and _claimable(names, config.queues, using):
         raise RuntimeError(f"run_until_empty ran {max_items} items and work remains.")
-    return dict(counts)
+    return {str(outcome): count for outcome, count in worker.outcomes.items()}
+
+
+def _claimable(names: list[str], queues: Sequence[str] | None, using: str) -> bool:
+    rows = WorkItem.objects.using(using).ready().filter(handler__in=names)
+    if queues is not None:
+        rows = rows.filter(queue__in=queues)
+    return rows.exists()
 
 
 def enqueued(

@@ -26,14 +26,18 @@ from django.db.models import Case, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Concat, Now
 
 from django_dbworker.conf import dbworker_settings
+from django_dbworker.db import operations
 from django_dbworker.models import FINISHED_STATUSES, Status, WorkItem, WorkItemQuerySet
 
 logger = logging.getLogger("django_dbworker.transitions")
 
+#: An attempt: a row id and the claim token of one claim of it.
+AttemptKey = tuple[int, UUID]
+
 #: ``last_error`` is cut to this many bytes of UTF-8 (SPEC: 10 kB).
 MAX_ERROR_BYTES = 10_000
 #: Rows per UPDATE of the stale-recovery pass.
-RESCUE_BATCH = 500
+RECOVERY_BATCH = 500
 #: What replaces exception messages of sensitive handlers.
 REDACTED = "[redacted]"
 
@@ -150,9 +154,7 @@ def _redacted(exc: BaseException, include_traceback: bool) -> str:
 # -- worker transitions (fenced) ----------------------------------------------------
 
 
-def heartbeat(
-    claims: Collection[tuple[int, UUID]], using: str | None = None
-) -> set[tuple[int, UUID]]:
+def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[AttemptKey]:
     """Refresh ``heartbeat_at`` of every attempt still held; return those still held.
 
     ``claims`` are attempts, ``(id, claim_token)``: one UPDATE for all
@@ -174,18 +176,38 @@ def heartbeat(
     return wanted & set(qs.values_list("pk", "claim_token"))
 
 
-def succeed(item: WorkItem, result: Any) -> bool:
-    """claimed -> succeeded, recording ``result``. False if fenced out."""
-    return (
-        _fenced(item).update(
-            status=Status.SUCCEEDED,
-            result=result,
-            finished_at=Now(),
-            updated_at=Now(),
-            last_error="",
-        )
-        == 1
+def succeed(
+    outcomes: Sequence[tuple[int, UUID, str | None]], using: str | None = None
+) -> set[AttemptKey]:
+    """claimed -> succeeded for every attempt still held; returns those recorded.
+
+    ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``.
+    The one way a success is written: the worker's success writer passes a
+    batch, an atomic handler its one row inside its own transaction, so both
+    run the same fenced statement (``VendorOperations.succeed_many``). An
+    attempt whose row was recovered and re-claimed meanwhile is not in the
+    answer.
+    """
+    return operations(using).succeed_many(outcomes)
+
+
+def already_succeeded(
+    attempts: Collection[AttemptKey], using: str | None = None
+) -> set[AttemptKey]:
+    """Those of ``attempts`` whose success is recorded already.
+
+    When a success write's connection dies after the commit but before the
+    answer, the write is retried and no longer matches ``claimed``;
+    ``succeeded`` under the attempt's own token tells it from a fenced one.
+    """
+    if not attempts:
+        return set()
+    rows = WorkItem.objects.using(using).filter(
+        pk__in={pk for pk, _ in attempts},
+        claim_token__in={token for _, token in attempts},
+        status=Status.SUCCEEDED,
     )
+    return set(attempts) & set(rows.values_list("pk", "claim_token"))
 
 
 def retry_later(item: WorkItem, *, delay: float, error: str) -> bool:
@@ -238,7 +260,7 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
 
 
 @dataclass
-class Rescued:
+class Recovered:
     """What one stale-recovery pass did."""
 
     requeued: int = 0
@@ -259,19 +281,19 @@ class Rescued:
             )
 
 
-def rescue_stale(
+def recover_stale(
     *,
     handlers: Sequence[str] | None = None,
     stale_after: float | None = None,
     using: str | None = None,
-    batch_size: int = RESCUE_BATCH,
+    batch_size: int = RECOVERY_BATCH,
     log: bool = True,
-) -> Rescued:
+) -> Recovered:
     """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
 
     Idempotent and safe to run from many processes at once: each UPDATE
     repeats the staleness condition, so a row that another process already
-    rescued (or whose owner heartbeated meanwhile) is not touched again. The
+    recovered (or whose owner heartbeated meanwhile) is not touched again. The
     lost run counts as an attempt, so a job that kills its worker every time
     ends ``failed`` instead of looping forever.
     """
@@ -281,7 +303,7 @@ def rescue_stale(
         base = base.filter(handler__in=list(handlers))
     exhausted = Q(attempts__gte=F("max_attempts"))
     message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
-    result = Rescued()
+    result = Recovered()
     while True:
         batch = list(base.order_by("heartbeat_at").values_list("pk", "handler")[:batch_size])
         if not batch:

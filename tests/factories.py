@@ -53,5 +53,5 @@ def steal_claim(item_pk: int) -> None:
     """Force a false stale detection: age the heartbeat and recover, atomically."""
     with transaction.atomic():
         WorkItem.objects.filter(pk=item_pk).update(heartbeat_at=Now() - timedelta(hours=1))
-        result = transitions.rescue_stale(stale_after=60)
+        result = transitions.recover_stale(stale_after=60)
     assert result.requeued == 1

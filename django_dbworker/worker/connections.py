@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from django_dbworker.db.errors import is_transient
 
@@ -77,6 +77,26 @@ def refresh_if_idle(using: str = DEFAULT_DB_ALIAS) -> None:
         usable = False
     if not usable:
         close_quietly(using)
+
+
+def guarded(using: str, write: Callable[[], T]) -> T:
+    """``write`` in a savepoint when a caller's transaction is open.
+
+    A statement the database refuses aborts the whole transaction on
+    PostgreSQL; inside ``run_until_empty`` in a test's transaction the
+    fallback write must still be possible. In autocommit (the worker) no
+    savepoint is needed and none is paid for.
+    """
+    if not connections[using].in_atomic_block:
+        return write()
+    with transaction.atomic(using=using):
+        return write()
+
+
+def tidy_unless_in_transaction(using: str) -> None:
+    """``tidy`` for code that may run inside a caller's transaction (leave it alone)."""
+    if not connections[using].in_atomic_block:
+        tidy(using)
 
 
 def close_quietly(using: str = DEFAULT_DB_ALIAS) -> None:

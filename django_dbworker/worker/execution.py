@@ -10,7 +10,7 @@ Every attempt ends in exactly one recorded outcome: whatever the handler
 raises or returns, however its exception prints, whatever its ``backoff``
 answers, and whatever value the database refuses, an outcome is written
 (falling back to a plain fenced failure), or the attempt is reported
-``UNRECORDED`` so that its owner releases it.
+``Outcome.UNRECORDED`` so that its owner releases it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
+from django_dbworker.outcomes import Outcome
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
     close_thread_connections,
+    guarded,
     persist,
     refresh_if_idle,
     tidy,
@@ -46,18 +48,6 @@ logger = logging.getLogger("django_dbworker.worker")
 #: means "handed over": the recorder reports the outcome itself, later.
 RecordSuccess = Callable[[WorkItem, "str | None"], "bool | None"]
 
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-RETRIED = "retried"
-TIMEOUT = "timeout"
-#: The outcome was discarded because the row was recovered and re-claimed meanwhile.
-FENCED = "fenced"
-#: The success was handed to a writer that reports it later (see RecordSuccess).
-DEFERRED = "deferred"
-#: No outcome could be written (the worker is stopping at once, or the
-#: database refused even a plain failure): the row is still claimed under
-#: this attempt's token, for the owner to release or stale recovery to return.
-UNRECORDED = "unrecorded"
 
 #: The longest retry delay a ``backoff()`` may ask for (ten years): any
 #: datetime arithmetic of every supported database stays in range.
@@ -100,7 +90,7 @@ def execute(
     record_success: RecordSuccess | None = None,
     abandoned: AbandonedThreads | None = None,
     on_recording: Callable[[], None] | None = None,
-) -> str:
+) -> Outcome:
     """Run ``item`` and record its outcome; returns one of the outcome labels.
 
     Never raises for anything the handler does (``BaseException`` included):
@@ -115,7 +105,7 @@ def execute(
     metrics = metrics or default_metrics()
     ready = _Recording(on_recording)
     started = time.perf_counter()
-    outcome: str | None = None
+    outcome: Outcome | None = None
     try:
         with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
             outcome = _execute(
@@ -128,7 +118,7 @@ def execute(
                 ready=ready,
                 metrics=metrics,
             )
-            attempt.outcome(SUCCEEDED if outcome == DEFERRED else outcome)
+            attempt.outcome(Outcome.SUCCEEDED if outcome == Outcome.DEFERRED else outcome)
     except BaseException as exc:
         # Our own code (or a tracing SDK) failed around the handler. If no
         # outcome was recorded yet, the attempt still needs one.
@@ -142,7 +132,7 @@ def execute(
         if outcome is None:
             ready()
             outcome = _record_failure(item, handler, exc, retriable=True, give_up=give_up)
-    if outcome not in (DEFERRED, UNRECORDED):
+    if outcome.final:
         metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
 
@@ -157,7 +147,7 @@ def _execute(
     abandoned: AbandonedThreads | None,
     ready: _Recording,
     metrics: WorkerMetrics,
-) -> str:
+) -> Outcome:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
         return _run_and_record(item, handler, give_up, record_success, ready)
@@ -168,7 +158,7 @@ def _execute(
 
     def target() -> None:
         started = time.perf_counter()
-        outcome = None
+        outcome: Outcome | None = None
         try:
             outcome = box["outcome"] = _run_and_record(
                 item, handler, give_up, record_success, ready
@@ -178,7 +168,7 @@ def _execute(
         finally:
             close_thread_connections()
             late = tracker.finish(finished, gone)
-            if late and outcome not in (None, DEFERRED, UNRECORDED):
+            if late and outcome is not None and outcome.final:
                 # Abandoned: the caller reported the timeout, and only this
                 # thread knows how the late run ended (usually fenced).
                 metrics.task_done(handler.name, outcome, time.perf_counter() - started)
@@ -196,7 +186,7 @@ def _execute(
     if not tracker.abandon(finished, gone):
         runner.join()  # it ended just now: its own outcome stands
         if "outcome" in box:
-            return str(box["outcome"])
+            return Outcome(box["outcome"])
         ready()
         return _record_failure(item, handler, box["error"], retriable=True, give_up=give_up)
     error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
@@ -206,7 +196,7 @@ def _execute(
         handler,
         error,
         retriable=True,
-        label=TIMEOUT,
+        label=Outcome.TIMEOUT,
         give_up=give_up,
         text=transitions.format_error(error, include_traceback=False),
     )
@@ -218,7 +208,7 @@ def _run_and_record(
     give_up: threading.Event | None,
     record_success: RecordSuccess | None,
     ready: _Recording,
-) -> str:
+) -> Outcome:
     db = item._state.db or "default"
     # Tidy the connection between steps only if we own its state: a caller
     # inside a transaction (run_until_empty in a TestCase) keeps it as it is.
@@ -235,17 +225,16 @@ def _run_and_record(
             if handler.atomic:
                 with transaction.atomic(using=db):
                     result = handler.handle(item.payload)
-                    _encode_result(result)
+                    encoded = _encode_result(result)
                     ready()
-                    if not _succeed_or_refuse(item, result):
+                    if not _succeed_or_refuse(item, encoded):
                         raise _FencedOut
-                return SUCCEEDED
-            result = handler.handle(item.payload)
+                return Outcome.SUCCEEDED
+            encoded = _encode_result(handler.handle(item.payload))
             ready()
-            encoded = _encode_result(result)
         except _FencedOut:
             log_fenced(item, handler)
-            return FENCED
+            return Outcome.FENCED
         except _ResultRefused as refused:
             ready()
             tidy_if_owned()
@@ -258,13 +247,13 @@ def _run_and_record(
             )
         tidy_if_owned()
         if record_success is not None:
-            recorded = record_success(item, None if result is None else encoded)
+            recorded = record_success(item, encoded)
             if recorded is None:
-                return DEFERRED
+                return Outcome.DEFERRED
         else:
             try:
                 recorded = persist(
-                    lambda: _succeed_or_refuse(item, result),
+                    lambda: _succeed_or_refuse(item, encoded),
                     what="recording a success",
                     give_up=give_up,
                     using=db,
@@ -275,14 +264,17 @@ def _run_and_record(
             except Exception as exc:
                 return _unrecorded(item, handler, exc)
         if recorded:
-            return SUCCEEDED
+            return Outcome.SUCCEEDED
         log_fenced(item, handler)
-        return FENCED
+        return Outcome.FENCED
     finally:
         tidy_if_owned()
 
 
-def _encode_result(result: Any) -> str:
+def _encode_result(result: Any) -> str | None:
+    """The result as JSON text for the ``result`` column; None (SQL NULL) for None."""
+    if result is None:
+        return None
     try:
         return transitions.ensure_json(result, "The handler's return value")
     except TypeError as exc:
@@ -290,23 +282,18 @@ def _encode_result(result: Any) -> str:
 
 
 def _guarded(item: WorkItem, write: Callable[[], bool]) -> bool:
-    """``write`` in a savepoint when a caller's transaction is open.
+    return guarded(item._state.db or "default", write)
 
-    A statement the database refuses aborts the whole transaction on
-    PostgreSQL; inside ``run_until_empty`` in a test's transaction the
-    fallback write must still be possible. In autocommit (the worker) no
-    savepoint is needed and none is paid for.
+
+def _succeed_or_refuse(item: WorkItem, encoded: str | None) -> bool:
+    """The one success write (``transitions.succeed``) for a single attempt.
+
+    Raises ``_ResultRefused`` when the database will not store the result.
     """
-    db = item._state.db or "default"
-    if not connections[db].in_atomic_block:
-        return write()
-    with transaction.atomic(using=db):
-        return write()
-
-
-def _succeed_or_refuse(item: WorkItem, result: Any) -> bool:
+    assert item.claim_token is not None
+    attempt = [(item.pk, item.claim_token, encoded)]
     try:
-        return _guarded(item, lambda: transitions.succeed(item, result))
+        return _guarded(item, lambda: bool(transitions.succeed(attempt, using=item._state.db)))
     except DatabaseError as exc:
         if is_transient(exc):
             raise
@@ -347,9 +334,9 @@ def _record_failure(
     *,
     retriable: bool,
     give_up: threading.Event | None,
-    label: str | None = None,
+    label: Outcome | None = None,
     text: str | None = None,
-) -> str:
+) -> Outcome:
     sensitive = handler.sensitive
     error = text if text is not None else transitions.format_error(exc, sensitive=sensitive)
     try:
@@ -372,7 +359,7 @@ def _record_failure(
         return _unrecorded(item, handler, exc_write)
     if not recorded:
         log_fenced(item, handler)
-        return FENCED
+        return Outcome.FENCED
     if retry:
         logger.warning(
             "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
@@ -383,7 +370,7 @@ def _record_failure(
             delay,
             shown,
         )
-        return label or RETRIED
+        return label or Outcome.RETRIED
     logger.error(
         "Work item %s (%s) failed on attempt %d/%d%s: %s",
         item.pk,
@@ -393,7 +380,7 @@ def _record_failure(
         "" if retriable else " (not retryable)",
         shown,
     )
-    return label or FAILED
+    return label or Outcome.FAILED
 
 
 def record_refused_result(
@@ -402,7 +389,7 @@ def record_refused_result(
     cause: BaseException,
     *,
     give_up: threading.Event | None,
-) -> str:
+) -> Outcome:
     """The handler finished but its result cannot be stored: record ``failed``.
 
     Not retried: a new attempt would compute the same result (and repeat the
@@ -418,14 +405,14 @@ def record_refused_result(
         return _unrecorded(item, handler, exc_write)
     if not recorded:
         log_fenced(item, handler)
-        return FENCED
+        return Outcome.FENCED
     logger.error(
         "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
         item.pk,
         handler.name,
         reason,
     )
-    return FAILED
+    return Outcome.FAILED
 
 
 def _write_outcome(
@@ -467,7 +454,7 @@ def _write_outcome(
     )
 
 
-def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> str:
+def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> Outcome:
     logger.error(
         "Could not record any outcome of work item %s (%s): %s. It stays claimed under "
         "this attempt until it is released or recovered as stale.",
@@ -475,7 +462,7 @@ def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) ->
         handler.name,
         transitions.error_summary(exc),
     )
-    return UNRECORDED
+    return Outcome.UNRECORDED
 
 
 def log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:

@@ -14,15 +14,12 @@ import math
 import threading
 import time
 from collections.abc import Callable, Collection
-from uuid import UUID
 
 from django_dbworker import transitions
+from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.connections import Backoff, close_quietly, close_thread_connections
 
 logger = logging.getLogger("django_dbworker.worker")
-
-#: An attempt: (row id, claim token).
-AttemptKey = tuple[int, UUID]
 
 
 class Heartbeat(threading.Thread):

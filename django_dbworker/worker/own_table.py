@@ -16,6 +16,7 @@ from typing import Any
 from django_dbworker.errors import NoTask
 from django_dbworker.handlers import Handler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
+from django_dbworker.outcomes import Outcome
 from django_dbworker.worker.connections import close_thread_connections, tidy
 from django_dbworker.worker.pool import Pool
 
@@ -114,7 +115,7 @@ class HandlerLoop(threading.Thread):
             started = time.perf_counter()
             with self.metrics.running(name):
                 ok = self._call("process", lambda: self.handler.process(item))
-            status = "succeeded" if ok else "failed"
+            status = Outcome.SUCCEEDED if ok else Outcome.FAILED
             self.metrics.task_done(name, status, time.perf_counter() - started)
 
         return run

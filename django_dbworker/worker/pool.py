@@ -86,3 +86,25 @@ class Pool:
                         self._on_done()
         finally:
             close_thread_connections()
+
+
+class InlinePool(Pool):
+    """One slot, run in the submitting thread: the pool of an inline ``Worker``.
+
+    ``testing.run_until_empty`` runs items in the caller's thread (and its
+    test transaction) through the same claim loop and dispatch as the
+    threaded worker.
+    """
+
+    def __init__(self) -> None:
+        self.size = 1
+        self._on_done = None
+        self._busy = 0
+        self._cond = threading.Condition()
+        self._threads = []
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException:
+            logger.exception("Unexpected error while running an item inline.")

@@ -14,6 +14,7 @@ import math
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
+from django_dbworker.outcomes import Outcome
+from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker import execution
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
@@ -35,11 +38,11 @@ from django_dbworker.worker.connections import (
     close_thread_connections,
     persist,
 )
-from django_dbworker.worker.heartbeat import AttemptKey, Heartbeat
+from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.identity import worker_id
-from django_dbworker.worker.outcomes import Refused, SuccessWriter, Written
 from django_dbworker.worker.own_table import HandlerLoop
-from django_dbworker.worker.pool import Pool
+from django_dbworker.worker.pool import InlinePool, Pool
+from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
 from django_dbworker.worker.wakeup import Listener
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -73,6 +76,13 @@ class WorkerConfig:
     burst: bool = False
     queues: Sequence[str] | None = None
     using: str = DEFAULT_DB_ALIAS
+    #: Run each item in the calling thread, one at a time: no pool, writer,
+    #: heartbeat or wake-up threads, and no timeouts (they need a second
+    #: thread, which would not see the caller's transaction). What
+    #: ``testing.run_until_empty`` uses, so tests run the production path.
+    inline: bool = False
+    #: Claim at most this many items, then stop (None: no limit).
+    max_items: int | None = None
 
 
 @dataclass(eq=False)
@@ -127,16 +137,19 @@ class Worker:
         self._lock = threading.Lock()
         self._in_flight: dict[AttemptKey, Attempt] = {}
         self.abandoned = AbandonedThreads(self.metrics)
+        #: Rows claimed so far, and how their attempts ended (final outcomes).
+        self.claimed = 0
+        self.outcomes: Counter[Outcome] = Counter()
         #: Why the process stopped itself (watchdog), or None; exit non-zero if set.
         self.unhealthy: str | None = None
         self._heartbeat: Heartbeat | None = None
         self._pool: Pool | None = None
         self._writer: SuccessWriter | None = None
-        self._next_rescue = 0.0
+        self._next_recovery = 0.0
         #: When one of this process's writes (claim, heartbeat) last waited
         #: longer than HEARTBEAT_INTERVAL; monotonic seconds.
         self._slow_write_at = -math.inf
-        self._rescue_deferred_since: float | None = None
+        self._recovery_deferred_since: float | None = None
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
 
     # -- control -----------------------------------------------------------------
@@ -165,8 +178,11 @@ class Worker:
             for h in self.own_table_handlers
         ]
         listener = None
-        if self.work_item_handlers:
-            self._writer = SuccessWriter(operations(cfg.using), give_up=self.aborting)
+        if self.work_item_handlers and cfg.inline:
+            self._writer = SuccessWriter(cfg.using, give_up=self.aborting, inline=True)
+            self._pool = InlinePool()
+        elif self.work_item_handlers:
+            self._writer = SuccessWriter(cfg.using, give_up=self.aborting)
             self._writer.start()
             self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self.wake.set)
             self._heartbeat = Heartbeat(
@@ -203,10 +219,11 @@ class Worker:
             if self._writer is not None and self._writer.is_alive():
                 self._writer.close()
                 self._writer.join(10)
-            close_thread_connections()
+            if not cfg.inline:  # inline, the connection is the caller's
+                close_thread_connections()
 
     def run_once(self) -> int:
-        """One claim-and-dispatch step: rescue if due, claim a batch, submit it.
+        """One claim-and-dispatch step: recover stale rows if due, claim a batch, submit it.
 
         Returns the number of rows claimed. Drives the same code as ``run``,
         for tests that step the worker by hand.
@@ -214,7 +231,7 @@ class Worker:
         assert self._pool is not None
         if self._check_health():
             return 0
-        self._maybe_rescue()
+        self._maybe_recover()
         # Rows awaiting their success write still count against the process:
         # at most CONCURRENCY + UNRECORDED_EXTRA attempts are claimed and not
         # yet recorded, so a slow database applies back-pressure instead of a
@@ -225,6 +242,11 @@ class Worker:
         if free <= 0:
             return 0
         limit = min(free, self.config.batch_size) if self.config.batch_size > 0 else free
+        if self.config.max_items is not None:
+            limit = min(limit, self.config.max_items - self.claimed)
+            if limit <= 0:
+                self.stopping.set()
+                return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = time.perf_counter()
         items = self.ops.claim(
@@ -236,6 +258,7 @@ class Worker:
         took = time.perf_counter() - started
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self._observe_write(took)
+        self.claimed += len(items)
         for item in items:
             self._dispatch(item)
         return len(items)
@@ -288,7 +311,7 @@ class Worker:
         cap = self.config.max_abandoned_threads or self.config.concurrency
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             reason = "the heartbeat thread died"
-        elif self._writer is not None and not self._writer.is_alive():
+        elif self._writer is not None and not self._writer.inline and not self._writer.is_alive():
             reason = "the success writer thread died"
         elif self.abandoned.count >= cap:
             reason = (
@@ -342,14 +365,15 @@ class Worker:
                         handler.name,
                         transitions.error_summary(outcome),
                     )
-                    label = execution.UNRECORDED
+                    label = Outcome.UNRECORDED
                 elif outcome:
-                    label = execution.SUCCEEDED
+                    label = Outcome.SUCCEEDED
                 else:
                     execution.log_fenced(item, handler)
-                    label = execution.FENCED
-                if label != execution.UNRECORDED:
+                    label = Outcome.FENCED
+                if label.final:
                     self.metrics.task_done(handler.name, label, took)
+                    self._count(label)
                 self._forget(attempt)
 
             writer.submit(item, result_json, written)
@@ -359,7 +383,7 @@ class Worker:
                 attempt.recording = True
 
         def run() -> None:
-            outcome = execution.UNRECORDED
+            outcome = Outcome.UNRECORDED
             try:
                 outcome = execution.execute(
                     item,
@@ -369,16 +393,23 @@ class Worker:
                     record_success=hand_over if writer is not None else None,
                     abandoned=self.abandoned,
                     on_recording=recording,
+                    enforce_timeout=not self.config.inline,
                 )
             finally:
-                if outcome == execution.DEFERRED:
+                if outcome.final:
+                    self._count(outcome)
+                if outcome == Outcome.DEFERRED:
                     pass  # the writer's callback retires the attempt
-                elif outcome == execution.UNRECORDED and self.aborting.is_set():
+                elif outcome == Outcome.UNRECORDED and self.aborting.is_set():
                     pass  # still claimed under this attempt: released at shutdown
                 else:
                     self._forget(attempt)
 
         self._pool.submit(run)
+
+    def _count(self, outcome: Outcome) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
 
     def _forget(self, attempt: Attempt) -> None:
         """Retire ``attempt`` (and only it) once its outcome is recorded."""
@@ -394,7 +425,7 @@ class Worker:
 
     # -- recovery ---------------------------------------------------------------
 
-    def _rescue_interval(self) -> float:
+    def _recovery_interval(self) -> float:
         # Often enough to notice a crash soon after STALE_AFTER, rarely
         # enough that many workers add little load; jitter de-synchronises them.
         return max(0.5, min(self.config.stale_after / 4.0, 60.0)) * random.uniform(0.8, 1.2)
@@ -403,7 +434,7 @@ class Worker:
         if seconds > self.config.heartbeat_interval:
             self._slow_write_at = time.monotonic()
 
-    def _maybe_rescue(self) -> None:
+    def _maybe_recover(self) -> None:
         """Run the stale-recovery pass if it is due, unless heartbeats may be held up.
 
         A heartbeat that could not be written is not a sign of a dead worker.
@@ -417,44 +448,44 @@ class Worker:
         """
         cfg = self.config
         now = time.monotonic()
-        if now < self._next_rescue:
+        if now < self._next_recovery:
             return
-        self._next_rescue = now + self._rescue_interval()
+        self._next_recovery = now + self._recovery_interval()
         overdue = (
-            self._rescue_deferred_since is not None
-            and now - self._rescue_deferred_since > cfg.stale_after
+            self._recovery_deferred_since is not None
+            and now - self._recovery_deferred_since > cfg.stale_after
         )
         if not overdue and now - self._slow_write_at < 2 * cfg.heartbeat_interval:
-            self._defer_rescue(now, "this worker's own writes were waiting")
+            self._defer_recovery(now, "this worker's own writes were waiting")
             return
         started = time.perf_counter()
         try:
             with transaction.atomic(using=cfg.using):
-                rescued = transitions.rescue_stale(
+                recovered = transitions.recover_stale(
                     handlers=list(self.work_item_handlers),
                     stale_after=cfg.stale_after,
                     using=cfg.using,
                     log=False,  # said once committed
                 )
                 if not overdue and time.perf_counter() - started > cfg.heartbeat_interval:
-                    raise _RescueWaited
-        except _RescueWaited:
-            self._defer_rescue(now, "the recovery pass itself had to wait")
+                    raise _RecoveryWaited
+        except _RecoveryWaited:
+            self._defer_recovery(now, "the recovery pass itself had to wait")
             return
         except Exception as exc:
             # Recovery is best effort per pass; claiming must go on.
             self._observe_write(math.inf)
             logger.warning("Stale recovery failed (%s); trying again later.", exc)
             return
-        self._rescue_deferred_since = None
-        rescued.log()
+        self._recovery_deferred_since = None
+        recovered.log()
         self.metrics.recover_took(WORK_ITEM_LOOP, time.perf_counter() - started)
-        for name, count in rescued.by_handler.items():
+        for name, count in recovered.by_handler.items():
             self.metrics.recovered(name, count)
 
-    def _defer_rescue(self, now: float, why: str) -> None:
-        if self._rescue_deferred_since is None:
-            self._rescue_deferred_since = now
+    def _defer_recovery(self, now: float, why: str) -> None:
+        if self._recovery_deferred_since is None:
+            self._recovery_deferred_since = now
         logger.debug("Stale recovery put off: %s, so heartbeats may be held up too.", why)
 
     # -- heartbeat callbacks -------------------------------------------------------
@@ -534,7 +565,7 @@ class Worker:
             return any(a.recording for a in self._in_flight.values())
 
 
-class _RescueWaited(Exception):
+class _RecoveryWaited(Exception):
     """Rolls back a recovery pass that waited for the database."""
 
 

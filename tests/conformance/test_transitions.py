@@ -17,7 +17,9 @@ pytestmark = pytest.mark.django_db
 def test_succeed_records_result_and_finish_time() -> None:
     make_item()
     (item,) = claim()
-    assert transitions.succeed(item, {"ok": True})
+    assert transitions.succeed([(item.pk, item.claim_token, '{"ok": true}')]) == {
+        (item.pk, item.claim_token)
+    }
     row = WorkItem.objects.get()
     assert row.status == Status.SUCCEEDED
     assert row.result == {"ok": True}
@@ -29,7 +31,7 @@ def test_writes_under_a_stale_token_are_fenced_out() -> None:
     (item,) = claim()
     WorkItem.objects.update(status=Status.PENDING)  # recovered...
     (newer,) = claim()  # ...and claimed again
-    assert not transitions.succeed(item, "late")
+    assert not transitions.succeed([(item.pk, item.claim_token, '"late"')])
     assert not transitions.fail(item, error="late")
     assert not transitions.retry_later(item, delay=0, error="late")
     assert transitions.release([item]) == 0
@@ -75,11 +77,10 @@ def test_heartbeat_tells_two_attempts_of_one_row_apart() -> None:
 
 
 def test_succeed_many_tells_two_attempts_of_one_row_apart() -> None:
-    from django_dbworker.db import operations
 
     make_item()
     (a,) = claim()
-    done = operations().succeed_many([(a.pk, uuid.uuid4(), '"late"'), (a.pk, a.claim_token, "1")])
+    done = transitions.succeed([(a.pk, uuid.uuid4(), '"late"'), (a.pk, a.claim_token, "1")])
     assert done == {(a.pk, a.claim_token)}
     assert WorkItem.objects.get(pk=a.pk).result == 1
 
@@ -96,19 +97,19 @@ def test_stale_rows_are_requeued_and_the_lost_run_counts() -> None:
     make_item()
     (item,) = claim(worker="deadhost:1:t")
     age_heartbeat(item, 120)
-    result = transitions.rescue_stale(stale_after=60)
+    result = transitions.recover_stale(stale_after=60)
     assert (result.requeued, result.failed, result.by_handler) == (1, 0, {"noop": 1})
     row = WorkItem.objects.get()
     assert row.status == Status.PENDING and row.attempts == 1
     assert "deadhost:1:t" in row.last_error and "stale" in row.last_error
-    assert not transitions.succeed(item, "late")
+    assert not transitions.succeed([(item.pk, item.claim_token, '"late"')])
 
 
 def test_fresh_heartbeats_are_not_stale() -> None:
     make_item()
     (item,) = claim()
     age_heartbeat(item, 30)
-    assert transitions.rescue_stale(stale_after=60).total == 0
+    assert transitions.recover_stale(stale_after=60).total == 0
     assert WorkItem.objects.get().status == Status.CLAIMED
 
 
@@ -117,28 +118,28 @@ def test_stale_rows_with_attempts_used_up_end_failed() -> None:
     (item,) = claim()
     assert item.attempts == 3
     age_heartbeat(item, 120)
-    result = transitions.rescue_stale(stale_after=60)
+    result = transitions.recover_stale(stale_after=60)
     assert (result.requeued, result.failed) == (0, 1)
     row = WorkItem.objects.get()
     assert row.status == Status.FAILED and row.finished_at is not None
     assert "attempts used up" in row.last_error
 
 
-def test_rescue_is_idempotent_and_batched() -> None:
+def test_recovery_is_idempotent_and_batched() -> None:
     for _ in range(7):
         make_item()
     for item in claim():
         age_heartbeat(item, 120)
-    assert transitions.rescue_stale(stale_after=60, batch_size=3).requeued == 7
-    assert transitions.rescue_stale(stale_after=60, batch_size=3).total == 0
+    assert transitions.recover_stale(stale_after=60, batch_size=3).requeued == 7
+    assert transitions.recover_stale(stale_after=60, batch_size=3).total == 0
 
 
-def test_rescue_can_be_limited_to_handlers() -> None:
+def test_recovery_can_be_limited_to_handlers() -> None:
     make_item(handler="noop")
     make_item(handler="echo")
     for item in claim():
         age_heartbeat(item, 120)
-    assert transitions.rescue_stale(stale_after=60, handlers=["echo"]).by_handler == {"echo": 1}
+    assert transitions.recover_stale(stale_after=60, handlers=["echo"]).by_handler == {"echo": 1}
     assert WorkItem.objects.get(handler="noop").status == Status.CLAIMED
 
 
@@ -165,14 +166,13 @@ def test_model_methods_delegate_to_transitions() -> None:
 
 
 def test_succeed_many_is_fenced_per_row() -> None:
-    from django_dbworker.db import operations
 
     for _ in range(4):
         make_item()
     a, b, c, d = claim()
     WorkItem.objects.filter(pk=b.pk).update(status=Status.PENDING)  # recovered...
     (b_again,) = claim(limit=1)  # ...and re-claimed under a new token
-    done = operations().succeed_many(
+    done = transitions.succeed(
         [
             (a.pk, a.claim_token, '{"n": 1}'),
             (b.pk, b.claim_token, '"late"'),
@@ -187,7 +187,7 @@ def test_succeed_many_is_fenced_per_row() -> None:
     assert rows[c.pk].finished_at is not None
     assert rows[b.pk].status == Status.CLAIMED and rows[b.pk].claim_token == b_again.claim_token
     assert rows[d.pk].status == Status.CLAIMED
-    assert operations().succeed_many([]) == set()
+    assert transitions.succeed([]) == set()
 
 
 def test_retry_skips_rows_whose_unique_key_is_live_again() -> None:

@@ -11,7 +11,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import assert_enqueued, enqueued, run_until_empty
-from django_dbworker.worker.execution import execute
+from django_dbworker.worker.runtime import Worker, WorkerConfig
 from tests.factories import claim
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
@@ -123,17 +123,24 @@ def test_testing_helpers_inspect_enqueued_work() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_query_budget_of_one_claim_process_record_cycle() -> None:
-    """Claim (1 statement) + noop handler + fenced success (1 statement): 2 queries.
+    """The worker's own path: claim (1 statement), noop handler, success (1 statement).
 
-    In autocommit, as the worker runs. Inside a caller's transaction each
-    outcome write adds a savepoint (a refused write must not poison it).
+    Driven through the real ``Worker`` (inline, burst, as run_until_empty
+    runs it), in autocommit as the worker runs. Around the cycle: one
+    stale-recovery pass (one SELECT) and the claim that finds nothing left.
     """
-    Noop.enqueue(None)
-    handler = Noop()
+    Noop.enqueue_many([None] * 3)
+    worker = Worker([Noop], WorkerConfig(inline=True, burst=True))
     with CaptureQueriesContext(connection) as ctx:
-        (item,) = claim(limit=1, handlers=["noop"])
-        assert execute(item, handler) == "succeeded"
-    assert len(ctx.captured_queries) == 2, [q["sql"] for q in ctx.captured_queries]
+        worker.run()
+    control = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE")  # SQLite's show up, PostgreSQL's not
+    sql = [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(control)]
+    assert worker.outcomes == {"succeeded": 3}
+    claims = [q for q in sql if '"claimed_by" =' in q]
+    successes = [q for q in sql if "= 'succeeded'" in q]
+    assert len(claims) == 4, sql  # one per item, one that finds nothing
+    assert len(successes) == 3, sql
+    assert len(sql) == 1 + 4 + 3, sql  # the recovery SELECT, claims, successes
 
 
 def test_query_budget_does_not_grow_with_the_batch() -> None:

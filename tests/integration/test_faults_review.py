@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from django.db import OperationalError, connection
 
+from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
-from django_dbworker.worker.outcomes import SuccessWriter
 from tests.conftest import wait_until
 from tests.factories import steal_claim, worker_config
 from tests.testapp.models import Execution
@@ -101,18 +101,18 @@ def test_run_until_empty_records_a_lone_surrogate_error_as_the_handlers_error() 
 @pytest.fixture
 def flaky_fence_check() -> Iterator[list[int]]:
     """The writer's "already recorded?" SELECT hits one dropped connection."""
-    original = SuccessWriter._already_recorded
+    original = transitions.already_succeeded
     calls: list[int] = []
 
-    def once(self: SuccessWriter, entries: Any) -> Any:
-        calls.append(len(entries))
+    def once(attempts: Any, using: Any = None) -> Any:
+        calls.append(len(attempts))
         if len(calls) == 1:
             raise OperationalError("server closed the connection unexpectedly")
-        return original(self, entries)
+        return original(attempts, using)
 
-    SuccessWriter._already_recorded = once  # type: ignore[method-assign]
+    transitions.already_succeeded = once  # type: ignore[assignment]
     yield calls
-    SuccessWriter._already_recorded = original  # type: ignore[method-assign]
+    transitions.already_succeeded = original
 
 
 @pytest.mark.django_db(transaction=True)

@@ -9,7 +9,7 @@ import pytest
 
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
-from django_dbworker.worker.outcomes import SuccessWriter
+from django_dbworker.worker.success_writer import SuccessWriter
 from tests.conftest import wait_until
 from tests.factories import claim, make_item
 
@@ -23,7 +23,7 @@ def test_successes_arriving_during_a_write_share_the_next_one(
         make_item()
     first, *rest = claim(limit=20)
     ops = operations()
-    writer = SuccessWriter(ops)
+    writer = SuccessWriter()
     batches: list[list[int]] = []
     in_flight = threading.Event()
     release = threading.Event()
@@ -76,7 +76,7 @@ def test_fenced_rows_in_a_batch_are_reported_per_row() -> None:
     mine, lost = claim(limit=2)
     WorkItem.objects.filter(pk=lost.pk).update(status=Status.PENDING)
     claim(limit=1)  # re-claimed by someone else
-    writer = SuccessWriter(operations())
+    writer = SuccessWriter()
     writer.start()
     assert writer.record(mine, None) is True
     assert writer.record(lost, '"late"') is False
@@ -90,7 +90,7 @@ def test_a_write_already_committed_is_not_mistaken_for_fencing() -> None:
     (item,) = claim(limit=1)
     ops = operations()
     assert ops.succeed_many([(item.pk, item.claim_token, None)]) == {(item.pk, item.claim_token)}
-    writer = SuccessWriter(ops)
+    writer = SuccessWriter()
     writer.start()
     # The same write again (as after a lost answer): recognised as ours.
     assert writer.record(item, None) is True
@@ -101,7 +101,7 @@ def test_a_write_already_committed_is_not_mistaken_for_fencing() -> None:
 def test_records_after_close_are_written_directly() -> None:
     make_item()
     (item,) = claim(limit=1)
-    writer = SuccessWriter(operations())
+    writer = SuccessWriter()
     writer.start()
     writer.close()
     writer.join(10)

@@ -24,10 +24,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import UUID
 
-from django_dbworker.db import VendorOperations
+from django.db import DEFAULT_DB_ALIAS
+
+from django_dbworker import transitions
 from django_dbworker.db.errors import is_transient
-from django_dbworker.models import Status, WorkItem
-from django_dbworker.worker.connections import close_thread_connections, persist, tidy
+from django_dbworker.models import WorkItem
+from django_dbworker.worker.connections import (
+    close_thread_connections,
+    guarded,
+    persist,
+    tidy_unless_in_transaction,
+)
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -72,9 +79,19 @@ class _Pending:
 
 
 class SuccessWriter(threading.Thread):
-    def __init__(self, ops: VendorOperations, *, give_up: threading.Event | None = None) -> None:
-        super().__init__(name="dbworker-outcomes", daemon=True)
-        self.ops = ops
+    def __init__(
+        self,
+        using: str = DEFAULT_DB_ALIAS,
+        *,
+        give_up: threading.Event | None = None,
+        inline: bool = False,
+    ) -> None:
+        super().__init__(name="dbworker-success-writer", daemon=True)
+        self.using = using
+        #: Write each success in the submitting thread (no writer thread):
+        #: ``testing.run_until_empty`` runs the worker in the caller's thread
+        #: and transaction.
+        self.inline = inline
         self.give_up = give_up
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -104,7 +121,7 @@ class SuccessWriter(threading.Thread):
         assert item.claim_token is not None
         entry = _Pending(item, item.claim_token, result_json, callback)
         with self._lock:
-            direct = self._closed or (self.ident is not None and not self.is_alive())
+            direct = self.inline or self._closed or (self.ident is not None and not self.is_alive())
             if not direct:
                 self._queue.put(entry)
         if direct:
@@ -171,18 +188,19 @@ class SuccessWriter(threading.Thread):
                 if entry.written is None:
                     entry.written = exc
         finally:
-            tidy(self.ops.using)
+            tidy_unless_in_transaction(self.using)
             for entry in batch:
                 entry.finish()
 
     def _settle(self, batch: list[_Pending]) -> None:
         """Write ``batch``; a batch the database refuses is retried row by row."""
         try:
+            rows = [(e.item.pk, e.token, e.result_json) for e in batch]
             recorded = persist(
-                lambda: self.ops.succeed_many([(e.item.pk, e.token, e.result_json) for e in batch]),
+                lambda: guarded(self.using, lambda: transitions.succeed(rows, using=self.using)),
                 what="recording successes",
                 give_up=self.give_up,
-                using=self.ops.using,
+                using=self.using,
             )
         except Exception as exc:
             if is_transient(exc):
@@ -190,31 +208,17 @@ class SuccessWriter(threading.Thread):
             if len(batch) == 1:
                 batch[0].written = Refused(exc)
                 return
-            tidy(self.ops.using)
+            tidy_unless_in_transaction(self.using)
             for entry in batch:
                 self._settle([entry])
             return
         missing = [e for e in batch if e.key not in recorded]
         if missing:
             recorded |= persist(
-                lambda: self._already_recorded(missing),
+                lambda: transitions.already_succeeded([e.key for e in missing], using=self.using),
                 what="checking fenced successes",
                 give_up=self.give_up,
-                using=self.ops.using,
+                using=self.using,
             )
         for entry in batch:
             entry.written = entry.key in recorded
-
-    def _already_recorded(self, entries: list[_Pending]) -> set[tuple[int, UUID]]:
-        """Attempts our own earlier try of this write already recorded.
-
-        When a write's connection dies after the commit but before the answer,
-        ``persist`` writes again and those rows no longer match ``claimed``.
-        ``succeeded`` under our own token tells them apart from fenced rows.
-        """
-        rows = WorkItem.objects.using(self.ops.using).filter(
-            pk__in=[e.item.pk for e in entries],
-            claim_token__in=[e.token for e in entries],
-            status=Status.SUCCEEDED,
-        )
-        return {e.key for e in entries} & set(rows.values_list("pk", "claim_token"))
