@@ -67,6 +67,7 @@ def main() -> None:
         "django_dbworker",
         include_external_packages=False,
         exclude_type_checking_imports="--runtime" in sys.argv,
+        cache_dir=None,
     )
     unit_edges: dict[str, set[str]] = {}
     module_edges: dict[str, set[str]] = {}
