@@ -16,7 +16,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from django_dbworker.admin import actions
-from django_dbworker.contrib.prometheus.collector import QueueCollector
+from django_dbworker.contrib.prometheus.collector import QueueCollector, register
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import orphaned_handlers, queue_stats
 from tests.routers import WORK_ALIAS
@@ -82,7 +82,15 @@ def test_enqueue_model_methods_admin_and_stats_follow_the_routers(routed: None) 
     assert samples[("default", "cancelled")] == 2
 
 
-def test_run_workers_claims_on_the_routed_alias(routed: None) -> None:
+@pytest.fixture
+def queue_collector() -> Iterator[None]:
+    # run_workers takes the web process's queue collector off the global
+    # registry (each worker would report the same numbers); put it back.
+    yield
+    register()
+
+
+def test_run_workers_claims_on_the_routed_alias(routed: None, queue_collector: None) -> None:
     items = Noop.enqueue_many([{"n": n} for n in range(3)])
     stay = Noop.enqueue({"n": "elsewhere"}, using="default")
     call_command("run_workers", "noop", "--burst", "--concurrency", "2")
