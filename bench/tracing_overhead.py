@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+# The hooks never touch the database; bench.settings wants a URL all the same.
+os.environ.setdefault("DATABASE_URL", "sqlite://:memory:")
 
 
 def per_call_ns(fn, iterations: int) -> float:  # type: ignore[no-untyped-def]
@@ -38,15 +40,15 @@ def main() -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
+    from bench.benchapp.workers import BenchNoop
     from django_dbworker import tracing
     from django_dbworker.models import WorkItem
-    from tests.testapp.workers import Noop
 
-    item = WorkItem(pk=1, handler="noop", queue="default", attempts=1, trace_context={})
-    handler = Noop()
+    item = WorkItem(pk=1, handler="bench_noop", queue="default", attempts=1, trace_context={})
+    handler = BenchNoop()
 
     def hooks() -> None:
-        with tracing.sending("default", "noop") as send:
+        with tracing.sending("default", "bench_noop") as send:
             send.set_message_id(1)
         with tracing.processing(item, handler) as attempt:
             attempt.outcome("succeeded")

@@ -53,7 +53,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from django.db import connection
 
-        from tests.bigtable import fill
+        from bench.bigtable import fill
 
         fill(args.finished)
         with connection.cursor() as cursor:

@@ -1,4 +1,9 @@
-"""App configuration: registers system checks and discovers ``workers`` modules."""
+"""App configuration: registers system checks, wires the layers, discovers ``workers``.
+
+The one place where a declaration meets its implementation above it: the
+``WorkItemHandler.enqueue`` class methods reach ``enqueuing`` through the port
+connected here, so that ``handlers`` never imports upward.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ class DBWorkerConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_dbworker import checks  # noqa: F401 - registers the checks
+        from django_dbworker import checks, enqueuing  # noqa: F401 - checks register on import
+        from django_dbworker.handlers import connect_enqueuer
         from django_dbworker.registry import autodiscover
+
+        connect_enqueuer(enqueuing)
 
         # Like admin.autodiscover(): every process (web and worker) knows every
         # handler name, so enqueue-by-name works everywhere.

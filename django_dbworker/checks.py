@@ -2,7 +2,8 @@
 
 Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ),
 W001-W009 for risky but working configurations. Checks read settings only;
-they never connect.
+they never connect. Each value is validated by ``validation.SETTINGS``, the
+validators the ``run_workers`` flags and ``WorkerConfig`` use too.
 """
 
 from __future__ import annotations
@@ -13,26 +14,16 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
+from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 
-_POSITIVE_NUMBERS = (
-    "POLL_INTERVAL",
-    "HEARTBEAT_INTERVAL",
-    "STALE_AFTER",
-    "RETRY_BACKOFF",
-    "RETRY_BACKOFF_MAX",
-)
-_POSITIVE_INTS = ("CONCURRENCY", "MAX_ATTEMPTS", "MAX_PAYLOAD_BYTES")
-_NON_NEGATIVE_NUMBERS = ("SHUTDOWN_TIMEOUT",)
-_NON_NEGATIVE_INTS = ("BATCH_SIZE",)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+#: Check ids of keys whose own id predates the shared validators; other keys
+#: report E003 (wrong type) or E004 (out of range).
+_KEY_IDS = {
+    "MAX_ABANDONED_THREADS": "django_dbworker.E003",
+    "METRICS_PORT": "django_dbworker.E005",
+    "METRICS_ADDR": "django_dbworker.E006",
+}
 
 
 @register(Tags.compatibility)
@@ -55,54 +46,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="django_dbworker.E002",
             )
         )
-    for key in _POSITIVE_NUMBERS + _POSITIVE_INTS + _NON_NEGATIVE_NUMBERS + _NON_NEGATIVE_INTS:
+    for key, validator in validation.SETTINGS.items():
         if key not in raw:
             continue
-        value = raw[key]
-        want_int = key in _POSITIVE_INTS + _NON_NEGATIVE_INTS
-        ok_type = _is_int(value) if want_int else _is_number(value)
-        if not ok_type:
-            errors.append(
-                Error(
-                    f"DBWORKER[{key!r}] must be {'an integer' if want_int else 'a number'}, "
-                    f"got {value!r}.",
-                    id="django_dbworker.E003",
-                )
-            )
-            continue
-        positive = key in _POSITIVE_NUMBERS + _POSITIVE_INTS
-        if (positive and value <= 0) or (not positive and value < 0):
-            errors.append(
-                Error(
-                    f"DBWORKER[{key!r}] must be {'greater than 0' if positive else '0 or more'}, "
-                    f"got {value!r}.",
-                    id="django_dbworker.E004",
-                )
-            )
+        try:
+            validator(raw[key])
+        except validation.InvalidValue as exc:
+            default_id = "django_dbworker.E003" if exc.wrong_type else "django_dbworker.E004"
+            errors.append(Error(f"DBWORKER[{key!r}] {exc}.", id=_KEY_IDS.get(key, default_id)))
     if errors:
         return errors
     merged = {**DEFAULTS, **raw}
-    cap = merged["MAX_ABANDONED_THREADS"]
-    if cap is not None and (not _is_int(cap) or cap < 1):
-        errors.append(
-            Error(
-                f"DBWORKER['MAX_ABANDONED_THREADS'] must be None or an integer of 1 or more, "
-                f"got {cap!r}.",
-                id="django_dbworker.E003",
-            )
-        )
-    port = merged["METRICS_PORT"]
-    if port is not None and (not _is_int(port) or not 0 < port < 65536):
-        errors.append(
-            Error(
-                f"DBWORKER['METRICS_PORT'] must be None or a port number 1-65535, got {port!r}.",
-                id="django_dbworker.E005",
-            )
-        )
-    if not isinstance(merged["METRICS_ADDR"], str) or not merged["METRICS_ADDR"]:
-        errors.append(
-            Error("DBWORKER['METRICS_ADDR'] must be a non-empty string.", id="django_dbworker.E006")
-        )
     if merged["STALE_AFTER"] < 2 * merged["HEARTBEAT_INTERVAL"]:
         errors.append(
             Error(
@@ -174,7 +128,7 @@ def sqlite_warnings(databases: Mapping[str, Mapping[str, Any]]) -> list[CheckMes
                 )
             )
         timeout = options.get("timeout", 5)  # Python's sqlite3 default
-        if not _is_number(timeout) or timeout < 10:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 10:
             warnings.append(
                 Warning(
                     f"SQLite database {alias!r} has a busy timeout of {timeout!r}s.",

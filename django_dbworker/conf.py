@@ -1,7 +1,8 @@
 """The ``DBWORKER`` settings: named defaults, typed access, reset on change.
 
-Holds no logic beyond reading settings; validation of the values lives in
-``checks.py`` so that ``manage.py check`` reports every problem at once.
+Holds no logic beyond reading settings; the values are validated by
+``validation.SETTINGS``, reported by ``checks.py`` so that ``manage.py check``
+reports every problem at once.
 """
 
 from __future__ import annotations

@@ -4,32 +4,32 @@ Enqueue writes through the caller's connection, so inside
 ``transaction.atomic()`` the row exists if and only if that transaction
 commits; the PostgreSQL wake-up NOTIFY is transactional too. Every input
 is validated before anything is written, and problems raise
-``EnqueueError`` naming the problem.
+``EnqueueError`` naming the problem. The row goes to the routers' write
+alias unless ``using`` says otherwise (``routing.py``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, router, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Expression
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from django_dbworker import tracing
+from django_dbworker import tracing, validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.errors import EnqueueError
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, PRIORITY_MAX, PRIORITY_MIN, WorkItem
 from django_dbworker.registry import registry
+from django_dbworker.routing import work_db_for_write
 
-QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 #: A unique_key conflict whose holder finishes before we can read it is retried this often.
 UNIQUE_RETRIES = 5
 
@@ -115,11 +115,12 @@ def _check_priority(priority: Any) -> int:
 
 
 def _check_queue(queue: Any) -> str:
-    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+    try:
+        return validation.queue_name(queue)
+    except validation.InvalidValue:
         raise EnqueueError(
             f"Queue name {queue!r} is invalid: use 1 to 100 characters of [A-Za-z0-9_.:-]."
-        )
-    return queue
+        ) from None
 
 
 def _run_after_value(run_after: Any) -> datetime | Expression | None:
@@ -203,7 +204,7 @@ def enqueue(
     item, payload_json = _build(
         cls, payload, run_after=run_after, priority=priority, queue=queue, unique_key=unique_key
     )
-    db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
+    db = work_db_for_write(using)
     ops = operations(db)
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
@@ -271,7 +272,7 @@ def enqueue_many(
         encoded.append(None if payload is None else payload_json)
     if not items:
         return []
-    db = using or router.db_for_write(WorkItem) or DEFAULT_DB_ALIAS
+    db = work_db_for_write(using)
     with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
         for item in items:
             item.trace_context = send.context

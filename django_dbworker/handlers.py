@@ -3,17 +3,22 @@
 A handler class is declared once and registers itself under ``name``. The
 worker runtime creates one instance per class and process; handlers should
 keep no per-item state on ``self`` since several threads call them at once.
+
+A declaration: imports settings, the registry and the backoff maths, never
+enqueuing, the worker, the admin or commands (import contracts in
+pyproject.toml).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+from django.core.exceptions import ImproperlyConfigured
 
 from django_dbworker.backoff import exponential_backoff
 from django_dbworker.conf import dbworker_settings
-from django_dbworker.errors import NoTask
 from django_dbworker.registry import registry
 
 if TYPE_CHECKING:
@@ -46,8 +51,8 @@ class Handler(Generic[T]):
         registry.register(cls)
 
     def claim(self) -> T:
-        """Claim and return one item, or raise ``NoTask``."""
-        raise NoTask
+        """Claim and return one item, or raise ``NoTask``. Subclasses must implement it."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement claim()")
 
     def process(self, item: T) -> None:
         """Do the work for one claimed item. Handles its own failures."""
@@ -64,8 +69,10 @@ class WorkItemHandler(Handler["WorkItem"]):
     """A handler for jobs stored in the built-in ``WorkItem`` table.
 
     Subclasses implement ``handle(payload)``. Claiming, heartbeats, outcome
-    recording, retries and stale recovery are provided, and all WorkItem
-    handlers of a ``run_workers`` process share one claim loop.
+    recording, retries and stale recovery are provided by the worker: all
+    WorkItem handlers of a ``run_workers`` process share one claim loop, so
+    a WorkItemHandler is a ``Handler[WorkItem]`` by its declaration (name,
+    registration) but has no ``claim``/``process`` of its own.
     """
 
     abstract = True
@@ -99,7 +106,10 @@ class WorkItemHandler(Handler["WorkItem"]):
         value = cls.max_attempts
         return int(dbworker_settings.MAX_ATTEMPTS if value is None else value)
 
-    # -- enqueue ---------------------------------------------------------------
+    # -- enqueue ----------------------------------------------------------------
+    # The implementation lives in ``django_dbworker.enqueuing``, a layer above
+    # the declarations; it reaches these class methods through the port below,
+    # connected by the app's ``ready()``, so this module never imports upward.
 
     @classmethod
     def enqueue(
@@ -112,10 +122,9 @@ class WorkItemHandler(Handler["WorkItem"]):
         unique_key: str | None = None,
         using: str | None = None,
     ) -> WorkItem:
-        from django_dbworker.enqueuing import enqueue
-
-        return enqueue(
-            cls.name,
+        """Insert one item for this handler; see ``django_dbworker.enqueue``."""
+        return _enqueuer().enqueue(
+            cls,
             payload,
             run_after=run_after,
             priority=priority,
@@ -134,29 +143,79 @@ class WorkItemHandler(Handler["WorkItem"]):
         queue: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
-        from django_dbworker.enqueuing import enqueue_many
-
-        return enqueue_many(
-            cls.name, payloads, run_after=run_after, priority=priority, queue=queue, using=using
+        """Insert one item per payload in one bulk INSERT; see ``django_dbworker.enqueue_many``."""
+        return _enqueuer().enqueue_many(
+            cls, payloads, run_after=run_after, priority=priority, queue=queue, using=using
         )
 
-    # -- the Handler[T] protocol, for driving one handler on its own ----------
+    # -- not driven on its own ----------------------------------------------------
+    # WorkItem handlers run in run_workers' shared claim loop (and in
+    # ``testing.run_until_empty``), which claims for all of them at once.
 
     def claim(self) -> WorkItem:
-        from django_dbworker.db import operations
-        from django_dbworker.worker.identity import worker_id
-
-        items = operations().claim(limit=1, handlers=[self.name], queues=None, worker=worker_id())
-        if not items:
-            raise NoTask
-        return items[0]
+        raise TypeError(
+            f"{type(self).__qualname__} is a WorkItemHandler: run_workers claims its items "
+            "in the shared claim loop; it has no claim() of its own."
+        )
 
     def process(self, item: WorkItem) -> None:
-        from django_dbworker.worker.execution import execute
+        raise TypeError(
+            f"{type(self).__qualname__} is a WorkItemHandler: run_workers runs its items; "
+            "call handle(payload) to run one payload directly."
+        )
 
-        execute(item, self)
 
-    def recover_stale(self) -> None:
-        from django_dbworker import transitions
+def unimplemented(cls: type[Handler[Any]]) -> list[str]:
+    """The methods an own-table ``Handler[T]`` must override and does not.
 
-        transitions.recover_stale(handlers=[self.name])
+    Without ``claim`` the loop would never find work and without ``process``
+    every item would fail; ``run_workers`` refuses to start instead.
+    ``WorkItemHandler`` subclasses are run by the shared loop: nothing to check.
+    """
+    if issubclass(cls, WorkItemHandler):
+        return []
+    return [name for name in ("claim", "process") if getattr(cls, name) is getattr(Handler, name)]
+
+
+class Enqueuer(Protocol):
+    """What the enqueue class methods need: ``django_dbworker.enqueuing`` provides it."""
+
+    def enqueue(
+        self,
+        handler: type[WorkItemHandler],
+        payload: Any = None,
+        *,
+        run_after: datetime | timedelta | None = None,
+        priority: int = 0,
+        queue: str | None = None,
+        unique_key: str | None = None,
+        using: str | None = None,
+    ) -> WorkItem: ...
+
+    def enqueue_many(
+        self,
+        handler: type[WorkItemHandler],
+        payloads: Iterable[Any],
+        *,
+        run_after: datetime | timedelta | None = None,
+        priority: int = 0,
+        queue: str | None = None,
+        using: str | None = None,
+    ) -> list[WorkItem]: ...
+
+
+_port: list[Enqueuer] = []
+
+
+def connect_enqueuer(enqueuer: Enqueuer) -> None:
+    """Plug in the enqueue implementation (``DBWorkerConfig.ready`` does)."""
+    _port[:] = [enqueuer]
+
+
+def _enqueuer() -> Enqueuer:
+    if not _port:
+        raise ImproperlyConfigured(
+            "django_dbworker is not ready: add it to INSTALLED_APPS and call django.setup() "
+            "before enqueueing."
+        )
+    return _port[0]

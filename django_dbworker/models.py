@@ -1,19 +1,22 @@
 """The ``WorkItem`` table, its states, and the querysets that name its subsets.
 
-State changes do not live here: each transition is one fenced UPDATE in
-``transitions.py``; the model methods below only delegate to them so that the
-admin, the worker and user code share one implementation.
+The worker's state changes (claim, heartbeat, outcomes, stale recovery) are
+fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
+retry, run now) are queryset verbs here, each one UPDATE narrowed to the
+eligible states, shared by the model methods and the admin actions; so
+this module imports nothing from the package and ``transitions`` may import it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django.db import models
-from django.db.models import Q
+from django.db import models, router
+from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from datetime import timedelta
 
 
@@ -61,6 +64,41 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
     def in_order(self) -> WorkItemQuerySet:
         """The claim order: higher priority first, then oldest due, then FIFO."""
         return self.order_by("-priority", "run_after", "id")
+
+    # -- operator transitions: one UPDATE each, narrowed to eligible states ------
+
+    def cancel(self) -> int:
+        """pending -> cancelled. Rows in other states are left alone."""
+        return self.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
+
+    def retry(self) -> int:
+        """failed | cancelled -> pending, attempts reset to 0, due now.
+
+        A row whose ``unique_key`` is live again (another row of its handler
+        with that key is pending or claimed) is skipped: retrying it would
+        break the unique-work guarantee (and the partial unique index would
+        refuse it).
+        """
+        live_twin = WorkItem.objects.filter(
+            handler=OuterRef("handler"),
+            unique_key=OuterRef("unique_key"),
+            status__in=ACTIVE_STATUSES,
+        )
+        eligible = self.filter(status__in=(Status.FAILED, Status.CANCELLED)).exclude(
+            Q(unique_key__isnull=False) & Exists(live_twin)
+        )
+        return eligible.update(
+            status=Status.PENDING,
+            attempts=0,
+            run_after=Now(),
+            finished_at=None,
+            claim_token=None,
+            updated_at=Now(),
+        )
+
+    def run_now(self) -> int:
+        """pending: make due now (DB clock)."""
+        return self.pending().update(run_after=Now(), updated_at=Now())
 
 
 class WorkItem(models.Model):
@@ -157,26 +195,22 @@ class WorkItem(models.Model):
 
     def cancel(self) -> bool:
         """Pending -> cancelled. Returns whether this row changed."""
-        from django_dbworker import transitions
-
-        changed = transitions.cancel(WorkItem.objects.filter(pk=self.pk)) == 1
-        self.refresh_from_db()
-        return changed
+        return self._change(WorkItemQuerySet.cancel)
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
-        from django_dbworker import transitions
-
-        changed = transitions.retry(WorkItem.objects.filter(pk=self.pk)) == 1
-        self.refresh_from_db()
-        return changed
+        return self._change(WorkItemQuerySet.retry)
 
     def run_now(self) -> bool:
         """Pending: make it due now. Returns whether this row changed."""
-        from django_dbworker import transitions
+        return self._change(WorkItemQuerySet.run_now)
 
-        changed = transitions.run_now(WorkItem.objects.filter(pk=self.pk)) == 1
-        self.refresh_from_db()
+    def _change(self, verb: Callable[[WorkItemQuerySet], int]) -> bool:
+        # The database alias rule (routing.py): the routers' choice for writes,
+        # with this row as the hint, as Model.save() does.
+        using = router.db_for_write(type(self), instance=self)
+        changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
+        self.refresh_from_db(using=using)
         return changed
 
 

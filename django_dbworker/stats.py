@@ -4,14 +4,14 @@ Live rows (pending, claimed) and failed rows are always counted exactly:
 they are what operators act on, and the status index keeps those counts
 cheap. Finished rows (succeeded, cancelled) can be millions; on a large
 PostgreSQL table they are estimated from the planner's statistics instead
-of counted, and marked as estimates. Ages use the database clock.
+of counted, and marked as estimates. Ages use the database clock. Reads go
+to the routers' read alias unless ``using`` says otherwise (``routing.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min
 from django.db.models.functions import Now
 
@@ -19,6 +19,7 @@ from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Status, WorkItem, live_or_failed
 from django_dbworker.registry import registry
+from django_dbworker.routing import work_db_for_read
 
 #: Below this many rows (planner estimate) everything is counted exactly.
 EXACT_BELOW = 200_000
@@ -45,7 +46,7 @@ def status_columns(stats: dict[str, QueueStats]) -> list[str]:
 
 def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
     """``{queue: {"counts": {status: n}, "estimated": {...}, "oldest_pending_age": s}}``."""
-    db = using or DEFAULT_DB_ALIAS
+    db = work_db_for_read(using)
     estimate = operations(db).table_estimate(["queue", "status"])
     approximate = estimate is not None and estimate.rows >= EXACT_BELOW
     stats: dict[str, QueueStats] = {}
@@ -105,7 +106,7 @@ def orphaned_handlers(using: str | None = None) -> list[OrphanedHandler]:
     """
     runnable = [name for name, cls in registry.items() if issubclass(cls, WorkItemHandler)]
     rows: Any = (
-        WorkItem.objects.using(using or DEFAULT_DB_ALIAS)
+        WorkItem.objects.using(work_db_for_read(using))
         .pending()
         .exclude(handler__in=runnable)
         .order_by()

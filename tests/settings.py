@@ -74,6 +74,24 @@ else:
         }
     }
 
+# A second database for the test of the database alias rule
+# (tests/integration/test_routing.py): the same server, another database. Only
+# that test asks for it (so only then is its test database created), and only
+# there does a router (tests.routers) send the work table to it.
+if _url:
+    DATABASES["work"] = {
+        **DATABASES["default"],
+        "NAME": f"{DATABASES['default']['NAME']}_work",
+        "TEST": {},
+    }
+else:
+    _work_file = _sqlite_file.removesuffix(".sqlite3") + "-work.sqlite3"
+    DATABASES["work"] = {
+        **DATABASES["default"],
+        "NAME": _work_file,
+        "TEST": {"NAME": _work_file},
+    }
+
 # Process tests point run_workers subprocesses at the test database by name.
 if os.environ.get("DBWORKER_TEST_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]

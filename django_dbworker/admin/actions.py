@@ -1,8 +1,10 @@
-"""Admin actions: each one filtered UPDATE through ``transitions``.
+"""Admin actions: each one filtered UPDATE, the queryset verbs of ``models``.
 
 The selected rows are narrowed to eligible states inside the same UPDATE
 that changes them, so an action cannot race a worker claiming the row at
-that moment, and rows in other states are reported as skipped.
+that moment, and rows in other states are reported as skipped. The UPDATE
+goes to the routers' write alias (``routing.py``), whichever alias the
+change list was read from.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from django_dbworker import transitions
 from django_dbworker.models import WorkItem, WorkItemQuerySet
+from django_dbworker.routing import work_db_for_write
 
 Action = Callable[[Any, HttpRequest, QuerySet[Any]], None]
 
@@ -27,9 +29,11 @@ def _make(
     @admin.action(description=label, permissions=["change"])
     def action(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         selected = queryset.count()
-        rows = WorkItem.objects.using(queryset.db).filter(pk__in=queryset.values("pk"))
+        db = work_db_for_write()
+        # The selection re-read on the write alias: one UPDATE ... WHERE id IN (SELECT ...).
+        rows = WorkItem.objects.using(db).filter(pk__in=queryset.using(db).values("pk"))
         try:
-            with transaction.atomic(using=queryset.db):
+            with transaction.atomic(using=db):
                 changed = transition(rows)
         except IntegrityError:
             modeladmin.message_user(
@@ -53,10 +57,12 @@ def _make(
 retry = _make(
     "retry",
     "Retry selected (failed/cancelled → pending)",
-    transitions.retry,
+    WorkItemQuerySet.retry,
     "set to pending for a new run",
 )
-cancel = _make("cancel", "Cancel selected (pending → cancelled)", transitions.cancel, "cancelled")
+cancel = _make(
+    "cancel", "Cancel selected (pending → cancelled)", WorkItemQuerySet.cancel, "cancelled"
+)
 run_now = _make(
-    "run_now", "Run selected now (pending: due now)", transitions.run_now, "made due now"
+    "run_now", "Run selected now (pending: due now)", WorkItemQuerySet.run_now, "made due now"
 )

@@ -256,3 +256,14 @@ def test_a_long_atomic_handler_on_sqlite_does_not_make_other_workers_claims_stal
         row = WorkItem.objects.get(pk=item.pk)
         assert (row.status, row.attempts) == (Status.SUCCEEDED, 1), (row.pk, row.last_error, logs)
     assert "Recovered" not in logs
+
+
+def test_an_own_table_handler_without_claim_is_a_startup_error(start_worker) -> None:
+    # Without the check the loop would see NoTask (or an error) forever: a
+    # handler that never runs anything and never says why.
+    worker = start_worker("claimless", "--burst", env={"DBWORKER_TEST_CLAIMLESS": "1"})
+    assert worker.wait() == 2
+    assert (
+        "Handler 'claimless' (tests.testapp.workers.Claimless) does not implement claim()"
+        in worker.log()
+    )

@@ -398,3 +398,16 @@ class SlowFail(WorkItemHandler):
         _record(payload, "start")
         time.sleep(float(payload.get("seconds", 1.0)))
         raise ValueError("late failure")
+
+
+if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
+    # Only in the subprocess of the start-up test: every other run_workers
+    # without names would refuse to start because of it.
+
+    class Claimless(Handler[Invoice]):
+        """An own-table handler that forgot ``claim``: run_workers refuses it at start-up."""
+
+        name = "claimless"
+
+        def process(self, invoice: Invoice) -> None:
+            pass

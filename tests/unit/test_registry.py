@@ -82,3 +82,35 @@ def test_public_enqueue_is_the_function_even_after_its_module_is_imported() -> N
     from django_dbworker import enqueue
 
     assert enqueue is django_dbworker.enqueue
+
+
+def test_own_table_handlers_must_implement_claim_and_process(cleanup: list[str]) -> None:
+    from django_dbworker.handlers import unimplemented
+
+    class NoClaim(Handler[int]):
+        name = "unit-no-claim"
+
+        def process(self, item: int) -> None:
+            pass
+
+    class Nothing(Handler[int]):
+        name = "unit-nothing"
+
+    class Jobs(WorkItemHandler):
+        name = "unit-jobs"
+
+    cleanup.extend(["unit-no-claim", "unit-nothing", "unit-jobs"])
+    assert unimplemented(NoClaim) == ["claim"]
+    assert unimplemented(Nothing) == ["claim", "process"]
+    assert unimplemented(Jobs) == []  # run by the shared claim loop
+    with pytest.raises(NotImplementedError, match="NoClaim must implement claim"):
+        NoClaim().claim()
+
+
+def test_a_work_item_handler_is_not_driven_on_its_own(cleanup: list[str]) -> None:
+    class Jobs(WorkItemHandler):
+        name = "unit-jobs"
+
+    cleanup.append("unit-jobs")
+    with pytest.raises(TypeError, match="shared claim loop"):
+        Jobs().claim()

@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
         (["--concurrency", "0"], "must be at least 1"),
         (["--concurrency", "x"], "is not an integer"),
         (["--interval", "0"], "must be greater than 0"),
-        (["--interval", "-1"], "must be 0 or more"),
+        (["--interval", "-1"], "must be greater than 0"),
         (["--shutdown-timeout", "nan"], "must be 0 or more"),
         (["--metrics-port", "70000"], "is not a port number"),
         (["--queue", "bad queue!"], "is not a valid queue name"),

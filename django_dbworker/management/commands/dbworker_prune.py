@@ -7,9 +7,9 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 
 from django_dbworker.models import FINISHED_STATUSES
+from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import prune
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -40,7 +40,10 @@ class Command(BaseCommand):
             help="Only these statuses (repeatable; default: all finished).",
         )
         parser.add_argument("--batch-size", type=int, default=1000)
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS)
+        parser.add_argument(
+            "--database",
+            help="Database alias holding the work (default: the routers' db_for_write(WorkItem)).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         age = parse_age(options["older_than"])
@@ -51,7 +54,7 @@ class Command(BaseCommand):
             older_than=age,
             statuses=statuses,
             batch_size=options["batch_size"],
-            using=options["database"],
+            using=work_db_for_write(options["database"]),
         )
         self.stdout.write(
             f"Deleted {deleted} work item(s) ({', '.join(statuses)}) "

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 
 from django_dbworker.stats import orphaned_handlers, queue_stats, status_columns
 
@@ -17,7 +16,10 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS)
+        parser.add_argument(
+            "--database",
+            help="Database alias holding the work (default: the routers' db_for_read(WorkItem)).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         stats = queue_stats(using=options["database"])

@@ -5,18 +5,20 @@ from __future__ import annotations
 import logging
 import signal
 from argparse import ArgumentParser, ArgumentTypeError
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.db.migrations.executor import MigrationExecutor
 
-from django_dbworker import metrics
+from django_dbworker import metrics, validation
 from django_dbworker.db import UnsupportedDatabase, operations
-from django_dbworker.enqueuing import QUEUE_NAME
+from django_dbworker.handlers import unimplemented
 from django_dbworker.registry import autodiscover, registry
+from django_dbworker.routing import work_db_for_write
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 logger = logging.getLogger("django_dbworker")
@@ -25,45 +27,32 @@ logger = logging.getLogger("django_dbworker")
 #: promises (a helper thread died, too many abandoned handler threads).
 EXIT_UNHEALTHY = 3
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+V = TypeVar("V")
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0 or value != value:
-        raise ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+def _flag(parse: Callable[[str], Any], validator: Callable[[Any], V]) -> Callable[[str], V]:
+    """An argparse ``type``: parse the text, then the shared validator."""
+    kind = "an integer" if parse is int else "a number"
+
+    def convert(text: str) -> V:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise ArgumentTypeError(f"{text!r} is not {kind}") from None
+        try:
+            return validator(value)
+        except validation.InvalidValue as exc:
+            raise ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = validator.__name__  # argparse names the type in its messages
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise ArgumentTypeError("must be greater than 0")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise ArgumentTypeError(f"{value} is not a port number (1-65535)")
-    return value
-
-
-def _queue(text: str) -> str:
-    if not QUEUE_NAME.fullmatch(text):
-        raise ArgumentTypeError(f"{text!r} is not a valid queue name ([A-Za-z0-9_.:-]{{1,100}})")
-    return text
+_positive_int = _flag(int, validation.positive_int)
+_positive_float = _flag(float, validation.positive_number)
+_non_negative_float = _flag(float, validation.non_negative_number)
+_port = _flag(int, validation.port)
+_queue = _flag(str, validation.queue_name)
 
 
 class Command(BaseCommand):
@@ -119,8 +108,8 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--database",
-            default=DEFAULT_DB_ALIAS,
-            help="Database alias holding the work (default: 'default').",
+            help="Database alias holding the work (default: the routers' "
+            "db_for_write(WorkItem), 'default' without routers).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -141,16 +130,30 @@ class Command(BaseCommand):
                 "`workers.py` module of an installed app.",
                 returncode=2,
             )
-        using = options["database"]
+        incomplete = {name: unimplemented(registry[name]) for name in names}
+        for name, methods in incomplete.items():
+            if methods:
+                cls = registry[name]
+                raise CommandError(
+                    f"Handler {name!r} ({cls.__module__}.{cls.__qualname__}) does not implement "
+                    f"{' and '.join(f'{m}()' for m in methods)}: an own-table Handler[T] claims "
+                    "its items itself (raising NoTask when there are none) and processes them.",
+                    returncode=2,
+                )
+        using = work_db_for_write(options["database"])
         self._check_database(using)
 
-        config = WorkerConfig(using=using, burst=options["burst"], queues=options["queues"])
-        if options["concurrency"] is not None:
-            config.concurrency = options["concurrency"]
-        if options["interval"] is not None:
-            config.poll_interval = options["interval"]
-        if options["shutdown_timeout"] is not None:
-            config.shutdown_timeout = options["shutdown_timeout"]
+        flags = {
+            "concurrency": options["concurrency"],
+            "poll_interval": options["interval"],
+            "shutdown_timeout": options["shutdown_timeout"],
+        }
+        config = WorkerConfig(
+            using=using,
+            burst=options["burst"],
+            queues=options["queues"],
+            **{field: value for field, value in flags.items() if value is not None},
+        )
         worker = Worker([registry[n] for n in names], config)
 
         logger.info(

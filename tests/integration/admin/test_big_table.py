@@ -15,8 +15,8 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from bench.bigtable import fill
 from django_dbworker.models import Status, WorkItem
-from tests.bigtable import fill
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

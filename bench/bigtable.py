@@ -1,6 +1,7 @@
 """Fill the work table with N realistic rows in one SQL statement (PostgreSQL).
 
-Used by the admin's big-table tests and the W4 benchmark: mostly succeeded
+Used by the W4 benchmark and the admin's big-table tests (bench/ stands on
+its own: tests may borrow from it, never the reverse): mostly succeeded
 rows, some failed with tracebacks, a few pending, claimed and cancelled,
 across several queues and handlers.
 """

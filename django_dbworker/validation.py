@@ -1,0 +1,155 @@
+"""Named validators for worker parameters, shared by every place that takes them.
+
+The ``DBWORKER`` system checks (``checks.py``), the ``run_workers`` flags and
+``WorkerConfig`` all validate through these, so "a positive integer", "a
+port" or "a queue name" means the same thing (and says the same thing) in a
+settings file, on a command line and in code. A declaration: imports nothing
+from the package, reads no settings, never touches the database.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+V = TypeVar("V")
+Validator = Callable[[Any], Any]
+
+#: What ``enqueue`` accepts as a queue name (SPEC: ``[A-Za-z0-9_.:-]{1,100}``).
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+
+
+class InvalidValue(ValueError):
+    """A value outside its domain; the message reads after the value's name.
+
+    ``wrong_type`` tells a value of the wrong type (``"8"`` for an integer)
+    from one of the right type out of range, so the checks can keep their ids.
+    """
+
+    def __init__(self, message: str, *, wrong_type: bool = False) -> None:
+        super().__init__(message)
+        self.wrong_type = wrong_type
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_int(value: Any) -> int:
+    if not _is_int(value):
+        raise InvalidValue(f"must be an integer, got {value!r}", wrong_type=True)
+    if value < 1:
+        raise InvalidValue(f"must be at least 1, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(value: Any) -> int:
+    if not _is_int(value):
+        raise InvalidValue(f"must be an integer, got {value!r}", wrong_type=True)
+    if value < 0:
+        raise InvalidValue(f"must be 0 or more, got {value!r}")
+    return int(value)
+
+
+def positive_number(value: Any) -> float:
+    if not _is_number(value):
+        raise InvalidValue(f"must be a number, got {value!r}", wrong_type=True)
+    if not value > 0:  # NaN too
+        raise InvalidValue(f"must be greater than 0, got {value!r}")
+    return float(value)
+
+
+def non_negative_number(value: Any) -> float:
+    if not _is_number(value):
+        raise InvalidValue(f"must be a number, got {value!r}", wrong_type=True)
+    if not value >= 0:  # NaN too
+        raise InvalidValue(f"must be 0 or more, got {value!r}")
+    return float(value)
+
+
+def port(value: Any) -> int:
+    if not _is_int(value) or not 0 < value < 65536:
+        raise InvalidValue(
+            f"is not a port number (1-65535), got {value!r}", wrong_type=not _is_int(value)
+        )
+    return int(value)
+
+
+def non_empty_str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidValue(f"must be a non-empty string, got {value!r}", wrong_type=True)
+    return value
+
+
+def queue_name(value: Any) -> str:
+    if not isinstance(value, str) or not QUEUE_NAME.fullmatch(value):
+        raise InvalidValue(
+            f"is not a valid queue name: use 1 to 100 characters of [A-Za-z0-9_.:-], got {value!r}",
+            wrong_type=not isinstance(value, str),
+        )
+    return value
+
+
+def optional(validator: Callable[[Any], V]) -> Callable[[Any], V | None]:
+    """``validator`` that also accepts None ("not set")."""
+
+    def check(value: Any) -> V | None:
+        return None if value is None else validator(value)
+
+    check.__name__ = f"optional_{validator.__name__}"
+    return check
+
+
+#: ``DBWORKER`` keys and their validators (relations between keys: ``checks.py``).
+SETTINGS: Mapping[str, Validator] = {
+    "CONCURRENCY": positive_int,
+    "POLL_INTERVAL": positive_number,
+    "BATCH_SIZE": non_negative_int,
+    "HEARTBEAT_INTERVAL": positive_number,
+    "STALE_AFTER": positive_number,
+    "SHUTDOWN_TIMEOUT": non_negative_number,
+    "MAX_ATTEMPTS": positive_int,
+    "RETRY_BACKOFF": positive_number,
+    "RETRY_BACKOFF_MAX": positive_number,
+    "MAX_PAYLOAD_BYTES": positive_int,
+    "MAX_ABANDONED_THREADS": optional(positive_int),
+    "METRICS_PORT": optional(port),
+    "METRICS_ADDR": non_empty_str,
+}
+
+#: ``WorkerConfig`` fields and their validators: the settings they default from.
+WORKER_CONFIG: Mapping[str, Validator] = {
+    "concurrency": SETTINGS["CONCURRENCY"],
+    "poll_interval": SETTINGS["POLL_INTERVAL"],
+    "batch_size": SETTINGS["BATCH_SIZE"],
+    "heartbeat_interval": SETTINGS["HEARTBEAT_INTERVAL"],
+    "stale_after": SETTINGS["STALE_AFTER"],
+    "shutdown_timeout": SETTINGS["SHUTDOWN_TIMEOUT"],
+    "max_abandoned_threads": SETTINGS["MAX_ABANDONED_THREADS"],
+}
+
+
+def validate_worker_config(config: Any) -> None:
+    """Raise ``InvalidValue`` naming the first bad field of a ``WorkerConfig``."""
+    for name, validator in WORKER_CONFIG.items():
+        try:
+            validator(getattr(config, name))
+        except InvalidValue as exc:
+            raise InvalidValue(f"WorkerConfig.{name} {exc}", wrong_type=exc.wrong_type) from None
+    queues = getattr(config, "queues", None)
+    if queues is not None:
+        if isinstance(queues, str):
+            raise InvalidValue(
+                f"WorkerConfig.queues must be a list of queue names, got {queues!r}",
+                wrong_type=True,
+            )
+        for queue in queues:
+            try:
+                queue_name(queue)
+            except InvalidValue as exc:
+                raise InvalidValue(f"WorkerConfig.queues: a queue name {exc}") from None
