@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from django.db import connections, models, transaction
+from django.db import models, transaction
+
+from django_dbworker.db import operations
 
 M = TypeVar("M", bound=models.Model)
 
@@ -31,7 +33,7 @@ def claim_next(queryset: models.QuerySet[M], **updates: Any) -> M | None:
         raise ValueError("claim_next needs at least one field update that marks the row claimed.")
     db = queryset.db
     model = queryset.model
-    if connections[db].features.has_select_for_update_skip_locked:
+    if operations(db).supports_skip_locked:
         with transaction.atomic(using=db):
             row = queryset.select_for_update(skip_locked=True, of=("self",)).first()
             if row is None:

@@ -1,17 +1,21 @@
 """Database-vendor operations: the only package that knows PostgreSQL from SQLite.
 
-Everything vendor-specific (the claim statement, wake-up notifications,
-supported versions) sits behind ``VendorOperations``; the rest of the code
-asks ``operations(using)`` and never checks ``connection.vendor`` itself.
+Everything vendor-specific (the claim and success statements, inserts with
+wake-ups, LISTEN, planner estimates, SKIP LOCKED support, supported
+versions) sits behind ``VendorOperations``; the rest of the code asks
+``operations(using)`` and never checks ``connection.vendor`` or
+``connection.features`` itself, nor writes SQL. Each vendor module reads as
+a queries file: named statements first, then the operations that run them
+(see tests/conformance/snapshots/ for every statement as it runs).
 """
 
 from __future__ import annotations
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_dbworker.db.base import UnsupportedDatabase, VendorOperations
+from django_dbworker.db.base import Subscription, UnsupportedDatabase, VendorOperations
 
-__all__ = ["UnsupportedDatabase", "VendorOperations", "operations"]
+__all__ = ["Subscription", "UnsupportedDatabase", "VendorOperations", "operations"]
 
 
 _instances: dict[tuple[str, str], VendorOperations] = {}
@@ -21,7 +25,8 @@ def operations(using: str | None = None) -> VendorOperations:
     """The vendor operations for the database alias ``using``.
 
     One instance per alias and vendor, shared by all threads: it holds only
-    caches of built SQL (connections are looked up per thread on each use).
+    a cache of Django's column converters (connections are looked up per
+    thread on each use).
     """
     alias = using or DEFAULT_DB_ALIAS
     vendor = connections[alias].vendor

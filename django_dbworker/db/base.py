@@ -1,27 +1,38 @@
-"""The interface every database vendor implements, and shared row decoding."""
+"""The interface every database vendor implements, and what the vendors share.
+
+A vendor module (``postgresql.py``, ``sqlite.py``) is a queries file: its
+statements are named ``Statement`` constants, complete SQL read top to
+bottom, and a ``VendorOperations`` subclass that runs them. This module
+holds no SQL; it decodes claimed rows into ``WorkItem`` instances the same
+way for every vendor. It must not import from the worker, the admin or
+enqueuing: they call it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import string
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models.functions import Now
-from django.db.models.sql.compiler import SQLCompiler
+from django.db.models import QuerySet
 
 from django_dbworker.models import Status, WorkItem
 
-#: Columns a claim returns: everything the executor needs, nothing bulky it doesn't.
+#: Columns a claim returns, in this order: everything the executor needs
+#: (and ``run_after``, for the claim order), nothing bulky it doesn't. Every
+#: vendor's claim statement RETURNs exactly these (the snapshot test checks).
 CLAIM_COLUMNS = (
     "id",
     "handler",
     "queue",
     "payload",
     "priority",
+    "run_after",
     "attempts",
     "max_attempts",
     "claimed_by",
@@ -29,8 +40,30 @@ CLAIM_COLUMNS = (
     "trace_context",
 )
 
-#: Channel of the PostgreSQL wake-up notifications; the payload is the queue name.
-NOTIFY_CHANNEL = "django_dbworker"
+
+@dataclass(frozen=True)
+class Statement:
+    """One named SQL statement of a vendor module: what it is for, and its text.
+
+    ``sql`` takes named parameters (``%(name)s``; Django's cursors accept
+    them on every vendor). Where the text itself must vary (SQLite has no
+    array parameters, so a list of N values needs N placeholders), the
+    varying part is a ``{slot}`` that the vendor module fills through
+    ``render``; everything else is fixed text.
+    """
+
+    name: str
+    purpose: str
+    sql: str
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The names of the ``{slot}`` parts; empty for a fixed statement."""
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.sql) if f)
+
+    def render(self, **slots: str) -> str:
+        """The statement's text with its slots filled in."""
+        return self.sql.format(**slots) if self.slots else self.sql
 
 
 @dataclass
@@ -56,7 +89,23 @@ class TableEstimate:
     columns: dict[str, ColumnStats]
 
 
-def _as_uuid(value: Any) -> UUID:
+class Subscription(Protocol):
+    """Wake-up notifications received on a connection of their own (``listen``)."""
+
+    def receive(self, timeout: float) -> Iterator[str]:
+        """The queue names notified, each as soon as it arrives, for up to ``timeout`` s.
+
+        Raises the driver's error when the connection is lost; the caller
+        reconnects by calling ``listen`` again.
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop listening and close the connection."""
+        ...
+
+
+def as_uuid(value: Any) -> UUID:
     """A claim token as the driver returns it (a UUID, or hex text on SQLite)."""
     return value if isinstance(value, UUID) else UUID(str(value))
 
@@ -69,20 +118,26 @@ Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 
 
 class VendorOperations:
-    """Vendor-specific database operations for one connection alias."""
+    """Vendor-specific database operations for one connection alias.
+
+    The rest of the package calls these and never looks at
+    ``connection.vendor`` or ``connection.features`` itself, so a new
+    database (MySQL) is one new subclass with its own statements.
+    """
 
     vendor = ""
     #: Whether ``listen`` can deliver wake-ups across processes.
     supports_notify = False
+    #: Whether ``SELECT ... FOR UPDATE SKIP LOCKED`` exists (``claim_next`` asks).
+    supports_skip_locked = False
 
     def __init__(self, using: str) -> None:
         self.using = using
-        self._claim_cache: dict[Any, tuple[str, tuple[Any, ...]]] = {}
-        self._succeed_cache: dict[int, str] = {}
         self._converters: list[tuple[list[Converter], Any]] | None = None
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
+        # Looked up on each use: Django's connections are per thread.
         return connections[self.using]
 
     # -- checks ------------------------------------------------------------------
@@ -90,7 +145,7 @@ class VendorOperations:
     def check_version(self) -> None:
         """Raise ``UnsupportedDatabase`` when the server is too old."""
 
-    # -- claims ------------------------------------------------------------------
+    # -- claims and outcomes -----------------------------------------------------
 
     def claim(
         self,
@@ -100,35 +155,15 @@ class VendorOperations:
         queues: Sequence[str] | None,
         worker: str,
     ) -> list[WorkItem]:
-        """Atomically move up to ``limit`` ready rows to ``claimed``, in claim order.
+        """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
 
-        Each row gets ``attempts + 1``, a fresh ``claim_token``, ``claimed_by``
-        and DB-clock ``claimed_at``/``heartbeat_at``. Rows locked or claimed by
-        another worker are skipped, never waited for and never returned twice.
-        One statement, one round trip; its SQL is built once per
-        (limit, handlers, queues) and reused, since a worker claims with the
-        same filters thousands of times a minute.
-        """
-        if limit <= 0 or not handlers:
-            return []
-        key = (limit, tuple(handlers), tuple(queues) if queues else None)
-        statement = self._claim_cache.get(key)
-        if statement is None:
-            inner, params = self._ready_subquery(limit, handlers, queues)
-            statement = (self._claim_sql(inner), params)
-            if len(self._claim_cache) < 1024:
-                self._claim_cache[key] = statement
-        sql, params = statement
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, (worker, *params))
-            rows = cursor.fetchall()
-        return self._rows_to_items(rows)
-
-    def _claim_sql(self, ready_ids_sql: str) -> str:
-        """The vendor's claim statement around the "next ready ids" subquery.
-
-        Its first placeholder is the worker identity; it returns
-        ``CLAIM_COLUMNS`` of the claimed rows.
+        Ready means ``pending`` with ``run_after`` passed by the database's
+        clock, of one of ``handlers`` (and of ``queues`` when given); claim
+        order is ``priority DESC, run_after, id`` (``WorkItem.objects.ready()
+        .in_order()``). Each row gets ``attempts + 1``, a fresh
+        ``claim_token``, ``claimed_by = worker`` and DB-clock
+        ``claimed_at``/``heartbeat_at``. Rows locked or claimed by another
+        worker are skipped, never waited for and never returned twice.
         """
         raise NotImplementedError
 
@@ -144,46 +179,9 @@ class VendorOperations:
         not in the answer, and two attempts of one row in one batch (a late,
         superseded one and the current one) are told apart by their tokens.
         """
-        if not outcomes:
-            return set()
-        sql = self._succeed_cache.get(len(outcomes))
-        if sql is None:
-            sql = self._succeed_sql(len(outcomes))
-            if len(self._succeed_cache) < 1024:
-                self._succeed_cache[len(outcomes)] = sql
-        params: list[Any] = []
-        for pk, claim_token, result_json in outcomes:
-            params += [pk, self._token_param(claim_token), result_json]
-        params += [pk for pk, _, _ in outcomes]
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            return {(row[0], _as_uuid(row[1])) for row in cursor.fetchall()}
+        raise NotImplementedError
 
-    def _succeed_sql(self, rows: int) -> str:
-        q = self.connection.ops.quote_name
-        id_, token, result = self._value_placeholders()
-        values = ", ".join([f"({id_}, {token}, {result})"] * rows)
-        now = self._now_sql()
-        table = q(WorkItem._meta.db_table)
-        return (
-            f"WITH v(id, token, result) AS (VALUES {values}) "
-            f"UPDATE {table} SET {q('status')} = '{Status.SUCCEEDED.value}', "
-            f"{q('result')} = v.result, {q('finished_at')} = {now}, "
-            f"{q('updated_at')} = {now}, {q('last_error')} = '' "
-            # The explicit id list pins the plan to primary-key lookups.
-            f"FROM v WHERE {table}.{q('id')} IN ({', '.join([id_] * rows)}) "
-            f"AND {table}.{q('id')} = v.id "
-            f"AND {table}.{q('claim_token')} = v.token "
-            f"AND {table}.{q('status')} = '{Status.CLAIMED.value}' "
-            f"RETURNING {table}.{q('id')}, {table}.{q('claim_token')}"
-        )
-
-    def _value_placeholders(self) -> tuple[str, str, str]:
-        """Placeholders (with any casts) for a VALUES row of (id, token, result)."""
-        return "%s", "%s", "%s"
-
-    def _token_param(self, token: UUID) -> Any:
-        return token
+    # -- enqueue and wake-ups ----------------------------------------------------
 
     def insert_item(
         self,
@@ -214,27 +212,26 @@ class VendorOperations:
     def notify(self, queues: Sequence[str]) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits."""
 
-    def distinct_queues(self) -> list[str]:
-        """Every queue name in the table, by a loose index scan.
+    def listen(self) -> Subscription:
+        """Open a connection of its own that receives ``notify``'s wake-ups.
 
-        ``SELECT DISTINCT queue`` reads every row (or index entry); this
-        recursive query jumps from one queue to the next through the
-        ``(queue, id)`` index, so it costs one index probe per queue whatever
-        the table size. Standard SQL, run as is by PostgreSQL and SQLite.
+        Only where ``supports_notify``; elsewhere workers just poll.
         """
-        q = self.connection.ops.quote_name
-        table, col = q(WorkItem._meta.db_table), q("queue")
-        sql = (
-            f"WITH RECURSIVE queues(name) AS ("
-            f" SELECT (SELECT {col} FROM {table} ORDER BY {col} LIMIT 1)"
-            f" UNION ALL"
-            f" SELECT (SELECT {col} FROM {table} WHERE {col} > queues.name ORDER BY {col} LIMIT 1)"
-            f" FROM queues WHERE queues.name IS NOT NULL"
-            f") SELECT name FROM queues WHERE name IS NOT NULL"
-        )
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql)
-            return [row[0] for row in cursor.fetchall()]
+        raise NotImplementedError(f"{self.vendor} has no cross-process wake-ups")
+
+    # -- statistics for the admin and the stats ----------------------------------
+
+    def distinct_queues(self) -> list[str]:
+        """Every queue name in the table, at one index probe per queue."""
+        raise NotImplementedError
+
+    def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
+        """The planner's estimate of ``queryset``'s row count, or None where there is none.
+
+        For pages of a big table, where "about how many" is enough and an
+        exact COUNT(*) would read every matching row.
+        """
+        return None
 
     def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
         """Planner statistics for the work table, or None where there are none."""
@@ -242,44 +239,19 @@ class VendorOperations:
 
     # -- helpers shared by the vendors --------------------------------------------
 
-    def _ready_subquery(
-        self, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
-    ) -> tuple[str, tuple[Any, ...]]:
-        """SQL and params selecting the ids of the next ``limit`` ready rows."""
-        qs = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
-        if queues:
-            qs = qs.filter(queue__in=list(queues))
-        ids = qs.in_order().values("id")[:limit]
-        sql, params = ids.query.sql_with_params()
-        return sql, tuple(params)
-
-    def _compiler(self) -> SQLCompiler:
-        compiler: SQLCompiler = (
-            WorkItem.objects.using(self.using).all().query.get_compiler(self.using)
-        )
-        return compiler
-
-    def _now_sql(self) -> str:
-        sql, _ = self._compiler().compile(Now())
-        return sql
-
-    def _claim_set_clause(self, token_sql: str) -> str:
-        q = self.connection.ops.quote_name
-        now = self._now_sql()
-        return (
-            f"{q('status')} = '{Status.CLAIMED.value}', "
-            f"{q('attempts')} = {q('attempts')} + 1, "
-            f"{q('claimed_at')} = {now}, {q('heartbeat_at')} = {now}, "
-            f"{q('updated_at')} = {now}, {q('claimed_by')} = %s, "
-            f"{q('claim_token')} = {token_sql}"
-        )
-
-    def _returning_columns(self, prefix: str = "") -> str:
-        q = self.connection.ops.quote_name
-        return ", ".join(f"{prefix}{q(c)}" for c in CLAIM_COLUMNS)
+    def _fetch(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run one statement on this alias's connection; return all its rows."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
 
     def _rows_to_items(self, rows: Sequence[Sequence[Any]]) -> list[WorkItem]:
-        """Build model instances from raw rows, through Django's own converters."""
+        """Model instances from rows of ``CLAIM_COLUMNS``, in claim order.
+
+        Decoded through Django's own converters (JSON, UUID, aware datetimes),
+        so a claimed item equals what the ORM would load. RETURNING gives no
+        order, hence the sort.
+        """
         connection = self.connection
         if self._converters is None:
             table = WorkItem._meta.db_table
@@ -299,5 +271,5 @@ class VendorOperations:
             item = WorkItem.from_db(self.using, list(CLAIM_COLUMNS), values)
             item.status = Status.CLAIMED
             items.append(item)
-        items.sort(key=lambda i: (-i.priority, i.pk))
+        items.sort(key=lambda i: (-i.priority, i.run_after, i.pk))
         return items

@@ -1,31 +1,273 @@
-"""PostgreSQL: one-statement SKIP LOCKED claims and LISTEN/NOTIFY wake-ups."""
+"""PostgreSQL: its statements, and the operations that run them.
+
+One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes,
+inserts that carry their own NOTIFY, LISTEN wake-ups and planner estimates.
+Every statement is fixed text: lists travel as array parameters
+(``= ANY(%(handlers)s)``, ``unnest(%(payloads)s::jsonb[])``), so a reader
+sees exactly what runs and the server parses a handful of distinct texts.
+Django's psycopg backend binds parameters on the client by default, so the
+planner sees the arrays as constants, as it did the IN lists they replace.
+
+The claim statements must keep their plans on a table of millions of
+finished rows: an index scan of the partial claim index
+``dbworker_claim_idx`` (or ``dbworker_claim_queue_idx`` for one queue) in
+claim order, stopped by the LIMIT; the status and handler indexes leave
+pending rows out so that nothing else can be chosen (see models.py).
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
+
+from django.db.models import QuerySet
 
 from django_dbworker.db.base import (
-    NOTIFY_CHANNEL,
     ColumnStats,
+    Statement,
     TableEstimate,
     UnsupportedDatabase,
     VendorOperations,
+    as_uuid,
 )
 from django_dbworker.models import WorkItem
 
+#: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
 MIN_VERSION = 130000
+
+# -- statements ---------------------------------------------------------------------
+#
+# The claim is one UPDATE around a LIMITed subquery: the LIMIT keeps the
+# subquery from being pulled up (it runs once), and SKIP LOCKED lets
+# concurrent claimers take disjoint rows instead of queueing behind each
+# other's locks. Its WHERE and ORDER BY are WorkItem.objects.ready().in_order().
+# The wake-up channel is "django_dbworker"; the payload is the queue name.
+
+CLAIM = Statement(
+    "claim",
+    "Claim the next ready rows of some handlers, in any queue.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+# A plain equality, not "= ANY" of one queue: only an equality on the
+# index's leading column lets dbworker_claim_queue_idx return rows in claim
+# order, so the LIMIT stops the scan instead of a sort reading them all.
+CLAIM_IN_QUEUE = Statement(
+    "claim_in_queue",
+    "Claim the next ready rows of some handlers in one queue.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+      AND queue = %(queue)s
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+CLAIM_IN_QUEUES = Statement(
+    "claim_in_queues",
+    "Claim the next ready rows of some handlers in several queues.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+      AND queue = ANY(%(queues)s::text[])
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+# The separate "w.id = ANY(ids)" pins the plan to primary-key lookups,
+# whatever the planner thinks of the join with the unnested arrays.
+SUCCEED_MANY = Statement(
+    "succeed_many",
+    "Record the successes of several attempts, each fenced by its own id, token and status.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    last_error = ''
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = v.id
+  AND w.claim_token = v.token
+  AND w.status = 'claimed'
+RETURNING w.id, w.claim_token
+""",
+)
+
+# NOTIFY is transactional: the wake-up is delivered when (and only if) the
+# insert commits. run_at is an absolute time, or NULL for "delay after now".
+INSERT_ITEM = Statement(
+    "insert_item",
+    "Insert one pending row and notify its queue, in one round trip.",
+    """
+WITH ins AS (
+    INSERT INTO django_dbworker_workitem (
+        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+        claimed_by, last_error, trace_context, created_at, updated_at)
+    VALUES (
+        %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        statement_timestamp(), statement_timestamp())
+    RETURNING id, run_after, created_at, updated_at
+)
+SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
+FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
+ORDER BY ins.id
+""",
+)
+
+# All payloads travel as one jsonb[] parameter: one statement whatever the
+# batch size (no 65,535-parameter ceiling). Ids come from the sequence in
+# insertion order, which follows ORDER BY u.n; the outer ORDER BY id lines
+# the returned rows up with the payloads.
+INSERT_ITEMS = Statement(
+    "insert_items",
+    "Insert pending rows sharing all but their payloads, and notify their queue.",
+    """
+WITH ins AS (
+    INSERT INTO django_dbworker_workitem (
+        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+        claimed_by, last_error, trace_context, created_at, updated_at)
+    SELECT
+        %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
+        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        statement_timestamp(), statement_timestamp()
+    FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
+    ORDER BY u.n
+    RETURNING id, run_after, created_at, updated_at
+)
+SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
+FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
+ORDER BY ins.id
+""",
+)
+
+NOTIFY = Statement(
+    "notify",
+    "Wake idle workers of a queue when the current transaction commits.",
+    """
+SELECT pg_notify('django_dbworker', %(queue)s)
+""",
+)
+
+LISTEN = Statement(
+    "listen",
+    "Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).",
+    """
+LISTEN django_dbworker
+""",
+)
+
+# SELECT DISTINCT queue reads every row (or index entry); this recursive
+# query jumps from one queue to the next through dbworker_queue_idx.
+DISTINCT_QUEUES = Statement(
+    "distinct_queues",
+    "Every queue name in the table, by a loose index scan (one index probe per queue).",
+    """
+WITH RECURSIVE queues(name) AS (
+    SELECT (SELECT queue FROM django_dbworker_workitem ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT queue FROM django_dbworker_workitem
+            WHERE queue > queues.name ORDER BY queue LIMIT 1)
+    FROM queues WHERE queues.name IS NOT NULL
+)
+SELECT name FROM queues WHERE name IS NOT NULL
+""",
+)
+
+# {query} is the ORM's SQL for the queryset being paged (the admin's filters).
+ESTIMATE_COUNT = Statement(
+    "estimate_count",
+    "The planner's row estimate for a query, without running it.",
+    """
+EXPLAIN (FORMAT JSON) {query}
+""",
+)
+
+# reltuples and pg_stats are what ANALYZE (and autovacuum) keep; reading
+# them costs nothing however large the table is.
+TABLE_ESTIMATE = Statement(
+    "table_estimate",
+    "The work table's planner row count and value frequencies of some columns.",
+    """
+SELECT c.reltuples, s.attname, s.most_common_vals::text, s.most_common_freqs, s.n_distinct
+FROM pg_class c
+LEFT JOIN pg_stats s
+  ON s.tablename = c.relname AND s.schemaname = current_schema()
+ AND s.attname = ANY(%(columns)s::text[])
+WHERE c.oid = to_regclass('django_dbworker_workitem')
+""",
+)
+
+
+# -- operations ---------------------------------------------------------------------
 
 
 class PostgresOperations(VendorOperations):
     vendor = "postgresql"
     supports_notify = True
-
-    def __init__(self, using: str) -> None:
-        super().__init__(using)
-        self._insert_cache: dict[tuple[str, bool], str] = {}
+    supports_skip_locked = True
 
     def check_version(self) -> None:
         self.connection.ensure_connection()
@@ -35,22 +277,31 @@ class PostgresOperations(VendorOperations):
                 f"django-dbworker needs PostgreSQL 13 or newer; this server is {version}."
             )
 
-    def _claim_sql(self, ready_ids_sql: str) -> str:
-        q = self.connection.ops.quote_name
-        table = q(WorkItem._meta.db_table)
-        # The LIMIT subquery in FROM is evaluated once (LIMIT blocks pull-up),
-        # and SKIP LOCKED lets concurrent claimers take disjoint rows instead
-        # of queueing behind each other's locks.
-        return (
-            f"UPDATE {table} AS w SET {self._claim_set_clause('gen_random_uuid()')} "
-            f"FROM ({ready_ids_sql} FOR UPDATE SKIP LOCKED) AS c "
-            f"WHERE w.{q('id')} = c.{q('id')} "
-            f"RETURNING {self._returning_columns('w.')}"
-        )
+    def claim(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> list[WorkItem]:
+        if limit <= 0 or not handlers:
+            return []
+        sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
+        return self._rows_to_items(self._fetch(sql, params))
 
-    def _value_placeholders(self) -> tuple[str, str, str]:
-        # VALUES columns take their types from the first row; say them.
-        return "%s::bigint", "%s::uuid", "%s::jsonb"
+    def succeed_many(
+        self, outcomes: Sequence[tuple[int, UUID, str | None]]
+    ) -> set[tuple[int, UUID]]:
+        if not outcomes:
+            return set()
+        params = {
+            "ids": [pk for pk, _, _ in outcomes],
+            "tokens": [token for _, token, _ in outcomes],
+            "results": [result for _, _, result in outcomes],
+        }
+        rows = self._fetch(SUCCEED_MANY.sql, params)
+        return {(pk, as_uuid(token)) for pk, token in rows}
 
     def insert_item(
         self,
@@ -60,11 +311,13 @@ class PostgresOperations(VendorOperations):
         payload_json: str | None = None,
     ) -> bool:
         # One round trip and, in autocommit, one commit: the INSERT and the
-        # NOTIFY run as one statement, and NOTIFY is delivered at commit.
+        # NOTIFY run as one statement.
         if payload_json is None and item.payload is not None:
             payload_json = json.dumps(item.payload)
-        payload = None if item.payload is None else payload_json
-        return self._insert([item], run_after, [payload], many=False)
+        params = self._insert_params(item, run_after)
+        params["payload"] = None if item.payload is None else payload_json
+        self._assign(self._fetch(INSERT_ITEM.sql, params), [item])
+        return True
 
     def insert_items(
         self,
@@ -73,45 +326,27 @@ class PostgresOperations(VendorOperations):
         run_after: datetime | timedelta | None,
         payloads_json: Sequence[str | None],
     ) -> bool:
-        # All payloads travel as one jsonb[] parameter: one statement whatever
-        # the batch size (no 65,535-parameter ceiling, no per-row SQL).
-        return self._insert(items, run_after, list(payloads_json), many=True)
+        params = self._insert_params(items[0], run_after)
+        params["payloads"] = list(payloads_json)
+        self._assign(self._fetch(INSERT_ITEMS.sql, params), items)
+        return True
 
-    def _insert(
-        self,
-        items: Sequence[WorkItem],
-        run_after: datetime | timedelta | None,
-        payloads: list[str | None],
-        *,
-        many: bool,
-    ) -> bool:
-        extra: tuple[Any, ...] = ()
-        if run_after is None:
-            run_after_sql = "statement_timestamp()"
-        elif isinstance(run_after, timedelta):
-            run_after_sql, extra = "statement_timestamp() + %s::interval", (run_after,)
-        else:
-            run_after_sql, extra = "%s", (run_after,)
-        key = (run_after_sql, many)
-        sql = self._insert_cache.get(key)
-        if sql is None:
-            sql = self._insert_sql(run_after_sql, many)
-            self._insert_cache[key] = sql
-        first = items[0]
-        values = (first.handler, first.queue) + (() if many else (payloads[0],))
-        params = (
-            *values,
-            first.priority,
-            *extra,
-            first.max_attempts,
-            json.dumps(first.trace_context or {}),
-            *((payloads,) if many else ()),
-            NOTIFY_CHANNEL,
-            first.queue,
-        )
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            rows = cursor.fetchall()
+    def _insert_params(
+        self, first: WorkItem, run_after: datetime | timedelta | None
+    ) -> dict[str, Any]:
+        """The parameters the inserted rows share (all but the payload)."""
+        return {
+            "handler": first.handler,
+            "queue": first.queue,
+            "priority": first.priority,
+            "run_at": run_after if isinstance(run_after, datetime) else None,
+            "delay": run_after if isinstance(run_after, timedelta) else timedelta(0),
+            "max_attempts": first.max_attempts,
+            "trace_context": json.dumps(first.trace_context or {}),
+        }
+
+    def _assign(self, rows: list[tuple[Any, ...]], items: Sequence[WorkItem]) -> None:
+        """Give inserted items their ids and database-set times, as ``save()`` would."""
         if len(rows) != len(items):
             raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
         for item, (pk, run_after_value, created_at, updated_at) in zip(items, rows, strict=True):
@@ -121,55 +356,31 @@ class PostgresOperations(VendorOperations):
             item.updated_at = updated_at
             item._state.adding = False
             item._state.db = self.using
-        return True
-
-    def _insert_sql(self, run_after_sql: str, many: bool) -> str:
-        table = self.connection.ops.quote_name(WorkItem._meta.db_table)
-        columns = (
-            "handler, queue, payload, status, priority, run_after, attempts, max_attempts, "
-            "claimed_by, last_error, trace_context, created_at, updated_at"
-        )
-        row = (
-            f"%s, %s, {'u.p' if many else '%s::jsonb'}, 'pending', %s, {run_after_sql}, 0, %s, "
-            "'', '', %s::jsonb, statement_timestamp(), statement_timestamp()"
-        )
-        # Ids come from the sequence in insertion order, which follows the
-        # ORDER BY; the outer ORDER BY id lines the rows up with the items.
-        source = (
-            f"SELECT {row} FROM unnest(%s::jsonb[]) WITH ORDINALITY AS u(p, n) ORDER BY u.n"
-            if many
-            else f"VALUES ({row})"
-        )
-        return (
-            f"WITH ins AS (INSERT INTO {table} ({columns}) {source} "
-            f"RETURNING id, run_after, created_at, updated_at) "
-            f"SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at "
-            f"FROM ins, (SELECT pg_notify(%s, %s)) AS wake ORDER BY ins.id"
-        )
 
     def notify(self, queues: Sequence[str]) -> None:
-        # NOTIFY is transactional in PostgreSQL: it is delivered only if (and
-        # when) the enclosing transaction commits, savepoint rollbacks included.
+        # Delivered only if (and when) the enclosing transaction commits,
+        # savepoint rollbacks included.
         with self.connection.cursor() as cursor:
             for queue in sorted(set(queues)):
-                cursor.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, queue))
+                cursor.execute(NOTIFY.sql, {"queue": queue})
+
+    def listen(self) -> PostgresSubscription:
+        return PostgresSubscription(self.connection)
+
+    def distinct_queues(self) -> list[str]:
+        return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
+
+    def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
+        sql, params = queryset.order_by().query.get_compiler(using=self.using).as_sql()
+        ((plan,),) = self._fetch(ESTIMATE_COUNT.render(query=sql), params)
+        # Django's psycopg setup loads json as text on some versions, as objects on others.
+        if isinstance(plan, str):
+            plan = json.loads(plan)
+        return int(plan[0]["Plan"]["Plan Rows"])
 
     def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
-        # reltuples and pg_stats are what ANALYZE (and autovacuum) keep; reading
-        # them costs nothing however large the table is. reltuples is -1 (or 0)
-        # before the first ANALYZE: then there is nothing to estimate from.
-        table = WorkItem._meta.db_table
-        with self.connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT c.reltuples, s.attname, s.most_common_vals::text, "
-                "       s.most_common_freqs, s.n_distinct "
-                "FROM pg_class c LEFT JOIN pg_stats s "
-                "  ON s.tablename = c.relname AND s.schemaname = current_schema() "
-                "  AND s.attname = ANY(%s) "
-                "WHERE c.oid = to_regclass(%s)",
-                (list(columns), table),
-            )
-            rows = cursor.fetchall()
+        rows = self._fetch(TABLE_ESTIMATE.sql, {"columns": list(columns)})
+        # reltuples is -1 (or 0) before the first ANALYZE: nothing to estimate from.
         if not rows or rows[0][0] is None or rows[0][0] <= 0:
             return None
         reltuples = float(rows[0][0])
@@ -185,6 +396,44 @@ class PostgresOperations(VendorOperations):
         if set(stats) != set(columns):
             return None
         return TableEstimate(reltuples, stats)
+
+
+def claim_statement(
+    *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
+) -> tuple[str, dict[str, Any]]:
+    """The claim statement for these filters, and its parameters."""
+    params: dict[str, Any] = {"worker": worker, "handlers": list(handlers), "limit": limit}
+    if not queues:
+        return CLAIM.sql, params
+    if len(queues) == 1:
+        return CLAIM_IN_QUEUE.sql, {**params, "queue": queues[0]}
+    return CLAIM_IN_QUEUES.sql, {**params, "queues": list(queues)}
+
+
+class PostgresSubscription:
+    """A dedicated autocommit connection LISTENing for wake-ups.
+
+    Outside Django's per-thread connections: it lives as long as the
+    listener thread, and LISTEN only works outside a transaction block.
+    """
+
+    def __init__(self, wrapper: Any) -> None:
+        self._conn = wrapper.get_new_connection(wrapper.get_connection_params())
+        try:
+            self._conn.autocommit = True
+            self._conn.execute(LISTEN.sql)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def receive(self, timeout: float) -> Iterator[str]:
+        # psycopg 3's notifies() yields each notification as it arrives and
+        # returns after ``timeout`` seconds in all.
+        for note in self._conn.notifies(timeout=timeout):
+            yield note.payload
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def _parse_text_array(text: str) -> list[str]:

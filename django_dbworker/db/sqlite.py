@@ -1,27 +1,184 @@
-"""SQLite: claims by one conditional UPDATE ... RETURNING, no cross-process wake-ups.
+"""SQLite: its statements, and the operations that run them.
 
-SQLite has no row locks; a single UPDATE statement takes the database write
-lock for its whole duration, so the "select ready ids, mark them claimed"
-step is atomic across threads and processes. Busy waits are bounded by the
-connection's ``timeout`` option (see the system check).
+Claims are one conditional UPDATE ... RETURNING. SQLite has no row locks;
+a single UPDATE statement takes the database write lock for its whole
+duration, so "select the ready ids, mark them claimed" is atomic across
+threads and processes. Busy waits are bounded by the connection's
+``timeout`` option (see the system check). There are no cross-process
+wake-ups (workers poll) and no planner statistics.
+
+SQLite has no array parameters: a list of N values is N placeholders. Such
+statements have a ``{slot}`` where the list goes, and ``numbered`` /
+``numbered_rows`` write it out as named parameters ``%(handler_0)s, ...``;
+the rest of the text is fixed.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
-from django_dbworker.db.base import UnsupportedDatabase, VendorOperations
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.db.base import (
+    Statement,
+    UnsupportedDatabase,
+    VendorOperations,
+    as_uuid,
+)
+from django_dbworker.models import WorkItem
 
 #: UPDATE ... RETURNING arrived in SQLite 3.35.
 MIN_VERSION = (3, 35, 0)
+
+# -- statements ---------------------------------------------------------------------
+#
+# The database clock is STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW') (Django's Now()
+# on SQLite); its % signs are doubled because the statements take parameters.
+# Django stores UUIDField as 32 hex characters on SQLite, which is exactly
+# what lower(hex(randomblob(16))) yields: a fresh claim token per row.
+# The outer status test repeats the subquery's condition so that the
+# statement stays a conditional UPDATE whatever the plan. Its WHERE and
+# ORDER BY are WorkItem.objects.ready().in_order().
+
+CLAIM = Statement(
+    "claim",
+    "Claim the next ready rows of some handlers, in any queue.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    claimed_by = %(worker)s,
+    claim_token = lower(hex(randomblob(16)))
+WHERE id IN (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+      AND handler IN ({handlers})
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+)
+AND status = 'pending'
+RETURNING id, handler, queue, payload, priority, run_after, attempts,
+          max_attempts, claimed_by, claim_token, trace_context
+""",
+)
+
+CLAIM_IN_QUEUES = Statement(
+    "claim_in_queues",
+    "Claim the next ready rows of some handlers in some queues.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    claimed_by = %(worker)s,
+    claim_token = lower(hex(randomblob(16)))
+WHERE id IN (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+      AND handler IN ({handlers})
+      AND queue IN ({queues})
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+)
+AND status = 'pending'
+RETURNING id, handler, queue, payload, priority, run_after, attempts,
+          max_attempts, claimed_by, claim_token, trace_context
+""",
+)
+
+# The separate "id IN (...)" pins the plan to primary-key lookups, whatever
+# the planner thinks of the join with the VALUES rows.
+SUCCEED_MANY = Statement(
+    "succeed_many",
+    "Record the successes of several attempts, each fenced by its own id, token and status.",
+    """
+WITH v(id, token, result) AS (VALUES {rows})
+UPDATE django_dbworker_workitem
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    last_error = ''
+FROM v
+WHERE django_dbworker_workitem.id IN ({ids})
+  AND django_dbworker_workitem.id = v.id
+  AND django_dbworker_workitem.claim_token = v.token
+  AND django_dbworker_workitem.status = 'claimed'
+RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token
+""",
+)
+
+# SELECT DISTINCT queue reads every index entry; this recursive query jumps
+# from one queue to the next through dbworker_queue_idx.
+DISTINCT_QUEUES = Statement(
+    "distinct_queues",
+    "Every queue name in the table, by a loose index scan (one index probe per queue).",
+    """
+WITH RECURSIVE queues(name) AS (
+    SELECT (SELECT queue FROM django_dbworker_workitem ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT queue FROM django_dbworker_workitem
+            WHERE queue > queues.name ORDER BY queue LIMIT 1)
+    FROM queues WHERE queues.name IS NOT NULL
+)
+SELECT name FROM queues WHERE name IS NOT NULL
+""",
+)
+
+
+def numbered(name: str, count: int) -> str:
+    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list."""
+    return ", ".join(f"%({name}_{i})s" for i in range(count))
+
+
+def numbered_rows(names: Sequence[str], count: int) -> str:
+    """``(%(a_0)s, %(b_0)s), (%(a_1)s, %(b_1)s), ...``: ``count`` rows for a VALUES list."""
+    return ", ".join(
+        "(" + ", ".join(f"%({name}_{i})s" for name in names) + ")" for i in range(count)
+    )
+
+
+def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """The values for ``numbered(name, len(values))``."""
+    return {f"{name}_{i}": value for i, value in enumerate(values)}
+
+
+# Rendered once per list length: a worker claims with the same filters and
+# similar batch sizes thousands of times a minute.
+@lru_cache(maxsize=256)
+def claim_sql(handlers: int, queues: int) -> str:
+    """The claim statement for ``handlers`` handler names and ``queues`` queue names (0: any)."""
+    if queues == 0:
+        return CLAIM.render(handlers=numbered("handler", handlers))
+    return CLAIM_IN_QUEUES.render(
+        handlers=numbered("handler", handlers), queues=numbered("queue", queues)
+    )
+
+
+@lru_cache(maxsize=256)
+def succeed_many_sql(rows: int) -> str:
+    """The success statement for ``rows`` outcomes."""
+    return SUCCEED_MANY.render(
+        rows=numbered_rows(("id", "token", "result"), rows), ids=numbered("id", rows)
+    )
+
+
+# -- operations ---------------------------------------------------------------------
 
 
 class SQLiteOperations(VendorOperations):
     vendor = "sqlite"
     supports_notify = False
+    supports_skip_locked = False
 
     def check_version(self) -> None:
         if sqlite3.sqlite_version_info < MIN_VERSION:
@@ -30,18 +187,39 @@ class SQLiteOperations(VendorOperations):
                 f"this Python links SQLite {sqlite3.sqlite_version}."
             )
 
-    def _claim_sql(self, ready_ids_sql: str) -> str:
-        q = self.connection.ops.quote_name
-        table = q(WorkItem._meta.db_table)
-        # Django stores UUIDField as 32 hex characters on SQLite, which is
-        # exactly what hex(randomblob(16)) yields: a fresh token per row.
-        # The status test repeats the subquery's condition so that the
-        # statement stays a conditional UPDATE even if the plan changes.
-        return (
-            f"UPDATE {table} SET {self._claim_set_clause('lower(hex(randomblob(16)))')} "
-            f"WHERE {q('id')} IN ({ready_ids_sql}) AND {q('status')} = '{Status.PENDING.value}' "
-            f"RETURNING {self._returning_columns()}"
-        )
+    def claim(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> list[WorkItem]:
+        if limit <= 0 or not handlers:
+            return []
+        queues = queues or ()
+        params = {
+            "worker": worker,
+            "limit": limit,
+            **numbered_params("handler", handlers),
+            **numbered_params("queue", queues),
+        }
+        rows = self._fetch(claim_sql(len(handlers), len(queues)), params)
+        return self._rows_to_items(rows)
 
-    def _token_param(self, token: UUID) -> Any:
-        return token.hex  # UUIDField's storage on SQLite
+    def succeed_many(
+        self, outcomes: Sequence[tuple[int, UUID, str | None]]
+    ) -> set[tuple[int, UUID]]:
+        if not outcomes:
+            return set()
+        params = {
+            **numbered_params("id", [pk for pk, _, _ in outcomes]),
+            # UUIDField's storage on SQLite: 32 hex characters.
+            **numbered_params("token", [token.hex for _, token, _ in outcomes]),
+            **numbered_params("result", [result for _, _, result in outcomes]),
+        }
+        rows = self._fetch(succeed_many_sql(len(outcomes)), params)
+        return {(pk, as_uuid(token)) for pk, token in rows}
+
+    def distinct_queues(self) -> list[str]:
+        return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]

@@ -1,8 +1,11 @@
-"""LISTEN/NOTIFY wake-ups: an idle worker starts new work within milliseconds.
+"""Wake-ups: an idle worker starts new work within milliseconds of an enqueue.
 
-A dedicated connection (outside Django's per-thread connections, in
-autocommit) LISTENs on the channel that enqueue notifies at commit. Losing
-it only costs latency: the claim loop still polls at POLL_INTERVAL.
+A thread keeps a subscription to the database's wake-up notifications
+(``operations(using).listen()``: on PostgreSQL, LISTEN on a connection of
+its own) and wakes the claim loop for each notified queue it serves. This
+module holds the thread, its reconnects and backoff; it holds no SQL and no
+driver API. Losing the subscription only costs latency: the claim loop
+still polls at POLL_INTERVAL.
 """
 
 from __future__ import annotations
@@ -10,11 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from django.db import connections
-
-from django_dbworker.db.base import NOTIFY_CHANNEL
+from django_dbworker.db import Subscription, operations
 from django_dbworker.worker.connections import Backoff
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -31,27 +31,21 @@ class Listener(threading.Thread):
         self.stopped = threading.Event()
         self.listening = threading.Event()
 
-    def _connect(self) -> Any:
-        wrapper = connections[self.using]
-        conn = wrapper.get_new_connection(wrapper.get_connection_params())
-        conn.autocommit = True
-        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        return conn
-
     def run(self) -> None:
+        ops = operations(self.using)
         backoff = Backoff(first=0.5, cap=10.0)
         while not self.stopped.is_set():
-            conn = None
+            subscription: Subscription | None = None
             try:
-                conn = self._connect()
+                subscription = ops.listen()
                 self.listening.set()
                 backoff.reset()
                 # Wake once after (re)connecting: notifications sent while we
                 # were not listening are lost, the rows they announced are not.
                 self.wake()
                 while not self.stopped.is_set():
-                    for note in conn.notifies(timeout=1.0):
-                        if self.queues is None or note.payload in self.queues:
+                    for queue in subscription.receive(timeout=1.0):
+                        if self.queues is None or queue in self.queues:
                             self.wake()
             except Exception as exc:
                 self.listening.clear()
@@ -63,9 +57,9 @@ class Listener(threading.Thread):
                 )
                 self.stopped.wait(delay)
             finally:
-                if conn is not None:
+                if subscription is not None:
                     try:
-                        conn.close()
+                        subscription.close()
                     except Exception:
                         logger.debug("Ignoring an error closing the listener.", exc_info=True)
 

@@ -89,3 +89,12 @@ def test_each_claim_gets_a_new_token() -> None:
     (second,) = claim()
     assert first.claim_token != second.claim_token
     assert second.attempts == 2
+
+
+def test_a_batch_comes_back_in_claim_order() -> None:
+    later = make_item(priority=1, run_after=Now() - timedelta(seconds=10))
+    earlier = make_item(priority=1, run_after=Now() - timedelta(seconds=20))
+    top = make_item(priority=5)
+    low = make_item(priority=-1, run_after=Now() - timedelta(seconds=60))
+    plain = make_item()
+    assert [i.pk for i in claim(limit=10)] == [top.pk, earlier.pk, later.pk, plain.pk, low.pk]

@@ -161,7 +161,7 @@ class Command(BaseCommand):
             ",".join(names),
             ",".join(config.queues) if config.queues else "all",
             config.concurrency,
-            connections[using].vendor,
+            operations(using).vendor,
             " (burst)" if config.burst else "",
         )
         self._start_metrics_server(options)

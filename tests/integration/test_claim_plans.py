@@ -1,0 +1,73 @@
+"""The PostgreSQL claim and success statements keep index-driven plans on a big table.
+
+With 100,000 mostly finished rows and fresh statistics, each claim variant
+must read the partial claim index in claim order (so the LIMIT stops the
+scan), never the table; the success statement must find its rows by
+primary key. The statements are db/postgresql.py's, with the parameters
+the worker passes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_dbworker.db import postgresql
+from tests.bigtable import fill
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
+
+TABLE = "django_dbworker_workitem"
+
+
+def _plan(sql: str, params: dict[str, Any]) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + sql, params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.fixture
+def big_table() -> None:
+    fill(100_000)
+
+
+@pytest.mark.parametrize(
+    ("handlers", "queues", "index", "sorted_by_index"),
+    [
+        (["noop"], None, "dbworker_claim_idx", True),
+        (["noop", "echo"], None, "dbworker_claim_idx", True),
+        (["noop", "echo"], ["urgent"], "dbworker_claim_queue_idx", True),
+        # Several queues: the index finds the rows, a top-N sort orders them.
+        (["noop"], ["urgent", "emails"], "dbworker_claim", False),
+    ],
+)
+def test_claims_read_the_claim_index(
+    big_table: None,
+    handlers: list[str],
+    queues: list[str] | None,
+    index: str,
+    sorted_by_index: bool,
+) -> None:
+    sql, params = postgresql.claim_statement(
+        limit=8, handlers=handlers, queues=queues, worker="host:1:Main"
+    )
+    plan = _plan(sql, params)
+    assert f"Seq Scan on {TABLE}" not in plan, plan
+    assert f"using {index}" in plan, plan
+    if sorted_by_index:
+        assert "Sort" not in plan, plan
+
+
+def test_success_writes_are_primary_key_lookups(big_table: None) -> None:
+    ids = [1, 2, 3]
+    params = {
+        "ids": ids,
+        "tokens": [uuid.uuid4() for _ in ids],
+        "results": ["1", None, '{"a": 1}'],
+    }
+    plan = _plan(postgresql.SUCCEED_MANY.sql, params)
+    assert f"Seq Scan on {TABLE}" not in plan, plan
+    assert f"Index Scan using {TABLE}_pkey" in plan, plan
