@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
-
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem, WorkItemQuerySet
 from django_dbworker.registry import registry
+from django_dbworker.routing import work_db_for_read, work_db_for_write
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 __all__ = ["assert_enqueued", "enqueued", "run_until_empty"]
@@ -38,7 +37,7 @@ def run_until_empty(
     handlers: Iterable[str | type[WorkItemHandler]] | None = None,
     queues: Iterable[str] | None = None,
     *,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
     max_items: int = 100_000,
 ) -> dict[str, int]:
     """Run every claimable item, one at a time; return counts by outcome.
@@ -50,6 +49,7 @@ def run_until_empty(
     against handlers that enqueue themselves forever.
     """
     names = _names(handlers)
+    using = work_db_for_write(using)
     config = WorkerConfig(
         burst=True,
         inline=True,
@@ -71,12 +71,15 @@ def _claimable(names: list[str], queues: Sequence[str] | None, using: str) -> bo
     return rows.exists()
 
 
-def enqueued(
-    handler: str | type[WorkItemHandler], *, using: str = DEFAULT_DB_ALIAS
-) -> WorkItemQuerySet:
+def enqueued(handler: str | type[WorkItemHandler], *, using: str | None = None) -> WorkItemQuerySet:
     """Pending rows of ``handler``, oldest first."""
     name = handler if isinstance(handler, str) else handler.name
-    return WorkItem.objects.using(using).pending().filter(handler=name).order_by("id")
+    return (
+        WorkItem.objects.using(work_db_for_read(using))
+        .pending()
+        .filter(handler=name)
+        .order_by("id")
+    )
 
 
 def assert_enqueued(
@@ -84,7 +87,7 @@ def assert_enqueued(
     payload: Any = None,
     count: int | None = None,
     *,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
 ) -> list[WorkItem]:
     """Assert pending rows of ``handler`` exist (with ``payload``, ``count`` of them)."""
     items = list(enqueued(handler, using=using))

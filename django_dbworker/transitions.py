@@ -1,12 +1,12 @@
-"""Every state change of a ``WorkItem``, each one filtered UPDATE.
+"""The worker's state changes of a ``WorkItem``, each one filtered UPDATE.
 
-This module owns the life cycle of SPEC.md. Writes after a claim are fenced:
-they match ``status='claimed' AND claim_token=<the claim's token>`` and report
-whether the row was still theirs, so a late finisher can never overwrite a
-newer attempt. Operator actions (cancel, retry, run now) take querysets and
-narrow them to eligible states in the same UPDATE, so they cannot race a
-worker that claims at the same moment. The claim itself is vendor SQL and
-lives in ``django_dbworker.db``.
+This module owns the worker's side of the life cycle of SPEC.md. Writes
+after a claim are fenced: they match ``status='claimed' AND
+claim_token=<the claim's token>`` and report whether the row was still
+theirs, so a late finisher can never overwrite a newer attempt. The
+operator's verbs (cancel, retry, run now) are queryset methods in
+``models.py``, narrowed to eligible states in the same UPDATE. The claim
+and the success write are vendor SQL in ``django_dbworker.db``.
 
 All times come from the database clock (``Now()``), never the worker host's.
 """
@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db.models import Case, Exists, F, OuterRef, Q, Value, When
+from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Concat, Now
 
 from django_dbworker.conf import dbworker_settings
@@ -338,44 +338,6 @@ def recover_stale(
     if log:
         result.log()
     return result
-
-
-# -- operator transitions (querysets, narrowed to eligible states) -------------------
-
-
-def cancel(queryset: WorkItemQuerySet) -> int:
-    """pending -> cancelled. Rows in other states are left alone."""
-    return queryset.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
-
-
-def retry(queryset: WorkItemQuerySet) -> int:
-    """failed | cancelled -> pending, attempts reset to 0, due now.
-
-    A row whose ``unique_key`` is live again (another row of its handler with
-    that key is pending or claimed) is skipped: retrying it would break the
-    unique-work guarantee (and the partial unique index would refuse it).
-    """
-    live_twin = WorkItem.objects.filter(
-        handler=OuterRef("handler"),
-        unique_key=OuterRef("unique_key"),
-        status__in=(Status.PENDING, Status.CLAIMED),
-    )
-    eligible = queryset.filter(status__in=(Status.FAILED, Status.CANCELLED)).exclude(
-        Q(unique_key__isnull=False) & Exists(live_twin)
-    )
-    return eligible.update(
-        status=Status.PENDING,
-        attempts=0,
-        run_after=Now(),
-        finished_at=None,
-        claim_token=None,
-        updated_at=Now(),
-    )
-
-
-def run_now(queryset: WorkItemQuerySet) -> int:
-    """pending: make due now (DB clock)."""
-    return queryset.pending().update(run_after=Now(), updated_at=Now())
 
 
 def prune(

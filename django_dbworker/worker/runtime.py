@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 
-from django_dbworker import transitions
+from django_dbworker import transitions, validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.errors import is_transient
@@ -29,6 +29,7 @@ from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.outcomes import Outcome
+from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker import execution
 from django_dbworker.worker.abandoned import AbandonedThreads
@@ -75,7 +76,8 @@ class WorkerConfig:
     )
     burst: bool = False
     queues: Sequence[str] | None = None
-    using: str = DEFAULT_DB_ALIAS
+    #: The database alias of the work table (routing.py: the routers' write alias).
+    using: str = field(default_factory=work_db_for_write)
     #: Run each item in the calling thread, one at a time: no pool, writer,
     #: heartbeat or wake-up threads, and no timeouts (they need a second
     #: thread, which would not see the caller's transaction). What
@@ -83,6 +85,10 @@ class WorkerConfig:
     inline: bool = False
     #: Claim at most this many items, then stop (None: no limit).
     max_items: int | None = None
+
+    def __post_init__(self) -> None:
+        # The same validators as the system checks and run_workers' flags.
+        validation.validate_worker_config(self)
 
 
 @dataclass(eq=False)

@@ -148,13 +148,13 @@ def test_operator_transitions_only_touch_eligible_rows() -> None:
     failed = make_item(status=Status.FAILED, attempts=3)
     claimed = make_item(status=Status.CLAIMED)
     everything = WorkItem.objects.all()
-    assert transitions.retry(everything) == 1
+    assert everything.retry() == 1
     row = WorkItem.objects.get(pk=failed.pk)
     assert row.status == Status.PENDING and row.attempts == 0
-    assert transitions.cancel(WorkItem.objects.filter(pk__in=[pending.pk, claimed.pk])) == 1
+    assert WorkItem.objects.filter(pk__in=[pending.pk, claimed.pk]).cancel() == 1
     assert WorkItem.objects.get(pk=pending.pk).status == Status.CANCELLED
     assert WorkItem.objects.get(pk=claimed.pk).status == Status.CLAIMED
-    assert transitions.run_now(everything) == 1
+    assert everything.run_now() == 1
 
 
 def test_model_methods_delegate_to_transitions() -> None:
@@ -194,6 +194,6 @@ def test_retry_skips_rows_whose_unique_key_is_live_again() -> None:
     old = make_item(handler="echo", status=Status.FAILED, unique_key="k")
     other = make_item(handler="echo", status=Status.FAILED, unique_key="k2")
     make_item(handler="echo", unique_key="k")  # a newer live row holds the key
-    assert transitions.retry(WorkItem.objects.filter(pk__in=[old.pk, other.pk])) == 1
+    assert WorkItem.objects.filter(pk__in=[old.pk, other.pk]).retry() == 1
     assert WorkItem.objects.get(pk=old.pk).status == Status.FAILED
     assert WorkItem.objects.get(pk=other.pk).status == Status.PENDING

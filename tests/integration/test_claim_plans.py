@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from bench.bigtable import fill
 from django_dbworker.db import postgresql
-from tests.bigtable import fill
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

@@ -102,11 +102,6 @@ def test_run_workers_claims_on_the_routed_alias(routed: None, queue_collector: N
     assert rows("default").get(pk=stay.pk).status == Status.SUCCEEDED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="testing.py still defaults to using='default' (the lead's file: see the issue 9 "
-    "layers report); remove this marker when its helpers follow routing.py",
-)
 def test_testing_helpers_follow_the_routers(routed: None) -> None:
     from django_dbworker.testing import assert_enqueued, run_until_empty
 

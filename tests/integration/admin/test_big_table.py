@@ -1,7 +1,7 @@
 """The admin on 1,000,000 rows (PostgreSQL): fixed query budget, index-driven SQL.
 
 The rows are made once for the module with one INSERT ... SELECT
-generate_series (see tests/bigtable.py) and removed afterwards.
+generate_series (see bench/bigtable.py) and removed afterwards.
 """
 
 from __future__ import annotations
