@@ -1,0 +1,152 @@
+"""Review of issue 9 (a refactor that must not change behaviour): failing tests.
+
+Each test states the behaviour of 06bc459 (before the refactor) and fails
+on the refactor. Handlers here are registered under ``r9_*`` names.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection
+
+from django_dbworker import WorkItemHandler
+from django_dbworker.db import operations
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.testing import run_until_empty
+
+pytestmark = pytest.mark.django_db
+
+
+class R9Noop(WorkItemHandler):
+    name = "r9_noop"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+class R9SwallowsDbError(WorkItemHandler):
+    """Swallows a database error without a savepoint (a common test-suite mistake).
+
+    On PostgreSQL the caller's transaction is then aborted: every later
+    statement fails with "current transaction is aborted".
+    """
+
+    name = "r9_swallows_db_error"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        with connection.cursor() as cursor:
+            try:
+                cursor.execute("SELECT 1/0")
+            except DatabaseError:
+                pass
+
+
+class R9NulResult(WorkItemHandler):
+    """Returns a result PostgreSQL's jsonb refuses (\\u0000)."""
+
+    name = "r9_nul_result"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        return "a\x00b"
+
+
+class _Hung(Exception):
+    pass
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Raise ``_Hung`` in this thread after ``seconds`` (run_until_empty runs here)."""
+
+    def fire(signum: int, frame: Any) -> None:
+        raise _Hung(f"still running after {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- run_until_empty: errors from claiming ------------------------------------------
+
+
+def test_run_until_empty_raises_a_claim_error_instead_of_retrying_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: a claim that fails raised out of run_until_empty at once.
+
+    After: the inline Worker's claim loop logs it, closes the caller's
+    connection (close_quietly) and retries with backoff forever: a test
+    hangs instead of failing.
+    """
+    R9Noop.enqueue(None)
+    ops_class = type(operations())
+
+    def broken_claim(self: Any, **kwargs: Any) -> Any:
+        raise DatabaseError("claim refused (injected)")
+
+    monkeypatch.setattr(ops_class, "claim", broken_claim)
+    with deadline(5), pytest.raises(DatabaseError, match="injected"):
+        run_until_empty(handlers=[R9Noop])
+
+
+@pytest.mark.postgres_only
+def test_run_until_empty_in_an_aborted_transaction_raises_instead_of_hanging() -> None:
+    """Before: the next claim failed with "current transaction is aborted" and raised.
+
+    After: the claim loop swallows that error, closes the test's connection
+    and retries forever (backoff up to 10 s).
+    """
+    R9SwallowsDbError.enqueue(None)
+    with deadline(8), pytest.raises(DatabaseError):
+        run_until_empty(handlers=[R9SwallowsDbError])
+
+
+# -- run_until_empty: a result the database refuses ---------------------------------
+
+
+@pytest.mark.postgres_only
+def test_run_until_empty_refused_result_is_failed() -> None:
+    item = R9NulResult.enqueue(None)
+    assert run_until_empty(handlers=[R9NulResult]) == {"failed": 1}
+    item.refresh_from_db()
+    assert item.status == Status.FAILED
+    assert item.attempts == 1
+
+
+@pytest.mark.postgres_only
+def test_run_until_empty_refused_result_span_says_failed() -> None:
+    """Before: the process span of an attempt whose result was refused said "failed".
+
+    After: run_until_empty hands the success to the (inline) writer, execute()
+    returns DEFERRED and marks the span "succeeded" before the writer's
+    refusal turns the attempt into "failed".
+    """
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from django_dbworker import tracing
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.use_tracer_provider(provider)
+    try:
+        R9NulResult.enqueue(None)
+        assert run_until_empty(handlers=[R9NulResult]) == {"failed": 1}
+    finally:
+        tracing.use_tracer_provider(None)
+    (span,) = [s for s in memory.get_finished_spans() if s.name.startswith("process")]
+    assert span.attributes["dbworker.outcome"] == "failed"
+    assert WorkItem.objects.get().status == Status.FAILED
