@@ -150,3 +150,45 @@ def test_run_until_empty_refused_result_span_says_failed() -> None:
     (span,) = [s for s in memory.get_finished_spans() if s.name.startswith("process")]
     assert span.attributes["dbworker.outcome"] == "failed"
     assert WorkItem.objects.get().status == Status.FAILED
+
+
+# -- run_until_empty: what it runs ----------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_until_empty_does_not_run_own_table_handlers() -> None:
+    """Before: a name of an own-table Handler[T] claimed no WorkItem: {} and nothing ran.
+
+    After: Worker puts it in own_table_handlers and starts a HandlerLoop
+    thread (burst): its rows are claimed and processed on another thread and
+    connection, outside the caller's transaction (inside a TestCase on
+    SQLite it blocks on the test's write lock until the busy timeout).
+    """
+    from tests.testapp.models import Invoice
+
+    invoice = Invoice.objects.create()
+    assert run_until_empty(handlers=["invoice-mailer"]) == {}
+    invoice.refresh_from_db()
+    assert invoice.status == "pending"
+
+
+def test_run_until_empty_with_an_unmatched_queue_name_runs_nothing() -> None:
+    """Before: a queue filter no row can match (not a valid queue name) ran nothing: {}.
+
+    After: WorkerConfig.__post_init__ validates queue names and raises InvalidValue.
+    """
+    R9Noop.enqueue(None)
+    assert run_until_empty(handlers=[R9Noop], queues=["no such queue"]) == {}
+    assert WorkItem.objects.get().status == Status.PENDING
+
+
+def test_run_until_empty_max_items_boundary() -> None:
+    """Before: running exactly ``max_items`` items raised RuntimeError (the guard's loop
+    ran out), whatever remained. After: it returns normally when nothing is left.
+
+    A behaviour change (arguably a fix: the message says "and work remains").
+    """
+    R9Noop.enqueue(None)
+    R9Noop.enqueue(None)
+    with pytest.raises(RuntimeError, match="ran 2 items"):
+        run_until_empty(handlers=[R9Noop], max_items=2)
