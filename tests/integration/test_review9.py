@@ -192,3 +192,28 @@ def test_run_until_empty_max_items_boundary() -> None:
     R9Noop.enqueue(None)
     with pytest.raises(RuntimeError, match="ran 2 items"):
         run_until_empty(handlers=[R9Noop], max_items=2)
+
+
+# -- claim_next: own tables on any Django database ----------------------------------
+
+
+def test_claim_next_works_on_a_database_dbworker_does_not_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: claim_next asked Django's ``features.has_select_for_update_skip_locked``,
+    so an own table on any backend (MySQL, Oracle, ...) could be claimed.
+
+    After: claiming.py asks ``operations(db).supports_skip_locked``, and
+    ``operations`` raises UnsupportedDatabase for every vendor but
+    PostgreSQL and SQLite. (The vendor name is faked here; the connection
+    and its features are the real ones.)
+    """
+    from django.db import connections
+
+    from django_dbworker import claim_next
+    from tests.testapp.models import Invoice
+
+    invoice = Invoice.objects.create()
+    monkeypatch.setattr(connections["default"], "vendor", "mysql")
+    claimed = claim_next(Invoice.objects.filter(status="pending").order_by("id"), status="sending")
+    assert claimed is not None and claimed.pk == invoice.pk
