@@ -217,3 +217,21 @@ def test_claim_next_works_on_a_database_dbworker_does_not_hold(
     monkeypatch.setattr(connections["default"], "vendor", "mysql")
     claimed = claim_next(Invoice.objects.filter(status="pending").order_by("id"), status="sending")
     assert claimed is not None and claimed.pk == invoice.pk
+
+
+# -- run_until_empty and worker tuning settings -------------------------------------
+
+
+def test_run_until_empty_does_not_depend_on_worker_tuning_settings() -> None:
+    """Before: run_until_empty read none of the worker's tuning settings.
+
+    After: it builds a WorkerConfig, whose defaults come from DBWORKER and
+    whose __post_init__ validates them; a value the system checks would
+    flag (they do not run under pytest) now makes run_until_empty raise
+    InvalidValue. Here CONCURRENCY = 0 (e.g. "no background workers in tests").
+    """
+    from django.test import override_settings
+
+    R9Noop.enqueue(None)
+    with override_settings(DBWORKER={"CONCURRENCY": 0}):
+        assert run_until_empty(handlers=[R9Noop]) == {"succeeded": 1}
