@@ -16,12 +16,18 @@ class DBWorkerConfig(AppConfig):
     verbose_name = "Background work"
     default_auto_field = "django.db.models.BigAutoField"
 
-    def ready(self) -> None:
-        from django_dbworker import checks, enqueuing  # noqa: F401 - checks register on import
+    def import_models(self) -> None:
+        super().import_models()
+        # Connected as soon as our models exist, before any app's ready():
+        # an app listed earlier in INSTALLED_APPS may enqueue in its own.
+        from django_dbworker import enqueuing
         from django_dbworker.handlers import connect_enqueuer
-        from django_dbworker.registry import autodiscover
 
         connect_enqueuer(enqueuing)
+
+    def ready(self) -> None:
+        from django_dbworker import checks  # noqa: F401 - checks register on import
+        from django_dbworker.registry import autodiscover
 
         # Like admin.autodiscover(): every process (web and worker) knows every
         # handler name, so enqueue-by-name works everywhere.

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from django.db import models, transaction
 
-from django_dbworker.db import operations
+from django_dbworker.db import supports_skip_locked
 
 M = TypeVar("M", bound=models.Model)
 
@@ -33,7 +33,7 @@ def claim_next(queryset: models.QuerySet[M], **updates: Any) -> M | None:
         raise ValueError("claim_next needs at least one field update that marks the row claimed.")
     db = queryset.db
     model = queryset.model
-    if operations(db).supports_skip_locked:
+    if supports_skip_locked(db):
         with transaction.atomic(using=db):
             row = queryset.select_for_update(skip_locked=True, of=("self",)).first()
             if row is None:

@@ -29,6 +29,11 @@ def _names(handlers: Iterable[str | type[WorkItemHandler]] | None) -> list[str]:
         name = h if isinstance(h, str) else h.name
         if name not in registry:
             raise ValueError(f"Unknown handler {name!r}. Registered: {', '.join(sorted(registry))}")
+        if not issubclass(registry[name], WorkItemHandler):
+            raise ValueError(
+                f"{name!r} is an own-table Handler, not a WorkItemHandler: run_until_empty "
+                "runs enqueued work items only."
+            )
         names.append(name)
     return names
 
@@ -53,6 +58,10 @@ def run_until_empty(
     config = WorkerConfig(
         burst=True,
         inline=True,
+        # Tuning knobs of the threaded worker mean nothing inline.
+        concurrency=1,
+        batch_size=1,
+        max_abandoned_threads=None,
         queues=list(queues) if queues is not None else None,
         using=using,
         max_items=max_items,

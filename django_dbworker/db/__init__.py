@@ -15,7 +15,13 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_dbworker.db.base import Subscription, UnsupportedDatabase, VendorOperations
 
-__all__ = ["Subscription", "UnsupportedDatabase", "VendorOperations", "operations"]
+__all__ = [
+    "Subscription",
+    "UnsupportedDatabase",
+    "VendorOperations",
+    "operations",
+    "supports_skip_locked",
+]
 
 
 _instances: dict[tuple[str, str], VendorOperations] = {}
@@ -48,3 +54,17 @@ def operations(using: str | None = None) -> VendorOperations:
         )
     _instances[(alias, vendor)] = ops
     return ops
+
+
+def supports_skip_locked(using: str | None = None) -> bool:
+    """Whether ``SELECT ... FOR UPDATE SKIP LOCKED`` works on the alias ``using``.
+
+    For ``claim_next`` over a user's own table, which may live on a database
+    django-dbworker does not run its work table on: Django's own feature
+    flag answers for those.
+    """
+    alias = using or DEFAULT_DB_ALIAS
+    try:
+        return operations(alias).supports_skip_locked
+    except UnsupportedDatabase:
+        return bool(connections[alias].features.has_select_for_update_skip_locked)

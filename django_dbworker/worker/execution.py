@@ -44,9 +44,11 @@ from django_dbworker.worker.connections import (
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Records a success: (item, result as JSON text or None) -> still ours? None
-#: means "handed over": the recorder reports the outcome itself, later.
-RecordSuccess = Callable[[WorkItem, "str | None"], "bool | None"]
+#: Records a success: (item, result as JSON text or None) -> still ours?
+#: None means "handed over": the recorder reports the outcome itself, later;
+#: an Outcome means the recorder wrote and reported it already (this is how
+#: it ended, for the span).
+RecordSuccess = Callable[[WorkItem, "str | None"], "bool | Outcome | None"]
 
 
 #: The longest retry delay a ``backoff()`` may ask for (ten years): any
@@ -61,6 +63,8 @@ class _Recording:
 
     def __init__(self, callback: Callable[[], None] | None) -> None:
         self._callback = callback
+        #: How a handed-over success ended, if the recorder knew at once.
+        self.reported: Outcome | None = None
 
     def __call__(self) -> None:
         callback, self._callback = self._callback, None
@@ -118,7 +122,10 @@ def execute(
                 ready=ready,
                 metrics=metrics,
             )
-            attempt.outcome(Outcome.SUCCEEDED if outcome == Outcome.DEFERRED else outcome)
+            if outcome == Outcome.DEFERRED:
+                attempt.outcome(ready.reported or Outcome.SUCCEEDED)
+            else:
+                attempt.outcome(outcome)
     except BaseException as exc:
         # Our own code (or a tracing SDK) failed around the handler. If no
         # outcome was recorded yet, the attempt still needs one.
@@ -248,7 +255,8 @@ def _run_and_record(
         tidy_if_owned()
         if record_success is not None:
             recorded = record_success(item, encoded)
-            if recorded is None:
+            if recorded is None or isinstance(recorded, Outcome):
+                ready.reported = recorded
                 return Outcome.DEFERRED
         else:
             try:

@@ -177,11 +177,13 @@ class Worker:
         (``run_workers`` then exits non-zero so a supervisor restarts it).
         """
         cfg = self.config
+        # Inline, only WorkItem handlers run: an own-table loop needs threads.
+        own_table = [] if cfg.inline else self.own_table_handlers
         loops = [
             HandlerLoop(
                 h, stopping=self.stopping, burst=cfg.burst, using=cfg.using, metrics=self.metrics
             )
-            for h in self.own_table_handlers
+            for h in own_table
         ]
         listener = None
         if self.work_item_handlers and cfg.inline:
@@ -277,6 +279,8 @@ class Worker:
             try:
                 claimed = self.run_once()
             except Exception as exc:
+                if cfg.inline:
+                    raise  # the caller's connection and transaction: theirs to handle
                 self.metrics.claim_error(WORK_ITEM_LOOP)
                 self._observe_write(math.inf)  # a claim that failed was held up too
                 delay = self._claim_backoff.next()
@@ -348,8 +352,9 @@ class Worker:
             self._in_flight[attempt.key] = attempt
 
         started = time.perf_counter()
+        settled: list[Outcome] = []
 
-        def hand_over(item: WorkItem, result_json: str | None) -> None:
+        def hand_over(item: WorkItem, result_json: str | None) -> Outcome | None:
             # The thread is free for the next item as soon as the success is
             # queued; the attempt stays in flight (heartbeated) until written.
             assert writer is not None
@@ -380,9 +385,12 @@ class Worker:
                 if label.final:
                     self.metrics.task_done(handler.name, label, took)
                     self._count(label)
+                settled.append(label)
                 self._forget(attempt)
 
             writer.submit(item, result_json, written)
+            # Written already (inline, or a quick writer): say how it ended.
+            return settled[0] if settled else None
 
         def recording() -> None:
             with self._lock:

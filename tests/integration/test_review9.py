@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import pytest
@@ -40,11 +40,8 @@ class R9SwallowsDbError(WorkItemHandler):
     max_attempts = 1
 
     def handle(self, payload: Any) -> None:
-        with connection.cursor() as cursor:
-            try:
-                cursor.execute("SELECT 1/0")
-            except DatabaseError:
-                pass
+        with connection.cursor() as cursor, suppress(DatabaseError):
+            cursor.execute("SELECT 1/0")
 
 
 class R9NulResult(WorkItemHandler):
@@ -156,41 +153,35 @@ def test_run_until_empty_refused_result_span_says_failed() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_run_until_empty_does_not_run_own_table_handlers() -> None:
+def test_run_until_empty_refuses_own_table_handlers() -> None:
     """Before: a name of an own-table Handler[T] claimed no WorkItem: {} and nothing ran.
 
-    After: Worker puts it in own_table_handlers and starts a HandlerLoop
-    thread (burst): its rows are claimed and processed on another thread and
-    connection, outside the caller's transaction (inside a TestCase on
-    SQLite it blocks on the test's write lock until the busy timeout).
+    The refactored worker started its HandlerLoop thread, outside the caller's
+    transaction. Now the name is refused with a clear error, and nothing runs.
     """
     from tests.testapp.models import Invoice
 
     invoice = Invoice.objects.create()
-    assert run_until_empty(handlers=["invoice-mailer"]) == {}
+    with pytest.raises(ValueError, match="own-table Handler"):
+        run_until_empty(handlers=["invoice-mailer"])
     invoice.refresh_from_db()
     assert invoice.status == "pending"
 
 
-def test_run_until_empty_with_an_unmatched_queue_name_runs_nothing() -> None:
-    """Before: a queue filter no row can match (not a valid queue name) ran nothing: {}.
-
-    After: WorkerConfig.__post_init__ validates queue names and raises InvalidValue.
-    """
+def test_run_until_empty_refuses_an_invalid_queue_name() -> None:
+    """Before: a queue name no row can have ran nothing, silently; now a clear error."""
     R9Noop.enqueue(None)
-    assert run_until_empty(handlers=[R9Noop], queues=["no such queue"]) == {}
+    with pytest.raises(ValueError, match="queue"):
+        run_until_empty(handlers=[R9Noop], queues=["no such queue"])
     assert WorkItem.objects.get().status == Status.PENDING
 
 
-def test_run_until_empty_max_items_boundary() -> None:
-    """Before: running exactly ``max_items`` items raised RuntimeError (the guard's loop
-    ran out), whatever remained. After: it returns normally when nothing is left.
-
-    A behaviour change (arguably a fix: the message says "and work remains").
-    """
-    R9Noop.enqueue(None)
-    R9Noop.enqueue(None)
-    with pytest.raises(RuntimeError, match="ran 2 items"):
+def test_run_until_empty_max_items_raises_only_when_work_remains() -> None:
+    """Before: running exactly ``max_items`` items raised even when nothing remained."""
+    R9Noop.enqueue_many([None, None])
+    assert run_until_empty(handlers=[R9Noop], max_items=2) == {"succeeded": 2}
+    R9Noop.enqueue_many([None, None, None])
+    with pytest.raises(RuntimeError, match="ran 2 items and work remains"):
         run_until_empty(handlers=[R9Noop], max_items=2)
 
 
