@@ -1,7 +1,8 @@
-"""Review of issue 9 (a refactor that must not change behaviour): failing tests.
+"""``run_until_empty`` and ``claim_next`` as users' tests meet them.
 
-Each test states the behaviour of 06bc459 (before the refactor) and fails
-on the refactor. Handlers here are registered under ``r9_*`` names.
+Written by the review of the issue 9 refactor (which must not change
+behaviour): each test states the behaviour before it (06bc459) and failed
+on the refactor before its fix. Handlers here are registered as ``r9_*``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review of issue 9: behaviour that needs a fresh process (failing tests)."""
+"""Enqueue from another app's ``ready()``: needs a fresh process (found reviewing issue 9)."""
 
 from __future__ import annotations
 
