@@ -146,6 +146,8 @@ class Worker:
         #: Rows claimed so far, and how their attempts ended (final outcomes).
         self.claimed = 0
         self.outcomes: Counter[Outcome] = Counter()
+        #: Rows handed back to pending at shutdown.
+        self.released = 0
         #: Why the process stopped itself (watchdog), or None; exit non-zero if set.
         self.unhealthy: str | None = None
         self._heartbeat: Heartbeat | None = None
@@ -572,6 +574,7 @@ class Worker:
                 using=cfg.using,
                 give_up=_deadline_event(5.0),
             )
+            self.released += released
             logger.warning("Released %d unfinished work item(s) back to pending.", released)
 
     def _recording(self) -> bool:

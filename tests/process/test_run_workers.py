@@ -40,7 +40,9 @@ def test_burst_runs_everything_and_exits_zero(start_worker) -> None:
     assert "Starting worker: handlers=record queues=all concurrency=2 database=" in log
     assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 20
     assert_each_key_ran_once(20)
-    assert "succeeded" not in log.lower().replace("worker stopped", "")  # no per-success noise
+    # No per-success noise: "succeeded" appears once, in the closing summary.
+    assert log.lower().count("succeeded") == 1
+    assert "Worker stopped: 20 succeeded, 0 failed, 0 retried, 0 released" in log
 
 
 def test_unknown_handler_exits_2_and_lists_registered_names(start_worker) -> None:
@@ -266,4 +268,45 @@ def test_an_own_table_handler_without_claim_is_a_startup_error(start_worker) -> 
     assert (
         "Handler 'claimless' (tests.testapp.workers.Claimless) does not implement claim()"
         in worker.log()
+    )
+
+
+def test_unreachable_database_is_one_clear_line_and_exit_1(start_worker) -> None:
+    # A port nothing listens on: the connection is refused at once.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "DATABASE_URL": f"postgres://nobody@127.0.0.1:{port}/nothing",
+        "DBWORKER_TEST_DB_NAME": "",
+    }
+    worker = start_worker("record", "--burst", env=env)
+    assert worker.wait() == 1
+    log = worker.log()
+    assert f"Cannot reach the database 'default' at 127.0.0.1:{port}" in log
+    assert "Traceback" not in log
+    assert len(log.strip().splitlines()) <= 3, log
+
+
+def test_pending_rows_no_handler_runs_are_warned_about_at_start(start_worker) -> None:
+    WorkItem.objects.create(handler="renamed_long_ago", max_attempts=1, payload={})
+    Record.enqueue({"key": "r"})
+    worker = start_worker("record", "--burst")
+    assert worker.wait() == 0
+    log = worker.log()
+    assert "1 pending item(s) of handler 'renamed_long_ago'" in log
+    assert "workers.py" in log
+
+
+def test_burst_ends_with_a_one_line_summary(start_worker) -> None:
+    from tests.testapp.workers import AlwaysFail
+
+    Record.enqueue_many([{"key": str(i)} for i in range(3)])
+    AlwaysFail.enqueue({"key": "f"}, run_after=None)
+    worker = start_worker("record", "always_fail", "--burst")
+    assert worker.wait() == 0
+    assert "Worker stopped: 3 succeeded, 0 failed, 1 retried, 0 released" in worker.log(), (
+        worker.log()
     )

@@ -11,14 +11,16 @@ from typing import Any, TypeVar
 
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
 
 from django_dbworker import metrics, validation
 from django_dbworker.db import UnsupportedDatabase, operations
 from django_dbworker.handlers import unimplemented
+from django_dbworker.outcomes import Outcome
 from django_dbworker.registry import autodiscover, registry
 from django_dbworker.routing import work_db_for_write
+from django_dbworker.stats import orphaned_handlers
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 logger = logging.getLogger("django_dbworker")
@@ -164,18 +166,19 @@ class Command(BaseCommand):
             operations(using).vendor,
             " (burst)" if config.burst else "",
         )
+        _warn_about_orphans(using)
         self._start_metrics_server(options)
         self._install_signal_handlers(worker)
         try:
             worker.run()
         finally:
             metrics.mark_process_dead()
+        logger.info("Worker stopped: %s.", _summary(worker))
         if worker.unhealthy is not None:
             # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process.
             raise CommandError(
                 f"Worker stopped itself: {worker.unhealthy}.", returncode=EXIT_UNHEALTHY
             )
-        logger.info("Worker stopped.")
 
     def _check_database(self, using: str) -> None:
         try:
@@ -183,6 +186,8 @@ class Command(BaseCommand):
             ops.check_version()
         except UnsupportedDatabase as exc:
             raise CommandError(str(exc)) from None
+        except DatabaseError as exc:
+            raise CommandError(_unreachable(using, exc)) from None
         connection = connections[using]
         try:
             executor = MigrationExecutor(connection)
@@ -191,7 +196,7 @@ class Command(BaseCommand):
             ]
             plan = executor.migration_plan(targets)
         except Exception as exc:
-            raise CommandError(f"Cannot reach the database {using!r}: {exc}") from None
+            raise CommandError(_unreachable(using, exc)) from None
         if plan:
             raise CommandError(
                 f"django_dbworker migrations are not applied to database {using!r} "
@@ -238,6 +243,54 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+
+def _unreachable(using: str, exc: BaseException) -> str:
+    """One line: which database, where, what the driver said, what to check."""
+    conf = connections[using].settings_dict
+    where = (
+        f"{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 'default port'}"
+        if conf.get("HOST") or conf.get("PORT")
+        else str(conf.get("NAME"))
+    )
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"Cannot reach the database {using!r} at {where}: {said}. Check that the server is "
+        f"running and DATABASES[{using!r}] (HOST, PORT, NAME, USER, PASSWORD)."
+    )
+
+
+def _summary(worker: Worker) -> str:
+    """``3 succeeded, 1 failed, 0 retried, 0 released`` (+ timeouts and fenced if any)."""
+    counts = worker.outcomes
+    parts = [
+        f"{counts[Outcome.SUCCEEDED]} succeeded",
+        f"{counts[Outcome.FAILED]} failed",
+        f"{counts[Outcome.RETRIED]} retried",
+        f"{worker.released} released",
+    ]
+    if counts[Outcome.TIMEOUT]:
+        parts.append(f"{counts[Outcome.TIMEOUT]} timed out")
+    if counts[Outcome.FENCED]:
+        parts.append(f"{counts[Outcome.FENCED]} discarded (fenced)")
+    return ", ".join(parts)
+
+
+def _warn_about_orphans(using: str) -> None:
+    """Pending rows that no handler of this deployment runs would wait forever, silently."""
+    try:
+        orphans = orphaned_handlers(using)
+    except DatabaseError:
+        return  # the claim loop will say what is wrong with the database
+    for orphan in orphans:
+        logger.warning(
+            "%d pending item(s) of handler %r wait for a handler nothing here registers "
+            "(oldest: %.0fs). Is it defined in a `workers.py` module of an installed app, "
+            "under that name?",
+            orphan["pending"],
+            orphan["handler"],
+            orphan["oldest_age"],
+        )
 
 
 def _ensure_log_output(verbosity: int) -> None:
