@@ -386,7 +386,7 @@ class Worker:
                     label = Outcome.FENCED
                 if label.final:
                     self.metrics.task_done(handler.name, label, took)
-                    self._count(label)
+                    self._count(attempt, label)
                 settled.append(label)
                 self._forget(attempt)
 
@@ -413,7 +413,7 @@ class Worker:
                 )
             finally:
                 if outcome.final:
-                    self._count(outcome)
+                    self._count(attempt, outcome)
                 if outcome == Outcome.DEFERRED:
                     pass  # the writer's callback retires the attempt
                 elif outcome == Outcome.UNRECORDED and self.aborting.is_set():
@@ -423,9 +423,18 @@ class Worker:
 
         self._pool.submit(run)
 
-    def _count(self, outcome: Outcome) -> None:
+    def _count(self, attempt: Attempt, outcome: Outcome) -> None:
         with self._lock:
             self.outcomes[outcome] += 1
+        # One line per item at DEBUG (run_workers -v 2); failures are logged
+        # at WARNING/ERROR where they are recorded.
+        logger.debug(
+            "Work item %s (%s) attempt %d: %s.",
+            attempt.item.pk,
+            attempt.handler.name,
+            attempt.item.attempts,
+            outcome,
+        )
 
     def _forget(self, attempt: Attempt) -> None:
         """Retire ``attempt`` (and only it) once its outcome is recorded."""

@@ -310,3 +310,16 @@ def test_burst_ends_with_a_one_line_summary(start_worker) -> None:
     assert "Worker stopped: 3 succeeded, 0 failed, 1 retried, 0 released" in worker.log(), (
         worker.log()
     )
+
+
+def test_verbosity_2_logs_each_item(start_worker) -> None:
+    items = Record.enqueue_many([{"key": str(i)} for i in range(2)])
+    worker = start_worker("record", "--burst", "-v", "2")
+    assert worker.wait() == 0
+    for item in items:
+        assert f"Work item {item.pk} (record) attempt 1: succeeded." in worker.log()
+    quiet_item = Record.enqueue({"key": "q"})
+    quiet = start_worker("record", "--burst")
+    assert quiet.wait() == 0
+    assert WorkItem.objects.get(pk=quiet_item.pk).status == Status.SUCCEEDED
+    assert "attempt 1: succeeded." not in quiet.log()

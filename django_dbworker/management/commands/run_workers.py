@@ -294,8 +294,14 @@ def _warn_about_orphans(using: str) -> None:
 
 
 def _ensure_log_output(verbosity: int) -> None:
-    """Show the worker's log lines when the project has not configured logging for them."""
+    """Show the worker's log lines when the project has not configured logging for them.
+
+    ``-v 2`` asks for one line per item on the command line: it lowers the
+    ``django_dbworker`` logger to DEBUG even where the project set a level.
+    """
     pkg = logging.getLogger("django_dbworker")
+    if verbosity > 1:
+        pkg.setLevel(logging.DEBUG)
     if pkg.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
