@@ -44,11 +44,10 @@ from django_dbworker.worker.connections import (
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Records a success: (item, result as JSON text or None) -> still ours?
-#: None means "handed over": the recorder reports the outcome itself, later;
-#: an Outcome means the recorder wrote and reported it already (this is how
-#: it ended, for the span).
-RecordSuccess = Callable[[WorkItem, "str | None"], "bool | Outcome | None"]
+#: Hands a success to the success writer: (item, result as JSON text or
+#: None). The writer records and reports the outcome; it answers how it
+#: ended if it knows at once (inline, or a quick write), else None.
+RecordSuccess = Callable[[WorkItem, "str | None"], "Outcome | None"]
 
 
 #: The longest retry delay a ``backoff()`` may ask for (ten years): any
@@ -91,7 +90,7 @@ def execute(
     give_up: threading.Event | None = None,
     enforce_timeout: bool = True,
     metrics: WorkerMetrics | None = None,
-    record_success: RecordSuccess | None = None,
+    record_success: RecordSuccess,
     abandoned: AbandonedThreads | None = None,
     on_recording: Callable[[], None] | None = None,
 ) -> Outcome:
@@ -100,8 +99,9 @@ def execute(
     Never raises for anything the handler does (``BaseException`` included):
     the caller's slot and loop must survive any user code. Each attempt is
     one CONSUMER span and one observation of the task metrics.
-    ``record_success`` replaces the single-row success write (the worker
-    passes its batching writer); atomic handlers always write their own.
+    Non-atomic successes go to ``record_success`` (the worker's success
+    writer); atomic handlers write theirs in their own transaction, through
+    the same ``transitions.succeed``.
     ``on_recording`` is told when the handler is done and its outcome is
     about to be written (a heartbeat that misses the row after that point
     raced the write; it did not lose the claim).
@@ -150,7 +150,7 @@ def _execute(
     *,
     give_up: threading.Event | None,
     enforce_timeout: bool,
-    record_success: RecordSuccess | None,
+    record_success: RecordSuccess,
     abandoned: AbandonedThreads | None,
     ready: _Recording,
     metrics: WorkerMetrics,
@@ -213,7 +213,7 @@ def _run_and_record(
     item: WorkItem,
     handler: WorkItemHandler,
     give_up: threading.Event | None,
-    record_success: RecordSuccess | None,
+    record_success: RecordSuccess,
     ready: _Recording,
 ) -> Outcome:
     db = item._state.db or "default"
@@ -253,28 +253,9 @@ def _run_and_record(
                 item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
             )
         tidy_if_owned()
-        if record_success is not None:
-            recorded = record_success(item, encoded)
-            if recorded is None or isinstance(recorded, Outcome):
-                ready.reported = recorded
-                return Outcome.DEFERRED
-        else:
-            try:
-                recorded = persist(
-                    lambda: _succeed_or_refuse(item, encoded),
-                    what="recording a success",
-                    give_up=give_up,
-                    using=db,
-                )
-            except _ResultRefused as refused:
-                tidy_if_owned()
-                return record_refused_result(item, handler, refused.cause, give_up=give_up)
-            except Exception as exc:
-                return _unrecorded(item, handler, exc)
-        if recorded:
-            return Outcome.SUCCEEDED
-        log_fenced(item, handler)
-        return Outcome.FENCED
+        # The success writer owns the write (and its fallbacks) from here.
+        ready.reported = record_success(item, encoded)
+        return Outcome.DEFERRED
     finally:
         tidy_if_owned()
 

@@ -349,6 +349,7 @@ class Worker:
         assert self._pool is not None
         handler = self.work_item_handlers[item.handler]
         writer = self._writer
+        assert writer is not None  # run() creates it with the pool
         attempt = Attempt(item, handler)
         with self._lock:
             self._in_flight[attempt.key] = attempt
@@ -359,7 +360,6 @@ class Worker:
         def hand_over(item: WorkItem, result_json: str | None) -> Outcome | None:
             # The thread is free for the next item as soon as the success is
             # queued; the attempt stays in flight (heartbeated) until written.
-            assert writer is not None
             took = time.perf_counter() - started
 
             def written(outcome: Written) -> None:
@@ -406,7 +406,7 @@ class Worker:
                     handler,
                     give_up=self.aborting,
                     metrics=self.metrics,
-                    record_success=hand_over if writer is not None else None,
+                    record_success=hand_over,
                     abandoned=self.abandoned,
                     on_recording=recording,
                     enforce_timeout=not self.config.inline,
