@@ -17,8 +17,12 @@ from django.dispatch import receiver
 CONCURRENCY = 8
 #: Seconds between idle polls when no wake-up arrives.
 POLL_INTERVAL = 1.0
-#: Rows per claim query; 0 means "as many as there are free thread slots".
+#: Most rows per claim query; 0 means "as many as the free threads and the
+#: prefetch buffer need".
 BATCH_SIZE = 0
+#: Seconds of work a worker holds claimed beyond its running items, so its
+#: threads go from job to job without waiting for a claim; 0 turns it off.
+PREFETCH_HORIZON = 0.5
 #: Seconds between heartbeats of in-flight rows.
 HEARTBEAT_INTERVAL = 5.0
 #: Heartbeat age (seconds) after which a claimed row counts as abandoned.
@@ -45,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": CONCURRENCY,
     "POLL_INTERVAL": POLL_INTERVAL,
     "BATCH_SIZE": BATCH_SIZE,
+    "PREFETCH_HORIZON": PREFETCH_HORIZON,
     "HEARTBEAT_INTERVAL": HEARTBEAT_INTERVAL,
     "STALE_AFTER": STALE_AFTER,
     "SHUTDOWN_TIMEOUT": SHUTDOWN_TIMEOUT,

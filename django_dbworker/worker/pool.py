@@ -2,7 +2,10 @@
 
 Unlike ``ThreadPoolExecutor`` its threads are daemons, so a stopping worker
 that has released its rows can exit without waiting for abandoned user
-code, and its ``free()`` count is what the claim loop sizes batches by.
+code, and its counts (free threads, tasks queued) are what the claim loops
+size their batches by. The WorkItem loop queues tasks beyond the free
+threads (its prefetched rows): threads take the next one as soon as they
+finish, without a round trip through the claim loop.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ class Pool:
         self.size = size
         self._on_done = on_done
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._busy = 0
+        self._busy = 0  # submitted and not finished: queued or running
+        self._running = 0
         self._cond = threading.Condition()
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i + 1}", daemon=True)
@@ -35,16 +39,28 @@ class Pool:
             thread.start()
 
     def free(self) -> int:
+        """Threads with nothing to do and nothing queued for them."""
         with self._cond:
-            return self.size - self._busy
+            return max(0, self.size - self._busy)
 
     def busy(self) -> int:
+        """Tasks submitted and not finished (queued or running)."""
         with self._cond:
             return self._busy
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def running(self) -> int:
         with self._cond:
-            if self._busy >= self.size:
+            return self._running
+
+    def queued(self) -> int:
+        """Tasks waiting for a thread."""
+        with self._cond:
+            return self._busy - self._running
+
+    def submit(self, fn: Callable[[], None], *, queue: bool = False) -> None:
+        """Run ``fn`` on a free thread; with ``queue``, on the next thread that frees up."""
+        with self._cond:
+            if self._busy >= self.size and not queue:
                 raise RuntimeError("no free slot in the pool")
             self._busy += 1
         self._tasks.put(fn)
@@ -74,6 +90,8 @@ class Pool:
                 fn = self._tasks.get()
                 if fn is None:
                     return
+                with self._cond:
+                    self._running += 1
                 try:
                     fn()
                 except BaseException:
@@ -81,6 +99,7 @@ class Pool:
                 finally:
                     with self._cond:
                         self._busy -= 1
+                        self._running -= 1
                         self._cond.notify_all()
                     if self._on_done is not None:
                         self._on_done()
@@ -99,11 +118,12 @@ class InlinePool(Pool):
     def __init__(self) -> None:
         self.size = 1
         self._on_done = None
-        self._busy = 0
+        self._busy = 0  # submitted and not finished: queued or running
+        self._running = 0
         self._cond = threading.Condition()
         self._threads = []
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], None], *, queue: bool = False) -> None:
         try:
             fn()
         except BaseException:

@@ -1,10 +1,13 @@
 """``Worker``: the process-level runtime behind ``manage.py run_workers``.
 
 The calling (main) thread runs the WorkItem claim loop: it claims batches
-sized to free slots in one short statement, hands rows to the pool, runs
-the stale-recovery pass at a bounded rate, and sleeps on a wake-up event
-that LISTEN/NOTIFY, finished jobs and signals set. Handler code never runs
-on the main thread and never inside the claim transaction.
+in one short statement each, sized to the free threads plus a prefetch
+buffer (``prefetch.py``: what the threads can start within
+PREFETCH_HORIZON), queues the rows on the pool, runs the stale-recovery
+pass at a bounded rate, and sleeps on a wake-up event that LISTEN/NOTIFY,
+a buffer running low and signals set. Pool threads take the next buffered
+row as soon as they finish one. Handler code never runs on the main thread
+and never inside the claim transaction.
 """
 
 from __future__ import annotations
@@ -43,13 +46,20 @@ from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.pool import InlinePool, Pool
+from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
 from django_dbworker.worker.wakeup import Listener
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Finished rows whose success write may still be pending, beyond CONCURRENCY.
+#: Finished rows whose success write may still be pending, beyond the rows
+#: running and buffered.
 UNRECORDED_EXTRA = 100
+#: Most rows one claim statement takes.
+MAX_CLAIM = 500
+#: A buffered row that waited this many horizons (and at least a second)
+#: makes the worker reconsider what it holds.
+SHED_AFTER_HORIZONS = 2.0
 #: Seconds past SHUTDOWN_TIMEOUT a stopping worker waits for the outcomes of
 #: finished handlers to be written (while the database is briefly away).
 RECORD_GRACE = 30.0
@@ -85,6 +95,11 @@ class WorkerConfig:
     inline: bool = False
     #: Claim at most this many items, then stop (None: no limit).
     max_items: int | None = None
+    #: Seconds of work to hold claimed beyond the running items (0: claim
+    #: only for free threads); see ``prefetch.py``. Inline, nothing is held.
+    prefetch_horizon: float = field(
+        default_factory=lambda: float(dbworker_settings.PREFETCH_HORIZON)
+    )
 
     def __post_init__(self) -> None:
         # The same validators as the system checks and run_workers' flags.
@@ -102,6 +117,14 @@ class Attempt:
 
     item: WorkItem
     handler: WorkItemHandler
+    #: ``time.perf_counter()`` when it was claimed.
+    claimed_at: float = field(default_factory=time.perf_counter)
+    #: A pool thread took it (until then it waits in the prefetch buffer).
+    started: bool = False
+    #: ``time.perf_counter()`` when it started.
+    started_at: float = 0.0
+    #: Taken back before it started (the worker is stopping): released, never run.
+    withdrawn: bool = False
     #: The handler returned and its outcome is being written.
     recording: bool = False
     #: The heartbeat found the token gone: recovered as stale meanwhile.
@@ -134,7 +157,10 @@ class Worker:
             else:
                 self.own_table_handlers.append(instance)
         self.ops = operations(self.config.using)
-        self.stopping = threading.Event()  # first signal: stop claiming, drain
+        self.stopping = threading.Event()  # stop claiming
+        #: Stopping on a signal (or the watchdog): buffered rows that have not
+        #: started are released at once instead of run.
+        self.draining = threading.Event()
         self.aborting = threading.Event()  # second signal: release now
         self.wake = threading.Event()
         #: Set while the claim loop sleeps with nothing to claim (tests wait on it).
@@ -143,11 +169,15 @@ class Worker:
         self._lock = threading.Lock()
         self._in_flight: dict[AttemptKey, Attempt] = {}
         self.abandoned = AbandonedThreads(self.metrics)
-        #: Rows claimed so far, and how their attempts ended (final outcomes).
+        #: Rows claimed so far, by how many claim statements, and how their
+        #: attempts ended (final outcomes).
         self.claimed = 0
+        self.claims = 0
         self.outcomes: Counter[Outcome] = Counter()
         #: Rows handed back to pending at shutdown.
         self.released = 0
+        #: Buffered rows handed back because jobs got too long to start them soon.
+        self.given_back = 0
         #: Why the process stopped itself (watchdog), or None; exit non-zero if set.
         self.unhealthy: str | None = None
         self._heartbeat: Heartbeat | None = None
@@ -159,6 +189,15 @@ class Worker:
         self._slow_write_at = -math.inf
         self._recovery_deferred_since: float | None = None
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
+        self.prefetch = Prefetch(
+            concurrency=self.config.concurrency,
+            horizon=0.0 if self.config.inline else self.config.prefetch_horizon,
+        )
+        #: The claim loop is woken to refill when this few rows are buffered.
+        self._refill_at = 0
+        #: The last claim statement found fewer rows than it asked for.
+        self._ran_dry = False
+        self._next_shed_check = 0.0
 
     # -- control -----------------------------------------------------------------
 
@@ -166,6 +205,7 @@ class Worker:
         """Stop claiming; with ``immediate`` also stop waiting for running items."""
         if immediate:
             self.aborting.set()
+        self.draining.set()
         self.stopping.set()
         self.wake.set()
 
@@ -194,7 +234,7 @@ class Worker:
         elif self.work_item_handlers:
             self._writer = SuccessWriter(cfg.using, give_up=self.aborting)
             self._writer.start()
-            self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self.wake.set)
+            self._pool = Pool(cfg.concurrency, name="dbworker", on_done=self._maybe_wake)
             self._heartbeat = Heartbeat(
                 interval=cfg.heartbeat_interval,
                 snapshot=self._claims_to_heartbeat,
@@ -242,21 +282,15 @@ class Worker:
         if self._check_health():
             return 0
         self._maybe_recover()
-        # Rows awaiting their success write still count against the process:
-        # at most CONCURRENCY + UNRECORDED_EXTRA attempts are claimed and not
-        # yet recorded, so a slow database applies back-pressure instead of a
-        # growing queue (and heartbeats stay one bounded UPDATE).
-        with self._lock:
-            unrecorded = len(self._in_flight)
-        free = min(self._pool.free(), self.config.concurrency + UNRECORDED_EXTRA - unrecorded)
-        if free <= 0:
-            return 0
-        limit = min(free, self.config.batch_size) if self.config.batch_size > 0 else free
+        self._shed_hoard()
+        limit = self._claim_limit()
         if self.config.max_items is not None:
             limit = min(limit, self.config.max_items - self.claimed)
-            if limit <= 0:
+            if limit <= 0 and self.claimed >= self.config.max_items:
                 self.stopping.set()
                 return 0
+        if limit <= 0:
+            return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = time.perf_counter()
         items = self.ops.claim(
@@ -267,11 +301,111 @@ class Worker:
         )
         took = time.perf_counter() - started
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
+        self.prefetch.observe_claim(took)
         self._observe_write(took)
         self.claimed += len(items)
+        self.claims += bool(items)
+        self._ran_dry = len(items) < limit
         for item in items:
             self._dispatch(item)
         return len(items)
+
+    def _claim_limit(self) -> int:
+        """How many rows to claim now: free threads plus what the buffer lacks.
+
+        Nothing while the buffer holds more than its refill mark (a refill of
+        a few rows would cost a commit each). Rows awaiting their success
+        write still count against the process: at most the running and
+        buffered rows plus UNRECORDED_EXTRA are claimed and not yet recorded,
+        so a slow database applies back-pressure instead of a growing queue
+        (and heartbeats stay one bounded UPDATE).
+        """
+        assert self._pool is not None
+        cfg = self.config
+        running_for = self._youngest_running_age()
+        target = self.prefetch.target(running_for)
+        self._refill_at = self.prefetch.refill_at(target, running_for)
+        outstanding = self._pool.busy()
+        if outstanding - self._pool.running() > self._refill_at:
+            return 0
+        with self._lock:
+            unrecorded = len(self._in_flight)
+        hold = self._pool.size + target  # inline, one at a time
+        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        if cfg.batch_size > 0:
+            limit = min(limit, cfg.batch_size)
+        return max(0, limit)
+
+    def _shed_hoard(self) -> None:
+        """Give back buffered rows this worker cannot start soon.
+
+        The buffer is sized from the jobs seen so far; when jobs suddenly get
+        long (a batch of slow items behind fast ones), rows claimed for the
+        fast pace would wait here while other workers sit idle. Once the
+        oldest buffered row has waited a few horizons, the rows beyond what
+        the current estimate allows (the last claimed first) go back to
+        pending, where any worker can take them.
+        """
+        now = time.perf_counter()
+        if not self.prefetch.enabled or self.draining.is_set() or now < self._next_shed_check:
+            return
+        self._next_shed_check = now + 0.25
+        patience = max(1.0, SHED_AFTER_HORIZONS * self.prefetch.horizon)
+        running_for = self._youngest_running_age()
+        keep = self.prefetch.target(running_for)
+        with self._lock:
+            # In claim order: dicts keep insertion order.
+            unstarted = [
+                a
+                for a in self._in_flight.values()
+                if not a.started and not a.withdrawn and not a.lost
+            ]
+            if len(unstarted) <= keep or now - unstarted[0].claimed_at < patience:
+                return
+            excess = unstarted[keep:]
+            for attempt in excess:
+                attempt.withdrawn = True  # pool threads skip it from now on
+        try:
+            given_back = persist(
+                lambda: transitions.release([a.item for a in excess], using=self.config.using),
+                what="giving back buffered work items",
+                using=self.config.using,
+                give_up=_deadline_event(5.0),
+            )
+        except Exception as exc:
+            # No thread will run them and the heartbeat stops covering them
+            # below: stale recovery returns them after STALE_AFTER.
+            logger.warning("Could not give back %d buffered work item(s): %s", len(excess), exc)
+        else:
+            self.given_back += given_back
+            logger.info(
+                "Gave back %d buffered work item(s) that this worker could not start within "
+                "PREFETCH_HORIZON (%gs): its jobs now take longer.",
+                given_back,
+                self.prefetch.horizon,
+            )
+        for attempt in excess:
+            self._forget(attempt)
+
+    def _youngest_running_age(self) -> float:
+        """Seconds the youngest running attempt has run, when every thread is busy; else 0.
+
+        Jobs that suddenly take long show here before any of them finishes.
+        """
+        assert self._pool is not None
+        if self._pool.running() < self._pool.size:
+            return 0.0
+        with self._lock:
+            starts = [
+                a.started_at for a in self._in_flight.values() if a.started and not a.recording
+            ]
+        return time.perf_counter() - max(starts) if starts else 0.0
+
+    def _maybe_wake(self) -> None:
+        """Wake the claim loop if the buffer is down to its refill mark."""
+        pool = self._pool
+        if pool is None or pool.queued() <= self._refill_at:
+            self.wake.set()
 
     def _claim_loop(self) -> None:
         assert self._pool is not None
@@ -300,11 +434,11 @@ class Worker:
             self._claim_backoff.reset()
             if self.stopping.is_set():
                 return
-            if claimed and self._pool.free() > 0:
+            if claimed and not self._ran_dry:
                 continue  # a full batch: more rows may be ready right now
             if cfg.burst and not claimed and not self._has_in_flight():
                 return
-            if not claimed:
+            if not claimed and self._ran_dry:
                 self.idle.set()
             self.wake.wait(cfg.poll_interval)
             self.idle.clear()
@@ -332,6 +466,7 @@ class Worker:
             )
         if reason is None:
             return False
+        self.draining.set()
         if self.unhealthy is None:
             self.unhealthy = reason
             logger.critical(
@@ -354,13 +489,12 @@ class Worker:
         with self._lock:
             self._in_flight[attempt.key] = attempt
 
-        started = time.perf_counter()
         settled: list[Outcome] = []
 
         def hand_over(item: WorkItem, result_json: str | None) -> Outcome | None:
             # The thread is free for the next item as soon as the success is
             # queued; the attempt stays in flight (heartbeated) until written.
-            took = time.perf_counter() - started
+            took = time.perf_counter() - attempt.started_at
 
             def written(outcome: Written) -> None:
                 if isinstance(outcome, Refused):
@@ -399,6 +533,8 @@ class Worker:
                 attempt.recording = True
 
         def run() -> None:
+            if not self._start(attempt):
+                return
             outcome = Outcome.UNRECORDED
             try:
                 outcome = execution.execute(
@@ -420,8 +556,36 @@ class Worker:
                     pass  # still claimed under this attempt: released at shutdown
                 else:
                     self._forget(attempt)
+                self.prefetch.observe_run(time.perf_counter() - attempt.started_at)
 
-        self._pool.submit(run)
+        self._pool.submit(run, queue=True)
+
+    def _start(self, attempt: Attempt) -> bool:
+        """Take ``attempt`` out of the buffer to run it; False if it must not run.
+
+        A worker that is stopping releases buffered rows instead (``_drain``);
+        a row recovered as stale while it waited is someone else's now.
+        """
+        with self._lock:
+            if attempt.withdrawn or self.draining.is_set():
+                return False  # released by _drain
+            if attempt.lost:
+                lost = True
+            else:
+                lost = False
+                attempt.started = True
+                attempt.started_at = time.perf_counter()
+        if lost:
+            logger.warning(
+                "Dropped work item %s (%s) before it started: it was recovered as stale "
+                "while waiting in this worker's buffer.",
+                attempt.item.pk,
+                attempt.handler.name,
+            )
+            self._forget(attempt)
+            return False
+        self._maybe_wake()  # the buffer shrank
+        return True
 
     def _count(self, attempt: Attempt, outcome: Outcome) -> None:
         with self._lock:
@@ -441,7 +605,7 @@ class Worker:
         with self._lock:
             if self._in_flight.get(attempt.key) is attempt:
                 del self._in_flight[attempt.key]
-        self.wake.set()  # room for another claim
+        self._maybe_wake()  # room for another claim
 
     def _has_in_flight(self) -> bool:
         """Attempts of this process not yet recorded (running or being written)."""
@@ -545,7 +709,9 @@ class Worker:
     def _drain(self, loops: Sequence[HandlerLoop]) -> None:
         """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal)."""
         cfg = self.config
-        busy = (self._pool.busy() if self._pool is not None else 0) + sum(
+        if self.draining.is_set():
+            self._release_buffered()
+        busy = (self._pool.running() if self._pool is not None else 0) + sum(
             loop.pool.busy() for loop in loops
         )
         if busy:
@@ -585,6 +751,33 @@ class Worker:
             )
             self.released += released
             logger.warning("Released %d unfinished work item(s) back to pending.", released)
+
+    def _release_buffered(self) -> None:
+        """Hand back the buffered rows that never started, at once.
+
+        Other workers can run them while this one waits for its running items.
+        """
+        with self._lock:
+            unstarted = [a for a in self._in_flight.values() if not a.started and not a.withdrawn]
+            for attempt in unstarted:
+                attempt.withdrawn = True
+        if not unstarted:
+            return
+        try:
+            released = persist(
+                lambda: transitions.release([a.item for a in unstarted], using=self.config.using),
+                what="releasing buffered work items",
+                using=self.config.using,
+                give_up=_deadline_event(5.0),
+            )
+        except Exception as exc:
+            # Still in flight (heartbeated): the release at the end tries again.
+            logger.warning("Could not release buffered work items yet (%s).", exc)
+            return
+        self.released += released
+        for attempt in unstarted:
+            self._forget(attempt)
+        logger.info("Released %d buffered work item(s) that had not started.", released)
 
     def _recording(self) -> bool:
         with self._lock:

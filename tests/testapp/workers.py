@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -398,6 +399,31 @@ class SlowFail(WorkItemHandler):
         _record(payload, "start")
         time.sleep(float(payload.get("seconds", 1.0)))
         raise ValueError("late failure")
+
+
+#: Opened by in-process tests to let ``Gate`` items finish.
+GATE = threading.Event()
+
+
+class Gate(WorkItemHandler):
+    """Records its start; with ``wait`` in the payload, waits for ``GATE`` (10 s at most)."""
+
+    name = "gate"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        if payload.get("wait"):
+            GATE.wait(10)
+
+
+class Pace(WorkItemHandler):
+    """Records its run, then sleeps ``seconds``: jobs of a chosen length."""
+
+    name = "pace"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        time.sleep(float(payload.get("seconds", 0)))
 
 
 if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
