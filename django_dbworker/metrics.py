@@ -63,6 +63,7 @@ class WorkerMetrics:
 
     def __init__(self, registry: Any = None) -> None:
         self.enabled = prometheus_client is not None
+        self._task_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}
         if not self.enabled:
             return
         pc = prometheus_client
@@ -155,8 +156,17 @@ class WorkerMetrics:
         if status is Outcome.FENCED:
             self.fenced.labels(worker).inc()
             return
-        self.tasks.labels(worker, status).inc()
-        self.task_duration.labels(worker, status).observe(seconds)
+        children = self._task_children.get((worker, status))
+        if children is None:
+            # labels() costs a lock and a few string operations per call; the
+            # children are fixed once created, so each pair is looked up once.
+            children = (
+                self.tasks.labels(worker, status),
+                self.task_duration.labels(worker, status),
+            )
+            self._task_children[(worker, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:

@@ -65,6 +65,13 @@ class Pool:
             self._busy += 1
         self._tasks.put(fn)
 
+    def submit_many(self, fns: list[Callable[[], None]]) -> None:
+        """Queue ``fns`` for the threads, beyond the free ones if need be (a prefetch)."""
+        with self._cond:
+            self._busy += len(fns)
+        for fn in fns:
+            self._tasks.put(fn)
+
     def wait_idle(self, timeout: float | None = None, abort: threading.Event | None = None) -> bool:
         """Wait until no task runs; False on timeout or when ``abort`` is set."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -128,3 +135,7 @@ class InlinePool(Pool):
             fn()
         except BaseException:
             logger.exception("Unexpected error while running an item inline.")
+
+    def submit_many(self, fns: list[Callable[[], None]]) -> None:
+        for fn in fns:
+            self.submit(fn)

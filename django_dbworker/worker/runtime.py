@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,8 +306,7 @@ class Worker:
         self.claimed += len(items)
         self.claims += bool(items)
         self._ran_dry = len(items) < limit
-        for item in items:
-            self._dispatch(item)
+        self._dispatch(items)
         return len(items)
 
     def _claim_limit(self) -> int:
@@ -480,14 +479,20 @@ class Worker:
 
     # -- running one attempt -------------------------------------------------------
 
-    def _dispatch(self, item: WorkItem) -> None:
+    def _dispatch(self, items: Sequence[WorkItem]) -> None:
+        """Queue claimed rows on the pool, in claim order, as attempts in flight."""
         assert self._pool is not None
-        handler = self.work_item_handlers[item.handler]
+        attempts = [Attempt(item, self.work_item_handlers[item.handler]) for item in items]
+        with self._lock:
+            for attempt in attempts:
+                self._in_flight[attempt.key] = attempt
+        self._pool.submit_many([self._runner(attempt) for attempt in attempts])
+
+    def _runner(self, attempt: Attempt) -> Callable[[], None]:
+        """What a pool thread runs for ``attempt``: start it, execute it, retire it."""
+        item, handler = attempt.item, attempt.handler
         writer = self._writer
         assert writer is not None  # run() creates it with the pool
-        attempt = Attempt(item, handler)
-        with self._lock:
-            self._in_flight[attempt.key] = attempt
 
         settled: list[Outcome] = []
 
@@ -558,7 +563,7 @@ class Worker:
                     self._forget(attempt)
                 self.prefetch.observe_run(time.perf_counter() - attempt.started_at)
 
-        self._pool.submit(run, queue=True)
+        return run
 
     def _start(self, attempt: Attempt) -> bool:
         """Take ``attempt`` out of the buffer to run it; False if it must not run.
