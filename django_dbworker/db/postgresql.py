@@ -35,6 +35,12 @@ from django_dbworker.db.base import (
 )
 from django_dbworker.models import WorkItem
 
+try:  # psycopg 3 binds parameters on the server with its plain cursor
+    from psycopg import Connection as Psycopg3Connection
+    from psycopg import Cursor as ServerBindingCursor
+except ImportError:  # psycopg2: client-side binding only
+    Psycopg3Connection = ServerBindingCursor = None  # type: ignore[assignment,misc]
+
 #: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
 MIN_VERSION = 130000
 
@@ -288,7 +294,7 @@ class PostgresOperations(VendorOperations):
         if limit <= 0 or not handlers:
             return []
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
-        return self._rows_to_items(self._fetch(sql, params))
+        return self._rows_to_items(self._fetch_bound(sql, params))
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
@@ -300,8 +306,34 @@ class PostgresOperations(VendorOperations):
             "tokens": [token for _, token, _ in outcomes],
             "results": [result for _, _, result in outcomes],
         }
-        rows = self._fetch(SUCCEED_MANY.sql, params)
+        rows = self._fetch_bound(SUCCEED_MANY.sql, params)
         return {(pk, as_uuid(token)) for pk, token in rows}
+
+    def _fetch_bound(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """``_fetch`` with server-side binding, for the hot statements.
+
+        Django's psycopg backend binds parameters on the client unless
+        OPTIONS has ``server_side_binding``: every claim and success write
+        would quote its arrays of ids, tokens and results into SQL text in
+        Python, and the server would parse that text again each time. Here
+        they travel as binary parameters of one fixed statement text (which
+        psycopg also prepares once if the project enabled prepared
+        statements with OPTIONS ``prepare_threshold``; Django disables them by
+        default for the sake of connection poolers, and so do we). The cursor
+        is wrapped by Django as usual: its errors, debug log and
+        ``CaptureQueriesContext`` see it like any other.
+        """
+        conn = self.connection
+        conn.ensure_connection()
+        if Psycopg3Connection is None or not isinstance(conn.connection, Psycopg3Connection):
+            return self._fetch(sql, params)
+        with conn.wrap_database_errors:
+            raw = ServerBindingCursor(conn.connection)
+        # What conn.cursor() does with the cursor it creates: thread-sharing
+        # check, and the wrapper that logs queries and translates errors.
+        with conn._prepare_cursor(raw) as cursor:  # type: ignore[attr-defined]
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
 
     def insert_item(
         self,

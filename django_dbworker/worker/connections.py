@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dbworker.db.errors import is_transient
 
@@ -30,9 +31,14 @@ IDLE_CHECK_AFTER = 1.0
 _last_used = threading.local()
 
 
-def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
-    """Leave this thread's connection ready for the next job."""
-    conn = connections[using]
+def tidy(using: str = DEFAULT_DB_ALIAS, conn: BaseDatabaseWrapper | None = None) -> None:
+    """Leave this thread's connection ready for the next job.
+
+    ``conn`` is ``connections[using]`` if the caller has it at hand (the
+    lookup goes through a thread-local and costs more than the rest when
+    there is nothing to tidy).
+    """
+    conn = conn or connections[using]
     if conn.connection is None:
         return
     try:
@@ -56,7 +62,7 @@ def tidy(using: str = DEFAULT_DB_ALIAS) -> None:
     setattr(_last_used, using, time.monotonic())
 
 
-def refresh_if_idle(using: str = DEFAULT_DB_ALIAS) -> None:
+def refresh_if_idle(using: str = DEFAULT_DB_ALIAS, conn: BaseDatabaseWrapper | None = None) -> None:
     """Before a job: drop this thread's connection if it died while idle.
 
     A connection killed between jobs (a failover, ``pg_terminate_backend``,
@@ -65,7 +71,7 @@ def refresh_if_idle(using: str = DEFAULT_DB_ALIAS) -> None:
     ``CONN_HEALTH_CHECKS``; a worker checks a connection that sat idle for
     more than ``IDLE_CHECK_AFTER`` seconds, so a busy worker pays nothing.
     """
-    conn = connections[using]
+    conn = conn or connections[using]
     if conn.connection is None or conn.in_atomic_block:
         return
     last = getattr(_last_used, using, None)

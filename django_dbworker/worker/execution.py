@@ -217,16 +217,17 @@ def _run_and_record(
     ready: _Recording,
 ) -> Outcome:
     db = item._state.db or "default"
+    conn = connections[db]
     # Tidy the connection between steps only if we own its state: a caller
     # inside a transaction (run_until_empty in a TestCase) keeps it as it is.
-    owned = not connections[db].in_atomic_block
+    owned = not conn.in_atomic_block
 
     def tidy_if_owned() -> None:
         if owned:
-            tidy(db)
+            tidy(db, conn)
 
     if owned:
-        refresh_if_idle(db)
+        refresh_if_idle(db, conn)
     try:
         try:
             if handler.atomic:
