@@ -21,6 +21,8 @@ from pathlib import Path
 from common import ROOT, machine, start_postgres, stop_postgres
 
 BENCH = Path(__file__).resolve().parent
+#: W1 is also run at these --concurrency values (8, the default, is w1_p1).
+CONCURRENCIES = (1, 2, 32)
 RESULTS = BENCH / "results"
 
 
@@ -65,11 +67,14 @@ def main() -> None:
             plan = [
                 ("raw", "raw_ceiling.py", ["--items", str(args.items)]),
                 ("w1_p1", "w1_throughput.py", ["--items", str(args.items)]),
-                (
-                    "w1_p1_c32",
-                    "w1_throughput.py",
-                    ["--items", str(args.items), "--concurrency", "32"],
-                ),
+                *[
+                    (
+                        f"w1_p1_c{c}",
+                        "w1_throughput.py",
+                        ["--items", str(args.items), "--concurrency", str(c)],
+                    )
+                    for c in CONCURRENCIES
+                ],
                 ("w1_p2", "w1_throughput.py", ["--items", str(args.items), "--processes", "2"]),
                 ("w2", "w2_enqueue.py", []),
                 ("w3", "w3_latency.py", []),
@@ -104,6 +109,7 @@ def render(rows: dict[str, list[dict]], runs: int, seconds: float) -> str:
     w1 = col(rows, "w1_p1", "items_per_second_active")
     w1_wall = col(rows, "w1_p1", "items_per_second_wall")
     w1c = col(rows, "w1_p1_c32", "items_per_second_active")
+    w1_commits = col(rows, "w1_p1", "commits_per_item")
     w1p2 = col(rows, "w1_p2", "items_per_second_active")
     w2s = col(rows, "w2", "single_per_second")
     w2m = col(rows, "w2", "many_per_second")
@@ -126,6 +132,7 @@ def render(rows: dict[str, list[dict]], runs: int, seconds: float) -> str:
         f"{fmt(raw100)}; batch 1: {fmt(raw1)} | "
         f"{statistics.median(w1) / ceiling:.0%} of batch 100 |",
         f"| W1 jobs/s, same, wall clock incl. start-up | {fmt(w1_wall)} | | |",
+        f"| W1 commits per job (pg_stat_database) | {fmt(w1_commits, 3)} | | |",
         f"| W1 jobs/s, 1 process, --concurrency 32 | {fmt(w1c)} | | "
         f"{statistics.median(w1c) / ceiling:.0%} of batch 100 |",
         f"| W1 jobs/s, 2 processes, CONCURRENCY 8 | {fmt(w1p2)} | | "
@@ -138,7 +145,20 @@ def render(rows: dict[str, list[dict]], runs: int, seconds: float) -> str:
         f"| W5 RSS over 100,000 items: start / end MiB, growth | {fmt(w5s, 1)} / {fmt(w5e, 1)},"
         f" {fmt([g * 100 for g in w5], 1)} % | | |",
         "",
+        f"The machine's commit rate in this run: the raw claim/complete loop, one row per "
+        f"transaction (two commits per row), did {fmt(raw1)} rows/s.",
+        "",
+        "| W1, 1 process, --concurrency | jobs/s | ratio to raw batch 1 | ratio to raw batch 100 |",
+        "|---|---|---|---|",
     ]
+    for c in sorted((*CONCURRENCIES, 8)):
+        values = col(rows, "w1_p1" if c == 8 else f"w1_p1_c{c}", "items_per_second_active")
+        if values:
+            m = statistics.median(values)
+            lines.append(
+                f"| {c} | {fmt(values)} | {m / statistics.median(raw1):.1f}x | {m / ceiling:.0%} |"
+            )
+    lines.append("")
     peers = sorted(k for k in rows if k.startswith("peer:"))
     if peers:
         lines += [

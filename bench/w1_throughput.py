@@ -47,6 +47,7 @@ def main() -> None:
         if not args.keep_rows:
             reset_table()
         before = WorkItem.objects.filter(status="succeeded").count()
+        commits_before = commits()
         for start in range(0, args.items, 5000):
             BenchNoop.enqueue_many([None] * min(5000, args.items - start))
         started = time.perf_counter()
@@ -59,6 +60,8 @@ def main() -> None:
         ]
         codes = [p.wait() for p in procs]
         wall = time.perf_counter() - started
+        # The workers' backends have exited, so their counts are flushed.
+        worker_commits = commits() - commits_before
         done = WorkItem.objects.filter(status="succeeded").count() - before
         span = WorkItem.objects.filter(handler="bench_noop").aggregate(
             first=Min("claimed_at"), last=Max("finished_at")
@@ -76,12 +79,25 @@ def main() -> None:
                 "items_per_second_wall": args.items / wall,
                 "active_seconds": active,
                 "items_per_second_active": args.items / active,
+                "commits_per_item": worker_commits / args.items,
             },
         )
         if done != args.items or any(codes):
             raise SystemExit("not every item succeeded")
     finally:
         stop_postgres()
+
+
+def commits() -> int:
+    """Transactions committed in this database so far (all sessions)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        return int(cursor.fetchone()[0])
 
 
 if __name__ == "__main__":
