@@ -33,6 +33,7 @@ from django_dbworker.models import (
     WorkItem,
     handler_match,
 )
+from django_dbworker.registry import registry
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[WorkItem]
@@ -154,6 +155,34 @@ class BaseWorkItemAdmin(_ModelAdmin):
     def status_badge(self, obj: WorkItem) -> SafeString:
         return display.badge(obj.status)
 
+    @admin.display(description="handler", ordering="handler")
+    def handler_display(self, obj: WorkItem) -> SafeString | str:
+        """The handler name, marked when no loaded module registers it (it would never run)."""
+        if obj.handler in registry or obj.status not in (Status.PENDING, Status.CLAIMED):
+            return obj.handler
+        return format_html(
+            '{} <strong style="color:#c53030" title="No loaded module registers this handler, '
+            "so no worker runs it: is it defined in a workers.py module of an installed app?"
+            '">(not registered)</strong>',
+            obj.handler,
+        )
+
+    @admin.display(description="claimed by", ordering="claimed_by")
+    def worker_display(self, obj: WorkItem) -> SafeString | str:
+        return display.worker(obj.claimed_by)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.created_at)
+
+    @admin.display(description="claimed", ordering="claimed_at")
+    def claimed(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.claimed_at)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.finished_at)
+
     @admin.display(description="attempts")
     def attempts_display(self, obj: WorkItem) -> str:
         return f"{obj.attempts}/{obj.max_attempts}"
@@ -209,15 +238,15 @@ class BaseWorkItemAdmin(_ModelAdmin):
 class WorkItemAdmin(BaseWorkItemAdmin):
     list_display = [
         "id",
-        "handler",
+        "handler_display",
         "queue",
         "status_badge",
         "priority",
         "attempts_display",
         "next_run",
-        "claimed_by",
+        "worker_display",
         "heartbeat_age",
-        "created_at",
+        "created",
         "error_summary",
     ]
 
@@ -233,10 +262,10 @@ class _OneStatusAdmin(BaseWorkItemAdmin):
 class ClaimedWorkItemAdmin(_OneStatusAdmin):
     list_display = [
         "id",
-        "handler",
+        "handler_display",
         "queue",
-        "claimed_by",
-        "claimed_at",
+        "worker_display",
+        "claimed",
         "heartbeat_age",
         "stale_marker",
         "attempts_display",
@@ -265,7 +294,7 @@ class FailedWorkItemAdmin(_OneStatusAdmin):
         "handler",
         "queue",
         "attempts_display",
-        "finished_at",
+        "finished",
         "error_summary",
     ]
 

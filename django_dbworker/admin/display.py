@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 from typing import Any
 
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -60,6 +61,40 @@ def age(when: datetime | None, now: datetime | None) -> str:
         return "-"
     delta = (when - now).total_seconds()
     return f"in {duration(delta)}" if delta > 0 else f"{duration(delta)} ago"
+
+
+def timestamp(when: datetime | None) -> SafeString | str:
+    """A time to the second in the current time zone; the exact value on hover.
+
+    Django's default format stops at minutes, and work that ran at 19:03
+    is not told apart from work that ran a minute of retries later.
+    """
+    if when is None:
+        return "-"
+    local = timezone.localtime(when)
+    return format_html(
+        '<span title="{}" style="white-space:nowrap">{}</span>',
+        local.isoformat(),
+        local.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+
+
+def worker(claimed_by: str) -> SafeString | str:
+    """``host:pid`` of a claim, with the thread only where it says something.
+
+    ``claimed_by`` is ``host:pid:thread`` of the claiming thread; in
+    ``run_workers`` that is always the main thread, which tells nothing.
+    """
+    if not claimed_by:
+        return "-"
+    host_pid, sep, thread = claimed_by.rpartition(":")
+    if not sep or ":" not in host_pid:
+        shown = claimed_by
+    elif thread == "MainThread":
+        shown = host_pid
+    else:
+        shown = f"{host_pid} ({thread})"
+    return format_html('<span title="{}">{}</span>', claimed_by, shown)
 
 
 def payload_redaction(item: WorkItem) -> str | None:

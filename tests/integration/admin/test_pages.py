@@ -96,8 +96,11 @@ def test_claimed_page_shows_only_claimed_rows_with_stale_marker(
     age_heartbeat(mixed["claimed"], 3600)
     html = superuser_client.get(reverse(CHANGELISTS[1])).content.decode()
     assert ids_on_page(html) == {mixed["claimed"].pk}
-    assert "host:7:MainThread" in html
+    # host:pid, the claiming thread (always the main one in run_workers) on hover
+    assert '<span title="host:7:MainThread">host:7</span>' in html
     assert ">stale<" in html
+    # Claim times to the second.
+    assert re.search(r">\d{4}-\d\d-\d\d \d\d:\d\d:\d\d</span>", html)
 
 
 def test_failed_page_shows_only_failed_rows_with_their_error(
@@ -292,6 +295,11 @@ def test_summary_lists_pending_work_of_unregistered_handlers(
         reverse(CHANGELISTS[0]), {"handler": "gone-handler", "status__exact": "pending"}
     ).content.decode()
     assert len(ids_on_page(listed)) == 2
+    # Each row says it will not run, and why.
+    assert listed.count("gone-handler <strong") == 2
+    assert "is it defined in a workers.py module" in listed
+    registered = superuser_client.get(reverse(CHANGELISTS[0])).content.decode()
+    assert "urgent <strong" not in registered
 
 
 def test_summary_without_unregistered_handlers_says_so(
