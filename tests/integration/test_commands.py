@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from datetime import timedelta
 from io import StringIO
 
@@ -11,6 +13,7 @@ from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import orphaned_handlers, queue_stats
+from tests.conftest import wait_until
 from tests.factories import make_item
 
 pytestmark = pytest.mark.django_db
@@ -124,3 +127,23 @@ def test_prune_deletes_old_finished_rows_only() -> None:
 def test_prune_rejects_bad_ages(age: str) -> None:
     with pytest.raises(CommandError, match="--older-than"):
         call_command("dbworker_prune", "--older-than", age)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_workers_repeats_the_orphan_warning_while_it_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rows of an unregistered handler enqueued after start-up are reported too."""
+    from django_dbworker.management.commands.run_workers import watch_orphans
+
+    stopping = threading.Event()
+    caplog.set_level(logging.WARNING, logger="django_dbworker")
+    thread = watch_orphans("default", stopping=stopping, interval=0.1)
+    try:
+        make_item(handler="moved-to-tasks-py")
+        wait_until(lambda: "moved-to-tasks-py" in caplog.text, what="the repeated orphan warning")
+    finally:
+        stopping.set()
+        thread.join(5)
+    assert not thread.is_alive()
+    assert "Is it defined in a `workers.py` module" in caplog.text

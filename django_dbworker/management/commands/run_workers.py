@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable
 from types import FrameType
@@ -21,6 +22,7 @@ from django_dbworker.outcomes import Outcome
 from django_dbworker.registry import autodiscover, registry
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.stats import orphaned_handlers
+from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 
 logger = logging.getLogger("django_dbworker")
@@ -167,6 +169,7 @@ class Command(BaseCommand):
             " (burst)" if config.burst else "",
         )
         _warn_about_orphans(using)
+        watch_orphans(using, stopping=worker.stopping)
         self._start_metrics_server(options)
         self._install_signal_handlers(worker)
         try:
@@ -291,6 +294,32 @@ def _warn_about_orphans(using: str) -> None:
             orphan["handler"],
             orphan["oldest_age"],
         )
+
+
+#: Seconds between the repeated warnings about pending rows nothing runs.
+ORPHAN_CHECK_INTERVAL = 600.0
+
+
+def watch_orphans(
+    using: str, *, stopping: threading.Event, interval: float = ORPHAN_CHECK_INTERVAL
+) -> threading.Thread:
+    """Repeat the orphan warning every ``interval`` seconds until ``stopping`` is set.
+
+    Rows enqueued after start-up under a name nothing registers (a deploy of
+    the web tier ahead of the workers, a handler moved out of ``workers.py``)
+    would otherwise wait without a sign until the next restart.
+    """
+
+    def watch() -> None:
+        try:
+            while not stopping.wait(interval):
+                _warn_about_orphans(using)
+        finally:
+            close_thread_connections()
+
+    thread = threading.Thread(target=watch, name="dbworker-orphan-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _ensure_log_output(verbosity: int) -> None:
