@@ -27,7 +27,9 @@ class Heartbeat(threading.Thread):
 
     ``snapshot`` returns the attempts to keep alive; ``on_lost`` receives
     those whose token is gone from the row (recovered as stale and possibly
-    re-claimed elsewhere), which are then no longer heartbeated.
+    re-claimed elsewhere), which are then no longer heartbeated; ``on_held``
+    those still held, with the ``time.perf_counter()`` taken before the
+    snapshot (their rows' heartbeat_at is no older than that).
     """
 
     def __init__(
@@ -37,12 +39,14 @@ class Heartbeat(threading.Thread):
         snapshot: Callable[[], Collection[AttemptKey]],
         on_lost: Callable[[set[AttemptKey]], None],
         using: str,
+        on_held: Callable[[set[AttemptKey], float], None] | None = None,
         observe: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(name="dbworker-heartbeat", daemon=True)
         self.interval = interval
         self.snapshot = snapshot
         self.on_lost = on_lost
+        self.on_held = on_held
         self.using = using
         self.observe = observe
         self.stopped = threading.Event()
@@ -73,6 +77,8 @@ class Heartbeat(threading.Thread):
             close_thread_connections()
 
     def beat(self) -> None:
+        # Taken before the snapshot: every row held gets a heartbeat_at later than this.
+        taken = time.perf_counter()
         claims = set(self.snapshot())
         if not claims:
             return
@@ -80,6 +86,8 @@ class Heartbeat(threading.Thread):
         lost = claims - held
         if lost:
             self.on_lost(lost)
+        if self.on_held is not None and held:
+            self.on_held(held, taken)
 
     def _observe(self, seconds: float) -> None:
         if self.observe is not None:

@@ -117,8 +117,12 @@ class Attempt:
 
     item: WorkItem
     handler: WorkItemHandler
-    #: ``time.perf_counter()`` when it was claimed.
+    #: ``time.perf_counter()`` when its claim statement was sent (its row's
+    #: heartbeat_at is no older than this).
     claimed_at: float = field(default_factory=time.perf_counter)
+    #: When the row was last known to be ours: the claim, or the snapshot
+    #: of the last heartbeat that found it held.
+    confirmed_at: float = 0.0
     #: A pool thread took it (until then it waits in the prefetch buffer).
     started: bool = False
     #: ``time.perf_counter()`` when it started.
@@ -129,6 +133,9 @@ class Attempt:
     recording: bool = False
     #: The heartbeat found the token gone: recovered as stale meanwhile.
     lost: bool = False
+
+    def __post_init__(self) -> None:
+        self.confirmed_at = self.claimed_at
 
     @property
     def key(self) -> AttemptKey:
@@ -168,6 +175,8 @@ class Worker:
         self.listener: Listener | None = None
         self._lock = threading.Lock()
         self._in_flight: dict[AttemptKey, Attempt] = {}
+        #: The newest attempt of each row in flight.
+        self._by_row: dict[int, Attempt] = {}
         self.abandoned = AbandonedThreads(self.metrics)
         #: Rows claimed so far, by how many claim statements, and how their
         #: attempts ended (final outcomes).
@@ -239,6 +248,7 @@ class Worker:
                 interval=cfg.heartbeat_interval,
                 snapshot=self._claims_to_heartbeat,
                 on_lost=self._mark_lost,
+                on_held=self._mark_held,
                 using=cfg.using,
                 observe=self._observe_write,
             )
@@ -306,7 +316,7 @@ class Worker:
         self.claimed += len(items)
         self.claims += bool(items)
         self._ran_dry = len(items) < limit
-        self._dispatch(items)
+        self._dispatch(items, claimed_at=started)
         return len(items)
 
     def _claim_limit(self) -> int:
@@ -372,9 +382,15 @@ class Worker:
                 give_up=_deadline_event(5.0),
             )
         except Exception as exc:
-            # No thread will run them and the heartbeat stops covering them
-            # below: stale recovery returns them after STALE_AFTER.
+            # Still this worker's: keep them in flight (heartbeated) and run
+            # them after all; their queued tasks may be gone, so queue them anew.
             logger.warning("Could not give back %d buffered work item(s): %s", len(excess), exc)
+            with self._lock:
+                for attempt in excess:
+                    attempt.withdrawn = False
+            assert self._pool is not None
+            self._pool.submit_many([self._runner(attempt) for attempt in excess])
+            return
         else:
             self.given_back += given_back
             logger.info(
@@ -479,13 +495,22 @@ class Worker:
 
     # -- running one attempt -------------------------------------------------------
 
-    def _dispatch(self, items: Sequence[WorkItem]) -> None:
+    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Queue claimed rows on the pool, in claim order, as attempts in flight."""
         assert self._pool is not None
-        attempts = [Attempt(item, self.work_item_handlers[item.handler]) for item in items]
+        attempts = [
+            Attempt(item, self.work_item_handlers[item.handler], claimed_at=claimed_at)
+            for item in items
+        ]
         with self._lock:
             for attempt in attempts:
                 self._in_flight[attempt.key] = attempt
+                # The row was claimed again: any older attempt of it here was
+                # recovered as stale meanwhile, whether the heartbeat saw it or not.
+                older = self._by_row.get(attempt.item.pk)
+                if older is not None and older is not attempt:
+                    older.lost = True
+                self._by_row[attempt.item.pk] = attempt
         self._pool.submit_many([self._runner(attempt) for attempt in attempts])
 
     def _runner(self, attempt: Attempt) -> Callable[[], None]:
@@ -568,18 +593,25 @@ class Worker:
     def _start(self, attempt: Attempt) -> bool:
         """Take ``attempt`` out of the buffer to run it; False if it must not run.
 
-        A worker that is stopping releases buffered rows instead (``_drain``);
-        a row recovered as stale while it waited is someone else's now.
+        A worker that is stopping (or whose watchdog just tripped) releases
+        buffered rows instead (``_drain``). A row recovered as stale while
+        it waited is someone else's now: dropped, not run. Between two
+        heartbeats that is not known here, so a row not confirmed for half
+        of STALE_AFTER (heartbeats held up) is checked with the database
+        first; it cannot have been recovered before STALE_AFTER has passed
+        since its heartbeat, so fresher rows start without a query.
         """
+        if self._check_health():
+            return False
         with self._lock:
-            if attempt.withdrawn or self.draining.is_set():
-                return False  # released by _drain
-            if attempt.lost:
-                lost = True
-            else:
-                lost = False
+            if attempt.started or attempt.withdrawn or self.draining.is_set():
+                return False  # already running, or released by _drain / _shed_hoard
+            lost = attempt.lost
+            if not lost:
                 attempt.started = True
                 attempt.started_at = time.perf_counter()
+        if not lost and attempt.started_at - attempt.confirmed_at > self.config.stale_after / 2:
+            lost = not self._still_held(attempt)
         if lost:
             logger.warning(
                 "Dropped work item %s (%s) before it started: it was recovered as stale "
@@ -587,10 +619,33 @@ class Worker:
                 attempt.item.pk,
                 attempt.handler.name,
             )
+            with self._lock:
+                attempt.lost = True
             self._forget(attempt)
             return False
         self._maybe_wake()  # the buffer shrank
         return True
+
+    def _still_held(self, attempt: Attempt) -> bool:
+        """Refresh the heartbeat of a buffered row that waited long; False if it is gone.
+
+        If the database cannot say, the row starts only while it cannot have
+        been recovered yet; otherwise it is left to stale recovery.
+        """
+        try:
+            held = bool(transitions.heartbeat({attempt.key}, using=self.config.using))
+        except Exception as exc:
+            age = time.perf_counter() - attempt.confirmed_at
+            logger.warning(
+                "Could not check the claim of work item %s before starting it (%s).",
+                attempt.item.pk,
+                transitions.error_summary(exc),
+            )
+            close_quietly(self.config.using)
+            return age < self.config.stale_after
+        if held:
+            attempt.confirmed_at = attempt.started_at
+        return held
 
     def _count(self, attempt: Attempt, outcome: Outcome) -> None:
         with self._lock:
@@ -610,6 +665,8 @@ class Worker:
         with self._lock:
             if self._in_flight.get(attempt.key) is attempt:
                 del self._in_flight[attempt.key]
+            if self._by_row.get(attempt.item.pk) is attempt:
+                del self._by_row[attempt.item.pk]
         self._maybe_wake()  # room for another claim
 
     def _has_in_flight(self) -> bool:
@@ -688,6 +745,14 @@ class Worker:
         with self._lock:
             return [key for key, attempt in self._in_flight.items() if not attempt.lost]
 
+    def _mark_held(self, keys: set[AttemptKey], at: float) -> None:
+        """The heartbeat whose snapshot was taken at ``at`` found these attempts held."""
+        with self._lock:
+            for key in keys:
+                attempt = self._in_flight.get(key)
+                if attempt is not None and attempt.confirmed_at < at:
+                    attempt.confirmed_at = at
+
     def _mark_lost(self, keys: set[AttemptKey]) -> None:
         with self._lock:
             for key in keys:
@@ -741,11 +806,12 @@ class Worker:
         for loop in loops:
             loop.drain(max(0.0, deadline - time.monotonic()), self.aborting)
         with self._lock:
-            leftovers = [
-                a.item
-                for a in self._in_flight.values()
-                if self.aborting.is_set() or not a.recording
+            leaving = [
+                a for a in self._in_flight.values() if self.aborting.is_set() or not a.recording
             ]
+            for attempt in leaving:
+                attempt.withdrawn = True  # a queued task must not start it after the release
+            leftovers = [a.item for a in leaving]
         if leftovers:
             # Fenced like every write: a row whose outcome did land is not touched.
             released = persist(
