@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from django_dbworker.outcomes import Outcome
+from django_dbworker.periodic import PeriodicHandler
+from django_dbworker.registry import registry as handler_registry
 
 try:
     import prometheus_client
@@ -120,6 +122,27 @@ class WorkerMetrics:
         self.stale_recovered = pc.Counter(
             "worker_stale_recovered_total", "Rows returned from crashed workers.", ["worker"], **kw
         )
+        # Periodic handlers' runs are tasks too (worker_tasks_total counts
+        # them); these name them apart, as SPEC.md lists them.
+        self.periodic_runs = pc.Counter(
+            "periodic_worker_runs_total",
+            "Finished attempts of periodic handlers' slots, by outcome.",
+            ["worker", "status"],
+            **kw,
+        )
+        self.periodic_duration = pc.Histogram(
+            "periodic_worker_run_duration_seconds",
+            "Duration of one attempt of a periodic handler's slot, by outcome.",
+            ["worker", "status"],
+            buckets=TASK_BUCKETS,
+            **kw,
+        )
+        self.periodic_skipped = pc.Counter(
+            "periodic_worker_skipped_total",
+            "Slots skipped because the previous run was still pending or running.",
+            ["worker"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -157,6 +180,14 @@ class WorkerMetrics:
             return
         self.tasks.labels(worker, status).inc()
         self.task_duration.labels(worker, status).observe(seconds)
+        cls = handler_registry.get(worker)
+        if cls is not None and issubclass(cls, PeriodicHandler):
+            self.periodic_runs.labels(worker, status).inc()
+            self.periodic_duration.labels(worker, status).observe(seconds)
+
+    def slot_skipped(self, worker: str) -> None:
+        if self.enabled:
+            self.periodic_skipped.labels(worker).inc()
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:
