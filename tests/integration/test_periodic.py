@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -28,7 +29,7 @@ from django_dbworker.worker.scheduler import (
 from tests.conftest import wait_until
 from tests.factories import worker_config
 from tests.testapp.models import Execution
-from tests.testapp.workers import Nightly, SlowTick, Tick
+from tests.testapp.workers import Nightly, Tick
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -218,5 +219,5 @@ def test_a_running_worker_enqueues_each_second_on_time_and_skips_behind_slow_run
         assert 0 <= late < 0.5, (item.unique_key, item.created_at)
     # Slow runs never overlap: at most one slow_tick item was ever live at once.
     slow = items_of("slow_tick")
-    for earlier, later in zip(slow, slow[1:], strict=False):
+    for earlier, later in itertools.pairwise(slow):
         assert later.created_at >= earlier.finished_at  # type: ignore[operator]
