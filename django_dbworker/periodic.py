@@ -45,7 +45,15 @@ _current_slot: contextvars.ContextVar[datetime | None] = contextvars.ContextVar(
 
 
 class InvalidSchedule(ValueError):
-    """A periodic handler's declaration cannot make a schedule; the message says why."""
+    """A periodic handler's declaration cannot make a schedule; the message says why.
+
+    ``field`` names the attribute at fault (``every_or_cron``, ``every``,
+    ``cron``, ``timezone``, ``jitter``): each has its own system check id.
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Schedule(Protocol):
@@ -128,14 +136,15 @@ class CronExpression:
         fields = self.expr.split()
         if len(fields) != len(CRON_FIELDS):
             raise InvalidSchedule(
-                f"cron {expr!r} has {len(fields)} field(s); it needs 5 ({' '.join(CRON_FIELDS)})"
+                f"cron {expr!r} has {len(fields)} field(s); it needs 5 ({' '.join(CRON_FIELDS)})",
+                field="cron",
             )
         try:
             self._probe = CronSim(self.expr, datetime(2000, 1, 1, tzinfo=UTC))
         except CronSimError as exc:
-            raise InvalidSchedule(_cron_problem(expr, fields, str(exc))) from None
+            raise InvalidSchedule(_cron_problem(expr, fields, str(exc)), field="cron") from None
         except Exception as exc:  # cronsim may raise others on odd input
-            raise InvalidSchedule(f"cron {expr!r} is invalid: {exc}") from None
+            raise InvalidSchedule(f"cron {expr!r} is invalid: {exc}", field="cron") from None
 
     def _local(self, at: datetime) -> datetime:
         return at.astimezone(self.tz)
@@ -198,14 +207,17 @@ class CronSchedule:
 def time_zone(name: Any) -> tzinfo:
     """The IANA time zone ``name``; raises ``InvalidSchedule`` for an unknown one."""
     if not isinstance(name, str) or not name:
-        raise InvalidSchedule(f"timezone must be an IANA name such as 'Europe/Paris', not {name!r}")
+        raise InvalidSchedule(
+            f"timezone must be an IANA name such as 'Europe/Paris', not {name!r}", field="timezone"
+        )
     if name == "UTC":
         return UTC
     try:
         return zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
         raise InvalidSchedule(
-            f"timezone {name!r} is not a known IANA time zone (such as 'Europe/Paris')"
+            f"timezone {name!r} is not a known IANA time zone (such as 'Europe/Paris')",
+            field="timezone",
         ) from None
 
 
@@ -214,20 +226,58 @@ def make_schedule(
 ) -> IntervalSchedule | CronSchedule:
     """The schedule a declaration asks for; raises ``InvalidSchedule`` saying what is wrong."""
     if every is not None and cron is not None:
-        raise InvalidSchedule("sets both `every` and `cron`; set exactly one")
+        raise InvalidSchedule(
+            "sets both `every` and `cron`; set exactly one", field="every_or_cron"
+        )
     if every is None and cron is None:
-        raise InvalidSchedule("sets neither `every` nor `cron`; set exactly one")
+        raise InvalidSchedule(
+            "sets neither `every` nor `cron`; set exactly one", field="every_or_cron"
+        )
     if every is not None:
         if isinstance(every, timedelta):
             every = every.total_seconds()
         if isinstance(every, bool) or not isinstance(every, (int, float)):
-            raise InvalidSchedule(f"`every` must be a number of seconds, not {every!r}")
+            raise InvalidSchedule(
+                f"`every` must be a number of seconds, not {every!r}", field="every"
+            )
         if not math.isfinite(every) or every < MIN_EVERY:
-            raise InvalidSchedule(f"`every` is {every!r} seconds; the shortest is {MIN_EVERY:g}")
+            raise InvalidSchedule(
+                f"`every` is {every!r} seconds; the shortest is {MIN_EVERY:g}", field="every"
+            )
         return IntervalSchedule(float(every))
     if not isinstance(cron, str):
-        raise InvalidSchedule(f"`cron` must be a string such as '0 3 * * *', not {cron!r}")
+        raise InvalidSchedule(
+            f"`cron` must be a string such as '0 3 * * *', not {cron!r}", field="cron"
+        )
     return CronSchedule(CronExpression(cron, time_zone(timezone)))
+
+
+def taken_until(schedule: Schedule, last_slot: datetime | None, created_at: datetime) -> datetime:
+    """The instant up to which a schedule row's slots count as taken.
+
+    Its ``last_slot``; for a row that has taken none yet, the last slot
+    before the row was created (or its creation): a new schedule starts
+    with the first slot after it exists, not with one that passed before.
+    """
+    if last_slot is not None:
+        return last_slot
+    return schedule.latest(created_at) or created_at
+
+
+def check_jitter(value: Any) -> float:
+    """``jitter`` as seconds; raises ``InvalidSchedule`` unless a finite number >= 0."""
+    if value is None:
+        return 0.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise InvalidSchedule(
+            f"`jitter` must be a non-negative number of seconds, not {value!r}", field="jitter"
+        )
+    return float(value)
 
 
 def slot_key(slot: datetime) -> str:
@@ -297,13 +347,25 @@ class PeriodicHandler(WorkItemHandler):
 
     @classmethod
     def get_jitter(cls) -> float:
-        value = cls.jitter or 0.0
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ImproperlyConfigured(
-                f"Periodic handler {cls.name!r}: `jitter` must be a non-negative number "
-                f"of seconds, not {value!r}."
-            )
-        return float(value)
+        """``jitter`` in seconds; raises ``ImproperlyConfigured`` if it is invalid."""
+        try:
+            return check_jitter(cls.jitter)
+        except InvalidSchedule as exc:
+            raise ImproperlyConfigured(f"Periodic handler {cls.name!r} {exc}.") from None
+
+    @classmethod
+    def declaration_problems(cls) -> list[InvalidSchedule]:
+        """Everything wrong with this declaration (the system checks report them)."""
+        problems = []
+        for check in (
+            lambda: make_schedule(every=cls.every, cron=cls.cron, timezone=cls.timezone),
+            lambda: check_jitter(cls.jitter),
+        ):
+            try:
+                check()
+            except InvalidSchedule as exc:
+                problems.append(exc)
+        return problems
 
     @property
     def slot(self) -> datetime | None:

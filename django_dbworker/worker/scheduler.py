@@ -39,7 +39,7 @@ from django.db.models.functions import Now
 from django_dbworker import enqueuing
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import ACTIVE_STATUSES, PeriodicSchedule, WorkItem
-from django_dbworker.periodic import PeriodicHandler, periodic_handlers, slot_key
+from django_dbworker.periodic import PeriodicHandler, periodic_handlers, slot_key, taken_until
 from django_dbworker.worker.connections import Backoff, close_quietly, close_thread_connections
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -97,10 +97,7 @@ def due_slots(
     for cls in handlers:
         row = rows[cls.name]
         schedule = cls.get_schedule()
-        baseline = row.last_slot
-        if baseline is None:
-            # A new schedule starts with the first slot after its creation.
-            baseline = schedule.latest(row.created_at) or row.created_at
+        baseline = taken_until(schedule, row.last_slot, row.created_at)
         slot = schedule.latest(now)
         if slot is not None and slot > baseline:
             first_missed = schedule.following(baseline)
