@@ -377,8 +377,13 @@ class PeriodicHandler(WorkItemHandler):
         raise NotImplementedError(f"{type(self).__qualname__} must implement run()")
 
     def handle(self, payload: Any) -> Any:
-        """Run one slot's WorkItem: payload ``{"slot": "<ISO time>"}`` (plus ``manual``)."""
-        slot = parse_slot(payload["slot"])
+        """Run one slot's WorkItem: payload ``{"slot": "<ISO time>"}`` (plus ``manual``).
+
+        An item enqueued by hand without a slot (``Nightly.enqueue()``) runs
+        with the time it started as its slot.
+        """
+        has_slot = isinstance(payload, dict) and isinstance(payload.get("slot"), str)
+        slot = parse_slot(payload["slot"]) if has_slot else datetime.now(UTC)
         token = _current_slot.set(slot)
         try:
             if self._run_takes_slot:

@@ -221,3 +221,12 @@ def test_a_running_worker_enqueues_each_second_on_time_and_skips_behind_slow_run
     slow = items_of("slow_tick")
     for earlier, later in itertools.pairwise(slow):
         assert later.created_at >= earlier.finished_at  # type: ignore[operator]
+
+
+def test_a_periodic_handler_enqueued_by_hand_runs_with_now_as_its_slot() -> None:
+    before = datetime.now(UTC)
+    Nightly.enqueue()
+    assert run_until_empty() == {"succeeded": 1}
+    (key,) = Execution.objects.filter(kind="nightly").values_list("key", flat=True)
+    assert datetime.fromisoformat(key) >= before
+    assert not PeriodicSchedule.objects.exists()  # the schedule is not touched
