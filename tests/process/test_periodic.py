@@ -76,9 +76,10 @@ def test_every_slot_runs_once_across_several_processes(start_worker, processes: 
     for item in WorkItem.objects.filter(handler="tick"):
         late = (item.created_at - datetime.fromisoformat(item.unique_key)).total_seconds()
         assert 0 <= late < 0.5, (item.unique_key, late)
-    print(f"\nslot table of {processes} processes (slot, items, runs, status):")
+    pids = dict(Execution.objects.filter(kind="tick").values_list("key", "pid"))
+    print(f"\nslot table of {processes} processes (slot, items, runs, status, run by pid):")
     for row in table:
-        print("  ", *row)
+        print("  ", *row, pids.get(row[0]))
 
 
 def test_a_restart_after_downtime_runs_the_latest_missed_slot_once(start_worker) -> None:
