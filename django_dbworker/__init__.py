@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from django_dbworker.claiming import claim_next
     from django_dbworker.enqueuing import enqueue, enqueue_many
     from django_dbworker.handlers import Handler, WorkItemHandler
+    from django_dbworker.periodic import PeriodicHandler
 
 __all__ = [
     "EnqueueError",
     "Handler",
     "NoTask",
+    "PeriodicHandler",
     "WorkItemHandler",
     "claim_next",
     "enqueue",
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Handler": "django_dbworker.handlers",
     "WorkItemHandler": "django_dbworker.handlers",
+    "PeriodicHandler": "django_dbworker.periodic",
     "claim_next": "django_dbworker.claiming",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",

@@ -1,6 +1,7 @@
 """System checks for ``DBWORKER`` settings and the database configuration.
 
-Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ),
+Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
+for periodic handler declarations (the schedule, its time zone, its jitter),
 W001-W009 for risky but working configurations. Checks read settings only;
 they never connect. Each value is validated by ``validation.SETTINGS``, the
 validators the ``run_workers`` flags and ``WorkerConfig`` use too.
@@ -16,6 +17,8 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
+from django_dbworker.periodic import periodic_handlers
+from django_dbworker.registry import registry
 
 #: Check ids of keys whose own id predates the shared validators; other keys
 #: report E003 (wrong type) or E004 (out of range).
@@ -147,3 +150,46 @@ def sqlite_warnings(databases: Mapping[str, Mapping[str, Any]]) -> list[CheckMes
                 )
             )
     return warnings
+
+
+#: Check ids of periodic declarations, by the attribute at fault.
+PERIODIC_IDS = {
+    "every_or_cron": "django_dbworker.E010",
+    "cron": "django_dbworker.E011",
+    "every": "django_dbworker.E012",
+    "timezone": "django_dbworker.E013",
+    "jitter": "django_dbworker.E014",
+}
+
+_PERIODIC_HINTS = {
+    "every_or_cron": "Set `every = <seconds>` or `cron = '<minute> <hour> <day> <month> "
+    "<weekday>'`, not both.",
+    "cron": "Five fields: minute (0-59), hour (0-23), day of month (1-31), month (1-12 or "
+    "JAN-DEC), day of week (0-7 or SUN-SAT).",
+    "every": "`every` is a number of seconds, at least 1.",
+    "timezone": "An IANA name from the tz database, such as 'Europe/Paris' or 'UTC'.",
+    "jitter": "`jitter` is a number of seconds, 0 or more.",
+}
+
+
+@register(Tags.compatibility)
+def check_periodic_handlers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse periodic handlers whose schedule cannot work, at start-up rather than at the slot."""
+    return periodic_errors(registry.values())
+
+
+def periodic_errors(classes: Any) -> list[CheckMessage]:
+    """One error per problem of each periodic handler class among ``classes``."""
+    errors: list[CheckMessage] = []
+    for cls in periodic_handlers(classes):
+        for problem in cls.declaration_problems():
+            errors.append(
+                Error(
+                    f"Periodic handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) "
+                    f"{problem}.",
+                    hint=_PERIODIC_HINTS[problem.field],
+                    obj=cls,
+                    id=PERIODIC_IDS[problem.field],
+                )
+            )
+    return errors

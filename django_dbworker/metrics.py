@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from django_dbworker.outcomes import Outcome
+from django_dbworker.periodic import PeriodicHandler
+from django_dbworker.registry import registry as handler_registry
 
 try:
     import prometheus_client
@@ -63,7 +65,7 @@ class WorkerMetrics:
 
     def __init__(self, registry: Any = None) -> None:
         self.enabled = prometheus_client is not None
-        self._task_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}
+        self._task_children: dict[tuple[str, Outcome], tuple[list[Any], list[Any]]] = {}
         if not self.enabled:
             return
         pc = prometheus_client
@@ -121,6 +123,27 @@ class WorkerMetrics:
         self.stale_recovered = pc.Counter(
             "worker_stale_recovered_total", "Rows returned from crashed workers.", ["worker"], **kw
         )
+        # Periodic handlers' runs are tasks too (worker_tasks_total counts
+        # them); these name them apart, as SPEC.md lists them.
+        self.periodic_runs = pc.Counter(
+            "periodic_worker_runs_total",
+            "Finished attempts of periodic handlers' slots, by outcome.",
+            ["worker", "status"],
+            **kw,
+        )
+        self.periodic_duration = pc.Histogram(
+            "periodic_worker_run_duration_seconds",
+            "Duration of one attempt of a periodic handler's slot, by outcome.",
+            ["worker", "status"],
+            buckets=TASK_BUCKETS,
+            **kw,
+        )
+        self.periodic_skipped = pc.Counter(
+            "periodic_worker_skipped_total",
+            "Slots skipped because the previous run was still pending or running.",
+            ["worker"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -159,14 +182,23 @@ class WorkerMetrics:
         children = self._task_children.get((worker, status))
         if children is None:
             # labels() costs a lock and a few string operations per call; the
-            # children are fixed once created, so each pair is looked up once.
-            children = (
-                self.tasks.labels(worker, status),
-                self.task_duration.labels(worker, status),
-            )
-            self._task_children[(worker, status)] = children
-        children[0].inc()
-        children[1].observe(seconds)
+            # children are fixed once created, so each pair is looked up once
+            # (and so is whether the handler is periodic).
+            counters = [self.tasks.labels(worker, status)]
+            histograms = [self.task_duration.labels(worker, status)]
+            cls = handler_registry.get(worker)
+            if cls is not None and issubclass(cls, PeriodicHandler):
+                counters.append(self.periodic_runs.labels(worker, status))
+                histograms.append(self.periodic_duration.labels(worker, status))
+            children = self._task_children[(worker, status)] = (counters, histograms)
+        for counter in children[0]:
+            counter.inc()
+        for histogram in children[1]:
+            histogram.observe(seconds)
+
+    def slot_skipped(self, worker: str) -> None:
+        if self.enabled:
+            self.periodic_skipped.labels(worker).inc()
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:

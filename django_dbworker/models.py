@@ -239,3 +239,36 @@ class QueueSummary(WorkItem):
         proxy = True
         verbose_name = "queue summary"
         verbose_name_plural = "queue summary"
+
+
+class PeriodicSchedule(models.Model):
+    """One row per periodic handler: the durable "once per slot" marker.
+
+    ``last_slot`` is the latest slot taken (enqueued or skipped). The
+    scheduler advances it by compare-and-set (``last_slot < slot``) in the
+    same transaction that inserts the slot's WorkItem, so a slot is taken
+    once however many workers try, and never again after its WorkItem is
+    finished or pruned: ``dbworker_prune`` deletes work items only, and
+    ``last_item_id`` is a plain number, not a foreign key, for that reason.
+    A row whose ``last_slot`` is NULL was just created: its first slot is
+    the first one after ``created_at`` (a new schedule does not run at once
+    for a slot that passed before it existed).
+    """
+
+    name = models.CharField(max_length=200, primary_key=True)
+    last_slot = models.DateTimeField(null=True, blank=True)
+    #: The WorkItem of the latest slot enqueued (it may have been pruned since).
+    last_item_id = models.BigIntegerField(null=True, blank=True)
+    #: Slots skipped because the previous run was still pending or running.
+    skipped = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+
+    objects: models.Manager[PeriodicSchedule] = models.Manager()
+
+    class Meta:
+        verbose_name = "schedule"
+        verbose_name_plural = "schedules"
+
+    def __str__(self) -> str:
+        return self.name

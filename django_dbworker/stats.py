@@ -10,14 +10,17 @@ to the routers' read alias unless ``using`` says otherwise (``routing.py``).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, TypedDict
 
 from django.db.models import Count, Min
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import Status, WorkItem, live_or_failed
+from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
+from django_dbworker.periodic import PeriodicHandler, periodic_handlers, taken_until
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read
 
@@ -122,3 +125,89 @@ def orphaned_handlers(using: str | None = None) -> list[OrphanedHandler]:
         }
         for row in rows
     ]
+
+
+class ScheduleStats(TypedDict):
+    name: str
+    #: The schedule in words; "" for a schedule row no handler here declares.
+    schedule: str
+    queue: str
+    #: Whether a handler registered in this process declares it.
+    registered: bool
+    #: The latest slot taken (enqueued or skipped), None before the first.
+    last_slot: datetime | None
+    #: The WorkItem of the latest slot enqueued: id and status (None: never,
+    #: or pruned since: see ``last_item_id``).
+    last_item_id: int | None
+    last_status: str | None
+    last_finished_at: datetime | None
+    #: The next slot to be enqueued (one that is already due if no worker took it yet).
+    next_slot: datetime | None
+    skipped: int
+    now: datetime
+
+
+def schedule_stats(using: str | None = None) -> list[ScheduleStats]:
+    """Every periodic handler registered here, and every schedule row, by name.
+
+    Two queries: the schedule rows (with the database clock) and the
+    WorkItems of their latest slots, by primary key.
+    """
+    db = work_db_for_read(using)
+    rows = {row.name: row for row in PeriodicSchedule.objects.using(db).annotate(db_now=Now())}
+    now: datetime = next(iter(rows.values())).db_now if rows else timezone.now()
+    item_ids = [row.last_item_id for row in rows.values() if row.last_item_id is not None]
+    items = {
+        item.pk: item
+        for item in WorkItem.objects.using(db)
+        .filter(pk__in=item_ids)
+        .only("id", "status", "finished_at")
+    }
+    declared = {cls.name: cls for cls in periodic_handlers(registry.values())}
+    found: list[ScheduleStats] = []
+    for name in sorted(set(declared) | set(rows)):
+        cls = declared.get(name)
+        row = rows.get(name)
+        item = items.get(row.last_item_id) if row and row.last_item_id is not None else None
+        found.append(
+            {
+                "name": name,
+                "schedule": _describe(cls),
+                "queue": cls.queue if cls is not None else "",
+                "registered": cls is not None,
+                "last_slot": row.last_slot if row else None,
+                "last_item_id": row.last_item_id if row else None,
+                "last_status": item.status if item else None,
+                "last_finished_at": item.finished_at if item else None,
+                "next_slot": _next_slot(cls, row, now),
+                "skipped": row.skipped if row else 0,
+                "now": now,
+            }
+        )
+    return found
+
+
+def _describe(cls: type[PeriodicHandler] | None) -> str:
+    if cls is None:
+        return ""
+    try:
+        return cls.get_schedule().describe()
+    except Exception as exc:  # a bad declaration: the system check says more
+        return f"invalid: {exc}"
+
+
+def _next_slot(
+    cls: type[PeriodicHandler] | None, row: PeriodicSchedule | None, now: datetime
+) -> datetime | None:
+    """The slot a worker will enqueue next: a due one not yet taken, else the following one."""
+    if cls is None:
+        return None
+    try:
+        schedule = cls.get_schedule()
+    except Exception:
+        return None
+    due = schedule.latest(now)
+    taken = taken_until(schedule, row.last_slot, row.created_at) if row is not None else None
+    if due is not None and taken is not None and due > taken:
+        return due
+    return schedule.following(now)

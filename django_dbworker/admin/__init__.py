@@ -1,6 +1,7 @@
 """Django admin for work items: what is stuck, what failed, why, and fix it.
 
-Pages: all work items, claimed ones, failed ones, and a queue summary.
+Pages: all work items, claimed ones, failed ones, a queue summary, and the
+schedules of periodic handlers.
 Detail pages are read-only (a form save would race the workers); state
 changes happen only through the actions, which need the change permission.
 List pages defer payload, result and traceback columns, count with an
@@ -18,6 +19,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Left, Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -28,6 +30,7 @@ from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import (
     ClaimedWorkItem,
     FailedWorkItem,
+    PeriodicSchedule,
     QueueSummary,
     Status,
     WorkItem,
@@ -324,3 +327,86 @@ class QueueSummaryAdmin(BaseWorkItemAdmin):
             "opts": self.model._meta,
         }
         return TemplateResponse(request, "admin/django_dbworker/summary.html", context)
+
+
+if TYPE_CHECKING:
+    _ScheduleModelAdmin = admin.ModelAdmin[PeriodicSchedule]
+else:
+    _ScheduleModelAdmin = admin.ModelAdmin
+
+
+@admin.register(PeriodicSchedule)
+class ScheduleAdmin(_ScheduleModelAdmin):
+    """One page: each periodic handler, its schedule in words, next and last slot, "Run now".
+
+    Permissions are the work item pages': view (or change) work items to see
+    it, change work items for "Run now", which creates a work item as the
+    Retry action does. Schedule rows are the scheduler's: no add, edit or
+    delete here.
+    """
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return _may(request, "view") or _may(request, "change")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and _may(request, "change")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
+        from django.shortcuts import redirect
+
+        return redirect("admin:django_dbworker_periodicschedule_changelist")
+
+    def changelist_view(  # the schedules page replaces the list
+        self, request: HttpRequest, extra_context: Any = None
+    ) -> HttpResponse:
+        from django.contrib import messages
+        from django.core.exceptions import PermissionDenied
+        from django.shortcuts import redirect
+
+        from django_dbworker.admin.schedules import run_now, schedules_context
+
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if request.method == "POST":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            name = request.POST.get("run_now", "")
+            try:
+                item = run_now(name)
+            except LookupError as exc:
+                self.message_user(request, f"Nothing enqueued: {exc}.", messages.ERROR)
+            else:
+                self.message_user(
+                    request,
+                    format_html(
+                        'Enqueued an extra run of {} (<a href="{}">work item {}</a>); '
+                        "the schedule is unchanged.",
+                        name,
+                        reverse("admin:django_dbworker_workitem_change", args=[item.pk]),
+                        item.pk,
+                    ),
+                    messages.SUCCESS,
+                )
+            return redirect(request.path)
+        context = {
+            **self.admin_site.each_context(request),
+            **schedules_context(),
+            "title": "Schedules",
+            "opts": self.model._meta,
+            "can_run": self.has_change_permission(request),
+        }
+        return TemplateResponse(request, "admin/django_dbworker/schedules.html", context)
+
+
+def _may(request: HttpRequest, action: str) -> bool:
+    opts = WorkItem._meta
+    return bool(request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}"))

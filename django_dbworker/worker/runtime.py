@@ -47,6 +47,7 @@ from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.pool import InlinePool, Pool
 from django_dbworker.worker.prefetch import Prefetch
+from django_dbworker.worker.scheduler import Scheduler, start_scheduler
 from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
 from django_dbworker.worker.wakeup import Listener
 
@@ -192,6 +193,7 @@ class Worker:
         self._heartbeat: Heartbeat | None = None
         self._pool: Pool | None = None
         self._writer: SuccessWriter | None = None
+        self._scheduler: Scheduler | None = None
         self._next_recovery = 0.0
         #: When one of this process's writes (claim, heartbeat) last waited
         #: longer than HEARTBEAT_INTERVAL; monotonic seconds.
@@ -257,6 +259,16 @@ class Worker:
                 listener = Listener(using=cfg.using, queues=cfg.queues, wake=self.wake.set)
                 listener.start()
                 self.listener = listener
+        if self.work_item_handlers and not cfg.inline:
+            # Periodic handlers' slots (worker/scheduler.py); None without any.
+            self._scheduler = start_scheduler(
+                self.work_item_handlers.values(),
+                using=cfg.using,
+                queues=cfg.queues,
+                burst=cfg.burst,
+                metrics=self.metrics,
+                on_enqueued=self.wake.set,
+            )
         for loop in loops:
             loop.start()
         try:
@@ -274,6 +286,8 @@ class Worker:
                 listener.stop()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
+            if self._scheduler is not None:
+                self._scheduler.stop()
             if self._pool is not None:
                 self._pool.shutdown()
             if self._writer is not None and self._writer.is_alive():
@@ -474,6 +488,8 @@ class Worker:
             reason = "the heartbeat thread died"
         elif self._writer is not None and not self._writer.inline and not self._writer.is_alive():
             reason = "the success writer thread died"
+        elif self._scheduler is not None and not self._scheduler.is_alive():
+            reason = "the periodic scheduler thread died"
         elif self.abandoned.count >= cap:
             reason = (
                 f"{self.abandoned.count} handler thread(s) that overran their timeout are still "

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import random
 import time
+from datetime import datetime, timedelta
 from typing import Any
 
-from django_dbworker import WorkItemHandler
+from django.core.management import call_command
+
+from django_dbworker import PeriodicHandler, WorkItemHandler
 
 
 class SendWelcomeEmail(WorkItemHandler):
@@ -43,3 +46,26 @@ class GenerateReport(WorkItemHandler):
             raise ValueError(f"report {payload['report']!r} references a missing column")
         time.sleep(0.5)
         return f"report {payload['report']} ready"
+
+
+class ClearExpiredSessions(PeriodicHandler):
+    """Django's ``clearsessions`` once a minute (hourly would do in production)."""
+
+    name = "clear_expired_sessions"
+    every = 60
+
+    def run(self) -> None:
+        call_command("clearsessions")
+
+
+class NightlyDigest(PeriodicHandler):
+    """03:00 Paris time: the digest of the day before the slot (not of "today")."""
+
+    name = "nightly_digest"
+    cron = "0 3 * * *"
+    timezone = "Europe/Paris"
+    queue = "reports"
+
+    def run(self, slot: datetime) -> dict[str, str]:
+        day = (slot - timedelta(days=1)).date()
+        return {"digest_for": day.isoformat()}

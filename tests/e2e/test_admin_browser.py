@@ -89,3 +89,34 @@ def test_retry_a_failed_row_from_the_failed_page(browser_page, live_server) -> N
     row = WorkItem.objects.get(pk=failed.pk)
     assert (row.status, row.attempts) == (Status.PENDING, 0)
     assert WorkItem.objects.get(pk=other.pk).status == Status.FAILED
+
+
+def test_schedules_page_shows_schedules_and_runs_one_now(browser_page, live_server) -> None:  # type: ignore[no-untyped-def]
+    from datetime import UTC, datetime
+
+    from django_dbworker.worker.scheduler import ensure_schedules, take_slot
+    from tests.testapp.workers import Nightly
+
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    ensure_schedules(["nightly", "tick", "slow_tick"], using="default")
+    take_slot(Nightly, datetime(2024, 5, 1, 1, 0, tzinfo=UTC), using="default")
+    WorkItem.objects.filter(handler="nightly").update(status=Status.SUCCEEDED)
+    page = browser_page
+    page.goto(f"{live_server.url}/admin/django_dbworker/periodicschedule/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#dbw-schedules")
+    nightly = page.inner_text("tr[data-name=nightly]")
+    assert "at 03:00 every day (Europe/Paris)" in nightly
+    assert "succeeded" in nightly
+    assert "every second" in page.inner_text("tr[data-name=tick]")
+    if os.environ.get("DBWORKER_SCREENSHOTS"):
+        # The README's picture: DBWORKER_SCREENSHOTS=1 pytest tests/e2e -k schedules
+        page.screenshot(
+            path=str(Path(__file__).resolve().parents[2] / "docs/img/schedules-page.png")
+        )
+    page.click("tr[data-name=nightly] input[type=submit]")
+    page.wait_for_selector("ul.messagelist")
+    assert "Enqueued an extra run of nightly" in page.inner_text("ul.messagelist")
+    assert WorkItem.objects.filter(handler="nightly", payload__manual=True).count() == 1

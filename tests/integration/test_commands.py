@@ -147,3 +147,34 @@ def test_run_workers_repeats_the_orphan_warning_while_it_runs(
         thread.join(5)
     assert not thread.is_alive()
     assert "Is it defined in a `workers.py` module" in caplog.text
+
+
+def test_stats_show_schedules_with_their_last_run_and_next_slot() -> None:
+    from datetime import UTC, datetime
+
+    from django_dbworker.models import PeriodicSchedule
+    from django_dbworker.worker.scheduler import ensure_schedules, take_slot
+    from tests.testapp.workers import Nightly
+
+    slot = datetime(2024, 5, 1, 1, 0, tzinfo=UTC)
+    ensure_schedules(["nightly"], using="default")
+    take_slot(Nightly, slot, using="default")
+    PeriodicSchedule.objects.create(name="retired-schedule", last_slot=slot)
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    assert "Schedules (periodic handlers; times in UTC):" in text
+    lines = {line.split()[0]: line for line in text.splitlines() if line}
+    nightly = lines["nightly"]
+    assert "at 03:00 every day (Europe/Paris)" in nightly
+    assert "2024-05-01 01:00:00" in nightly and "pending (item" in nightly
+    assert "every second" in lines["tick"]
+    assert "(not registered here)" in lines["retired-schedule"]
+    WorkItem.objects.all().delete()  # pruned
+    assert "pruned (item" in _stats_line("nightly")
+
+
+def _stats_line(name: str) -> str:
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    return next(line for line in out.getvalue().splitlines() if line.startswith(name + " "))

@@ -6,12 +6,13 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.utils import timezone
 
-from django_dbworker import Handler, NoTask, WorkItemHandler, claim_next
+from django_dbworker import Handler, NoTask, PeriodicHandler, WorkItemHandler, claim_next
+from django_dbworker.periodic import slot_key
 from tests.testapp.models import Effect, Execution, Invoice
 
 
@@ -424,6 +425,43 @@ class Pace(WorkItemHandler):
     def handle(self, payload: Any) -> None:
         _record(payload)
         time.sleep(float(payload.get("seconds", 0)))
+
+
+class Tick(PeriodicHandler):
+    """Every second; records its slot, so tests can count runs per slot."""
+
+    name = "tick"
+    every = 1
+
+    def run(self, slot: datetime) -> str:
+        Execution.objects.create(key=slot_key(slot), kind="tick", pid=os.getpid())
+        return slot_key(slot)
+
+
+class SlowTick(PeriodicHandler):
+    """Every second, each run longer than two slots: the next slots are skipped."""
+
+    name = "slow_tick"
+    every = 1
+
+    def run(self) -> None:
+        assert self.slot is not None
+        Execution.objects.create(key=slot_key(self.slot), kind="slow_tick", pid=os.getpid())
+        time.sleep(float(os.environ.get("DBWORKER_TEST_SLOW_TICK", "2.2")))
+
+
+class Nightly(PeriodicHandler):
+    """03:00 in Paris; reads its slot from ``self.slot``."""
+
+    name = "nightly"
+    cron = "0 3 * * *"
+    timezone = "Europe/Paris"
+    queue = "reports"
+
+    def run(self) -> dict[str, str]:
+        assert self.slot is not None
+        Execution.objects.create(key=slot_key(self.slot), kind="nightly", pid=os.getpid())
+        return {"report_for": slot_key(self.slot)}
 
 
 if os.environ.get("DBWORKER_TEST_CLAIMLESS"):

@@ -1,12 +1,13 @@
-"""``manage.py dbworker_stats``: counts by queue and status, queue lag, orphans."""
+"""``manage.py dbworker_stats``: counts by queue and status, queue lag, orphans, schedules."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_dbworker.stats import orphaned_handlers, queue_stats, status_columns
+from django_dbworker.stats import orphaned_handlers, queue_stats, schedule_stats, status_columns
 
 
 class Command(BaseCommand):
@@ -25,7 +26,11 @@ class Command(BaseCommand):
         stats = queue_stats(using=options["database"])
         if not stats:
             self.stdout.write("No work items.")
-            return
+        else:
+            self._queues(stats, options)
+        self._schedules(options)
+
+    def _queues(self, stats: Any, options: dict[str, Any]) -> None:
         statuses = status_columns(stats)
         header = ["queue", *statuses, "oldest pending"]
         rows = []
@@ -51,7 +56,37 @@ class Command(BaseCommand):
                 [[o["handler"], str(o["pending"]), f"{o['oldest_age']:.1f}s ago"] for o in orphans],
             )
 
+    def _schedules(self, options: dict[str, Any]) -> None:
+        schedules = schedule_stats(using=options["database"])
+        if not schedules:
+            return
+        self.stdout.write("")
+        self.stdout.write("Schedules (periodic handlers; times in UTC):")
+        rows = []
+        for entry in schedules:
+            if entry["last_status"] is not None:
+                last = f"{entry['last_status']} (item {entry['last_item_id']})"
+            elif entry["last_item_id"] is not None:
+                last = f"pruned (item {entry['last_item_id']})"
+            else:
+                last = "-"
+            rows.append(
+                [
+                    entry["name"],
+                    entry["schedule"] or "(not registered here)",
+                    _when(entry["last_slot"]),
+                    last,
+                    str(entry["skipped"]),
+                    _when(entry["next_slot"]),
+                ]
+            )
+        self._table(["handler", "schedule", "last slot", "last run", "skipped", "next slot"], rows)
+
     def _table(self, header: list[str], rows: list[list[str]]) -> None:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
             self.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")

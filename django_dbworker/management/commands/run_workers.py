@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 from argparse import ArgumentParser, ArgumentTypeError
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -14,11 +14,13 @@ from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
+from django.utils import timezone
 
 from django_dbworker import metrics, validation
 from django_dbworker.db import UnsupportedDatabase, operations
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
+from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import autodiscover, registry
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.stats import orphaned_handlers
@@ -168,6 +170,7 @@ class Command(BaseCommand):
             operations(using).vendor,
             " (burst)" if config.burst else "",
         )
+        _log_schedules([registry[n] for n in names], config.queues)
         _warn_about_orphans(using)
         watch_orphans(using, stopping=worker.stopping)
         self._start_metrics_server(options)
@@ -277,6 +280,31 @@ def _summary(worker: Worker) -> str:
     if counts[Outcome.FENCED]:
         parts.append(f"{counts[Outcome.FENCED]} discarded (fenced)")
     return ", ".join(parts)
+
+
+def _log_schedules(handlers: list[type[Any]], queues: Sequence[str] | None) -> None:
+    """One line per periodic handler: its schedule in words and its next slot."""
+    now = timezone.now()
+    for cls in periodic_handlers(handlers):
+        schedule = cls.get_schedule()
+        following = schedule.following(now)
+        if queues and cls.queue not in queues:
+            logger.info(
+                "Schedule %s: %s; not enqueued by this worker (its queue %r is not one of "
+                "--queue %s).",
+                cls.name,
+                schedule.describe(),
+                cls.queue,
+                ",".join(queues),
+            )
+            continue
+        logger.info(
+            "Schedule %s: %s, queue %s; next slot %s.",
+            cls.name,
+            schedule.describe(),
+            cls.queue,
+            "none" if following is None else following.isoformat(timespec="seconds"),
+        )
 
 
 def _warn_about_orphans(using: str) -> None:
