@@ -23,7 +23,11 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import psycopg
+from django.db.backends.postgresql.psycopg_any import register_tzloader
+from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
+from psycopg.pq import Format
 
 from django_dbworker.db.base import (
     ColumnStats,
@@ -37,6 +41,9 @@ from django_dbworker.models import WorkItem
 
 #: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
 MIN_VERSION = 130000
+
+#: The type whose loader Django sets to its time zone (``create_cursor``).
+TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 
 # -- statements ---------------------------------------------------------------------
 #
@@ -155,24 +162,23 @@ RETURNING w.id, w.claim_token
 
 # NOTIFY is transactional: the wake-up is delivered when (and only if) the
 # insert commits. run_at is an absolute time, or NULL for "delay after now".
+# The pg_notify() call in RETURNING runs once, for the one row; a plain
+# INSERT ... RETURNING costs the server less to parse and plan than the same
+# insert in a WITH around a join to the NOTIFY (Django does not prepare
+# statements by default, so that cost is paid on every call).
 INSERT_ITEM = Statement(
     "insert_item",
     "Insert one pending row and notify its queue, in one round trip.",
     """
-WITH ins AS (
-    INSERT INTO django_dbworker_workitem (
-        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, created_at, updated_at)
-    VALUES (
-        %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
-        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
-        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        statement_timestamp(), statement_timestamp())
-    RETURNING id, run_after, created_at, updated_at
-)
-SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
-FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
-ORDER BY ins.id
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES (
+    %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+    coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+    0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    statement_timestamp(), statement_timestamp())
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s)
 """,
 )
 
@@ -316,7 +322,10 @@ class PostgresOperations(VendorOperations):
             payload_json = json.dumps(item.payload)
         params = self._insert_params(item, run_after)
         params["payload"] = None if item.payload is None else payload_json
-        self._assign(self._fetch(INSERT_ITEM.sql, params), [item])
+        with self._bound_cursor() as cursor:
+            cursor.execute(INSERT_ITEM.sql, params)
+            rows = cursor.fetchall()
+        self._assign(rows, [item])
         return True
 
     def insert_items(
@@ -330,6 +339,37 @@ class PostgresOperations(VendorOperations):
         params["payloads"] = list(payloads_json)
         self._assign(self._fetch(INSERT_ITEMS.sql, params), items)
         return True
+
+    def _bound_cursor(self) -> CursorWrapper:
+        """``connection.cursor()``, but binding parameters on the server.
+
+        Django's psycopg backend uses a ``ClientCursor`` unless told otherwise:
+        parameters are quoted into the text in Python and the server parses a
+        new text every time, and such a cursor never uses prepared statements.
+        The enqueue statements run on a plain ``psycopg.Cursor`` of the same
+        connection (so in the same transaction) instead: parameters travel
+        apart from the fixed text, and where the database's OPTIONS set
+        ``prepare_threshold`` psycopg prepares them (Django leaves it off by
+        default, for poolers such as PgBouncer; we follow that setting rather
+        than override it). The cursor is wrapped as Django wraps its own, so
+        query logging, execute wrappers, error translation and the
+        broken-transaction check still apply, and timestamps load in the
+        connection's time zone as ``DatabaseWrapper.create_cursor`` arranges.
+        """
+        connection = self.connection
+        connection.close_if_health_check_failed()
+        connection.ensure_connection()
+        with connection.wrap_database_errors:
+            raw = connection.connection
+            # Any: django-stubs types make_cursor's argument as a CursorWrapper.
+            cursor: Any = psycopg.Cursor(raw)
+            loader = raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
+            if connection.timezone != getattr(loader, "timezone", None):
+                register_tzloader(connection.timezone, cursor)
+        connection.validate_thread_sharing()
+        if connection.queries_logged:
+            return connection.make_debug_cursor(cursor)
+        return connection.make_cursor(cursor)
 
     def _insert_params(
         self, first: WorkItem, run_after: datetime | timedelta | None
@@ -349,7 +389,9 @@ class PostgresOperations(VendorOperations):
         """Give inserted items their ids and database-set times, as ``save()`` would."""
         if len(rows) != len(items):
             raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
-        for item, (pk, run_after_value, created_at, updated_at) in zip(items, rows, strict=True):
+        for item, (pk, run_after_value, created_at, updated_at, *_) in zip(
+            items, rows, strict=True
+        ):
             item.pk = pk
             item.run_after = run_after_value
             item.created_at = created_at
