@@ -43,10 +43,11 @@ from django_dbworker.models import WorkItem
 #: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
 MIN_VERSION = 130000
 
-#: Batches of at least this many items go in by COPY (``insert_items``): below
-#: it, the three extra round trips of the COPY path cost more than its
-#: cheaper rows save (measured in docs/benchmarks.md, W2).
-COPY_THRESHOLD = 500
+#: Batches of at least this many items go in by COPY (``insert_items``). The
+#: COPY path costs four more round trips (a transaction, the id reservation,
+#: the NOTIFY); measured, it breaks even at 20 to 50 rows and takes about 70%
+#: of the one-statement insert's time from 100 rows up (docs/benchmarks.md, W2).
+COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
 COPY_CHUNK = 1000
