@@ -426,7 +426,7 @@ def test_a_copy_batch_that_fails_after_reserving_ids_leaves_nothing() -> None:
 def test_new_item_matches_the_model_constructor() -> None:
     from django.db.models.signals import post_init
 
-    from django_dbworker.enqueuing import _new_item
+    from django_dbworker.enqueuing import _item_maker, _new_item
 
     values = {
         "handler": "echo",
@@ -445,6 +445,7 @@ def test_new_item_matches_the_model_constructor() -> None:
             assert fast.__dict__[name] == value, name
     assert fast._state.adding and fast._state.db is None
     assert fast.trace_context is not _new_item(values).trace_context
+    assert _item_maker() is _new_item
     seen: list[object] = []
 
     def receiver(sender: object, instance: object, **kwargs: object) -> None:
@@ -452,7 +453,8 @@ def test_new_item_matches_the_model_constructor() -> None:
 
     post_init.connect(receiver, sender=WorkItem)
     try:
-        item = _new_item(values)
+        item = _item_maker()(values)
+        items = Echo.enqueue_many([1, 2])
     finally:
         post_init.disconnect(receiver, sender=WorkItem)
-    assert seen == [item]
+    assert seen[0] is item and seen[1:] == items
