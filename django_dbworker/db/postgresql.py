@@ -45,8 +45,9 @@ MIN_VERSION = 130000
 
 #: Batches of at least this many items go in by COPY (``insert_items``). The
 #: COPY path costs four more round trips (a transaction, the id reservation,
-#: the NOTIFY); measured, it breaks even at 20 to 50 rows and takes about 70%
-#: of the one-statement insert's time from 100 rows up (docs/benchmarks.md, W2).
+#: the NOTIFY); measured, it breaks even at 20 to 50 rows, takes about 80% of
+#: the one-statement insert's time at 100 to 200 rows and 55% at 1,000 and
+#: more (docs/benchmarks.md, W2).
 COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
