@@ -157,16 +157,18 @@ def _check_unique_key(key: Any) -> str | None:
 
 
 #: Per concrete field, in order: its attname, and its default as a value to
-#: share or as a function to call per instance. Filled on first use.
-_DEFAULTS: list[tuple[str, Any, Callable[[], Any] | None]] = []
+#: share or as a function to call per instance. Built on first use.
+_DEFAULTS: list[tuple[str, Any, Callable[[], Any] | None]] | None = None
 
 
 def _defaults() -> list[tuple[str, Any, Callable[[], Any] | None]]:
-    if not _DEFAULTS:
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        plan: list[tuple[str, Any, Callable[[], Any] | None]] = []
         for field in WorkItem._meta.concrete_fields:
             if field.has_default() and callable(field.default):
                 # trace_context's dict: each instance gets its own, as in Model.__init__.
-                _DEFAULTS.append((field.attname, None, field.get_default))
+                plan.append((field.attname, None, field.get_default))
             else:
                 # A plain default is one shared object in Model.__init__ too. A
                 # db_default is a DatabaseDefault expression, new per instance
@@ -174,7 +176,8 @@ def _defaults() -> list[tuple[str, Any, Callable[[], Any] | None]]:
                 # when it compiles them and never changes them in place, and
                 # enqueue replaces them (with the inserted values, or by
                 # deferring the field) before the item is returned.
-                _DEFAULTS.append((field.attname, field.get_default(), None))
+                plan.append((field.attname, field.get_default(), None))
+        _DEFAULTS = plan  # one assignment: threads racing here build equal plans
     return _DEFAULTS
 
 
