@@ -368,13 +368,15 @@ def test_prepared_enqueue_statements_give_the_same_items(
 
 @pytest.mark.postgres_only
 @pytest.mark.django_db(transaction=True)
-def test_a_copy_batch_in_a_rolled_back_transaction_leaves_nothing_and_wakes_no_one() -> None:
+def test_enqueues_in_a_rolled_back_transaction_leave_nothing_and_wake_no_one() -> None:
     from django_dbworker.db import operations
 
     def enqueue_then_fail() -> None:
         with transaction.atomic():
             Echo.enqueue_many(_batch(_threshold()), queue="rolled.back")
-            assert WorkItem.objects.filter(queue="rolled.back").exists()
+            Echo.enqueue_many([1, 2], queue="rolled.back")
+            Echo.enqueue(None, queue="rolled.back")
+            assert WorkItem.objects.filter(queue="rolled.back").count() == _threshold() + 4
             raise RuntimeError
 
     subscription = operations().listen()
@@ -383,6 +385,9 @@ def test_a_copy_batch_in_a_rolled_back_transaction_leaves_nothing_and_wakes_no_o
             enqueue_then_fail()
         assert not WorkItem.objects.exists()
         Echo.enqueue_many(_batch(_threshold()), queue="committed")
+        with transaction.atomic():
+            Echo.enqueue(None, queue="committed.single")
+            Echo.enqueue_many(_batch(_threshold()), queue="committed.single")
         Noop.enqueue(None, queue="marker")
         # Wake-ups arrive in commit order: everything sent before the marker's
         # commit has arrived by the time the marker does.
@@ -393,7 +398,8 @@ def test_a_copy_batch_in_a_rolled_back_transaction_leaves_nothing_and_wakes_no_o
                 break
     finally:
         subscription.close()
-    assert received == ["committed", "marker"]
+    # One wake-up per queue and commit, in commit order; none for the rollback.
+    assert received == ["committed", "committed.single", "marker"]
     assert WorkItem.objects.filter(queue="committed").count() == _threshold() + 1
 
 
