@@ -15,6 +15,13 @@ INSTALLED_APPS = [
     "bench.benchapp",
 ]
 DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
+# BENCH_PREPARE_THRESHOLD=N: psycopg's prepare_threshold (Django's default is
+# None: nothing prepared). Django's own ClientCursors are never prepared; the
+# enqueue statements are, on a cursor of their own (db/postgresql.py).
+if os.environ.get("BENCH_PREPARE_THRESHOLD"):
+    DATABASES["default"]["OPTIONS"] = {
+        "prepare_threshold": int(os.environ["BENCH_PREPARE_THRESHOLD"])
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DBWORKER = {
     "CONCURRENCY": int(os.environ.get("BENCH_CONCURRENCY", "8")),

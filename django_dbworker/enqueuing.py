@@ -11,14 +11,16 @@ alias unless ``using`` says otherwise (``routing.py``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Expression
+from django.db.models.base import ModelState
 from django.db.models.functions import Now
+from django.db.models.signals import post_init, pre_init
 from django.utils import timezone
 
 from django_dbworker import tracing, validation
@@ -98,7 +100,8 @@ def _check_payload(payload: Any) -> str:
                 "cannot store it in JSON, so it is refused on every database."
             )
     limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
-    size = len(encoded.encode("utf-8"))
+    # json.dumps escapes every non-ASCII character: one character, one byte.
+    size = len(encoded)
     if size > limit:
         raise EnqueueError(
             f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
@@ -153,6 +156,64 @@ def _check_unique_key(key: Any) -> str | None:
     return key
 
 
+#: Per concrete field, in order: its attname, and its default as a value to
+#: share or as a function to call per instance. Built on first use.
+_DEFAULTS: list[tuple[str, Any, Callable[[], Any] | None]] | None = None
+
+
+def _defaults() -> list[tuple[str, Any, Callable[[], Any] | None]]:
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        plan: list[tuple[str, Any, Callable[[], Any] | None]] = []
+        for field in WorkItem._meta.concrete_fields:
+            if field.has_default() and callable(field.default):
+                # trace_context's dict: each instance gets its own, as in Model.__init__.
+                plan.append((field.attname, None, field.get_default))
+            else:
+                # A plain default is one shared object in Model.__init__ too. A
+                # db_default is a DatabaseDefault expression, new per instance
+                # there; one per field is shared here: Django copies expressions
+                # when it compiles them and never changes them in place, and
+                # enqueue replaces them (with the inserted values, or by
+                # deferring the field) before the item is returned.
+                plan.append((field.attname, field.get_default(), None))
+        _DEFAULTS = plan  # one assignment: threads racing here build equal plans
+    return _DEFAULTS
+
+
+def _new_item(values: dict[str, Any]) -> WorkItem:
+    """``WorkItem(**values)`` for a fraction of the cost; see ``_item_maker``."""
+    item = WorkItem.__new__(WorkItem)
+    item._state = ModelState()
+    attributes = item.__dict__
+    for attname, default, make_default in _defaults():
+        if attname in values:
+            attributes[attname] = values[attname]
+        elif make_default is not None:
+            attributes[attname] = make_default()
+        else:
+            attributes[attname] = default
+    return item
+
+
+def _model_constructor(values: dict[str, Any]) -> WorkItem:
+    return WorkItem(**values)
+
+
+def _item_maker() -> Callable[[dict[str, Any]], WorkItem]:
+    """How to build unsaved items now: ``WorkItem(**values)`` or its fast twin.
+
+    ``Model.__init__`` takes about 13 µs for this model (a keyword lookup and
+    a default per field), the largest Python cost per item of
+    ``enqueue_many``; ``_new_item`` sets the same attributes in the same
+    order in about 2 µs. With a listener on ``pre_init`` or ``post_init``
+    the real constructor runs, so the signals still fire.
+    """
+    if pre_init.has_listeners(WorkItem) or post_init.has_listeners(WorkItem):
+        return _model_constructor
+    return _new_item
+
+
 def _build(
     cls: type[WorkItemHandler],
     payload: Any,
@@ -164,18 +225,43 @@ def _build(
 ) -> tuple[WorkItem, str]:
     """A validated, unsaved item and its payload as JSON text."""
     encoded = _check_payload(payload)
-    item = WorkItem(
-        handler=cls.name,
-        queue=_check_queue(cls.queue if queue is None else queue),
-        payload=payload,
-        priority=_check_priority(priority),
-        max_attempts=cls.get_max_attempts(),
-        unique_key=_check_unique_key(unique_key),
+    item = _item_maker()(
+        {
+            "handler": cls.name,
+            "queue": _check_queue(cls.queue if queue is None else queue),
+            "payload": payload,
+            "priority": _check_priority(priority),
+            "max_attempts": cls.get_max_attempts(),
+            "unique_key": _check_unique_key(unique_key),
+        }
     )
     value = _run_after_value(run_after)
     if value is not None:
         item.run_after = value
     return item, encoded
+
+
+def _sibling(
+    make: Callable[[dict[str, Any]], WorkItem], first: WorkItem, payload: Any, run_after: Any
+) -> WorkItem:
+    """What ``_build`` makes for ``payload`` with the options ``first`` was built from.
+
+    ``enqueue_many`` validates the shared options once, with the first item.
+    """
+    item = make(
+        {
+            "handler": first.handler,
+            "queue": first.queue,
+            "payload": payload,
+            "priority": first.priority,
+            "max_attempts": first.max_attempts,
+            "unique_key": None,
+        }
+    )
+    value = _run_after_value(run_after)
+    if value is not None:
+        item.run_after = value
+    return item
 
 
 def _forget_expressions(item: WorkItem) -> None:
@@ -255,17 +341,26 @@ def enqueue_many(
     queue: str | None = None,
     using: str | None = None,
 ) -> list[WorkItem]:
-    """Insert one work item per payload in one bulk INSERT; all or nothing."""
+    """Insert one work item per payload in one bulk INSERT (or COPY); all or nothing.
+
+    The options every item shares are validated with the first payload, so an
+    invalid queue reads "Payload #0: ..." as it always did.
+    """
     if isinstance(payloads, (str, bytes, dict)):
         raise EnqueueError("enqueue_many takes an iterable of payloads, not a single payload.")
     cls = _handler_class(handler)
-    items = []
-    encoded = []
+    items: list[WorkItem] = []
+    encoded: list[str | None] = []
+    make = _item_maker()
     for index, payload in enumerate(payloads):
         try:
-            item, payload_json = _build(
-                cls, payload, run_after=run_after, priority=priority, queue=queue
-            )
+            if items:
+                payload_json = _check_payload(payload)
+                item = _sibling(make, items[0], payload, run_after)
+            else:
+                item, payload_json = _build(
+                    cls, payload, run_after=run_after, priority=priority, queue=queue
+                )
         except EnqueueError as exc:
             raise EnqueueError(f"Payload #{index}: {exc}") from None
         items.append(item)

@@ -143,7 +143,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         queue: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
-        """Insert one item per payload in one bulk INSERT; see ``django_dbworker.enqueue_many``."""
+        """Insert one item per payload in one bulk write; see ``django_dbworker.enqueue_many``."""
         return _enqueuer().enqueue_many(
             cls, payloads, run_after=run_after, priority=priority, queue=queue, using=using
         )

@@ -23,7 +23,12 @@ from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import psycopg
+from django.db import transaction
+from django.db.backends.postgresql.psycopg_any import register_tzloader
+from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
+from psycopg.pq import Format
 
 from django_dbworker.db.base import (
     ColumnStats,
@@ -35,14 +40,21 @@ from django_dbworker.db.base import (
 )
 from django_dbworker.models import WorkItem
 
-try:  # psycopg 3 binds parameters on the server with its plain cursor
-    from psycopg import Connection as Psycopg3Connection
-    from psycopg import Cursor as ServerBindingCursor
-except ImportError:  # psycopg2: client-side binding only
-    Psycopg3Connection = ServerBindingCursor = None  # type: ignore[assignment,misc]
-
 #: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
 MIN_VERSION = 130000
+
+#: Batches of at least this many items go in by COPY (``insert_items``). The
+#: COPY path costs four more round trips (a transaction, the id reservation,
+#: the NOTIFY); measured, it breaks even at 20 to 50 rows, takes about 80% of
+#: the one-statement insert's time at 100 to 200 rows and 55% at 1,000 and
+#: more (docs/benchmarks.md, W2).
+COPY_THRESHOLD = 100
+
+#: Rows per chunk of COPY data.
+COPY_CHUNK = 1000
+
+#: The type whose loader Django sets to its time zone (``create_cursor``).
+TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 
 # -- statements ---------------------------------------------------------------------
 #
@@ -161,24 +173,23 @@ RETURNING w.id, w.claim_token
 
 # NOTIFY is transactional: the wake-up is delivered when (and only if) the
 # insert commits. run_at is an absolute time, or NULL for "delay after now".
+# The pg_notify() call in RETURNING runs once, for the one row; a plain
+# INSERT ... RETURNING costs the server less to parse and plan than the same
+# insert in a WITH around a join to the NOTIFY (Django does not prepare
+# statements by default, so that cost is paid on every call).
 INSERT_ITEM = Statement(
     "insert_item",
     "Insert one pending row and notify its queue, in one round trip.",
     """
-WITH ins AS (
-    INSERT INTO django_dbworker_workitem (
-        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, created_at, updated_at)
-    VALUES (
-        %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
-        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
-        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        statement_timestamp(), statement_timestamp())
-    RETURNING id, run_after, created_at, updated_at
-)
-SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
-FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
-ORDER BY ins.id
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES (
+    %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+    coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+    0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    statement_timestamp(), statement_timestamp())
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s)
 """,
 )
 
@@ -206,6 +217,41 @@ WITH ins AS (
 SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
 FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
 ORDER BY ins.id
+""",
+)
+
+# A large batch goes in by COPY, which skips the per-row work of the
+# executor and of a giant array parameter. COPY cannot return anything, so
+# the ids are taken from the table's own sequence first: nextval() hands
+# every caller distinct values, whoever else inserts meanwhile, and one
+# session's values increase, so the batch's ids follow its payloads. The
+# times every row shares (created_at, updated_at, run_after) are read from
+# the database clock by the same statement and written into the rows, so
+# the returned items hold exactly what is stored.
+RESERVE_IDS = Statement(
+    "reserve_ids",
+    "Take ids for a batch from the table's sequence, and the database times its rows get.",
+    """
+SELECT statement_timestamp(),
+       coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+       array(
+           SELECT nextval(s.seq)
+           FROM (SELECT pg_get_serial_sequence('django_dbworker_workitem', 'id')::regclass
+                 AS seq) AS s,
+                generate_series(1, %(count)s)
+       )
+""",
+)
+
+# Text format; the column order puts the two that vary (id, payload) first.
+COPY_ITEMS = Statement(
+    "copy_items",
+    "Write pending rows with reserved ids, as COPY text (their wake-up is a NOTIFY).",
+    """
+COPY django_dbworker_workitem (
+    id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+FROM STDIN
 """,
 )
 
@@ -320,18 +366,9 @@ class PostgresOperations(VendorOperations):
         psycopg also prepares once if the project enabled prepared
         statements with OPTIONS ``prepare_threshold``; Django disables them by
         default for the sake of connection poolers, and so do we). The cursor
-        is wrapped by Django as usual: its errors, debug log and
-        ``CaptureQueriesContext`` see it like any other.
+        is wrapped by Django as usual (``_binding_cursor``).
         """
-        conn = self.connection
-        conn.ensure_connection()
-        if Psycopg3Connection is None or not isinstance(conn.connection, Psycopg3Connection):
-            return self._fetch(sql, params)
-        with conn.wrap_database_errors:
-            raw = ServerBindingCursor(conn.connection)
-        # What conn.cursor() does with the cursor it creates: thread-sharing
-        # check, and the wrapper that logs queries and translates errors.
-        with conn._prepare_cursor(raw) as cursor:  # type: ignore[attr-defined]
+        with self._binding_cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
 
@@ -348,7 +385,10 @@ class PostgresOperations(VendorOperations):
             payload_json = json.dumps(item.payload)
         params = self._insert_params(item, run_after)
         params["payload"] = None if item.payload is None else payload_json
-        self._assign(self._fetch(INSERT_ITEM.sql, params), [item])
+        with self._insert_cursor() as cursor:
+            cursor.execute(INSERT_ITEM.sql, params)
+            rows = cursor.fetchall()
+        self._assign(rows, [item])
         return True
 
     def insert_items(
@@ -359,9 +399,124 @@ class PostgresOperations(VendorOperations):
         payloads_json: Sequence[str | None],
     ) -> bool:
         params = self._insert_params(items[0], run_after)
+        if len(items) >= COPY_THRESHOLD:
+            self._copy_items(items, params, payloads_json)
+            return True
         params["payloads"] = list(payloads_json)
-        self._assign(self._fetch(INSERT_ITEMS.sql, params), items)
+        with self._insert_cursor() as cursor:
+            cursor.execute(INSERT_ITEMS.sql, params)
+            rows = cursor.fetchall()
+        self._assign(rows, items)
         return True
+
+    def _copy_items(
+        self,
+        items: Sequence[WorkItem],
+        params: dict[str, Any],
+        payloads_json: Sequence[str | None],
+    ) -> None:
+        """``insert_items`` by COPY: reserve ids, write the rows, notify; all or nothing.
+
+        One transaction in autocommit; inside the caller's, no savepoint: as
+        with the one-statement insert, an error breaks the caller's
+        transaction, and nothing of the batch stays.
+        """
+        connection = self.connection
+        with (
+            transaction.atomic(using=self.using, savepoint=False),
+            self._insert_cursor() as cursor,
+        ):
+            cursor.execute(RESERVE_IDS.sql, {**params, "count": len(items)})
+            ((now, run_after_value, ids),) = cursor.fetchall()
+            ids.sort()
+            if len(ids) != len(items):
+                raise RuntimeError(f"reserved {len(ids)} ids for {len(items)} items")
+            # Every column but id and payload, as one piece of COPY text.
+            shared = "\t".join(
+                [
+                    _copy_text(params["handler"]),
+                    _copy_text(params["queue"]),
+                    "pending",
+                    str(params["priority"]),
+                    run_after_value.isoformat(),
+                    "0",
+                    str(params["max_attempts"]),
+                    "",
+                    "",
+                    _copy_text(params["trace_context"]),
+                    now.isoformat(),
+                    now.isoformat(),
+                ]
+            )
+            with connection.wrap_database_errors, cursor.copy(COPY_ITEMS.sql) as copy:
+                for start in range(0, len(ids), COPY_CHUNK):
+                    rows = zip(
+                        ids[start : start + COPY_CHUNK],
+                        payloads_json[start : start + COPY_CHUNK],
+                        strict=True,
+                    )
+                    copy.write(
+                        "".join(
+                            [f"{pk}\t{_copy_payload(payload)}\t{shared}\n" for pk, payload in rows]
+                        )
+                    )
+            cursor.execute(NOTIFY.sql, {"queue": params["queue"]})
+        for item, pk in zip(items, ids, strict=True):
+            item.pk = pk
+            item.run_after = run_after_value
+            item.created_at = now
+            item.updated_at = now
+            item._state.adding = False
+            item._state.db = self.using
+
+    def _insert_cursor(self) -> CursorWrapper:
+        """A cursor for the enqueue statements: prepared where the connection allows it.
+
+        Django's psycopg backend uses a ``ClientCursor`` unless told otherwise:
+        parameters are quoted into the text, the server parses and plans it
+        on every call, and such a cursor is never prepared. Parsing and
+        planning are a good part of a single enqueue's cost (about 80 µs of
+        450 on the development machine, docs/benchmarks.md, W2). Where the
+        database's OPTIONS set ``prepare_threshold`` (Django leaves it off by
+        default, for poolers such as PgBouncer before 1.21; we follow that
+        setting rather than override it), the statements run on a plain
+        ``psycopg.Cursor`` of the same connection, so in the same
+        transaction, which psycopg prepares. Without it, binding on the
+        server does not pay (one more message, the same parse), and Django's
+        own cursor is used. The plain cursor is wrapped as Django wraps its
+        own: query logging, execute wrappers, error translation and the
+        broken-transaction check still apply, and timestamps load in the
+        connection's time zone as ``DatabaseWrapper.create_cursor`` arranges.
+        """
+        connection = self.connection
+        connection.close_if_health_check_failed()
+        connection.ensure_connection()
+        if connection.connection.prepare_threshold is None:
+            return connection.cursor()
+        return self._binding_cursor()
+
+    def _binding_cursor(self) -> CursorWrapper:
+        """A plain ``psycopg.Cursor`` of this alias's connection, wrapped as Django wraps its own.
+
+        Parameters are bound on the server (and the statement prepared if
+        the connection's ``prepare_threshold`` allows). Query logging,
+        execute wrappers, error translation and the broken-transaction check
+        apply as to Django's cursors, and timestamps load in the
+        connection's time zone as ``DatabaseWrapper.create_cursor`` arranges.
+        """
+        connection = self.connection
+        connection.ensure_connection()
+        raw = connection.connection
+        with connection.wrap_database_errors:
+            # Any: django-stubs types make_cursor's argument as a CursorWrapper.
+            cursor: Any = psycopg.Cursor(raw)
+            loader = raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
+            if connection.timezone != getattr(loader, "timezone", None):
+                register_tzloader(connection.timezone, cursor)
+        connection.validate_thread_sharing()
+        if connection.queries_logged:
+            return connection.make_debug_cursor(cursor)
+        return connection.make_cursor(cursor)
 
     def _insert_params(
         self, first: WorkItem, run_after: datetime | timedelta | None
@@ -381,7 +536,9 @@ class PostgresOperations(VendorOperations):
         """Give inserted items their ids and database-set times, as ``save()`` would."""
         if len(rows) != len(items):
             raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
-        for item, (pk, run_after_value, created_at, updated_at) in zip(items, rows, strict=True):
+        for item, (pk, run_after_value, created_at, updated_at, *_) in zip(
+            items, rows, strict=True
+        ):
             item.pk = pk
             item.run_after = run_after_value
             item.created_at = created_at
@@ -466,6 +623,22 @@ class PostgresSubscription:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _copy_text(value: str) -> str:
+    """``value`` as a field of COPY's text format (backslash escapes)."""
+    return (
+        value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    )
+
+
+def _copy_payload(payload_json: str | None) -> str:
+    """A payload's JSON text as a COPY field; None (a JSON null payload) is SQL NULL."""
+    # JSON from json.dumps holds no raw control characters, only backslashes
+    # need doubling; _copy_text escapes all four anyway, so any text stays exact.
+    if payload_json is None:
+        return "\\N"
+    return _copy_text(payload_json)
 
 
 def _parse_text_array(text: str) -> list[str]:

@@ -216,3 +216,251 @@ def test_a_payload_nested_too_deeply_is_refused() -> None:
     with pytest.raises(EnqueueError, match="nested too deeply"):
         Echo.enqueue(payload)
     assert not WorkItem.objects.exists()
+
+
+# -- enqueue_many by COPY (PostgreSQL, batches of COPY_THRESHOLD or more) -------------------
+
+#: Payloads that COPY's text format could get wrong: backslashes and what
+#: looks like its escapes, JSON's own escapes, non-ASCII text, nesting, nulls.
+AWKWARD_PAYLOADS: list[object] = [
+    None,
+    {"text": "naïve café, 東京, emoji 🎉, rtl עברית"},
+    {"nested": {"list": [1, [2, [3, {"deep": None}]]], "empty": {}, "none": None}},
+    ["tab\there", "newline\nthere", "cr\rhere", "back\\slash", "\\N", "\\t", "\\\\"],
+    "\\N",
+    "",
+    0,
+    -12345678901234567890,
+    0.1,
+    True,
+    [],
+    {},
+    {"quote": "\"'", "control": "\x01\x1f\x7f", "surrogate-free": "\u2028\u2029"},
+]
+
+
+def _threshold() -> int:
+    from django_dbworker.db import postgresql
+
+    return postgresql.COPY_THRESHOLD
+
+
+def _batch(n: int) -> list[object]:
+    return [AWKWARD_PAYLOADS[i % len(AWKWARD_PAYLOADS)] for i in range(n)] + [{"last": n}]
+
+
+def _stored(items: list[WorkItem]) -> list[tuple[object, ...]]:
+    """Every column of the items' rows but id and the times, in the items' order."""
+    rows = {r.pk: r for r in WorkItem.objects.filter(pk__in=[i.pk for i in items])}
+    assert len(rows) == len(items)
+    return [
+        (
+            rows[i.pk].handler,
+            rows[i.pk].queue,
+            rows[i.pk].payload,
+            rows[i.pk].status,
+            rows[i.pk].priority,
+            rows[i.pk].attempts,
+            rows[i.pk].max_attempts,
+            rows[i.pk].claimed_by,
+            rows[i.pk].claim_token,
+            rows[i.pk].last_error,
+            rows[i.pk].result,
+            rows[i.pk].unique_key,
+            rows[i.pk].trace_context,
+        )
+        for i in items
+    ]
+
+
+def _assert_returned_as_stored(items: list[WorkItem], payloads: list[object]) -> None:
+    """The returned items hold what the rows hold: ids in payload order, DB times."""
+    assert [i.payload for i in items] == payloads
+    assert [i.pk for i in items] == sorted(i.pk for i in items)
+    assert len({i.pk for i in items}) == len(items)
+    rows = {r.pk: r for r in WorkItem.objects.filter(pk__in=[i.pk for i in items])}
+    for item in items:
+        row = rows[item.pk]
+        assert row.payload == item.payload
+        assert (item.run_after, item.created_at, item.updated_at) == (
+            row.run_after,
+            row.created_at,
+            row.updated_at,
+        )
+        assert not item._state.adding and item._state.db == "default"
+
+
+@pytest.mark.postgres_only
+def test_a_copy_batch_returns_its_items_in_order_with_ids_and_database_times() -> None:
+    payloads = _batch(_threshold() * 3)
+    with CaptureQueriesContext(connection) as ctx:
+        items = Echo.enqueue_many(payloads, priority=7)
+    statements = [q["sql"].lstrip().split(None, 1)[0].upper() for q in ctx.captured_queries]
+    assert "COPY" in statements and "INSERT" not in statements
+    _assert_returned_as_stored(items, payloads)
+    assert {(i.handler, i.queue, i.priority, i.max_attempts) for i in items} == {
+        ("echo", "echoes", 7, 3)
+    }
+    assert len({(i.created_at, i.updated_at, i.run_after) for i in items}) == 1
+    assert items[0].created_at == items[0].updated_at == items[0].run_after
+    assert WorkItem.objects.ready().count() == len(payloads)
+    # The stored null payload is SQL NULL, as the one-statement insert stores it.
+    assert WorkItem.objects.filter(pk=items[0].pk, payload__isnull=True).exists()
+
+
+@pytest.mark.parametrize(
+    "run_after",
+    [None, timedelta(minutes=5), dt.datetime(2031, 1, 2, 3, 4, 5, 678901, tzinfo=dt.UTC)],
+    ids=["now", "delay", "run_at"],
+)
+def test_batches_over_and_under_the_copy_threshold_store_the_same(run_after: object) -> None:
+    # On SQLite both sizes take its one bulk insert; on PostgreSQL the large
+    # one goes by COPY and the small one by INSERT ... unnest.
+    large = _batch(_threshold() + 5)
+    small = large[: _threshold() - 1]
+    by_copy = Echo.enqueue_many(large, priority=-3, queue="q.copy", run_after=run_after)  # type: ignore[arg-type]
+    by_insert = Echo.enqueue_many(small, priority=-3, queue="q.copy", run_after=run_after)  # type: ignore[arg-type]
+    _assert_returned_as_stored(by_copy, large)
+    _assert_returned_as_stored(by_insert, small)
+    assert _stored(by_copy)[: len(small)] == _stored(by_insert)
+    assert by_insert[0].pk > by_copy[-1].pk
+    for items in (by_copy, by_insert):
+        first = items[0]
+        assert first.created_at == first.updated_at
+        if run_after is None:
+            assert first.run_after == first.created_at
+        elif isinstance(run_after, timedelta):
+            assert first.run_after == first.created_at + run_after
+        else:
+            assert first.run_after == run_after
+    ready = WorkItem.objects.ready().filter(queue="q.copy").count()
+    assert ready == (len(large) + len(small) if run_after is None else 0)
+
+
+def test_single_enqueue_stores_awkward_payloads_exactly() -> None:
+    for payload in AWKWARD_PAYLOADS:
+        item = Echo.enqueue(payload)
+        assert WorkItem.objects.get(pk=item.pk).payload == payload
+        assert item.created_at == item.updated_at == item.run_after
+
+
+@pytest.mark.postgres_only
+def test_prepared_enqueue_statements_give_the_same_items(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a prepare_threshold (DATABASES OPTIONS), the enqueue statements run
+    # on a server-binding cursor that psycopg prepares; the items must not differ.
+    connection.ensure_connection()
+    monkeypatch.setattr(connection.connection, "prepare_threshold", 0)
+    payloads = _batch(_threshold() + 1)
+    with CaptureQueriesContext(connection) as ctx:
+        one = [Echo.enqueue(p, run_after=timedelta(seconds=30)) for p in payloads[:5]]
+        small = Echo.enqueue_many(payloads[:5], run_after=timedelta(seconds=30))
+        large = Echo.enqueue_many(payloads, run_after=timedelta(seconds=30))
+    assert len(ctx.captured_queries) >= 5 + 1 + 3  # logged like Django's own cursors
+    assert connection.connection._prepared._names  # psycopg prepared them
+    _assert_returned_as_stored(one, payloads[:5])
+    _assert_returned_as_stored(small, payloads[:5])
+    _assert_returned_as_stored(large, payloads)
+    assert _stored(one) == _stored(small) == _stored(large)[:5]
+    assert all(i.run_after == i.created_at + timedelta(seconds=30) for i in one + small + large)
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_enqueues_in_a_rolled_back_transaction_leave_nothing_and_wake_no_one() -> None:
+    from django_dbworker.db import operations
+
+    def enqueue_then_fail() -> None:
+        with transaction.atomic():
+            Echo.enqueue_many(_batch(_threshold()), queue="rolled.back")
+            Echo.enqueue_many([1, 2], queue="rolled.back")
+            Echo.enqueue(None, queue="rolled.back")
+            assert WorkItem.objects.filter(queue="rolled.back").count() == _threshold() + 4
+            raise RuntimeError
+
+    subscription = operations().listen()
+    try:
+        with pytest.raises(RuntimeError):
+            enqueue_then_fail()
+        assert not WorkItem.objects.exists()
+        Echo.enqueue_many(_batch(_threshold()), queue="committed")
+        with transaction.atomic():
+            Echo.enqueue(None, queue="committed.single")
+            Echo.enqueue_many(_batch(_threshold()), queue="committed.single")
+        Noop.enqueue(None, queue="marker")
+        # Wake-ups arrive in commit order: everything sent before the marker's
+        # commit has arrived by the time the marker does.
+        received = []
+        for queue in subscription.receive(20.0):
+            received.append(queue)
+            if queue == "marker":
+                break
+    finally:
+        subscription.close()
+    # One wake-up per queue and commit, in commit order; none for the rollback.
+    assert received == ["committed", "committed.single", "marker"]
+    assert WorkItem.objects.filter(queue="committed").count() == _threshold() + 1
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_copy_batch_that_fails_after_reserving_ids_leaves_nothing() -> None:
+    # Another connection holds a lock that blocks inserts, and lock_timeout
+    # makes the COPY give up: the failure comes after the ids were reserved,
+    # the batch's transaction rolls back whole, the connection stays usable.
+    from django.db import OperationalError
+
+    other = connection.get_new_connection(connection.get_connection_params())
+    try:
+        other.execute("LOCK TABLE django_dbworker_workitem IN SHARE MODE")
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        try:
+            with pytest.raises(OperationalError, match="lock timeout"):
+                Echo.enqueue_many(_batch(_threshold()))
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+    finally:
+        other.close()
+    assert not WorkItem.objects.exists()
+    items = Echo.enqueue_many(_batch(_threshold()))
+    _assert_returned_as_stored(items, _batch(_threshold()))
+
+
+def test_new_item_matches_the_model_constructor() -> None:
+    from django.db.models.signals import post_init
+
+    from django_dbworker.enqueuing import _item_maker, _new_item
+
+    values = {
+        "handler": "echo",
+        "queue": "q",
+        "payload": {"a": [1]},
+        "priority": 2,
+        "max_attempts": 4,
+        "unique_key": None,
+    }
+    fast, real = _new_item(values), WorkItem(**values)
+    assert list(fast.__dict__) == list(real.__dict__)
+    for name, value in real.__dict__.items():
+        if name in ("_state", "run_after", "created_at", "updated_at"):
+            assert type(fast.__dict__[name]) is type(value)
+        else:
+            assert fast.__dict__[name] == value, name
+    assert fast._state.adding and fast._state.db is None
+    assert fast.trace_context is not _new_item(values).trace_context
+    assert _item_maker() is _new_item
+    seen: list[object] = []
+
+    def receiver(sender: object, instance: object, **kwargs: object) -> None:
+        seen.append(instance)
+
+    post_init.connect(receiver, sender=WorkItem)
+    try:
+        item = _item_maker()(values)
+        items = Echo.enqueue_many([1, 2])
+    finally:
+        post_init.disconnect(receiver, sender=WorkItem)
+    assert seen[0] is item and seen[1:] == items

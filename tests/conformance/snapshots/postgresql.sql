@@ -91,20 +91,15 @@ RETURNING w.id, w.claim_token;
 
 -- name: insert_item
 -- Insert one pending row and notify its queue, in one round trip.
-WITH ins AS (
-    INSERT INTO django_dbworker_workitem (
-        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, created_at, updated_at)
-    VALUES (
-        %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
-        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
-        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        statement_timestamp(), statement_timestamp())
-    RETURNING id, run_after, created_at, updated_at
-)
-SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
-FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
-ORDER BY ins.id;
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES (
+    %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+    coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+    0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    statement_timestamp(), statement_timestamp())
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s);
 
 -- name: insert_items
 -- Insert pending rows sharing all but their payloads, and notify their queue.
@@ -124,6 +119,24 @@ WITH ins AS (
 SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
 FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
 ORDER BY ins.id;
+
+-- name: reserve_ids
+-- Take ids for a batch from the table's sequence, and the database times its rows get.
+SELECT statement_timestamp(),
+       coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+       array(
+           SELECT nextval(s.seq)
+           FROM (SELECT pg_get_serial_sequence('django_dbworker_workitem', 'id')::regclass
+                 AS seq) AS s,
+                generate_series(1, %(count)s)
+       );
+
+-- name: copy_items
+-- Write pending rows with reserved ids, as COPY text (their wake-up is a NOTIFY).
+COPY django_dbworker_workitem (
+    id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+FROM STDIN;
 
 -- name: notify
 -- Wake idle workers of a queue when the current transaction commits.
