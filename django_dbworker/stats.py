@@ -238,6 +238,9 @@ class Throughput(TypedDict):
     minutes: list[datetime]
     #: ``{queue: [(succeeded, failed) per minute, aligned with minutes]}``.
     queues: dict[str, list[tuple[int, int]]]
+    #: ``{queue: (succeeded, failed)}`` over the whole window: the minutes
+    #: drawn and the part of the oldest minute that is not.
+    totals: dict[str, tuple[int, int]]
 
 
 def throughput(using: str | None = None, minutes: int = 60) -> Throughput:
@@ -266,20 +269,19 @@ def throughput(using: str | None = None, minutes: int = 60) -> Throughput:
     starts = [last - timedelta(minutes=minutes - 1 - i) for i in range(minutes)]
     index = {start: i for i, start in enumerate(starts)}
     queues: dict[str, list[tuple[int, int]]] = {}
+    totals: dict[str, tuple[int, int]] = {}
     for row in rows:
-        # The oldest partial minute (now - 60 min .. its minute's end) is read
-        # but not drawn: the chart shows whole minutes plus the current one.
+        queue, n, succeeded = row["queue"], row["n"], row["status"] == Status.SUCCEEDED
+        total = totals.get(queue, (0, 0))
+        totals[queue] = (total[0] + n, total[1]) if succeeded else (total[0], total[1] + n)
+        counts = queues.setdefault(queue, [(0, 0)] * minutes)
+        # The oldest partial minute (now - 60 min .. its minute's end) is
+        # counted but not drawn: the chart shows whole minutes and the current one.
         i = index.get(row["minute"].astimezone(UTC))
-        counts = queues.setdefault(row["queue"], [(0, 0)] * minutes)
-        if i is None:
-            continue
-        succeeded, failed = counts[i]
-        if row["status"] == Status.SUCCEEDED:
-            succeeded += row["n"]
-        else:
-            failed += row["n"]
-        counts[i] = (succeeded, failed)
-    return {"now": now, "minutes": starts, "queues": queues}
+        if i is not None:
+            s, f = counts[i]
+            counts[i] = (s + n, f) if succeeded else (s, f + n)
+    return {"now": now, "minutes": starts, "queues": queues, "totals": totals}
 
 
 def run_times(using: str | None = None) -> list[RunTimes]:

@@ -62,8 +62,14 @@ class ThroughputChart:
     failed: int
 
 
-def throughput_chart(minutes: Sequence[datetime], counts: Sequence[tuple[int, int]]) -> ThroughputChart:
+def throughput_chart(
+    minutes: Sequence[datetime],
+    counts: Sequence[tuple[int, int]],
+    totals: tuple[int, int] | None = None,
+) -> ThroughputChart:
     """Stacked bars, one per minute, scaled so that the busiest minute fills the height.
+
+    ``totals`` (succeeded, failed) default to the sums of ``counts``.
 
     A minute with any rows gets at least one pixel per status present, so a
     single failure among hundreds of successes still shows.
@@ -73,9 +79,7 @@ def throughput_chart(minutes: Sequence[datetime], counts: Sequence[tuple[int, in
     for i, (minute, (succeeded, failed)) in enumerate(zip(minutes, counts, strict=True)):
         failed_height = _scaled(failed, peak, CHART_HEIGHT)
         # Rounding up both parts may overshoot the full height by a pixel.
-        succeeded_height = min(
-            _scaled(succeeded, peak, CHART_HEIGHT), CHART_HEIGHT - failed_height
-        )
+        succeeded_height = min(_scaled(succeeded, peak, CHART_HEIGHT), CHART_HEIGHT - failed_height)
         bars.append(
             Bar(
                 minute=minute,
@@ -93,8 +97,8 @@ def throughput_chart(minutes: Sequence[datetime], counts: Sequence[tuple[int, in
         width=len(minutes) * (BAR_WIDTH + BAR_GAP) - BAR_GAP,
         height=CHART_HEIGHT,
         peak=peak,
-        succeeded=sum(s for s, _ in counts),
-        failed=sum(f for _, f in counts),
+        succeeded=totals[0] if totals else sum(s for s, _ in counts),
+        failed=totals[1] if totals else sum(f for _, f in counts),
     )
 
 

@@ -62,6 +62,7 @@ def summary_context() -> dict[str, Any]:
     stale_rows = list(stale[: STALE_ROWS_SHOWN + 1])
     for item in stale_rows:
         item.heartbeat_age = display.age(item.heartbeat_at, display.db_now(item))  # type: ignore[attr-defined]
+        item.worker = display.worker(item.claimed_by)  # type: ignore[attr-defined]
     orphans = [
         {**orphan, "oldest_age_display": display.duration(orphan["oldest_age"]) + " ago"}
         for orphan in orphaned_handlers()
@@ -71,7 +72,14 @@ def summary_context() -> dict[str, Any]:
     queues = sorted(set(stats) | set(recent["queues"]))
     empty = [(0, 0)] * len(recent["minutes"])
     charts_by_queue = [
-        (queue, charts.throughput_chart(recent["minutes"], recent["queues"].get(queue, empty)))
+        (
+            queue,
+            charts.throughput_chart(
+                recent["minutes"],
+                recent["queues"].get(queue, empty),
+                recent["totals"].get(queue, (0, 0)),
+            ),
+        )
         for queue in queues
     ]
     times = run_times()

@@ -288,6 +288,8 @@ class VendorOperations:
         sampled = len(rows) > sample
         durations: dict[str, list[float]] = {}
         for handler, claimed_at, finished_at in rows[:sample]:
+            if claimed_at is None or finished_at is None:  # filtered out; for the types
+                continue
             seconds = (finished_at - claimed_at).total_seconds()
             durations.setdefault(handler, []).append(max(0.0, seconds))
         found = []

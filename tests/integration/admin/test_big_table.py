@@ -125,8 +125,7 @@ def test_dashboard_reads_only_the_last_hour(
             plan = "\n".join(row[0] for row in cursor.fetchall())
         assert "dbworker_finished_idx" in plan, (label, plan)
         rows = re.search(r"Index Scan.*dbworker_finished_idx.*\(actual .*? rows=(\d+)", plan)
-        report.append(
-            f"{label:12} {elapsed * 1000:7.1f} ms, {rows.group(1) if rows else '?'} rows kept by the index scan"
-        )
+        kept = rows.group(1) if rows else "?"
+        report.append(f"{label:12} {elapsed * 1000:7.1f} ms, {kept} rows kept by the index scan")
     with capsys.disabled():
         print(f"\ndashboard queries on {ROWS:,} rows:\n  " + "\n  ".join(report))

@@ -389,8 +389,8 @@ SUMMARY = "admin:django_dbworker_queuesummary_changelist"
 def _db_now() -> datetime:
     """The database clock, which the dashboard's windows and minutes follow."""
     probe = make_item(handler="clock-probe", status=Status.CANCELLED)
-    now: datetime = WorkItem.objects.annotate(now=Now()).values_list("now", flat=True).get(
-        pk=probe.pk
+    now: datetime = (
+        WorkItem.objects.annotate(now=Now()).values_list("now", flat=True).get(pk=probe.pk)
     )
     probe.delete()
     return now
@@ -517,7 +517,9 @@ def test_dashboard_groups_recent_failures_by_error(superuser_client: Client) -> 
             last_error=f"ValueError: bad input\n\nTraceback (most recent call last):\n  line {i}",
         )
     _finished("echo", Status.FAILED, now - timedelta(minutes=4), last_error="KeyError: x")
-    _finished("noop", Status.FAILED, now - timedelta(minutes=30), last_error="ValueError: bad input\n")
+    _finished(
+        "noop", Status.FAILED, now - timedelta(minutes=30), last_error="ValueError: bad input\n"
+    )
     _finished("noop", Status.FAILED, now - timedelta(hours=2), last_error="OldError: gone")
     _finished("noop", Status.SUCCEEDED, now - timedelta(minutes=1), last_error="")
 
