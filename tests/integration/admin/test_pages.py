@@ -571,3 +571,20 @@ def test_dashboard_needs_the_view_permission(
     assert client.get(reverse(SUMMARY)).status_code == 302
     html = viewer_client.get(reverse(SUMMARY)).content.decode()
     assert "ValueError: secret-ish" in html and 'id="dbw-throughput"' in html
+
+
+@pytest.mark.sqlite_only
+def test_dashboard_queries_search_the_finished_index_on_sqlite() -> None:
+    """SQLite's planner too: each last-hour query is a range search of dbworker_finished_idx."""
+    from django_dbworker import stats
+
+    with CaptureQueriesContext(connection) as ctx:
+        stats.throughput()
+        stats.run_times()
+        stats.failure_groups()
+    assert len(ctx.captured_queries) == 3
+    for query in ctx.captured_queries:
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN QUERY PLAN " + query["sql"].replace("%", "%%"))
+            plan = " | ".join(str(row[-1]) for row in cursor.fetchall())
+        assert "USING INDEX dbworker_finished_idx (finished_at>?)" in plan, plan
