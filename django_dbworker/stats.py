@@ -1,23 +1,28 @@
-"""Aggregates over the work table: counts by queue and status, queue lag, orphans.
+"""Aggregates over the work table: counts by queue and status, queue lag, orphans,
+and the last hour of finished work (throughput per minute, run times, failures).
 
 Live rows (pending, claimed) and failed rows are always counted exactly:
 they are what operators act on, and the status index keeps those counts
 cheap. Finished rows (succeeded, cancelled) can be millions; on a large
 PostgreSQL table they are estimated from the planner's statistics instead
-of counted, and marked as estimates. Ages use the database clock. Reads go
-to the routers' read alias unless ``using`` says otherwise (``routing.py``).
+of counted, and marked as estimates. What finished recently is read for
+the last hour only (``RECENT``), by range scans of ``dbworker_finished_idx``,
+so its cost follows the hour's traffic, not the table's size. Ages use the
+database clock. Reads go to the routers' read alias unless ``using`` says
+otherwise (``routing.py``).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
-from django.db.models import Count, Min
-from django.db.models.functions import Now
+from django.db.models import Case, Count, F, Max, Min, TextField, Value, When
+from django.db.models.functions import Left, Now, StrIndex, Substr, TruncMinute
 from django.utils import timezone
 
 from django_dbworker.db import operations
+from django_dbworker.db.base import RunTimes
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
 from django_dbworker.periodic import PeriodicHandler, periodic_handlers, taken_until
@@ -211,3 +216,117 @@ def _next_slot(
     if due is not None and taken is not None and due > taken:
         return due
     return schedule.following(now)
+
+
+#: The window of the dashboard's "recent" figures: every query about finished
+#: work is bounded by ``finished_at >= now - RECENT``.
+RECENT = timedelta(hours=1)
+#: Where the database has no percentile function (SQLite), run times come
+#: from at most this many of the latest succeeded rows.
+RUN_TIME_SAMPLE = 5_000
+#: Error groups listed, most frequent first.
+FAILURE_GROUPS = 20
+#: Characters of an error's first line that tell one error from another.
+ERROR_HEAD = 200
+
+
+class Throughput(TypedDict):
+    #: The database clock when the rows were read (the server's if none were).
+    now: datetime
+    #: The start of each minute of the window, oldest first; the last one is
+    #: the current, partial minute.
+    minutes: list[datetime]
+    #: ``{queue: [(succeeded, failed) per minute, aligned with minutes]}``.
+    queues: dict[str, list[tuple[int, int]]]
+    #: ``{queue: (succeeded, failed)}`` over the whole window: the minutes
+    #: drawn and the part of the oldest minute that is not.
+    totals: dict[str, tuple[int, int]]
+
+
+def throughput(using: str | None = None, minutes: int = 60) -> Throughput:
+    """Rows that succeeded or failed per queue and minute, over the last ``minutes``.
+
+    One query, grouped by queue, minute of ``finished_at`` and status. A row
+    counts once, in the minute it reached its final state: an attempt that
+    failed and was retried is not a failure here (it shows as the retry's
+    outcome). Minutes are UTC minutes of the database clock.
+    """
+    db = work_db_for_read(using)
+    rows: Any = (
+        WorkItem.objects.using(db)
+        .filter(
+            finished_at__gte=Now() - timedelta(minutes=minutes),
+            status__in=(Status.SUCCEEDED, Status.FAILED),
+        )
+        .order_by()
+        .annotate(minute=TruncMinute("finished_at", tzinfo=UTC))
+        .values("queue", "minute", "status")
+        .annotate(n=Count("id"), now=Now())
+    )
+    rows = list(rows)
+    now: datetime = rows[0]["now"] if rows else timezone.now()
+    last = now.astimezone(UTC).replace(second=0, microsecond=0)
+    starts = [last - timedelta(minutes=minutes - 1 - i) for i in range(minutes)]
+    index = {start: i for i, start in enumerate(starts)}
+    queues: dict[str, list[tuple[int, int]]] = {}
+    totals: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        queue, n, succeeded = row["queue"], row["n"], row["status"] == Status.SUCCEEDED
+        total = totals.get(queue, (0, 0))
+        totals[queue] = (total[0] + n, total[1]) if succeeded else (total[0], total[1] + n)
+        counts = queues.setdefault(queue, [(0, 0)] * minutes)
+        # The oldest partial minute (now - 60 min .. its minute's end) is
+        # counted but not drawn: the chart shows whole minutes and the current one.
+        i = index.get(row["minute"].astimezone(UTC))
+        if i is not None:
+            s, f = counts[i]
+            counts[i] = (s + n, f) if succeeded else (s, f + n)
+    return {"now": now, "minutes": starts, "queues": queues, "totals": totals}
+
+
+def run_times(using: str | None = None) -> list[RunTimes]:
+    """p50/p95 run time per handler over the last hour (see ``VendorOperations.run_times``)."""
+    db = work_db_for_read(using)
+    return operations(db).run_times(RECENT, RUN_TIME_SAMPLE)
+
+
+class FailureGroup(TypedDict):
+    handler: str
+    #: The first line of ``last_error`` (the exception type and message).
+    error: str
+    count: int
+    last_seen: datetime
+
+
+def failure_groups(using: str | None = None) -> list[FailureGroup]:
+    """Rows that failed in the last hour, grouped by handler and first line of error.
+
+    The first line is cut in the database (``last_error`` holds up to 10 kB
+    of traceback each), and grouped there: one query, the
+    ``FAILURE_GROUPS`` most frequent groups.
+    """
+    db = work_db_for_read(using)
+    first_line = Case(
+        When(newline__gt=0, then=Substr("last_error", 1, F("newline") - 1)),
+        default=F("last_error"),
+        output_field=TextField(),
+    )
+    rows: Any = (
+        WorkItem.objects.using(db)
+        .filter(finished_at__gte=Now() - RECENT, status=Status.FAILED)
+        .order_by()
+        .annotate(newline=StrIndex("last_error", Value("\n")))
+        .annotate(error=Left(first_line, ERROR_HEAD))
+        .values("handler", "error")
+        .annotate(n=Count("id"), last_seen=Max("finished_at"))
+        .order_by("-n", "-last_seen", "handler")[:FAILURE_GROUPS]
+    )
+    return [
+        {
+            "handler": row["handler"],
+            "error": row["error"],
+            "count": row["n"],
+            "last_seen": row["last_seen"],
+        }
+        for row in rows
+    ]

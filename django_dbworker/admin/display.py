@@ -55,6 +55,15 @@ def duration(seconds: float) -> str:
     return f"{whole}s"
 
 
+def run_time(seconds: float) -> str:
+    """A run time: ``350 ms``, ``2.4 s``, then ``3m 20s`` as ``duration`` says it."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return duration(seconds)
+
+
 def age(when: datetime | None, now: datetime | None) -> str:
     """``5s ago`` or ``in 2m 10s``, relative to the database clock ``now``."""
     if when is None or now is None:

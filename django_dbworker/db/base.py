@@ -10,6 +10,7 @@ enqueuing: they call it.
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.base import ModelState
+from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
 
@@ -88,6 +90,31 @@ class TableEstimate:
 
     rows: float
     columns: dict[str, ColumnStats]
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    """How long one handler's succeeded rows ran (``finished_at - claimed_at``), in seconds."""
+
+    handler: str
+    #: Rows the percentiles come from.
+    count: int
+    p50: float
+    p95: float
+    #: True when they come from a sample of the latest rows, not from all of them.
+    sampled: bool = False
+
+
+def percentile(ordered: Sequence[float], fraction: float) -> float:
+    """PostgreSQL's ``percentile_cont``: linear interpolation between the nearest ranks.
+
+    ``ordered`` is sorted and not empty. The same definition on every
+    vendor, so a dashboard shows the same numbers for the same rows.
+    """
+    position = fraction * (len(ordered) - 1)
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
 class Subscription(Protocol):
@@ -237,6 +264,43 @@ class VendorOperations:
     def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
         """Planner statistics for the work table, or None where there are none."""
         return None
+
+    def run_times(self, since: timedelta, sample: int) -> list[RunTimes]:
+        """p50 and p95 run time per handler, of succeeded rows finished in the last ``since``.
+
+        This default computes them in Python from at most the ``sample``
+        latest such rows (newest first, a backward range scan of
+        ``dbworker_finished_idx``), so that a database without percentile
+        functions never makes the web process sort a whole hour of a busy
+        table. When the sample is full, every handler's entry says so.
+        Vendors that can compute percentiles override this.
+        """
+        rows = list(
+            WorkItem.objects.using(self.using)
+            .filter(
+                finished_at__gte=Now() - since,
+                status=Status.SUCCEEDED,
+                claimed_at__isnull=False,
+            )
+            .order_by("-finished_at")
+            .values_list("handler", "claimed_at", "finished_at")[: sample + 1]
+        )
+        sampled = len(rows) > sample
+        durations: dict[str, list[float]] = {}
+        for handler, claimed_at, finished_at in rows[:sample]:
+            if claimed_at is None or finished_at is None:  # filtered out; for the types
+                continue
+            seconds = (finished_at - claimed_at).total_seconds()
+            durations.setdefault(handler, []).append(max(0.0, seconds))
+        found = []
+        for handler, values in sorted(durations.items()):
+            values.sort()
+            found.append(
+                RunTimes(
+                    handler, len(values), percentile(values, 0.5), percentile(values, 0.95), sampled
+                )
+            )
+        return found
 
     # -- helpers shared by the vendors --------------------------------------------
 

@@ -120,3 +120,118 @@ def test_schedules_page_shows_schedules_and_runs_one_now(browser_page, live_serv
     page.wait_for_selector("ul.messagelist")
     assert "Enqueued an extra run of nightly" in page.inner_text("ul.messagelist")
     assert WorkItem.objects.filter(handler="nightly", payload__manual=True).count() == 1
+
+
+def _seed_an_hour_of_work() -> None:
+    """Four queues' last hour: steady work, a burst, kinds of failure, lag, a stale claim."""
+    import random
+    from datetime import timedelta
+
+    from django.db.models.functions import Now
+
+    from tests.factories import age_heartbeat, claim
+
+    probe = make_item(handler="noop", status=Status.CANCELLED)
+    now = WorkItem.objects.annotate(now=Now()).values_list("now", flat=True).get(pk=probe.pk)
+    probe.delete()
+    rng = random.Random(14)
+    # queue: (handler, successes per minute, median run time in s, failure rate, errors)
+    queues = {
+        "default": ("echo", 9, 0.4, 0.02, ["KeyError: 'user_id'"]),
+        "emails": (
+            "record",
+            5,
+            1.8,
+            0.08,
+            ["SMTPServerDisconnected: Connection unexpectedly closed"],
+        ),
+        "images": (
+            "slow",
+            2,
+            12.0,
+            0.15,
+            ["MemoryError", "OSError: [Errno 28] No space left on device"],
+        ),
+        "reports": ("flaky", 1, 40.0, 0.05, ["TimeoutError: work item ran longer than 60 s"]),
+    }
+    rows = []
+    for minute in range(60):
+        for queue, (handler, rate, median, fail_rate, errors) in queues.items():
+            burst = 3 if queue == "emails" and 20 <= minute < 26 else 1
+            for _ in range(max(0, round(rng.gauss(rate * burst, rate / 3)))):
+                finished = now - timedelta(minutes=minute, seconds=rng.uniform(0, 59))
+                run = median * rng.lognormvariate(0, 0.5)
+                failed = rng.random() < fail_rate
+                rows.append(
+                    WorkItem(
+                        handler=handler,
+                        queue=queue,
+                        payload={},
+                        status=Status.FAILED if failed else Status.SUCCEEDED,
+                        attempts=3 if failed else 1,
+                        max_attempts=3,
+                        claimed_at=finished - timedelta(seconds=run),
+                        finished_at=finished,
+                        last_error=(rng.choice(errors) + "\n\nTraceback ...") if failed else "",
+                    )
+                )
+    WorkItem.objects.bulk_create(rows)
+    for queue, waiting in (("default", 4), ("emails", 37), ("images", 12)):
+        for i in range(waiting):
+            make_item(
+                handler=queues[queue][0],
+                queue=queue,
+                run_after=now - timedelta(seconds=5 + i * (9 if queue == "emails" else 2)),
+            )
+    claimed = claim(limit=6, handlers=["echo", "record", "slow"], worker="web-1:4242:MainThread")
+    age_heartbeat(claimed[0], 300)
+
+
+def test_dashboard_shows_the_last_hour_and_refreshes_itself(browser_page, live_server) -> None:  # type: ignore[no-untyped-def]
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    _seed_an_hour_of_work()
+    page = browser_page
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(f"{live_server.url}/admin/django_dbworker/queuesummary/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#dbw-throughput")
+    # One chart per queue, one bar per minute, drawn at its size.
+    for queue in ("default", "emails", "images", "reports"):
+        chart = page.locator(f"tr[data-queue={queue}] svg.dbw-chart")
+        assert chart.locator("g.dbw-bar").count() == 60
+        box = chart.bounding_box()
+        assert box is not None and box["width"] > 400 and box["height"] == 40
+    assert page.locator("#dbw-run-times tr[data-handler=slow]").count() == 1
+    assert "OSError: [Errno 28] No space left on device" in page.inner_text("#dbw-failures")
+    if os.environ.get("DBWORKER_SCREENSHOTS"):
+        # The README's picture: DBWORKER_SCREENSHOTS=1 pytest tests/e2e -k dashboard
+        # The whole page, as a 1280 px wide window shows it when scrolled through.
+        page.screenshot(
+            path=str(Path(__file__).resolve().parents[2] / "docs/img/dashboard.png"),
+            full_page=True,
+        )
+    # The page re-fetches itself: a failure recorded now shows up without a reload.
+    first = page.inner_text("#dbw-updated-at")
+    latest = (
+        WorkItem.objects.filter(finished_at__isnull=False)
+        .order_by("-finished_at")
+        .values_list("finished_at", flat=True)[0]
+    )
+    make_item(
+        handler="echo",
+        status=Status.FAILED,
+        attempts=3,
+        last_error="RuntimeError: failed after the page was opened",
+        claimed_at=latest,
+        finished_at=latest,
+    )
+    # Bounded: the page refreshes every 5 s; fail after four refreshes' worth.
+    page.wait_for_function(
+        "(document.getElementById('dbw-failures') || {textContent: ''})"
+        ".textContent.includes('failed after the page was opened')",
+        timeout=20_000,
+    )
+    assert page.inner_text("#dbw-updated-at") != first
+    assert page.locator("#dbw-refresh-stopped").is_hidden()

@@ -169,3 +169,18 @@ LEFT JOIN pg_stats s
   ON s.tablename = c.relname AND s.schemaname = current_schema()
  AND s.attname = ANY(%(columns)s::text[])
 WHERE c.oid = to_regclass('django_dbworker_workitem');
+
+-- name: run_times
+-- p50 and p95 run time per handler of the rows that succeeded in the last N seconds.
+SELECT handler,
+       count(*),
+       percentile_cont(ARRAY[0.5, 0.95]::float8[]) WITHIN GROUP (ORDER BY seconds)
+FROM (
+    SELECT handler, EXTRACT(EPOCH FROM finished_at - claimed_at)::float8 AS seconds
+    FROM django_dbworker_workitem
+    WHERE finished_at >= now() - make_interval(secs => %(seconds)s)
+      AND status = 'succeeded'
+      AND claimed_at IS NOT NULL
+) AS runs
+GROUP BY handler
+ORDER BY handler;
