@@ -389,12 +389,7 @@ class Worker:
             for attempt in excess:
                 attempt.withdrawn = True  # pool threads skip it from now on
         try:
-            given_back = persist(
-                lambda: transitions.release([a.item for a in excess], using=self.config.using),
-                what="giving back buffered work items",
-                using=self.config.using,
-                give_up=_deadline_event(5.0),
-            )
+            given_back = self._release([a.item for a in excess], "giving back buffered work items")
         except Exception as exc:
             # Still this worker's: keep them in flight (heartbeated) and run
             # them after all; their queued tasks may be gone, so queue them anew.
@@ -830,12 +825,7 @@ class Worker:
             leftovers = [a.item for a in leaving]
         if leftovers:
             # Fenced like every write: a row whose outcome did land is not touched.
-            released = persist(
-                lambda: transitions.release(leftovers, using=cfg.using),
-                what="releasing unfinished work items",
-                using=cfg.using,
-                give_up=_deadline_event(5.0),
-            )
+            released = self._release(leftovers, "releasing unfinished work items")
             self.released += released
             logger.warning("Released %d unfinished work item(s) back to pending.", released)
 
@@ -851,12 +841,7 @@ class Worker:
         if not unstarted:
             return
         try:
-            released = persist(
-                lambda: transitions.release([a.item for a in unstarted], using=self.config.using),
-                what="releasing buffered work items",
-                using=self.config.using,
-                give_up=_deadline_event(5.0),
-            )
+            released = self._release([a.item for a in unstarted], "releasing buffered work items")
         except Exception as exc:
             # Still in flight (heartbeated): the release at the end tries again.
             logger.warning("Could not release buffered work items yet (%s).", exc)
@@ -865,6 +850,15 @@ class Worker:
         for attempt in unstarted:
             self._forget(attempt)
         logger.info("Released %d buffered work item(s) that had not started.", released)
+
+    def _release(self, items: list[WorkItem], what: str) -> int:
+        """Hand ``items`` back to pending (fenced), retrying the database for up to 5 s."""
+        return persist(
+            lambda: transitions.release(items, using=self.config.using),
+            what=what,
+            using=self.config.using,
+            give_up=_deadline_event(5.0),
+        )
 
     def _recording(self) -> bool:
         with self._lock:

@@ -37,3 +37,13 @@ def background_worker() -> Iterator[Callable[..., Worker]]:
         timeout=30,
         what="abandoned handler threads to finish",
     )
+
+
+@pytest.fixture
+def gate() -> Iterator[None]:
+    """``Gate`` items with ``wait`` block until the test opens the gate (or it ends)."""
+    from tests.testapp.workers import GATE
+
+    GATE.clear()
+    yield
+    GATE.set()

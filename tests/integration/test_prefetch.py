@@ -6,7 +6,7 @@ fenced, released at shutdown, dropped if recovered meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from django.db.models import F
@@ -22,13 +22,6 @@ from tests.testapp.workers import GATE, Gate, Noop, Pace, Sleep
 pytestmark = pytest.mark.django_db(transaction=True)
 
 StartWorker = Callable[..., Worker]
-
-
-@pytest.fixture
-def gate() -> Iterator[None]:
-    GATE.clear()
-    yield
-    GATE.set()
 
 
 def test_short_jobs_are_claimed_in_large_batches(background_worker: StartWorker) -> None:

@@ -26,13 +26,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 StartWorker = Callable[..., Worker]
 
 
-@pytest.fixture
-def gate() -> Iterator[None]:
-    GATE.clear()
-    yield
-    GATE.set()
-
-
 def _prefetch_behind_a_gated_item(background_worker: StartWorker, **kwargs: object) -> Worker:
     """One thread: a few fast items size the buffer, then a gated item holds the
     thread while ``later-N`` rows wait claimed in the buffer."""
