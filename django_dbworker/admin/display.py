@@ -134,12 +134,13 @@ def first_line(text: str | None, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def one_line(text: str) -> SafeString:
-    """Text kept on one line in a list column, whole in its tooltip."""
+def one_line(text: str, width: str = "26em") -> SafeString:
+    """Text kept on one line (at most ``width`` wide) in a list column, whole in its tooltip."""
     return format_html(
-        '<span title="{}" style="display:inline-block;max-width:26em;overflow:hidden;'
+        '<span title="{}" style="display:inline-block;max-width:{};overflow:hidden;'
         'text-overflow:ellipsis;white-space:nowrap;vertical-align:bottom">{}</span>',
         text,
+        width,
         text,
     )
 

@@ -235,3 +235,29 @@ def test_dashboard_shows_the_last_hour_and_refreshes_itself(browser_page, live_s
     )
     assert page.inner_text("#dbw-updated-at") != first
     assert page.locator("#dbw-refresh-stopped").is_hidden()
+
+
+def test_the_work_items_list_shows_each_error_at_1280_px(browser_page, live_server) -> None:  # type: ignore[no-untyped-def]
+    """The error, the status and where each row stands are on screen without scrolling."""
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    make_item(
+        handler="noop",
+        status=Status.FAILED,
+        attempts=3,
+        last_error="ValueError: the export references a column that does not exist any more\n...",
+    )
+    claimed = make_item(handler="echo", status=Status.CLAIMED, claimed_by="web-1:4242:MainThread")
+    page = browser_page
+    page.goto(f"{live_server.url}/admin/django_dbworker/workitem/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#result_list")
+    width = page.viewport_size["width"]
+    for text in ("ValueError: the export", "web-1:4242", "failed", "claimed"):
+        box = page.get_by_text(text, exact=False).first.bounding_box()
+        assert box is not None and box["x"] + min(box["width"], 200) <= width, (text, box)
+    # The whole error on hover.
+    title = page.get_by_text("ValueError: the export").first.get_attribute("title")
+    assert title == "ValueError: the export references a column that does not exist any more"
+    assert claimed.pk
