@@ -137,6 +137,46 @@ class Backoff:
         self.delay = self.first
 
 
+def run_until_stopped(
+    step: Callable[[], float],
+    *,
+    stopped: threading.Event,
+    first_delay: float,
+    backoff: Backoff,
+    what: str,
+    using: str,
+    on_error: Callable[[], None] | None = None,
+) -> None:
+    """Call ``step`` until ``stopped`` is set, sleeping the seconds it returns.
+
+    For helper threads that must not die of an error (the heartbeat, the
+    scheduler): every exception is logged, the connection closed and the
+    step retried after ``backoff``; what cannot be caught (a
+    ``BaseException``) ends the thread, and the worker's watchdog notices.
+    """
+    delay = first_delay
+    try:
+        while not stopped.wait(delay):
+            try:
+                delay = step()
+            except Exception as exc:
+                if on_error is not None:
+                    on_error()
+                delay = backoff.next()
+                logger.warning(
+                    "%s failed (%s: %s); retrying in %.1fs.",
+                    what,
+                    type(exc).__name__,
+                    str(exc).strip()[:300],
+                    delay,
+                )
+                close_quietly(using)
+            else:
+                backoff.reset()
+    finally:
+        close_thread_connections()
+
+
 def persist(
     fn: Callable[[], T],
     *,

@@ -9,7 +9,6 @@ the thread, and the worker's watchdog then stops the process.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -17,9 +16,7 @@ from collections.abc import Callable, Collection
 
 from django_dbworker import transitions
 from django_dbworker.transitions import AttemptKey
-from django_dbworker.worker.connections import Backoff, close_quietly, close_thread_connections
-
-logger = logging.getLogger("django_dbworker.worker")
+from django_dbworker.worker.connections import Backoff, run_until_stopped
 
 
 class Heartbeat(threading.Thread):
@@ -52,29 +49,21 @@ class Heartbeat(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        backoff = Backoff(first=min(0.1, self.interval), cap=self.interval)
-        delay = self.interval
-        try:
-            while not self.stopped.wait(delay):
-                started = time.monotonic()
-                try:
-                    self.beat()
-                    self._observe(time.monotonic() - started)
-                except Exception as exc:
-                    self._observe(math.inf)
-                    delay = backoff.next()
-                    logger.warning(
-                        "Heartbeat failed (%s: %s); retrying in %.1fs.",
-                        type(exc).__name__,
-                        str(exc).strip()[:300],
-                        delay,
-                    )
-                    close_quietly(self.using)
-                else:
-                    backoff.reset()
-                    delay = self.interval
-        finally:
-            close_thread_connections()
+        run_until_stopped(
+            self._step,
+            stopped=self.stopped,
+            first_delay=self.interval,
+            backoff=Backoff(first=min(0.1, self.interval), cap=self.interval),
+            what="Heartbeat",
+            using=self.using,
+            on_error=lambda: self._observe(math.inf),
+        )
+
+    def _step(self) -> float:
+        started = time.monotonic()
+        self.beat()
+        self._observe(time.monotonic() - started)
+        return self.interval
 
     def beat(self) -> None:
         # Taken before the snapshot: every row held gets a heartbeat_at later than this.

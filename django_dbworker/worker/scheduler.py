@@ -40,7 +40,7 @@ from django_dbworker import enqueuing
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import ACTIVE_STATUSES, PeriodicSchedule, WorkItem
 from django_dbworker.periodic import PeriodicHandler, periodic_handlers, slot_key, taken_until
-from django_dbworker.worker.connections import Backoff, close_quietly, close_thread_connections
+from django_dbworker.worker.connections import Backoff, run_until_stopped
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -208,25 +208,14 @@ class Scheduler(threading.Thread):
         self.taken: dict[SlotOutcome, int] = dict.fromkeys(SlotOutcome, 0)
 
     def run(self) -> None:
-        backoff = Backoff(first=0.2, cap=10.0)
-        delay = 0.0
-        try:
-            while not self.stopped.wait(delay):
-                try:
-                    delay = self.tick()
-                except Exception as exc:
-                    delay = backoff.next()
-                    logger.warning(
-                        "Scheduling periodic work failed (%s: %s); retrying in %.1fs.",
-                        type(exc).__name__,
-                        str(exc).strip()[:300],
-                        delay,
-                    )
-                    close_quietly(self.using)
-                else:
-                    backoff.reset()
-        finally:
-            close_thread_connections()
+        run_until_stopped(
+            self.tick,
+            stopped=self.stopped,
+            first_delay=0.0,
+            backoff=Backoff(first=0.2, cap=10.0),
+            what="Scheduling periodic work",
+            using=self.using,
+        )
 
     def tick(self) -> float:
         """One pass: take every due slot; returns the seconds to sleep until the next."""
