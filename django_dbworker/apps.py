@@ -26,8 +26,15 @@ class DBWorkerConfig(AppConfig):
         connect_enqueuer(enqueuing)
 
     def ready(self) -> None:
+        from django.db.backends.signals import connection_created
+
         from django_dbworker import checks  # noqa: F401 - checks register on import
+        from django_dbworker.db.mysql import set_session_time_zone
         from django_dbworker.registry import autodiscover
+
+        # MySQL sessions in UTC, so that Django's Now() is the worker's clock
+        # (see set_session_time_zone); a no-op for other databases.
+        connection_created.connect(set_session_time_zone, dispatch_uid="django_dbworker.mysql_tz")
 
         # Like admin.autodiscover(): every process (web and worker) knows every
         # handler name, so enqueue-by-name works everywhere.

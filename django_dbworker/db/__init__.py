@@ -1,4 +1,4 @@
-"""Database-vendor operations: the only package that knows PostgreSQL from SQLite.
+"""Database-vendor operations: the only package that knows PostgreSQL from SQLite from MySQL.
 
 Everything vendor-specific (the claim and success statements, inserts with
 wake-ups, LISTEN, planner estimates, SKIP LOCKED support, supported
@@ -13,13 +13,21 @@ from __future__ import annotations
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_dbworker.db.base import Subscription, UnsupportedDatabase, VendorOperations
+from django_dbworker.db.base import (
+    Subscription,
+    UnsupportedDatabase,
+    VendorOperations,
+    add_local_waker,
+    remove_local_waker,
+)
 
 __all__ = [
     "Subscription",
     "UnsupportedDatabase",
     "VendorOperations",
+    "add_local_waker",
     "operations",
+    "remove_local_waker",
     "supports_skip_locked",
 ]
 
@@ -47,10 +55,14 @@ def operations(using: str | None = None) -> VendorOperations:
         from django_dbworker.db.sqlite import SQLiteOperations
 
         ops = SQLiteOperations(alias)
+    elif vendor == "mysql":
+        from django_dbworker.db.mysql import MySQLOperations
+
+        ops = MySQLOperations(alias)
     else:
         raise UnsupportedDatabase(
             f"django-dbworker does not support the {vendor!r} database backend yet "
-            "(supported: PostgreSQL 13+, SQLite 3.35+)."
+            "(supported: PostgreSQL 13+, SQLite 3.35+, MySQL 8.0.1+, MariaDB 10.6+)."
         )
     _instances[(alias, vendor)] = ops
     return ops

@@ -10,15 +10,17 @@ enqueuing: they call it.
 
 from __future__ import annotations
 
+import logging
 import math
 import string
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 from uuid import UUID
 
-from django.db import connections
+from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.base import ModelState
@@ -138,6 +140,36 @@ def as_uuid(value: Any) -> UUID:
     return value if isinstance(value, UUID) else UUID(str(value))
 
 
+#: Callbacks of this process's workers, given the queue names of each enqueue
+#: committed in this process (``VendorOperations.notify``).
+_local_wakers: set[Callable[[Sequence[str]], None]] = set()
+_local_wakers_lock = threading.Lock()
+
+logger = logging.getLogger("django_dbworker.db")
+
+
+def add_local_waker(callback: Callable[[Sequence[str]], None]) -> None:
+    """Call ``callback(queues)`` after each enqueue this process commits."""
+    with _local_wakers_lock:
+        _local_wakers.add(callback)
+
+
+def remove_local_waker(callback: Callable[[Sequence[str]], None]) -> None:
+    with _local_wakers_lock:
+        _local_wakers.discard(callback)
+
+
+def wake_local(queues: Sequence[str]) -> None:
+    """Wake this process's workers for ``queues``; a failing callback only costs latency."""
+    with _local_wakers_lock:
+        callbacks = list(_local_wakers)
+    for callback in callbacks:
+        try:
+            callback(queues)
+        except Exception:
+            logger.debug("Ignoring an error in a local wake-up.", exc_info=True)
+
+
 class UnsupportedDatabase(Exception):
     """The configured database cannot run django-dbworker."""
 
@@ -238,7 +270,18 @@ class VendorOperations:
         return False
 
     def notify(self, queues: Sequence[str]) -> None:
-        """Wake idle workers for ``queues`` when the current transaction commits."""
+        """Wake idle workers for ``queues`` when the current transaction commits.
+
+        Without cross-process wake-ups this wakes only the workers of this
+        process (an enqueue from a handler, a periodic slot, a test driving
+        a worker in-process); the others find the rows when they next poll.
+        On commit only: before it, a worker could not see the rows, and a
+        rolled-back enqueue wakes nobody.
+        """
+        if not _local_wakers:
+            return
+        names = list(queues)
+        transaction.on_commit(lambda: wake_local(names), using=self.using)
 
     def listen(self) -> Subscription:
         """Open a connection of its own that receives ``notify``'s wake-ups.

@@ -6,7 +6,8 @@ deadlock or lock timeout picked us) and give up on one that says "never"
 (the database refuses this value). Django's exception classes do not tell
 them apart: PostgreSQL reports a read-only transaction as ``InternalError``
 and a value over a size limit as ``OperationalError``. Where the driver
-gives a SQLSTATE, it decides; otherwise (SQLite, a connection that died
+gives a SQLSTATE, it decides; MySQL's driver gives an error number
+instead (``mysql_error_code``); otherwise (SQLite, a connection that died
 before the server answered) the exception class does.
 """
 
@@ -28,6 +29,43 @@ TRANSIENT_SQLSTATES = frozenset(
     }
 )
 
+#: MySQL and MariaDB server error numbers that mean "try again later"
+#: (https://dev.mysql.com/doc/mysql-errors/8.0/en/server-error-reference.html,
+#: https://mariadb.com/kb/en/mariadb-error-code-reference/). The driver maps
+#: most server errors, "never" ones included (an unknown column), to
+#: ``OperationalError``, so the class cannot decide there.
+TRANSIENT_MYSQL_ERRORS = frozenset(
+    {
+        1040,  # ER_CON_COUNT_ERROR: too many connections
+        1053,  # ER_SERVER_SHUTDOWN
+        1152,  # ER_ABORTING_CONNECTION
+        1158,  # ER_NET_READ_ERROR
+        1159,  # ER_NET_READ_INTERRUPTED
+        1160,  # ER_NET_ERROR_ON_WRITE
+        1161,  # ER_NET_WRITE_INTERRUPTED
+        1205,  # ER_LOCK_WAIT_TIMEOUT
+        1213,  # ER_LOCK_DEADLOCK
+        1290,  # ER_OPTION_PREVENTS_STATEMENT: --read-only during a failover
+        1317,  # ER_QUERY_INTERRUPTED
+        1792,  # ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION
+        1927,  # ER_CONNECTION_KILLED (MariaDB)
+        4031,  # ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8.0.24+: idle disconnect)
+    }
+)
+
+
+def mysql_error_code(exc: BaseException) -> int | None:
+    """The MySQL/MariaDB error number behind a Django database error, or None.
+
+    mysqlclient's exceptions carry ``(errno, message)`` as their args; Django
+    keeps the driver's exception as ``__cause__``.
+    """
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    if type(cause).__module__.split(".")[0] != "MySQLdb":
+        return None
+    args = getattr(cause, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a database error that may go away if the write is retried."""
@@ -36,4 +74,8 @@ def is_transient(exc: BaseException) -> bool:
     code = getattr(exc.__cause__, "sqlstate", None)
     if isinstance(code, str) and len(code) == 5:
         return code[:2] in TRANSIENT_SQLSTATE_CLASSES or code in TRANSIENT_SQLSTATES
+    errno = mysql_error_code(exc)
+    if errno:
+        # 2000-2999 are the client library's own: the connection failed or was lost.
+        return errno in TRANSIENT_MYSQL_ERRORS or 2000 <= errno < 3000
     return isinstance(exc, (OperationalError, InterfaceError))

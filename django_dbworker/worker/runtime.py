@@ -49,7 +49,7 @@ from django_dbworker.worker.pool import InlinePool, Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.scheduler import Scheduler, start_scheduler
 from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
-from django_dbworker.worker.wakeup import Listener
+from django_dbworker.worker.wakeup import AdaptivePoll, Listener, LocalWaker
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -200,6 +200,9 @@ class Worker:
         self._slow_write_at = -math.inf
         self._recovery_deferred_since: float | None = None
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
+        self._poll = AdaptivePoll(
+            self.config.poll_interval, enabled=not self.ops.supports_notify
+        )
         self.prefetch = Prefetch(
             concurrency=self.config.concurrency,
             horizon=0.0 if self.config.inline else self.config.prefetch_horizon,
@@ -239,6 +242,7 @@ class Worker:
             for h in own_table
         ]
         listener = None
+        local_waker = None
         if self.work_item_handlers and cfg.inline:
             self._writer = SuccessWriter(cfg.using, give_up=self.aborting, inline=True)
             self._pool = InlinePool()
@@ -259,6 +263,9 @@ class Worker:
                 listener = Listener(using=cfg.using, queues=cfg.queues, wake=self.wake.set)
                 listener.start()
                 self.listener = listener
+            elif not cfg.burst:
+                local_waker = LocalWaker(queues=cfg.queues, wake=self.wake.set)
+                local_waker.start()
         if self.work_item_handlers and not cfg.inline:
             # Periodic handlers' slots (worker/scheduler.py); None without any.
             self._scheduler = start_scheduler(
@@ -284,6 +291,8 @@ class Worker:
             self.stopping.set()
             if listener is not None:
                 listener.stop()
+            if local_waker is not None:
+                local_waker.stop()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             if self._scheduler is not None:
@@ -458,13 +467,15 @@ class Worker:
             self._claim_backoff.reset()
             if self.stopping.is_set():
                 return
+            if claimed:
+                self._poll.found_work()
             if claimed and not self._ran_dry:
                 continue  # a full batch: more rows may be ready right now
             if cfg.burst and not claimed and not self._has_in_flight():
                 return
             if not claimed and self._ran_dry:
                 self.idle.set()
-            self.wake.wait(cfg.poll_interval)
+            self.wake.wait(self._poll.next())
             self.idle.clear()
 
     # -- watchdog ---------------------------------------------------------------

@@ -6,6 +6,11 @@ its own) and wakes the claim loop for each notified queue it serves. This
 module holds the thread, its reconnects and backoff; it holds no SQL and no
 driver API. Losing the subscription only costs latency: the claim loop
 still polls at POLL_INTERVAL.
+
+Where the database has no such notifications (SQLite, MySQL), the claim
+loop polls adaptively instead (``AdaptivePoll``: soon after a claim that
+found work, backing off to POLL_INTERVAL when idle), and an enqueue
+committed in the worker's own process wakes it at once (``LocalWaker``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,63 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from django_dbworker.db import Subscription, operations
+from django_dbworker.db import Subscription, add_local_waker, operations, remove_local_waker
 from django_dbworker.worker.connections import Backoff
 
 logger = logging.getLogger("django_dbworker.worker")
+
+#: The first idle poll after a claim that found work, in seconds; each empty
+#: poll doubles the wait up to POLL_INTERVAL.
+FIRST_POLL = 0.02
+
+
+class AdaptivePoll:
+    """How long the idle claim loop waits before it polls again, without notifications.
+
+    Work tends to come in bursts: right after a claim found rows, more are
+    likely to arrive, and a short wait finds them with little latency. An
+    idle worker backs off to POLL_INTERVAL, so a quiet queue costs one
+    cheap indexed query per interval per worker. Where notifications wake
+    the loop (``enabled`` False), it always waits POLL_INTERVAL.
+    """
+
+    def __init__(self, cap: float, *, enabled: bool, first: float = FIRST_POLL) -> None:
+        self.cap = cap
+        self.enabled = enabled
+        self.first = min(first, cap)
+        self.delay = cap
+
+    def found_work(self) -> None:
+        if self.enabled:
+            self.delay = self.first
+
+    def next(self) -> float:
+        delay = self.delay
+        self.delay = min(self.cap, delay * 2)
+        return delay
+
+
+class LocalWaker:
+    """Wakes the claim loop when this process commits an enqueue for one of its queues.
+
+    The database cannot tell other processes; this process knows of its own
+    enqueues (``VendorOperations.notify``), for instance a handler enqueueing
+    follow-up work.
+    """
+
+    def __init__(self, *, queues: Sequence[str] | None, wake: Callable[[], None]) -> None:
+        self.queues = set(queues) if queues else None
+        self.wake = wake
+
+    def __call__(self, queues: Sequence[str]) -> None:
+        if self.queues is None or not self.queues.isdisjoint(queues):
+            self.wake()
+
+    def start(self) -> None:
+        add_local_waker(self)
+
+    def stop(self) -> None:
+        remove_local_waker(self)
 
 
 class Listener(threading.Thread):

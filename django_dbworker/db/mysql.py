@@ -1,0 +1,466 @@
+"""MySQL 8 and MariaDB 10.6+: their statements, and the operations that run them.
+
+Neither has ``UPDATE ... RETURNING``, so a claim is three statements in one
+short transaction at READ COMMITTED: ``SELECT id ... FOR UPDATE SKIP
+LOCKED`` in claim order, ``UPDATE ... WHERE id IN (...)``, and a read of the
+claimed rows. Successes lock their rows first (``SELECT ... FOR UPDATE`` in
+ascending id order, so that two bulk writers queue behind each other
+instead of deadlocking), keep those still claimed under their own token and
+update exactly those. A deadlock (1213) or a lock wait timeout (1205) rolls
+the transaction back; in autocommit it is retried here, a few times, before
+the caller's own retry (``is_transient``) takes over.
+
+The database clock is ``UTC_TIMESTAMP(6)``: Django stores aware datetimes
+as naive UTC in DATETIME(6) columns, and ``UTC_TIMESTAMP`` is UTC whatever
+the session's time zone. (Django's ``Now()`` is ``CURRENT_TIMESTAMP(6)``,
+in the session's zone: ``set_session_time_zone`` pins every MySQL
+connection to UTC so that both agree.) Claim tokens are
+``REPLACE(UUID(), '-', '')``: the 32 hex characters Django's UUIDField
+stores on MySQL, which MariaDB's native UUID type (10.7+) also takes;
+unique per row, which is what fencing needs.
+
+There are no partial indexes: migration 0004 gives MySQL its claim indexes
+``dbworker_my_claim_idx`` ``(status, priority DESC, run_after, id)`` and
+``dbworker_my_claim_queue_idx`` ``(queue, status, ...)``, named in the
+claims (FORCE INDEX: the optimizer must never pick a cheaper-looking
+index whose order is not the claim order),
+whose order is the claim order, so the LIMIT stops the index scan and
+SKIP LOCKED never has to sort (a filesort would lock every row it read),
+and a unique index on a generated column that holds the unique_key only
+while the row is pending or claimed. No cross-process wake-ups: workers
+poll adaptively, and an enqueue in a worker's own process wakes it
+(``VendorOperations.notify``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any, TypeVar
+from uuid import UUID
+
+from django.db import OperationalError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import QuerySet
+
+from django_dbworker.db.base import (
+    Statement,
+    UnsupportedDatabase,
+    VendorOperations,
+    as_uuid,
+)
+from django_dbworker.db.errors import mysql_error_code
+from django_dbworker.models import WorkItem
+
+logger = logging.getLogger("django_dbworker.db")
+
+T = TypeVar("T")
+
+#: SKIP LOCKED arrived in MySQL 8.0.1 and MariaDB 10.6.
+MIN_MYSQL_VERSION = (8, 0, 1)
+MIN_MARIADB_VERSION = (10, 6)
+
+#: Deadlock found when trying to get lock; Lock wait timeout exceeded.
+DEADLOCK = 1213
+LOCK_WAIT_TIMEOUT = 1205
+#: How often a claim or a success write that a deadlock or lock wait
+#: timeout rolled back is run again here, in autocommit, before it raises.
+LOCK_RETRIES = 5
+
+# -- statements ---------------------------------------------------------------------
+#
+# Lists are N placeholders (no array parameters): a ``{slot}`` filled by
+# ``numbered``. The claim's SELECT is WorkItem.objects.ready().in_order().
+
+SET_TIME_ZONE = Statement(
+    "set_time_zone",
+    "Pin the session's time zone to UTC, so that CURRENT_TIMESTAMP agrees with UTC_TIMESTAMP.",
+    """
+SET time_zone = '+00:00'
+""",
+)
+
+# Only when the project's OPTIONS chose another isolation level than
+# Django's default (READ COMMITTED): it applies to the next transaction only.
+SET_READ_COMMITTED = Statement(
+    "set_read_committed",
+    "Run the next transaction at READ COMMITTED (no gap locks, fresh reads).",
+    """
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED
+""",
+)
+
+CLAIM_SELECT = Statement(
+    "claim_select",
+    "Lock the next ready rows of some handlers, in any queue (first step of a claim).",
+    """
+SELECT id FROM django_dbworker_workitem FORCE INDEX (dbworker_my_claim_idx)
+WHERE status = 'pending'
+  AND run_after <= UTC_TIMESTAMP(6)
+  AND handler IN ({handlers})
+ORDER BY priority DESC, run_after, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+# An equality on the index's leading column: dbworker_my_claim_queue_idx then
+# returns rows in claim order and the LIMIT stops the scan.
+CLAIM_SELECT_IN_QUEUE = Statement(
+    "claim_select_in_queue",
+    "Lock the next ready rows of some handlers in one queue (first step of a claim).",
+    """
+SELECT id FROM django_dbworker_workitem FORCE INDEX (dbworker_my_claim_queue_idx)
+WHERE queue = %(queue)s
+  AND status = 'pending'
+  AND run_after <= UTC_TIMESTAMP(6)
+  AND handler IN ({handlers})
+ORDER BY priority DESC, run_after, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+# Several queues: the claim index in claim order, queue checked per row.
+CLAIM_SELECT_IN_QUEUES = Statement(
+    "claim_select_in_queues",
+    "Lock the next ready rows of some handlers in several queues (first step of a claim).",
+    """
+SELECT id FROM django_dbworker_workitem FORCE INDEX (dbworker_my_claim_idx)
+WHERE status = 'pending'
+  AND run_after <= UTC_TIMESTAMP(6)
+  AND handler IN ({handlers})
+  AND queue IN ({queues})
+ORDER BY priority DESC, run_after, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+# The rows are locked by this transaction: the status test only restates it.
+CLAIM_UPDATE = Statement(
+    "claim_update",
+    "Mark the locked rows claimed: new token, worker, times, one more attempt.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = UTC_TIMESTAMP(6),
+    heartbeat_at = UTC_TIMESTAMP(6),
+    updated_at = UTC_TIMESTAMP(6),
+    claimed_by = %(worker)s,
+    claim_token = REPLACE(UUID(), '-', '')
+WHERE id IN ({ids})
+  AND status = 'pending'
+ORDER BY id
+""",
+)
+
+CLAIM_READ = Statement(
+    "claim_read",
+    "Read back the rows this transaction just claimed.",
+    """
+SELECT id, handler, queue, payload, priority, run_after, attempts,
+       max_attempts, claimed_by, claim_token, trace_context
+FROM django_dbworker_workitem
+WHERE id IN ({ids})
+  AND status = 'claimed'
+""",
+)
+
+SUCCEED_LOCK = Statement(
+    "succeed_lock",
+    "Lock the rows of a batch of successes in id order; which are still claimed, by whom.",
+    """
+SELECT id, claim_token FROM django_dbworker_workitem
+WHERE id IN ({ids})
+  AND status = 'claimed'
+ORDER BY id
+FOR UPDATE
+""",
+)
+
+# Each row gets its own result; the token test repeats the fence that the
+# locked read checked (tokens are unique, so IN cannot pair them wrongly).
+SUCCEED_UPDATE = Statement(
+    "succeed_update",
+    "Record the successes of the locked attempts still held, each with its own result.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'succeeded',
+    result = CASE id {cases} END,
+    finished_at = UTC_TIMESTAMP(6),
+    updated_at = UTC_TIMESTAMP(6),
+    last_error = ''
+WHERE id IN ({ids})
+  AND claim_token IN ({tokens})
+  AND status = 'claimed'
+ORDER BY id
+""",
+)
+
+# MySQL and MariaDB read DISTINCT on the leading column of an index by a
+# loose index scan (one probe per value) on their own: dbworker_queue_idx.
+DISTINCT_QUEUES = Statement(
+    "distinct_queues",
+    "Every queue name in the table, by a loose index scan (one index probe per queue).",
+    """
+SELECT DISTINCT queue FROM django_dbworker_workitem ORDER BY queue
+""",
+)
+
+# {query} is the ORM's SQL for the queryset being paged (the admin's filters).
+ESTIMATE_COUNT = Statement(
+    "estimate_count",
+    "The optimizer's row estimate for a query, without running it.",
+    """
+EXPLAIN {query}
+""",
+)
+
+SERVER_SETTINGS = Statement(
+    "server_settings",
+    "Whether the binary log is on, and its format (for the replication check).",
+    """
+SELECT @@log_bin, @@binlog_format
+""",
+)
+
+
+def numbered(name: str, count: int) -> str:
+    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list."""
+    return ", ".join(f"%({name}_{i})s" for i in range(count))
+
+
+def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """The values for ``numbered(name, len(values))``."""
+    return {f"{name}_{i}": value for i, value in enumerate(values)}
+
+
+# Rendered once per list length: a worker claims with the same filters and
+# similar batch sizes thousands of times a minute.
+@lru_cache(maxsize=256)
+def claim_select_sql(handlers: int, queues: int) -> str:
+    """The claim's SELECT for ``handlers`` handler names and ``queues`` queue names (0: any)."""
+    if queues == 0:
+        return CLAIM_SELECT.render(handlers=numbered("handler", handlers))
+    if queues == 1:
+        return CLAIM_SELECT_IN_QUEUE.render(handlers=numbered("handler", handlers))
+    return CLAIM_SELECT_IN_QUEUES.render(
+        handlers=numbered("handler", handlers), queues=numbered("queue", queues)
+    )
+
+
+@lru_cache(maxsize=256)
+def claim_update_sql(rows: int) -> str:
+    return CLAIM_UPDATE.render(ids=numbered("id", rows))
+
+
+@lru_cache(maxsize=256)
+def claim_read_sql(rows: int) -> str:
+    return CLAIM_READ.render(ids=numbered("id", rows))
+
+
+@lru_cache(maxsize=256)
+def succeed_lock_sql(rows: int) -> str:
+    return SUCCEED_LOCK.render(ids=numbered("id", rows))
+
+
+@lru_cache(maxsize=256)
+def succeed_update_sql(rows: int) -> str:
+    cases = " ".join(f"WHEN %(id_{i})s THEN %(result_{i})s" for i in range(rows))
+    return SUCCEED_UPDATE.render(
+        cases=cases, ids=numbered("id", rows), tokens=numbered("token", rows)
+    )
+
+
+def set_session_time_zone(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """``connection_created`` receiver: every MySQL session's time zone is UTC.
+
+    With ``USE_TZ``, Django keeps DATETIME columns in UTC but does not set
+    the session's zone, and its ``Now()`` (``db_default``, the querysets'
+    time comparisons) is ``CURRENT_TIMESTAMP``, which is in that zone. On a
+    server whose zone is not UTC, the worker's heartbeats and the stale
+    scan would be hours apart. UTC is what Django already assumes for
+    stored values; DATETIME columns are not converted by the session's
+    zone, so nothing else changes (only TIMESTAMP columns are, which
+    Django does not create).
+    """
+    if connection.vendor == "mysql":
+        with connection.cursor() as cursor:
+            cursor.execute(SET_TIME_ZONE.sql)
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    """A deadlock or a lock wait timeout: the transaction may simply be run again."""
+    return mysql_error_code(exc) in (DEADLOCK, LOCK_WAIT_TIMEOUT)
+
+
+# -- operations ---------------------------------------------------------------------
+
+
+class MySQLOperations(VendorOperations):
+    vendor = "mysql"
+    supports_notify = False
+    supports_skip_locked = True
+
+    def check_version(self) -> None:
+        connection: Any = self.connection
+        connection.ensure_connection()
+        version = tuple(connection.mysql_version)
+        if connection.mysql_is_mariadb:
+            if version < MIN_MARIADB_VERSION:
+                raise UnsupportedDatabase(
+                    "django-dbworker needs MariaDB 10.6 or newer (SELECT ... FOR UPDATE "
+                    f"SKIP LOCKED); this server is MariaDB {'.'.join(map(str, version))}."
+                )
+        elif version < MIN_MYSQL_VERSION:
+            raise UnsupportedDatabase(
+                "django-dbworker needs MySQL 8.0.1 or newer (SELECT ... FOR UPDATE "
+                f"SKIP LOCKED); this server is MySQL {'.'.join(map(str, version))}."
+            )
+
+    def binlog_format(self) -> str | None:
+        """The binary log's format, or None when the binary log is off."""
+        ((log_bin, binlog_format),) = self._fetch(SERVER_SETTINGS.sql)
+        return str(binlog_format).upper() if int(log_bin or 0) else None
+
+    # -- claims and outcomes -----------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> list[WorkItem]:
+        if limit <= 0 or not handlers:
+            return []
+        queues = list(queues or ())
+        params: dict[str, Any] = {"limit": limit, **numbered_params("handler", handlers)}
+        if len(queues) == 1:
+            params["queue"] = queues[0]
+        else:
+            params.update(numbered_params("queue", queues))
+        select = claim_select_sql(len(handlers), len(queues))
+
+        def attempt() -> list[tuple[Any, ...]]:
+            with self._read_committed(), self.connection.cursor() as cursor:
+                cursor.execute(select, params)
+                # Ascending: the UPDATE and the read visit them in id order.
+                ids = sorted(pk for (pk,) in cursor.fetchall())
+                if not ids:
+                    return []
+                cursor.execute(
+                    claim_update_sql(len(ids)), {"worker": worker, **numbered_params("id", ids)}
+                )
+                cursor.execute(claim_read_sql(len(ids)), numbered_params("id", ids))
+                return list(cursor.fetchall())
+
+        return self._rows_to_items(self._retrying(attempt, "claiming"))
+
+    def succeed_many(
+        self, outcomes: Sequence[tuple[int, UUID, str | None]]
+    ) -> set[tuple[int, UUID]]:
+        if not outcomes:
+            return set()
+        wanted = {(pk, token) for pk, token, _ in outcomes}
+        ids = sorted({pk for pk, _, _ in outcomes})
+
+        def attempt() -> set[tuple[int, UUID]]:
+            with self._read_committed(), self.connection.cursor() as cursor:
+                cursor.execute(succeed_lock_sql(len(ids)), numbered_params("id", ids))
+                held = {(pk, as_uuid(token)) for pk, token in cursor.fetchall()} & wanted
+                if not held:
+                    return set()
+                # One row's two attempts cannot both be held: only its current token is.
+                mine = sorted(
+                    (pk, token, result)
+                    for pk, token, result in outcomes
+                    if (pk, token) in held
+                )
+                token_field = WorkItem._meta.get_field("claim_token")
+                params = {
+                    **numbered_params("id", [pk for pk, _, _ in mine]),
+                    # As UUIDField stores it: 32 hex characters on MySQL, the
+                    # native UUID type on MariaDB 10.7+.
+                    **numbered_params(
+                        "token",
+                        [token_field.get_db_prep_value(t, self.connection) for _, t, _ in mine],
+                    ),
+                    **numbered_params("result", [result for _, _, result in mine]),
+                }
+                cursor.execute(succeed_update_sql(len(mine)), params)
+                if cursor.rowcount != len(mine):
+                    # The rows are locked by this transaction; anything else is a bug.
+                    raise RuntimeError(
+                        f"recorded {cursor.rowcount} of {len(mine)} locked successes"
+                    )
+                return held
+
+        return self._retrying(attempt, "recording successes")
+
+    def _read_committed(self) -> Any:
+        """A transaction of its own (a savepoint inside the caller's), at READ COMMITTED.
+
+        Django's MySQL backend sets READ COMMITTED on every session unless
+        the project's OPTIONS choose another level; then the next
+        transaction is set to it here. Under REPEATABLE READ the claim's
+        locking read would take gap locks on the index it scans and block
+        enqueues; the read-back would see an old snapshot. Inside a
+        caller's transaction (``run_until_empty`` in a test) its level stays.
+        """
+        connection: Any = self.connection
+        if connection.isolation_level != "read committed" and not connection.in_atomic_block:
+            connection.ensure_connection()
+            with connection.cursor() as cursor:
+                cursor.execute(SET_READ_COMMITTED.sql)
+        return transaction.atomic(using=self.using)
+
+    def _retrying(self, fn: Callable[[], T], what: str) -> T:
+        """Run the transaction ``fn`` again when a deadlock or lock wait timeout ended it.
+
+        MySQL rolls back the whole transaction on a deadlock (and the
+        statement on a lock wait timeout, which ``atomic`` then rolls back):
+        nothing of the attempt stays, so running it again cannot claim or
+        record twice. Inside a caller's transaction the error is the
+        caller's, and is raised (a deadlock rolled back their work too).
+        """
+        for attempt in range(LOCK_RETRIES + 1):
+            try:
+                return fn()
+            except OperationalError as exc:
+                if (
+                    not is_lock_conflict(exc)
+                    or attempt == LOCK_RETRIES
+                    or self.connection.in_atomic_block
+                ):
+                    raise
+                delay = random.uniform(0.0, 0.01 * 2**attempt)
+                logger.info("%s: %s; trying again in %.3fs.", what.capitalize(), exc, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- statistics --------------------------------------------------------------
+
+    def distinct_queues(self) -> list[str]:
+        return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
+
+    def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
+        sql, params = queryset.order_by().query.get_compiler(using=self.using).as_sql()
+        with self.connection.cursor() as cursor:
+            cursor.execute(ESTIMATE_COUNT.render(query=sql), params)
+            names = [col[0].lower() for col in cursor.description]
+            rows = cursor.fetchall()
+        if not rows or "rows" not in names:
+            return None
+        first = rows[0]
+        estimate = float(first[names.index("rows")] or 0)
+        # MySQL 8 also says which share of those rows pass the WHERE.
+        if "filtered" in names and first[names.index("filtered")] is not None:
+            estimate *= float(first[names.index("filtered")]) / 100.0
+        return int(estimate)
