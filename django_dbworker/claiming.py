@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from django.db import models, transaction
 
-from django_dbworker.db import supports_skip_locked
+from django_dbworker.db import skip_locked_options, supports_skip_locked
 
 M = TypeVar("M", bound=models.Model)
 
@@ -35,7 +35,7 @@ def claim_next(queryset: models.QuerySet[M], **updates: Any) -> M | None:
     model = queryset.model
     if supports_skip_locked(db):
         with transaction.atomic(using=db):
-            row = queryset.select_for_update(skip_locked=True, of=("self",)).first()
+            row = queryset.select_for_update(**skip_locked_options(db)).first()
             if row is None:
                 return None
             model._default_manager.using(db).filter(pk=row.pk).update(**updates)

@@ -11,6 +11,8 @@ a queries file: named statements first, then the operations that run them
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_dbworker.db.base import (
@@ -28,6 +30,7 @@ __all__ = [
     "add_local_waker",
     "operations",
     "remove_local_waker",
+    "skip_locked_options",
     "supports_skip_locked",
 ]
 
@@ -80,3 +83,16 @@ def supports_skip_locked(using: str | None = None) -> bool:
         return operations(alias).supports_skip_locked
     except UnsupportedDatabase:
         return bool(connections[alias].features.has_select_for_update_skip_locked)
+
+
+def skip_locked_options(using: str | None = None) -> dict[str, Any]:
+    """``select_for_update`` arguments that lock only the queryset's own rows, skipping locked ones.
+
+    ``of=("self",)`` keeps joined tables (a filter through a foreign key)
+    unlocked where the database can say so; MariaDB cannot (no ``FOR
+    UPDATE OF``), and locks the joined rows too there.
+    """
+    alias = using or DEFAULT_DB_ALIAS
+    if connections[alias].features.has_select_for_update_of:
+        return {"skip_locked": True, "of": ("self",)}
+    return {"skip_locked": True}

@@ -405,7 +405,7 @@ class MySQLOperations(VendorOperations):
         return self._retrying(attempt, "recording successes")
 
     def _read_committed(self) -> Any:
-        """A transaction of its own (a savepoint inside the caller's), at READ COMMITTED.
+        """A transaction of its own (or the caller's), at READ COMMITTED.
 
         Django's MySQL backend sets READ COMMITTED on every session unless
         the project's OPTIONS choose another level; then the next
@@ -415,8 +415,14 @@ class MySQLOperations(VendorOperations):
         caller's transaction (``run_until_empty`` in a test) its level stays.
         """
         connection: Any = self.connection
-        if connection.isolation_level != "read committed" and not connection.in_atomic_block:
-            connection.ensure_connection()
+        if connection.in_atomic_block:
+            # No savepoint, as PostgreSQL's one-statement claim has none: an
+            # error breaks the caller's transaction (a deadlock rolls all of
+            # it back on MySQL anyway).
+            return transaction.atomic(using=self.using, savepoint=False)
+        # Django sets ``isolation_level`` when it connects.
+        connection.ensure_connection()
+        if connection.isolation_level != "read committed":
             with connection.cursor() as cursor:
                 cursor.execute(SET_READ_COMMITTED.sql)
         return transaction.atomic(using=self.using)

@@ -163,8 +163,24 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
     text += '\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n'
     text += 'EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"\n'
 
-    pg_name = None
-    if connection.vendor == "postgresql":
+    pg_name = my_name = None
+    if connection.vendor == "mysql":
+        params = connection.settings_dict
+        my_name = f"readme_{uuid.uuid4().hex[:12]}"
+        _mysql_admin(params, f"CREATE DATABASE `{my_name}` CHARACTER SET utf8mb4")
+        db = {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": my_name,
+            "USER": params["USER"],
+            "PASSWORD": params["PASSWORD"],
+            "HOST": params["HOST"],
+            "PORT": str(params["PORT"]),
+            "OPTIONS": {"charset": "utf8mb4"},
+        }
+        text += f"DATABASES = {{'default': {db!r}}}\n"
+        # Known on MySQL, see tests/settings.py (no partial or expression indexes).
+        text += 'SILENCED_SYSTEM_CHECKS = ["models.W036", "models.W037", "models.W043"]\n'
+    elif connection.vendor == "postgresql":
         params = connection.settings_dict
         pg_name = f"readme_{uuid.uuid4().hex[:12]}"
         _pg_admin(params, "CREATE DATABASE {}", pg_name)
@@ -195,6 +211,23 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
     finally:
         if pg_name is not None:
             _pg_admin(connection.settings_dict, "DROP DATABASE IF EXISTS {} WITH (FORCE)", pg_name)
+        if my_name is not None:
+            _mysql_admin(connection.settings_dict, f"DROP DATABASE IF EXISTS `{my_name}`")
+
+
+def _mysql_admin(params: dict[str, Any], statement: str) -> None:
+    import MySQLdb
+
+    conn = MySQLdb.connect(
+        user=params["USER"],
+        password=params["PASSWORD"] or "",
+        host=params["HOST"],
+        port=int(params["PORT"]),
+    )
+    try:
+        conn.cursor().execute(statement)
+    finally:
+        conn.close()
 
 
 def _pg_admin(params: dict[str, Any], statement: str, name: str) -> None:
