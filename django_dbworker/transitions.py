@@ -170,7 +170,8 @@ def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[A
         claim_token__in={token for _, token in wanted},
         status=Status.CLAIMED,
     )
-    changed = qs.update(heartbeat_at=Now())
+    with operations(using).locked_in_id_order({pk for pk, _ in wanted}):
+        changed = qs.update(heartbeat_at=Now())
     if changed == len(wanted):
         return wanted
     return wanted & set(qs.values_list("pk", "claim_token"))
@@ -246,17 +247,20 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     claims = {item.pk: item.claim_token for item in items}
     if not claims:
         return 0
-    return (
-        WorkItem.objects.using(using)
-        .filter(pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED)
-        .update(
-            status=Status.PENDING,
-            attempts=Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0)),
-            run_after=Now(),
-            claim_token=None,
-            updated_at=Now(),
+    with operations(using).locked_in_id_order(claims):
+        return (
+            WorkItem.objects.using(using)
+            .filter(
+                pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
+            )
+            .update(
+                status=Status.PENDING,
+                attempts=Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0)),
+                run_after=Now(),
+                claim_token=None,
+                updated_at=Now(),
+            )
         )
-    )
 
 
 @dataclass
@@ -315,20 +319,8 @@ def recover_stale(
         # per handler for the metrics, still bounded by the batch size.
         for handler, ids in by_handler.items():
             rows = base.filter(pk__in=ids)
-            failed = rows.filter(exhausted).update(
-                status=Status.FAILED,
-                finished_at=Now(),
-                claim_token=None,
-                updated_at=Now(),
-                last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
-            )
-            requeued = rows.update(
-                status=Status.PENDING,
-                run_after=Now(),
-                claim_token=None,
-                updated_at=Now(),
-                last_error=Concat(Value(message), F("claimed_by"), Value(".")),
-            )
+            with operations(using).locked_in_id_order(ids):
+                failed, requeued = _recover(rows, exhausted, message)
             result.failed += failed
             result.requeued += requeued
             if failed or requeued:
@@ -338,6 +330,25 @@ def recover_stale(
     if log:
         result.log()
     return result
+
+
+def _recover(rows: WorkItemQuerySet, exhausted: Q, message: str) -> tuple[int, int]:
+    """One batch of stale rows: those out of attempts failed, the others back to pending."""
+    failed = rows.filter(exhausted).update(
+        status=Status.FAILED,
+        finished_at=Now(),
+        claim_token=None,
+        updated_at=Now(),
+        last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
+    )
+    requeued = rows.update(
+        status=Status.PENDING,
+        run_after=Now(),
+        claim_token=None,
+        updated_at=Now(),
+        last_error=Concat(Value(message), F("claimed_by"), Value(".")),
+    )
+    return failed, requeued
 
 
 def prune(

@@ -55,7 +55,9 @@ def ensure_installed() -> tuple[Path, Path, Path]:
     if found is not None:
         return found
     if os.geteuid() != 0:
-        sys.exit("MariaDB server binaries are missing; install the Debian 'mariadb-server' package.")
+        sys.exit(
+            "MariaDB server binaries are missing; install the Debian 'mariadb-server' package."
+        )
     log("installing MariaDB server binaries (apt-get install mariadb-server)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)

@@ -35,12 +35,69 @@ def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
 
+def is_server_database() -> bool:
+    """A database server with row locks: PostgreSQL, or MySQL/MariaDB."""
+    return connection.vendor in ("postgresql", "mysql")
+
+
 @pytest.fixture(autouse=True)
 def _vendor_markers(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("postgres_only") and not is_postgres():
         pytest.skip(f"needs PostgreSQL; this leg runs on {connection.vendor}")
+    if request.node.get_closest_marker("server_db") and not is_server_database():
+        pytest.skip(
+            f"needs a database server (PostgreSQL or MariaDB); this leg runs on {connection.vendor}"
+        )
+    if request.node.get_closest_marker("mysql_only") and connection.vendor != "mysql":
+        pytest.skip(f"about MySQL/MariaDB; this leg runs on {connection.vendor}")
     if request.node.get_closest_marker("sqlite_only") and connection.vendor != "sqlite":
         pytest.skip(f"about SQLite's database write lock; this leg runs on {connection.vendor}")
+
+
+def kill_other_connections() -> int:
+    """Kill every other connection to the test database (as a failover or a DBA would).
+
+    Returns how many were killed.
+    """
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT id FROM information_schema.processlist "
+                "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+            )
+            killed = 0
+            for (pid,) in cursor.fetchall():
+                try:
+                    cursor.execute(f"KILL CONNECTION {int(pid)}")
+                    killed += 1
+                except Exception:  # it ended meanwhile (errno 1094: unknown thread)
+                    pass
+            return killed
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def restart_server() -> None:
+    """Restart this leg's own database server in place, or skip saying why not."""
+    if connection.vendor == "mysql":
+        variable, script = "DBWORKER_MARIADB_STATE", "mariadbcluster.py"
+    else:
+        variable, script = "DBWORKER_PG_STATE", "pgcluster.py"
+    state = os.environ.get(variable)
+    if not state:
+        pytest.skip(
+            f"{variable} is not set: this run did not start its own database server "
+            "(scripts/test sets it), so the server cannot be restarted"
+        )
+    connection.close()
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "restart", "--state", state],
+        check=True,
+        timeout=120,
+    )
 
 
 class WorkerProcess:

@@ -14,7 +14,8 @@ import logging
 import math
 import string
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -240,6 +241,18 @@ class VendorOperations:
         superseded one and the current one) are told apart by their tokens.
         """
         raise NotImplementedError
+
+    def locked_in_id_order(self, ids: Collection[int]) -> AbstractContextManager[None]:
+        """A transaction holding the row locks of ``ids``, taken in ascending id order.
+
+        For the bulk writes of the ORM (heartbeat, release, stale recovery)
+        where the database's plan decides the order in which an UPDATE
+        locks rows: taking them first in one order means two bulk writers
+        queue behind each other instead of deadlocking. A no-op here;
+        MySQL, whose UPDATEs may lock through a descending secondary
+        index, overrides it.
+        """
+        return nullcontext()
 
     # -- enqueue and wake-ups ----------------------------------------------------
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, TypeVar
 from uuid import UUID
@@ -140,12 +141,16 @@ FOR UPDATE SKIP LOCKED
 """,
 )
 
+# Every statement that finds rows by id names the primary key: the status
+# index looks cheaper to the optimizer when few rows are pending or claimed,
+# and a locking read through it would wait on (and deadlock with) rows that
+# other workers hold, instead of taking exactly its own rows in id order.
 # The rows are locked by this transaction: the status test only restates it.
 CLAIM_UPDATE = Statement(
     "claim_update",
     "Mark the locked rows claimed: new token, worker, times, one more attempt.",
     """
-UPDATE django_dbworker_workitem
+UPDATE django_dbworker_workitem FORCE INDEX (PRIMARY)
 SET status = 'claimed',
     attempts = attempts + 1,
     claimed_at = UTC_TIMESTAMP(6),
@@ -165,19 +170,20 @@ CLAIM_READ = Statement(
     """
 SELECT id, handler, queue, payload, priority, run_after, attempts,
        max_attempts, claimed_by, claim_token, trace_context
-FROM django_dbworker_workitem
+FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
   AND status = 'claimed'
 """,
 )
 
+# The status is read, not filtered on: a filter could make the optimizer
+# pick the status index (see above).
 SUCCEED_LOCK = Statement(
     "succeed_lock",
-    "Lock the rows of a batch of successes in id order; which are still claimed, by whom.",
+    "Lock the rows of a batch of successes in id order; read their status and token.",
     """
-SELECT id, claim_token FROM django_dbworker_workitem
+SELECT id, status, claim_token FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
-  AND status = 'claimed'
 ORDER BY id
 FOR UPDATE
 """,
@@ -189,7 +195,7 @@ SUCCEED_UPDATE = Statement(
     "succeed_update",
     "Record the successes of the locked attempts still held, each with its own result.",
     """
-UPDATE django_dbworker_workitem
+UPDATE django_dbworker_workitem FORCE INDEX (PRIMARY)
 SET status = 'succeeded',
     result = CASE id {cases} END,
     finished_at = UTC_TIMESTAMP(6),
@@ -202,8 +208,21 @@ ORDER BY id
 """,
 )
 
+LOCK_ROWS = Statement(
+    "lock_rows",
+    "Lock rows by id in ascending id order, before a bulk UPDATE of the ORM changes them.",
+    """
+SELECT id FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
+WHERE id IN ({ids})
+ORDER BY id
+FOR UPDATE
+""",
+)
+
 # MySQL and MariaDB read DISTINCT on the leading column of an index by a
-# loose index scan (one probe per value) on their own: dbworker_queue_idx.
+# loose index scan (one probe per value) on their own, from
+# dbworker_my_queue_idx (not from dbworker_queue_idx: MariaDB does not
+# loose-scan an index with a descending part).
 DISTINCT_QUEUES = Statement(
     "distinct_queues",
     "Every queue name in the table, by a loose index scan (one index probe per queue).",
@@ -275,6 +294,11 @@ def succeed_update_sql(rows: int) -> str:
     return SUCCEED_UPDATE.render(
         cases=cases, ids=numbered("id", rows), tokens=numbered("token", rows)
     )
+
+
+@lru_cache(maxsize=256)
+def lock_rows_sql(rows: int) -> str:
+    return LOCK_ROWS.render(ids=numbered("id", rows))
 
 
 def set_session_time_zone(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
@@ -374,14 +398,16 @@ class MySQLOperations(VendorOperations):
         def attempt() -> set[tuple[int, UUID]]:
             with self._read_committed(), self.connection.cursor() as cursor:
                 cursor.execute(succeed_lock_sql(len(ids)), numbered_params("id", ids))
-                held = {(pk, as_uuid(token)) for pk, token in cursor.fetchall()} & wanted
+                held = {
+                    (pk, as_uuid(token))
+                    for pk, status, token in cursor.fetchall()
+                    if status == "claimed" and token is not None
+                } & wanted
                 if not held:
                     return set()
                 # One row's two attempts cannot both be held: only its current token is.
                 mine = sorted(
-                    (pk, token, result)
-                    for pk, token, result in outcomes
-                    if (pk, token) in held
+                    (pk, token, result) for pk, token, result in outcomes if (pk, token) in held
                 )
                 token_field = WorkItem._meta.get_field("claim_token")
                 params = {
@@ -450,6 +476,20 @@ class MySQLOperations(VendorOperations):
                 logger.info("%s: %s; trying again in %.3fs.", what.capitalize(), exc, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextmanager
+    def locked_in_id_order(self, ids: Collection[int]) -> Iterator[None]:
+        # The fenced UPDATEs of heartbeats and releases filter on status too,
+        # and the optimizer may run them through dbworker_status_idx
+        # (status, id DESC): in descending id order, against the success
+        # writer's ascending one, a deadlock. Locked here first by primary
+        # key, the rows are this transaction's before the UPDATE reads any.
+        ordered = sorted(set(ids))
+        with self._read_committed():
+            if ordered:
+                with self.connection.cursor() as cursor:
+                    cursor.execute(lock_rows_sql(len(ordered)), numbered_params("id", ordered))
+            yield
 
     # -- statistics --------------------------------------------------------------
 

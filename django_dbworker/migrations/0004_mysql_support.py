@@ -19,6 +19,9 @@ other database:
   and their claims then sort (correct, slower on large backlogs).
 - ``dbworker_my_stale_idx`` ``(status, heartbeat_at)``: the stale scan
   (claimed rows only, not every row with a heartbeat).
+- ``dbworker_my_queue_idx`` ``(queue)``: the admin's list of queues by a
+  loose index scan, which MariaDB does not do on ``dbworker_queue_idx``
+  ``(queue, id DESC)``.
 - ``active_unique_key``, a virtual generated column holding ``handler``,
   NUL and ``unique_key`` while the row is pending or claimed (NULL
   otherwise, and NULLs never collide), with the unique index
@@ -27,6 +30,11 @@ other database:
   PostgreSQL. VARBINARY, so keys compare byte for byte (case and accents
   matter, as on PostgreSQL), whatever the table's collation. Django's
   model does not know the column and never reads or writes it.
+- ``handler``, ``queue`` and ``unique_key`` in the binary collation
+  ``utf8mb4_bin``: with MySQL's default, case-insensitive collations a
+  claim for handler ``echo`` would take rows of ``Echo``, and the lookup of
+  the live row holding a unique_key could find another key's. A later
+  ``AlterField`` of these fields on MySQL must keep the collation.
 
 The SQL is written out here rather than imported from ``db/mysql.py``: a
 migration is history and must not change when the package does.
@@ -38,6 +46,10 @@ TABLE = "django_dbworker_workitem"
 
 FORWARDS = [
     f"""ALTER TABLE {TABLE}
+    MODIFY handler VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    MODIFY queue VARCHAR(100) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    MODIFY unique_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL""",
+    f"""ALTER TABLE {TABLE}
     ADD COLUMN active_unique_key VARBINARY(2048)
         GENERATED ALWAYS AS (
             CASE WHEN status IN ('pending', 'claimed')
@@ -48,13 +60,19 @@ FORWARDS = [
     f"CREATE INDEX dbworker_my_claim_queue_idx ON {TABLE} "
     "(queue, status, priority DESC, run_after, id)",
     f"CREATE INDEX dbworker_my_stale_idx ON {TABLE} (status, heartbeat_at)",
+    f"CREATE INDEX dbworker_my_queue_idx ON {TABLE} (queue)",
 ]
 
 BACKWARDS = [
+    f"DROP INDEX dbworker_my_queue_idx ON {TABLE}",
     f"DROP INDEX dbworker_my_stale_idx ON {TABLE}",
     f"DROP INDEX dbworker_my_claim_queue_idx ON {TABLE}",
     f"DROP INDEX dbworker_my_claim_idx ON {TABLE}",
     f"ALTER TABLE {TABLE} DROP INDEX dbworker_my_active_key_uniq, DROP COLUMN active_unique_key",
+    f"""ALTER TABLE {TABLE}
+    MODIFY handler VARCHAR(200) NOT NULL,
+    MODIFY queue VARCHAR(100) NOT NULL,
+    MODIFY unique_key VARCHAR(255) NULL""",
 ]
 
 

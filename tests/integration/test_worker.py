@@ -53,7 +53,7 @@ def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
     assert row.status == Status.FAILED and row.result is None
 
 
-@pytest.mark.postgres_only
+@pytest.mark.server_db
 def test_false_stale_atomic_handler_commits_its_writes_exactly_once(
     background_worker: Callable[..., Worker],
 ) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ from django.db import DatabaseError, connection
 from django.db.models import Count
 
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import ROOT, wait_until
+from tests.conftest import kill_other_connections, restart_server, wait_until
 from tests.testapp.models import Execution, Invoice
 from tests.testapp.workers import KillWorker, Record, Sleep
 
@@ -159,15 +157,10 @@ def test_own_table_handler_runs_in_its_own_loop(start_worker) -> None:
 
 
 def _terminate_other_backends() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return int(cursor.fetchone()[0])
+    return kill_other_connections()
 
 
-@pytest.mark.postgres_only
+@pytest.mark.server_db
 def test_worker_survives_killed_connections(start_worker) -> None:
     Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(150)])
     worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
@@ -193,23 +186,16 @@ def _succeeded_tolerating_restart() -> int:
         return -1
 
 
-@pytest.mark.postgres_only
+@pytest.mark.server_db
 def test_worker_survives_a_server_restart(start_worker) -> None:
-    state = os.environ.get("DBWORKER_PG_STATE")
-    if not state:
-        pytest.skip(
-            "DBWORKER_PG_STATE is not set: this run did not start its own PostgreSQL "
-            "(scripts/test sets it), so the server cannot be restarted"
-        )
+    if not os.environ.get(
+        "DBWORKER_MARIADB_STATE" if connection.vendor == "mysql" else "DBWORKER_PG_STATE"
+    ):
+        restart_server()  # skips, saying why
     Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(120)])
     worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
     wait_until(lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() >= 20)
-    connection.close()
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "pgcluster.py"), "restart", "--state", state],
-        check=True,
-        timeout=120,
-    )
+    restart_server()
     wait_until(
         lambda: _succeeded_tolerating_restart() == 120,
         timeout=90,

@@ -1,0 +1,299 @@
+"""MySQL/MariaDB-only behaviour: SKIP LOCKED across connections, query plans, the
+unique generated column, lock-conflict retries, the session time zone.
+
+The plans are EXPLAINed on a table of 100,000 mostly finished rows with
+fresh statistics: each hot statement must read an index in the order it
+needs (no filesort, which would lock every row it read), never the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from django.db import IntegrityError, connection, connections, transaction
+
+from django_dbworker.db import mysql, operations
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
+from tests.factories import claim, make_item
+
+pytestmark = [pytest.mark.mysql_only, pytest.mark.django_db(transaction=True)]
+
+TABLE = "django_dbworker_workitem"
+
+
+def _second_connection() -> Any:
+    """A raw connection of its own (not Django's), in a transaction."""
+    conn = connection.get_new_connection(connection.get_connection_params())
+    conn.autocommit(False)
+    return conn
+
+
+# -- SKIP LOCKED ---------------------------------------------------------------------
+
+
+def test_claim_skips_a_row_locked_by_another_transaction() -> None:
+    first = make_item()
+    second = make_item()
+    other = _second_connection()
+    try:
+        other.cursor().execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (first.pk,))
+        started = time.monotonic()
+        items = claim(limit=2)
+        assert time.monotonic() - started < 2.0, "the claim waited for the lock"
+        assert [i.pk for i in items] == [second.pk]
+        other.rollback()
+    finally:
+        other.close()
+    assert [i.pk for i in claim(limit=2)] == [first.pk]
+
+
+def test_concurrent_claimers_take_disjoint_rows() -> None:
+    for _ in range(200):
+        make_item()
+    taken: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def claimer() -> None:
+        try:
+            mine: list[int] = []
+            while batch := claim(limit=7):
+                mine += [i.pk for i in batch]
+            taken.append(mine)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=claimer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    everything = [pk for mine in taken for pk in mine]
+    assert len(everything) == len(set(everything)) == 200
+
+
+# -- a lock wait timeout is retried, not surfaced --------------------------------------
+
+
+def test_a_success_write_that_times_out_on_a_lock_is_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    make_item()
+    (item,) = claim()
+    other = _second_connection()
+    answer: list[set[tuple[int, uuid.UUID]]] = []
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+            answer.append(operations().succeed_many([(item.pk, item.claim_token, '"ok"')]))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    try:
+        other.cursor().execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (item.pk,))
+        caplog.set_level(logging.INFO, logger="django_dbworker.db")
+        writer = threading.Thread(target=write)
+        writer.start()
+        wait_until(
+            lambda: "Lock wait timeout exceeded" in caplog.text,
+            timeout=20,
+            what="the success write to time out on the lock and retry",
+        )
+        other.rollback()
+        writer.join(30)
+    finally:
+        other.close()
+    assert not errors, errors
+    assert answer == [{(item.pk, item.claim_token)}]
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.SUCCEEDED and row.result == "ok"
+
+
+# -- unique_key: a generated column with a unique index ----------------------------------
+
+
+def test_the_database_refuses_a_second_live_row_with_the_same_key() -> None:
+    first = make_item(unique_key="k")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        make_item(unique_key="k")
+    # Another handler, another key, or a finished twin: all allowed.
+    make_item(handler="echo", unique_key="k")
+    make_item(unique_key="K")  # keys compare byte for byte, as on PostgreSQL
+    WorkItem.objects.filter(pk=first.pk).update(status=Status.SUCCEEDED)
+    make_item(unique_key="k")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        WorkItem.objects.filter(pk=first.pk).update(status=Status.PENDING)
+    assert WorkItem.objects.filter(unique_key="k").count() == 3
+    assert WorkItem.objects.filter(unique_key="K").count() == 1
+
+
+def test_names_and_keys_compare_byte_for_byte() -> None:
+    # As on PostgreSQL: a handler, queue or key differing only in case is another one.
+    make_item(handler="Noop", queue="Q", unique_key="Key")
+    assert claim(handlers=["noop"]) == []
+    assert not WorkItem.objects.filter(queue="q").exists()
+    assert not WorkItem.objects.filter(unique_key="key").exists()
+
+
+# -- the clock -------------------------------------------------------------------------
+
+
+def test_sessions_are_in_utc_whatever_the_server_says() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT @@session.time_zone, @@global.time_zone")
+        session, server = cursor.fetchone()
+    assert session == "+00:00"
+    if server in ("+00:00", "UTC", "SYSTEM"):
+        pytest.skip(f"the server's own time zone is {server}: nothing to prove")
+    item = make_item()
+    row = WorkItem.objects.get(pk=item.pk)
+    assert abs((row.created_at - datetime.now(UTC)).total_seconds()) < 60
+
+
+# -- plans on a big table ------------------------------------------------------------------
+
+DIGITS = "(SELECT 0 AS d UNION ALL " + " UNION ALL ".join(f"SELECT {i}" for i in range(1, 10)) + ")"
+
+FILL_SQL = f"""
+INSERT INTO {TABLE} (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_at, heartbeat_at, claimed_by, claim_token, finished_at, last_error, result,
+    unique_key, trace_context, created_at, updated_at)
+SELECT
+    ELT(1 + g.n % 4, 'noop', 'echo', 'record', 'urgent'),
+    ELT(1 + g.n % 5, 'default', 'echoes', 'urgent', 'emails', 'images'),
+    JSON_OBJECT('n', g.n),
+    CASE WHEN g.n % 100 < 94 THEN 'succeeded'
+         WHEN g.n % 100 < 97 THEN 'failed'
+         WHEN g.n % 100 < 99 THEN 'pending'
+         WHEN g.n % 1000 = 999 THEN 'claimed'
+         ELSE 'cancelled' END,
+    (g.n % 7) - 3,
+    UTC_TIMESTAMP(6) - INTERVAL (100000 - g.n) SECOND,
+    1, 3,
+    UTC_TIMESTAMP(6) - INTERVAL (100000 - g.n) SECOND,
+    UTC_TIMESTAMP(6) - INTERVAL (100000 - g.n) SECOND,
+    CONCAT('bighost:', g.n % 10, ':MainThread'),
+    NULL,
+    CASE WHEN g.n % 100 < 97 THEN UTC_TIMESTAMP(6) - INTERVAL (99999 - g.n) SECOND END,
+    '', NULL, NULL, '{{}}',
+    UTC_TIMESTAMP(6) - INTERVAL (100000 - g.n) SECOND,
+    UTC_TIMESTAMP(6) - INTERVAL (100000 - g.n) SECOND
+FROM (
+    SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d AS n
+    FROM {DIGITS} a, {DIGITS} b, {DIGITS} c, {DIGITS} e, {DIGITS} f
+) AS g
+"""
+
+
+@pytest.fixture
+def big_table() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(FILL_SQL)  # no parameters: its % signs are modulo
+        cursor.execute(f"ANALYZE TABLE {TABLE}")
+
+
+def _explain(sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + sql, params)
+        names = [col[0].lower() for col in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _show(plan: list[dict[str, Any]]) -> str:
+    return "\n".join(str(row) for row in plan)
+
+
+def _handlers(names: list[str]) -> dict[str, str]:
+    return mysql.numbered_params("handler", names)
+
+
+def _claim_select(handlers: list[str], queues: list[str]) -> tuple[str, dict[str, Any]]:
+    params: dict[str, Any] = {"limit": 8, **_handlers(handlers)}
+    if len(queues) == 1:
+        params["queue"] = queues[0]
+    else:
+        params.update(mysql.numbered_params("queue", queues))
+    return mysql.claim_select_sql(len(handlers), len(queues)), params
+
+
+def test_hot_statements_read_their_index_in_order(big_table: None) -> None:
+    """One table fill (100,000 rows, fresh statistics) for every plan: it takes seconds."""
+    from datetime import timedelta
+
+    ids = mysql.numbered_params("id", [10, 20, 30])
+    tokens = mysql.numbered_params("token", [uuid.uuid4().hex for _ in range(3)])
+    results = mysql.numbered_params("result", ["1", None, '{"a": 1}'])
+    stale = WorkItem.objects.stale(timedelta(seconds=60)).order_by("heartbeat_at")
+    stale_sql, stale_params = stale.values_list("pk", "handler")[:500].query.sql_with_params()
+    # (what, statement, parameters, the index it must read, the access types allowed)
+    cases: list[tuple[str, str, Any, str, tuple[str, ...]]] = [
+        ("claim", *_claim_select(["noop"], []), "dbworker_my_claim_idx", ("ref", "range")),
+        (
+            "claim, two handlers",
+            *_claim_select(["noop", "echo"], []),
+            "dbworker_my_claim_idx",
+            ("ref", "range"),
+        ),
+        (
+            "claim in one queue",
+            *_claim_select(["noop", "echo"], ["urgent"]),
+            "dbworker_my_claim_queue_idx",
+            ("ref", "range"),
+        ),
+        (
+            "claim in two queues",
+            *_claim_select(["noop"], ["urgent", "emails"]),
+            "dbworker_my_claim_idx",
+            ("ref", "range"),
+        ),
+        (
+            "claim update",
+            mysql.claim_update_sql(3),
+            {"worker": "host:1:Main", **ids},
+            "PRIMARY",
+            ("range",),
+        ),
+        ("claim read-back", mysql.claim_read_sql(3), ids, "PRIMARY", ("range",)),
+        ("success lock", mysql.succeed_lock_sql(3), ids, "PRIMARY", ("range",)),
+        (
+            "success update",
+            mysql.succeed_update_sql(3),
+            {**ids, **tokens, **results},
+            "PRIMARY",
+            ("range",),
+        ),
+        # Heartbeats, releases and recovery batches lock their rows by id first.
+        ("bulk lock", mysql.lock_rows_sql(3), ids, "PRIMARY", ("range",)),
+        ("stale scan (ORM)", stale_sql, stale_params, "dbworker_my_stale_idx", ("ref", "range")),
+        ("distinct queues", mysql.DISTINCT_QUEUES.sql, {}, "dbworker_my_queue_idx", ("range",)),
+    ]
+    for what, sql, params, index, types in cases:
+        plan = _explain(sql, params)
+        print(f"-- {what}\n{_show(plan)}")
+        (row,) = plan
+        assert row["key"] == index, (what, _show(plan))
+        assert row["type"] in types, (what, _show(plan))
+        # A filesort would read (and, for a claim, lock) every matching row.
+        assert "filesort" not in (row["extra"] or ""), (what, _show(plan))
+    (row,) = _explain(mysql.DISTINCT_QUEUES.sql, {})
+    assert "Using index for group-by" in row["extra"], row
+    assert operations().distinct_queues() == sorted(
+        ["default", "echoes", "urgent", "emails", "images"]
+    )
+    estimate = operations().estimate_count(WorkItem.objects.filter(status="succeeded"))
+    assert estimate is not None and 30_000 < estimate < 200_000, estimate
