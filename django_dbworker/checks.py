@@ -2,8 +2,10 @@
 
 Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
 for periodic handler declarations (the schedule, its time zone, its jitter),
-W001-W009 for risky but working configurations. Checks read settings only;
-they never connect. Each value is validated by ``validation.SETTINGS``, the
+E015 for a database server too old to run the worker (MySQL/MariaDB), W001-W009
+for risky but working configurations. Checks read settings only and never
+connect, except the database checks (``Tags.database``), which Django runs
+only when asked (``migrate``, ``check --database``). Each value is validated by ``validation.SETTINGS``, the
 validators the ``run_workers`` flags and ``WorkerConfig`` use too.
 """
 
@@ -17,6 +19,8 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
+from django_dbworker.db import UnsupportedDatabase, operations
+from django_dbworker.db.mysql import MySQLOperations
 from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import registry
 
@@ -150,6 +154,50 @@ def sqlite_warnings(databases: Mapping[str, Mapping[str, Any]]) -> list[CheckMes
                 )
             )
     return warnings
+
+
+@register(Tags.database)
+def check_mysql_server(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Refuse MySQL before 8.0.1 and MariaDB before 10.6; warn on a binlog format that is not ROW.
+
+    Both lack ``SKIP LOCKED`` below those versions. With statement-based
+    (or mixed) binary logging, a replica replays ``SELECT ... FOR UPDATE
+    SKIP LOCKED ... LIMIT`` and ``UUID()`` differently from the source:
+    MySQL marks them unsafe for statement-based replication
+    (https://dev.mysql.com/doc/refman/8.0/en/replication-rbr-safe-unsafe.html).
+    Only for the aliases Django asks about, since it connects.
+    """
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        if settings.DATABASES.get(alias, {}).get("ENGINE") != "django.db.backends.mysql":
+            continue
+        ops = operations(alias)
+        if not isinstance(ops, MySQLOperations):
+            continue
+        try:
+            ops.check_version()
+        except UnsupportedDatabase as exc:
+            messages.append(
+                Error(
+                    f"Database {alias!r}: {exc}",
+                    hint="Upgrade the server, or run django-dbworker on PostgreSQL.",
+                    id="django_dbworker.E015",
+                )
+            )
+            continue
+        binlog_format = ops.binlog_format()
+        if binlog_format is not None and binlog_format != "ROW":
+            messages.append(
+                Warning(
+                    f"Database {alias!r} writes its binary log in {binlog_format} format.",
+                    hint="Set binlog_format = ROW: the worker's SKIP LOCKED claims and UUID() "
+                    "claim tokens are unsafe for statement-based replication.",
+                    id="django_dbworker.W004",
+                )
+            )
+    return messages
 
 
 #: Check ids of periodic declarations, by the attribute at fault.

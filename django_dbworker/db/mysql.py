@@ -318,6 +318,22 @@ def set_session_time_zone(sender: Any, connection: BaseDatabaseWrapper, **kwargs
             cursor.execute(SET_TIME_ZONE.sql)
 
 
+def unsupported_version(*, is_mariadb: bool, version: tuple[int, ...]) -> str | None:
+    """Why this server version cannot run django-dbworker, or None if it can."""
+    shown = ".".join(map(str, version))
+    if is_mariadb and version < MIN_MARIADB_VERSION:
+        return (
+            "django-dbworker needs MariaDB 10.6 or newer (SELECT ... FOR UPDATE SKIP LOCKED); "
+            f"this server is MariaDB {shown}."
+        )
+    if not is_mariadb and version < MIN_MYSQL_VERSION:
+        return (
+            "django-dbworker needs MySQL 8.0.1 or newer (SELECT ... FOR UPDATE SKIP LOCKED); "
+            f"this server is MySQL {shown}."
+        )
+    return None
+
+
 def is_lock_conflict(exc: BaseException) -> bool:
     """A deadlock or a lock wait timeout: the transaction may simply be run again."""
     return mysql_error_code(exc) in (DEADLOCK, LOCK_WAIT_TIMEOUT)
@@ -334,18 +350,11 @@ class MySQLOperations(VendorOperations):
     def check_version(self) -> None:
         connection: Any = self.connection
         connection.ensure_connection()
-        version = tuple(connection.mysql_version)
-        if connection.mysql_is_mariadb:
-            if version < MIN_MARIADB_VERSION:
-                raise UnsupportedDatabase(
-                    "django-dbworker needs MariaDB 10.6 or newer (SELECT ... FOR UPDATE "
-                    f"SKIP LOCKED); this server is MariaDB {'.'.join(map(str, version))}."
-                )
-        elif version < MIN_MYSQL_VERSION:
-            raise UnsupportedDatabase(
-                "django-dbworker needs MySQL 8.0.1 or newer (SELECT ... FOR UPDATE "
-                f"SKIP LOCKED); this server is MySQL {'.'.join(map(str, version))}."
-            )
+        problem = unsupported_version(
+            is_mariadb=connection.mysql_is_mariadb, version=tuple(connection.mysql_version)
+        )
+        if problem:
+            raise UnsupportedDatabase(problem)
 
     def binlog_format(self) -> str | None:
         """The binary log's format, or None when the binary log is off."""

@@ -297,3 +297,16 @@ def test_hot_statements_read_their_index_in_order(big_table: None) -> None:
     )
     estimate = operations().estimate_count(WorkItem.objects.filter(status="succeeded"))
     assert estimate is not None and 30_000 < estimate < 200_000, estimate
+
+
+# -- system checks -------------------------------------------------------------------------
+
+
+def test_the_database_checks_pass_on_this_server() -> None:
+    from django_dbworker.checks import check_mysql_server
+    from django_dbworker.db.mysql import MIN_MARIADB_VERSION
+
+    assert tuple(connection.mysql_version) >= MIN_MARIADB_VERSION
+    assert check_mysql_server(databases=["default"]) == []
+    # Not asked about any database: nothing is checked, nothing connects.
+    assert check_mysql_server(databases=None) == []

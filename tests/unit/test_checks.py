@@ -88,3 +88,29 @@ def test_safe_sqlite_settings_do_not_warn() -> None:
         "transaction_mode": "IMMEDIATE",
     }
     assert sqlite_warnings(_sqlite(options)) == []
+
+
+@pytest.mark.parametrize(
+    ("is_mariadb", "version", "refused"),
+    [
+        (True, (10, 5, 22), True),
+        (True, (10, 6, 0), False),
+        (True, (10, 11, 19), False),
+        (False, (5, 7, 44), True),
+        (False, (8, 0, 0), True),
+        (False, (8, 0, 1), False),
+        (False, (8, 4, 3), False),
+    ],
+)
+def test_mysql_versions_without_skip_locked_are_refused(
+    is_mariadb: bool, version: tuple[int, ...], refused: bool
+) -> None:
+    from django_dbworker.db.mysql import unsupported_version
+
+    problem = unsupported_version(is_mariadb=is_mariadb, version=version)
+    if not refused:
+        assert problem is None
+        return
+    assert problem is not None
+    assert ("MariaDB 10.6" if is_mariadb else "MySQL 8.0.1") in problem
+    assert ".".join(map(str, version)) in problem
