@@ -2,6 +2,8 @@
 
 Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
 for periodic handler declarations (the schedule, its time zone, its jitter),
+E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
+Django's tasks checks),
 W001-W009 for risky but working configurations. Checks read settings only;
 they never connect. Each value is validated by ``validation.SETTINGS``, the
 validators the ``run_workers`` flags and ``WorkerConfig`` use too.
