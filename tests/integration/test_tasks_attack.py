@@ -9,6 +9,7 @@ PostgreSQL, Django 5.2 + backport and Django 6.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,8 +18,10 @@ from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
 from django_dbworker.tasks import task as dbtask
 from django_dbworker.tasks.compat import (
+    InvalidTask,
     TaskResultDoesNotExist,
     TaskResultStatus,
     task_backends,
@@ -323,3 +326,85 @@ def test_stale_recovery_survives_a_row_whose_error_history_is_not_an_array() -> 
     for result in (good, bad):
         errors = task_backends["default"].get_result(result.id).errors
         assert [e.exception_class_path for e in errors] == ["django_dbworker.errors.WorkerLost"]
+
+
+# -- what validation accepts, enqueue and the worker must take -----------------------
+
+
+def test_a_whole_number_priority_that_validation_accepts_can_be_enqueued() -> None:
+    """Django's ``validate_task`` accepts ``priority=5.0`` (a whole number); enqueue refuses it.
+
+    django/tasks/backends/base.py: ``int(task.priority) != task.priority``
+    is the check, so 5.0 (and True) pass ``validate_task``, the ``@task``
+    declaration succeeds, and every ``enqueue`` then raises our
+    ``EnqueueError`` ("Priority must be an integer"). Either ``validate_task``
+    refuses it (InvalidTask) or ``enqueue`` stores ``int(priority)``.
+    """
+    try:
+        variant = tasks.add.using(priority=5.0)
+    except InvalidTask:
+        return  # refused where it is declared: consistent
+    result = variant.enqueue(1, 2)
+    assert WorkItem.objects.get(pk=int(result.id)).priority == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_timeout_that_validation_accepts_does_not_break_its_runs(
+    background_worker: Callable[..., Worker], request: pytest.FixtureRequest
+) -> None:
+    """``timeout=float("inf")`` passes the new TASK_OPTIONS validation, then every run fails.
+
+    ``validation.positive_number`` accepts infinity (and anything above
+    ``threading.TIMEOUT_MAX``); the worker's ``runner.join(timeout)`` raises
+    OverflowError, the attempt is recorded failed while the task still runs
+    in the abandoned thread (and runs again on each retry). The backend's
+    ``check()`` accepts ``OPTIONS["TIMEOUT"] = inf`` too.
+    """
+
+    def sleeps(seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    sleeps.__qualname__ = "attack_sleeps_with_infinite_timeout"
+    try:
+        declared = dbtask(timeout=float("inf"), max_attempts=1)(sleeps)
+    except InvalidTask:
+        return  # refused where it is declared: fine
+    result = declared.enqueue(0.3)
+    request.addfinalizer(lambda: registry.unregister(declared.module_path))
+    background_worker([declared.module_path])
+    wait_until(
+        lambda: WorkItem.objects.get(pk=int(result.id)).status in (Status.SUCCEEDED, Status.FAILED),
+        timeout=20,
+        what="the task to finish",
+    )
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker-item-")],
+        timeout=20,
+        what="the run to end",
+    )
+    row = WorkItem.objects.get(pk=int(result.id))
+    assert row.status == Status.SUCCEEDED, row.last_error[:300]
+
+
+def test_a_task_failed_by_stale_recovery_sends_task_finished(
+    finished: list[tuple[str, str]],
+) -> None:
+    """A task whose last attempt died with its worker ends FAILED, and no one says so.
+
+    The worker's stale-recovery pass turns the row FAILED (WorkerLost, attempts
+    used up); ``task_finished`` is never sent for it, in any process, so a
+    receiver waiting for the end of the task (notify the user, release a
+    resource) waits forever. Issue 12: "task_finished ... signals fire in the
+    right processes"; a task left running by a crashed worker "is recovered
+    like any WorkItem" (SPEC.md).
+    """
+    result = tasks.add.enqueue(1, 1)
+    WorkItem.objects.filter(pk=int(result.id)).update(max_attempts=1)
+    (item,) = claim(handlers=["tests.testapp.tasks.add"], worker="dead:1:main")
+    age_heartbeat(item, 3600)
+    run_until_empty()  # the worker's recovery pass runs first
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[-1].exception_class_path == "django_dbworker.errors.WorkerLost"
+    assert finished == [(result.id, "FAILED")]
