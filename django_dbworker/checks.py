@@ -2,10 +2,13 @@
 
 Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
 for periodic handler declarations (the schedule, its time zone, its jitter),
-E015 for a database server too old to run the worker (MySQL/MariaDB), W001-W009
-for risky but working configurations. Checks read settings only and never
-connect, except the database checks (``Tags.database``), which Django runs
-only when asked (``migrate``, ``check --database``). Each value is validated by ``validation.SETTINGS``, the
+E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
+Django's tasks checks), E018 for a database server too old to run the worker
+(MySQL/MariaDB), W001-W009 for risky but working configurations (W004: a
+MySQL binary log that is not row-based). Checks read settings only and
+never connect, except the database checks (``Tags.database``), which Django
+runs only when asked (``migrate``, ``check --database``). Each value is
+validated by ``validation.SETTINGS``, the
 validators the ``run_workers`` flags and ``WorkerConfig`` use too.
 """
 
@@ -183,7 +186,7 @@ def check_mysql_server(
                 Error(
                     f"Database {alias!r}: {exc}",
                     hint="Upgrade the server, or run django-dbworker on PostgreSQL.",
-                    id="django_dbworker.E015",
+                    id="django_dbworker.E018",
                 )
             )
             continue

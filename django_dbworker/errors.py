@@ -9,3 +9,19 @@ class EnqueueError(ValueError):
 
 class NoTask(Exception):
     """Raised by ``Handler.claim`` when there is nothing to work on."""
+
+
+class WorkerLost(Exception):
+    """An attempt's worker stopped heartbeating (it crashed, or lost the database).
+
+    Never raised: the class that stale recovery names in ``error_history``
+    (and so in a Django task's ``TaskResult.errors``) for such an attempt.
+    """
+
+
+class Cancelled(Exception):
+    """An operator cancelled the row before it ran.
+
+    Never raised: the class a cancelled Django task's ``TaskResult.errors``
+    names, since Django's task statuses have no "cancelled".
+    """

@@ -93,6 +93,15 @@ class WorkItemHandler(Handler["WorkItem"]):
         """Do the work; the JSON-serialisable return value becomes ``result``."""
         raise NotImplementedError(f"{type(self).__qualname__} must implement handle()")
 
+    def handle_item(self, item: WorkItem) -> Any:
+        """Run one claimed row: ``handle(item.payload)`` unless a subclass needs the row.
+
+        What the worker calls. Override it (rarely) to see the attempt
+        itself, its id, ``attempts`` and ``claimed_by``, as the Django Tasks
+        backend does to build a task's context.
+        """
+        return self.handle(item.payload)
+
     def backoff(self, attempt: int) -> float:
         """Seconds before the next attempt after failed attempt number ``attempt``."""
         return exponential_backoff(

@@ -33,6 +33,9 @@ ACTIVE_STATUSES = (Status.PENDING, Status.CLAIMED)
 #: States a row never leaves by itself.
 FINISHED_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
+#: Failed or lost attempts kept in ``error_history`` per row (the newest).
+ERROR_HISTORY_LIMIT = 25
+
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
 
@@ -119,6 +122,11 @@ class WorkItem(models.Model):
     claim_token = models.UUIDField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
+    #: The attempts that ended without success, oldest first, at most
+    #: ``ERROR_HISTORY_LIMIT``: each ``{"attempt", "worker", "started_at",
+    #: "finished_at", "exception_class_path", "error"}``. NULL until the first
+    #: one, so that inserts and successes never write it.
+    error_history = models.JSONField(null=True, blank=True, editable=False)
     result = models.JSONField(null=True, blank=True)
     # NULL (not "") means "no key", so the partial unique constraint ignores it.
     unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001

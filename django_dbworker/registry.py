@@ -65,7 +65,38 @@ registry = Registry()
 
 
 def autodiscover() -> None:
-    """Import ``<app>.workers`` for every installed app that has one."""
+    """Import ``<app>.workers`` for every installed app that has one.
+
+    With a ``DBWorkerBackend`` in ``TASKS``, ``<app>.tasks`` too: ``@task``
+    functions become handlers when their module is imported, and a worker
+    claims only the handlers it knows.
+    """
     from django.utils.module_loading import autodiscover_modules
 
     autodiscover_modules("workers")
+    if uses_task_backend():
+        autodiscover_modules("tasks")
+
+
+def uses_task_backend() -> bool:
+    """Whether ``settings.TASKS`` names a ``DBWorkerBackend`` (or a subclass of it).
+
+    A backend that cannot be imported is Django's check to report, not ours.
+    """
+    from django.conf import settings
+    from django.utils.module_loading import import_string
+
+    tasks = getattr(settings, "TASKS", None)
+    if not isinstance(tasks, dict):
+        return False
+    for params in tasks.values():
+        path = params.get("BACKEND") if isinstance(params, dict) else None
+        if not isinstance(path, str):
+            continue
+        try:
+            backend = import_string(path)
+        except ImportError:
+            continue
+        if getattr(backend, "is_dbworker_backend", False):
+            return True
+    return False

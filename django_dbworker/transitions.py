@@ -23,11 +23,18 @@ from typing import Any
 from uuid import UUID
 
 from django.db.models import Case, F, Q, Value, When
-from django.db.models.functions import Concat, Now
+from django.db.models.functions import Concat, JSONObject, Now
 
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
-from django_dbworker.models import FINISHED_STATUSES, Status, WorkItem, WorkItemQuerySet
+from django_dbworker.db.expressions import AppendCapped
+from django_dbworker.models import (
+    ERROR_HISTORY_LIMIT,
+    FINISHED_STATUSES,
+    Status,
+    WorkItem,
+    WorkItemQuerySet,
+)
 
 logger = logging.getLogger("django_dbworker.transitions")
 
@@ -40,6 +47,9 @@ MAX_ERROR_BYTES = 10_000
 RECOVERY_BATCH = 500
 #: What replaces exception messages of sensitive handlers.
 REDACTED = "[redacted]"
+#: The exception class path that ``error_history`` gives an attempt whose
+#: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
+WORKER_LOST = "django_dbworker.errors.WorkerLost"
 
 _TRUNCATED = "\n... (truncated) ...\n"
 # The interpreter's own words between chained exceptions.
@@ -52,6 +62,25 @@ def _fenced(item: WorkItem) -> WorkItemQuerySet:
     return WorkItem.objects.using(item._state.db).filter(
         pk=item.pk, status=Status.CLAIMED, claim_token=item.claim_token
     )
+
+
+def exception_class_path(exc: BaseException) -> str:
+    """``module.QualName`` of the exception's class, importable (``builtins.`` kept)."""
+    cls = type(exc)
+    return f"{getattr(cls, '__module__', 'builtins')}.{getattr(cls, '__qualname__', cls.__name__)}"
+
+
+def _with_history(error: Any, class_path: Any) -> AppendCapped:
+    """``error_history`` with the attempt that just ended appended (DB values, DB clock)."""
+    entry = JSONObject(
+        attempt=F("attempts"),
+        worker=F("claimed_by"),
+        started_at=F("claimed_at"),
+        finished_at=Now(),
+        exception_class_path=class_path,
+        error=error,
+    )
+    return AppendCapped(F("error_history"), entry, limit=ERROR_HISTORY_LIMIT)
 
 
 def format_error(
@@ -211,13 +240,20 @@ def already_succeeded(
     return set(attempts) & set(rows.values_list("pk", "claim_token"))
 
 
-def retry_later(item: WorkItem, *, delay: float, error: str) -> bool:
-    """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out."""
+def retry_later(
+    item: WorkItem, *, delay: float, error: str, error_class: str = "builtins.Exception"
+) -> bool:
+    """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out.
+
+    The attempt joins ``error_history`` (``error_class``: the exception's
+    class path) in the same UPDATE.
+    """
     return (
         _fenced(item).update(
             status=Status.PENDING,
             run_after=Now() + timedelta(seconds=max(0.0, delay)),
             last_error=error,
+            error_history=_with_history(Value(error), Value(error_class)),
             claim_token=None,
             updated_at=Now(),
         )
@@ -225,12 +261,13 @@ def retry_later(item: WorkItem, *, delay: float, error: str) -> bool:
     )
 
 
-def fail(item: WorkItem, *, error: str) -> bool:
-    """claimed -> failed. False if fenced out."""
+def fail(item: WorkItem, *, error: str, error_class: str = "builtins.Exception") -> bool:
+    """claimed -> failed, the attempt joining ``error_history``. False if fenced out."""
     return (
         _fenced(item).update(
             status=Status.FAILED,
             last_error=error,
+            error_history=_with_history(Value(error), Value(error_class)),
             finished_at=Now(),
             claim_token=None,
             updated_at=Now(),
@@ -334,19 +371,23 @@ def recover_stale(
 
 def _recover(rows: WorkItemQuerySet, exhausted: Q, message: str) -> tuple[int, int]:
     """One batch of stale rows: those out of attempts failed, the others back to pending."""
+    lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
     failed = rows.filter(exhausted).update(
         status=Status.FAILED,
         finished_at=Now(),
         claim_token=None,
         updated_at=Now(),
-        last_error=Concat(Value(message), F("claimed_by"), Value("; attempts used up.")),
+        last_error=lost_failed,
+        error_history=_with_history(lost_failed, Value(WORKER_LOST)),
     )
+    lost = Concat(Value(message), F("claimed_by"), Value("."))
     requeued = rows.update(
         status=Status.PENDING,
         run_after=Now(),
         claim_token=None,
         updated_at=Now(),
-        last_error=Concat(Value(message), F("claimed_by"), Value(".")),
+        last_error=lost,
+        error_history=_with_history(lost, Value(WORKER_LOST)),
     )
     return failed, requeued
 

@@ -86,6 +86,12 @@ def non_empty_str(value: Any) -> str:
     return value
 
 
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidValue(f"must be True or False, got {value!r}", wrong_type=True)
+    return value
+
+
 def queue_name(value: Any) -> str:
     if not isinstance(value, str) or not QUEUE_NAME.fullmatch(value):
         raise InvalidValue(
@@ -121,6 +127,15 @@ SETTINGS: Mapping[str, Validator] = {
     "MAX_ABANDONED_THREADS": optional(positive_int),
     "METRICS_PORT": optional(port),
     "METRICS_ADDR": non_empty_str,
+}
+
+#: Options of a Django task (``DBWorkerTask`` fields, lower case) and the
+#: defaults for them in a ``DBWorkerBackend``'s ``OPTIONS`` (upper case).
+TASK_OPTIONS: Mapping[str, Validator] = {
+    "MAX_ATTEMPTS": optional(positive_int),
+    "TIMEOUT": optional(positive_number),
+    "ATOMIC": optional(boolean),
+    "SENSITIVE": optional(boolean),
 }
 
 #: ``WorkerConfig`` fields and their validators: the settings they default from.

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import django
 
 BASE_DIR = Path(__file__).resolve().parent
 SECRET_KEY = "tests-only-not-secret"
@@ -30,6 +31,22 @@ INSTALLED_APPS = [
     "django_dbworker.contrib.prometheus",
     "tests.testapp",
 ]
+# Django's Tasks framework: built in from Django 6, the backport on 5.2.
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
+
+# @task functions of tests/testapp/tasks.py run on django-dbworker.
+TASKS = {
+    "default": {
+        "BACKEND": "django_dbworker.tasks.DBWorkerBackend",
+        "QUEUES": ["default", "tasks", "other"],
+    },
+    "patient": {
+        "BACKEND": "django_dbworker.tasks.DBWorkerBackend",
+        "QUEUES": [],
+        "OPTIONS": {"MAX_ATTEMPTS": 4, "TIMEOUT": 30},
+    },
+}
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -49,7 +49,7 @@ class _LightChangeList(ChangeList):
 
     def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         qs: QuerySet[Any] = super().get_queryset(request, exclude_parameters)
-        light = qs.defer("payload", "result", "last_error", "trace_context")
+        light = qs.defer("payload", "result", "last_error", "error_history", "trace_context")
         return cast(
             "QuerySet[Any]", light.annotate(db_now=Now(), error_head=Left("last_error", 300))
         )
@@ -82,7 +82,18 @@ class BaseWorkItemAdmin(_ModelAdmin):
             },
         ),
         ("Claim", {"fields": ("claimed_by", "claimed_at", "heartbeat_at", "claim_token")}),
-        ("Data", {"fields": ("payload_pretty", "result_pretty", "error_pre", "trace_id")}),
+        (
+            "Data",
+            {
+                "fields": (
+                    "payload_pretty",
+                    "result_pretty",
+                    "error_pre",
+                    "history_table",
+                    "trace_id",
+                )
+            },
+        ),
     )
     readonly_fields = (
         "id",
@@ -103,6 +114,7 @@ class BaseWorkItemAdmin(_ModelAdmin):
         "payload_pretty",
         "result_pretty",
         "error_pre",
+        "history_table",
         "trace_id",
     )
 
@@ -261,6 +273,10 @@ class BaseWorkItemAdmin(_ModelAdmin):
         if not obj.last_error:
             return "-"
         return format_html('<pre style="white-space:pre-wrap">{}</pre>', obj.last_error)
+
+    @admin.display(description="failed attempts")
+    def history_table(self, obj: WorkItem) -> SafeString | str:
+        return display.error_history(obj.error_history)
 
     @admin.display(description="trace id")
     def trace_id(self, obj: WorkItem) -> str:

@@ -151,3 +151,42 @@ def trace_id(trace_context: Any) -> str | None:
         return None
     parts = str(trace_context.get("traceparent", "")).split("-")
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def error_history(history: Any) -> SafeString | str:
+    """The attempts that ended without success, newest first: one line each, the rest folded.
+
+    Tolerates hand-edited values: anything that is not a list of objects
+    shows as nothing rather than breaking the page.
+    """
+    if not isinstance(history, list):
+        return "-"
+    rows = []
+    for entry in reversed(history):
+        if not isinstance(entry, dict):
+            continue
+        error = str(entry.get("error") or "")
+        rows.append(
+            format_html(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+                '<td><details><summary>{}</summary><pre style="white-space:pre-wrap">{}</pre>'
+                "</details></td></tr>",
+                entry.get("attempt", "?"),
+                worker(str(entry.get("worker") or "")),
+                str(entry.get("finished_at") or "-")[:19].replace("T", " "),
+                str(entry.get("exception_class_path") or "-"),
+                first_line(error) or "-",
+                error,
+            )
+        )
+    if not rows:
+        return "-"
+    head = format_html(
+        "<tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th><th>{}</th></tr>",
+        "attempt",
+        "worker",
+        "ended (UTC)",
+        "exception",
+        "error",
+    )
+    return format_html("<table>{}{}</table>", head, SafeString("".join(str(row) for row in rows)))

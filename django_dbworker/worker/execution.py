@@ -232,13 +232,13 @@ def _run_and_record(
         try:
             if handler.atomic:
                 with transaction.atomic(using=db):
-                    result = handler.handle(item.payload)
+                    result = handler.handle_item(item)
                     encoded = _encode_result(result)
                     ready()
                     if not _succeed_or_refuse(item, encoded):
                         raise _FencedOut
                 return Outcome.SUCCEEDED
-            encoded = _encode_result(handler.handle(item.payload))
+            encoded = _encode_result(handler.handle_item(item))
             ready()
         except _FencedOut:
             log_fenced(item, handler)
@@ -338,13 +338,15 @@ def _record_failure(
     retry = retriable and attempts < max_attempts
     delay = retry_delay(handler, attempts) if retry else 0.0
 
+    error_class = transitions.exception_class_path(exc)
+
     def write() -> bool:
         if retry:
-            return transitions.retry_later(item, delay=delay, error=error)
-        return transitions.fail(item, error=error)
+            return transitions.retry_later(item, delay=delay, error=error, error_class=error_class)
+        return transitions.fail(item, error=error, error_class=error_class)
 
     try:
-        recorded = _write_outcome(item, handler, write, give_up=give_up)
+        recorded = _write_outcome(item, handler, write, give_up=give_up, error_class=error_class)
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
     if not recorded:
@@ -387,9 +389,14 @@ def record_refused_result(
     """
     reason = transitions.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
     error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
+    error_class = transitions.exception_class_path(cause)
     try:
         recorded = _write_outcome(
-            item, handler, lambda: transitions.fail(item, error=error), give_up=give_up
+            item,
+            handler,
+            lambda: transitions.fail(item, error=error, error_class=error_class),
+            give_up=give_up,
+            error_class=error_class,
         )
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
@@ -411,6 +418,7 @@ def _write_outcome(
     write: Callable[[], bool],
     *,
     give_up: threading.Event | None,
+    error_class: str,
 ) -> bool:
     """``write`` until it lands; if the database refuses it, a plain fenced failure.
 
@@ -436,7 +444,10 @@ def _write_outcome(
     plain = f"The outcome could not be recorded: {refusal}"
     return persist(
         lambda: _guarded(
-            item, lambda: transitions.fail(item, error=transitions.clean_error_text(plain))
+            item,
+            lambda: transitions.fail(
+                item, error=transitions.clean_error_text(plain), error_class=error_class
+            ),
         ),
         what="recording a plain failure",
         give_up=give_up,

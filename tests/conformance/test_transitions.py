@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.db.models.functions import Now
@@ -197,3 +198,56 @@ def test_retry_skips_rows_whose_unique_key_is_live_again() -> None:
     assert WorkItem.objects.filter(pk__in=[old.pk, other.pk]).retry() == 1
     assert WorkItem.objects.get(pk=old.pk).status == Status.FAILED
     assert WorkItem.objects.get(pk=other.pk).status == Status.PENDING
+
+
+def test_every_attempt_that_ends_without_success_joins_the_error_history() -> None:
+    make_item(max_attempts=5)
+    (first,) = claim(worker="host:1:a")
+    assert transitions.retry_later(first, delay=0, error="boom 1", error_class="x.Boom")
+    due_now = {"run_after": Now() - timedelta(seconds=1)}
+    WorkItem.objects.update(**due_now)
+    (second,) = claim(worker="host:2:b")
+    age_heartbeat(second, 120)
+    assert transitions.recover_stale(stale_after=60).requeued == 1
+    WorkItem.objects.update(**due_now)
+    (third,) = claim(worker="host:3:c")
+    assert transitions.fail(third, error="boom 3", error_class="builtins.ValueError")
+    row = WorkItem.objects.get()
+    history = row.error_history
+    assert [e["attempt"] for e in history] == [1, 2, 3]
+    assert [e["worker"] for e in history] == ["host:1:a", "host:2:b", "host:3:c"]
+    assert [e["exception_class_path"] for e in history] == [
+        "x.Boom",
+        transitions.WORKER_LOST,
+        "builtins.ValueError",
+    ]
+    assert history[0]["error"] == "boom 1" and "no heartbeat" in history[1]["error"]
+    assert all(e["started_at"] and e["finished_at"] for e in history)
+    # What stale recovery names is a real exception class.
+    from django.utils.module_loading import import_string
+
+    from django_dbworker.errors import WorkerLost
+
+    assert import_string(transitions.WORKER_LOST) is WorkerLost
+
+
+def test_the_error_history_keeps_the_newest_entries() -> None:
+    from django_dbworker.models import ERROR_HISTORY_LIMIT
+
+    item = make_item(max_attempts=100)
+    old = [{"attempt": n, "error": f"old {n}"} for n in range(ERROR_HISTORY_LIMIT)]
+    WorkItem.objects.filter(pk=item.pk).update(error_history=old)
+    (claimed,) = claim()
+    assert transitions.retry_later(claimed, delay=0, error="newest")
+    history = WorkItem.objects.get().error_history
+    assert len(history) == ERROR_HISTORY_LIMIT
+    assert history[0]["error"] == "old 1" and history[-1]["error"] == "newest"
+
+
+def test_successes_and_releases_leave_the_error_history_alone() -> None:
+    make_item()
+    make_item()
+    a, b = claim()
+    assert transitions.succeed([(a.pk, a.claim_token, None)])
+    assert transitions.release([b]) == 1
+    assert list(WorkItem.objects.values_list("error_history", flat=True)) == [None, None]

@@ -589,3 +589,34 @@ def test_dashboard_queries_search_the_finished_index_on_sqlite() -> None:
             cursor.execute("EXPLAIN QUERY PLAN " + query["sql"].replace("%", "%%"))
             plan = " | ".join(str(row[-1]) for row in cursor.fetchall())
         assert "USING INDEX dbworker_finished_idx (finished_at>?)" in plan, plan
+
+
+def test_change_page_lists_each_failed_attempt_newest_first(superuser_client: Client) -> None:
+    item = make_item(
+        status=Status.FAILED,
+        error_history=[
+            {
+                "attempt": 1,
+                "worker": "h:1:MainThread",
+                "exception_class_path": "x.First",
+                "error": "first <b>boom</b>\nTraceback ...",
+                "finished_at": "2026-11-30T10:00:00+00:00",
+            },
+            "garbage",
+            {
+                "attempt": 2,
+                "worker": "h:2:MainThread",
+                "exception_class_path": "x.Second",
+                "error": "second boom",
+            },
+        ],
+    )
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    html = superuser_client.get(url).content.decode()
+    assert "failed attempts" in html.lower()
+    assert html.index("x.Second") < html.index("x.First")  # newest first
+    assert "first &lt;b&gt;boom&lt;/b&gt;" in html and "<b>boom" not in html  # escaped
+    assert "2026-11-30 10:00:00" in html
+    garbage = make_item(status=Status.FAILED, error_history={"not": "a list"})
+    url = reverse("admin:django_dbworker_workitem_change", args=[garbage.pk])
+    assert superuser_client.get(url).status_code == 200

@@ -88,7 +88,7 @@ def _run_on_mysql(statements):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_dbworker", "0003_workitem_dbworker_finished_idx"),
+        ("django_dbworker", "0004_workitem_error_history"),
     ]
 
     operations = [

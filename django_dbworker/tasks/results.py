@@ -1,0 +1,146 @@
+"""A ``WorkItem`` row read as Django's ``TaskResult``.
+
+The row is the result: no second table. Statuses map as pending -> READY
+(also between retries), claimed -> RUNNING, succeeded -> SUCCESSFUL,
+failed and cancelled -> FAILED (a cancelled row gets an error that says
+so). ``errors`` and ``worker_ids`` come from ``error_history``, one entry
+per attempt that ended without success, plus the worker of the current or
+successful attempt (``claimed_by``); so ``attempts`` counts every run,
+including one lost with its worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from django_dbworker.models import Status
+from django_dbworker.tasks.compat import Task, TaskError, TaskResult, TaskResultStatus
+
+#: The class path a cancelled row's last error names.
+CANCELLED = "django_dbworker.errors.Cancelled"
+#: Stands in ``worker_ids`` for attempts older than the kept history.
+NOT_KEPT = "(not kept)"
+
+STATUSES = {
+    Status.PENDING: TaskResultStatus.READY,
+    Status.CLAIMED: TaskResultStatus.RUNNING,
+    Status.SUCCEEDED: TaskResultStatus.SUCCESSFUL,
+    Status.FAILED: TaskResultStatus.FAILED,
+    Status.CANCELLED: TaskResultStatus.FAILED,
+}
+
+#: The columns ``get_result`` reads.
+RESULT_COLUMNS = (
+    "id",
+    "handler",
+    "queue",
+    "priority",
+    "payload",
+    "status",
+    "attempts",
+    "created_at",
+    "run_after",
+    "claimed_at",
+    "claimed_by",
+    "finished_at",
+    "result",
+    "error_history",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """What a task result is made of, whether read by ``get_result`` or claimed."""
+
+    id: int
+    status: str
+    payload: Any
+    attempts: int
+    created_at: datetime | None
+    claimed_at: datetime | None
+    claimed_by: str
+    finished_at: datetime | None = None
+    result: Any = None
+    error_history: Any = None
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> Row:
+        return cls(**{name: values[name] for name in cls.__dataclass_fields__})
+
+
+def arguments(payload: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The task's ``args`` and ``kwargs`` from a row's payload (``{"args", "kwargs"}``)."""
+    if not isinstance(payload, Mapping):
+        return [], {}
+    args = payload.get("args") or []
+    kwargs = payload.get("kwargs") or {}
+    if not isinstance(args, list):
+        args = []
+    return list(args), kwargs if isinstance(kwargs, dict) else {}
+
+
+def history_entries(history: Any) -> list[Mapping[str, Any]]:
+    """The well-formed entries of an ``error_history`` value (a JSON array)."""
+    if not isinstance(history, Sequence) or isinstance(history, str):
+        return []
+    return [entry for entry in history if isinstance(entry, Mapping)]
+
+
+def entry_time(value: Any) -> datetime | None:
+    """A timestamp as JSON holds it (ISO text; SQLite's has a space and no zone)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = parse_datetime(value.replace(" ", "T", 1))
+    except ValueError:
+        return None
+    if parsed is not None and timezone.is_naive(parsed):
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed
+
+
+def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResult:
+    """The ``TaskResult`` of ``row`` for ``task`` (``status`` overrides the row's)."""
+    entries = history_entries(row.error_history)
+    errors = [
+        TaskError(
+            exception_class_path=str(entry.get("exception_class_path") or "builtins.Exception"),
+            traceback=str(entry.get("error") or ""),
+        )
+        for entry in entries
+    ]
+    worker_ids = [str(entry.get("worker") or "") for entry in entries]
+    current = row.status in (Status.CLAIMED, Status.SUCCEEDED)
+    if current:
+        worker_ids.append(row.claimed_by)
+    if len(worker_ids) < row.attempts:
+        # Older attempts than the history keeps (or a row retried by an
+        # operator, which restarts ``attempts``): the count stays right.
+        worker_ids[:0] = [NOT_KEPT] * (row.attempts - len(worker_ids))
+    if row.status == Status.CANCELLED:
+        errors.append(TaskError(exception_class_path=CANCELLED, traceback="Cancelled."))
+    started = entry_time(entries[0].get("started_at")) if entries else None
+    args, kwargs = arguments(row.payload)
+    result: TaskResult = TaskResult(
+        task=task,
+        id=str(row.id),
+        status=status or STATUSES.get(Status(row.status), TaskResultStatus.FAILED),
+        enqueued_at=row.created_at,
+        started_at=started or row.claimed_at,
+        finished_at=row.finished_at,
+        last_attempted_at=row.claimed_at,
+        args=args,
+        kwargs=kwargs,
+        backend=backend,
+        errors=errors,
+        worker_ids=worker_ids,
+    )
+    if row.status == Status.SUCCEEDED:
+        object.__setattr__(result, "_return_value", row.result)
+    return result
