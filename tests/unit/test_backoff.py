@@ -30,3 +30,19 @@ def test_jitter_spreads_delays() -> None:
 
 def test_attempt_below_one_counts_as_first() -> None:
     assert exponential_backoff(0, base=2.0, cap=10.0, rng=random.Random(0)) <= 2.0
+
+
+def test_adaptive_polling_is_short_after_work_and_backs_off_to_the_interval() -> None:
+    from django_dbworker.worker.wakeup import FIRST_POLL, AdaptivePoll
+
+    poll = AdaptivePoll(1.0, enabled=True)
+    assert poll.next() == 1.0  # idle from the start
+    poll.found_work()
+    waits = [poll.next() for _ in range(8)]
+    assert waits[0] == FIRST_POLL
+    assert waits == sorted(waits) and waits[-1] == 1.0
+    assert all(b <= 2 * a for a, b in zip(waits, waits[1:], strict=False))
+    # With notifications (PostgreSQL) the loop always waits the full interval.
+    notified = AdaptivePoll(1.0, enabled=False)
+    notified.found_work()
+    assert notified.next() == 1.0
