@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -41,7 +42,7 @@ def test_adaptive_polling_is_short_after_work_and_backs_off_to_the_interval() ->
     waits = [poll.next() for _ in range(8)]
     assert waits[0] == FIRST_POLL
     assert waits == sorted(waits) and waits[-1] == 1.0
-    assert all(b <= 2 * a for a, b in zip(waits, waits[1:], strict=False))
+    assert all(b <= 2 * a for a, b in itertools.pairwise(waits))
     # With notifications (PostgreSQL) the loop always waits the full interval.
     notified = AdaptivePoll(1.0, enabled=False)
     notified.found_work()
