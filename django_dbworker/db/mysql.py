@@ -19,15 +19,15 @@ connection to UTC so that both agree.) Claim tokens are
 stores on MySQL, which MariaDB's native UUID type (10.7+) also takes;
 unique per row, which is what fencing needs.
 
-There are no partial indexes: migration 0004 gives MySQL its claim indexes
+There are no partial indexes: migration 0005 gives MySQL its claim indexes
 ``dbworker_my_claim_idx`` ``(status, priority DESC, run_after, id)`` and
-``dbworker_my_claim_queue_idx`` ``(queue, status, ...)``, named in the
-claims (FORCE INDEX: the optimizer must never pick a cheaper-looking
-index whose order is not the claim order),
-whose order is the claim order, so the LIMIT stops the index scan and
-SKIP LOCKED never has to sort (a filesort would lock every row it read),
-and a unique index on a generated column that holds the unique_key only
-while the row is pending or claimed. No cross-process wake-ups: workers
+``dbworker_my_claim_queue_idx`` ``(queue, status, ...)``, whose order is
+the claim order, so the LIMIT stops the index scan and SKIP LOCKED never
+has to sort (a filesort would lock every row it read). The claims name
+them (FORCE INDEX): the optimizer must never pick a cheaper-looking index
+whose order is not the claim order. unique_key is a unique index on a
+generated column that holds the key only while the row is pending or
+claimed. No cross-process wake-ups: workers
 poll adaptively, and an enqueue in a worker's own process wakes it
 (``VendorOperations.notify``).
 """
@@ -414,9 +414,12 @@ class MySQLOperations(VendorOperations):
                 } & wanted
                 if not held:
                     return set()
-                # One row's two attempts cannot both be held: only its current token is.
+                # One row's two attempts cannot both be held: only its current
+                # token is. An attempt listed twice is written once.
+                results = {(pk, token): result for pk, token, result in outcomes}
                 mine = sorted(
-                    (pk, token, result) for pk, token, result in outcomes if (pk, token) in held
+                    ((pk, token, results[pk, token]) for pk, token in held),
+                    key=lambda outcome: outcome[0],
                 )
                 token_field = WorkItem._meta.get_field("claim_token")
                 params = {
