@@ -69,7 +69,11 @@ def reset_table() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE django_dbworker_workitem RESTART IDENTITY")
+        if connection.vendor == "mysql":
+            # MySQL's TRUNCATE restarts AUTO_INCREMENT by itself.
+            cursor.execute("TRUNCATE TABLE django_dbworker_workitem")
+        else:
+            cursor.execute("TRUNCATE django_dbworker_workitem RESTART IDENTITY")
 
 
 def worker_command(*args: str) -> list[str]:

@@ -16,7 +16,9 @@ committed in the worker's own process wakes it at once (``LocalWaker``).
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from django_dbworker.db import Subscription, add_local_waker, operations, remove_local_waker
@@ -24,32 +26,55 @@ from django_dbworker.worker.connections import Backoff
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: The first idle poll after a claim that found work, in seconds; each empty
-#: poll doubles the wait up to POLL_INTERVAL.
-FIRST_POLL = 0.02
+#: Seconds between polls while work keeps coming: for BUSY_WINDOW seconds
+#: after a claim that found work, then doubling up to POLL_INTERVAL.
+FIRST_POLL = 0.01
+#: How long after the last claim that found work the loop keeps polling at
+#: FIRST_POLL, in seconds.
+BUSY_WINDOW = 1.0
 
 
 class AdaptivePoll:
     """How long the idle claim loop waits before it polls again, without notifications.
 
     Work tends to come in bursts: right after a claim found rows, more are
-    likely to arrive, and a short wait finds them with little latency. An
-    idle worker backs off to POLL_INTERVAL, so a quiet queue costs one
-    cheap indexed query per interval per worker. Where notifications wake
-    the loop (``enabled`` False), it always waits POLL_INTERVAL.
+    likely to arrive, and short waits find them with little latency. For
+    ``window`` seconds after the last claim that found work the loop polls
+    every ``first`` seconds (each poll is one indexed query that usually
+    finds nothing: cheap, and only while work is flowing); after that the
+    wait doubles at each empty poll up to POLL_INTERVAL, so a quiet queue
+    costs one query per interval per worker. Where notifications wake the
+    loop (``enabled`` False), it always waits POLL_INTERVAL.
     """
 
-    def __init__(self, cap: float, *, enabled: bool, first: float = FIRST_POLL) -> None:
+    def __init__(
+        self,
+        cap: float,
+        *,
+        enabled: bool,
+        first: float = FIRST_POLL,
+        window: float = BUSY_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cap = cap
         self.enabled = enabled
         self.first = min(first, cap)
+        self.window = window
+        self.clock = clock
         self.delay = cap
+        self.last_work = -math.inf
 
     def found_work(self) -> None:
         if self.enabled:
+            self.last_work = self.clock()
             self.delay = self.first
 
     def next(self) -> float:
+        """The wait before the next poll (a wake-up may end it sooner)."""
+        if not self.enabled:
+            return self.cap
+        if self.clock() - self.last_work < self.window:
+            return self.first
         delay = self.delay
         self.delay = min(self.cap, delay * 2)
         return delay

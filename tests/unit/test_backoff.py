@@ -34,12 +34,16 @@ def test_attempt_below_one_counts_as_first() -> None:
 
 
 def test_adaptive_polling_is_short_after_work_and_backs_off_to_the_interval() -> None:
-    from django_dbworker.worker.wakeup import FIRST_POLL, AdaptivePoll
+    from django_dbworker.worker.wakeup import BUSY_WINDOW, FIRST_POLL, AdaptivePoll
 
-    poll = AdaptivePoll(1.0, enabled=True)
+    now = [100.0]
+    poll = AdaptivePoll(1.0, enabled=True, clock=lambda: now[0])
     assert poll.next() == 1.0  # idle from the start
     poll.found_work()
-    waits = [poll.next() for _ in range(8)]
+    # While work keeps coming (within the window), short polls whatever the wake-ups.
+    assert [poll.next() for _ in range(5)] == [FIRST_POLL] * 5
+    now[0] += BUSY_WINDOW
+    waits = [poll.next() for _ in range(10)]
     assert waits[0] == FIRST_POLL
     assert waits == sorted(waits) and waits[-1] == 1.0
     assert all(b <= 2 * a for a, b in itertools.pairwise(waits))
