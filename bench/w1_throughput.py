@@ -93,6 +93,10 @@ def commits() -> int:
     from django.db import connection
 
     with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            # Server-wide (the benchmark server serves nothing else).
+            cursor.execute("SHOW GLOBAL STATUS LIKE 'Com_commit'")
+            return int(cursor.fetchone()[1])
         cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute(
             "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
