@@ -138,7 +138,7 @@ DBWORKER = {
     "STALE_AFTER": float(os.environ.get("DBWORKER_STALE_AFTER", "60")),
     "SHUTDOWN_TIMEOUT": float(os.environ.get("DBWORKER_SHUTDOWN_TIMEOUT", "10")),
     "RETRY_BACKOFF": float(os.environ.get("DBWORKER_RETRY_BACKOFF", "0.05")),
-    "RETRY_BACKOFF_MAX": 1.0,
+    "RETRY_BACKOFF_MAX": float(os.environ.get("DBWORKER_RETRY_BACKOFF_MAX", "1.0")),
     "CONCURRENCY": int(os.environ.get("DBWORKER_CONCURRENCY", "4")),
 }
 if os.environ.get("DBWORKER_MAX_ABANDONED_THREADS"):

@@ -123,6 +123,70 @@ def test_a_success_write_that_times_out_on_a_lock_is_retried(
     assert row.status == Status.SUCCEEDED and row.result == "ok"
 
 
+def _lock_waits() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT trx_state, trx_query FROM information_schema.innodb_trx")
+        rows = cursor.fetchall()
+    print(rows)
+    return sum(1 for state, _ in rows if state == "LOCK WAIT")
+
+
+def test_a_success_write_chosen_as_a_deadlock_victim_is_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The success write locks rows a, b in id order. Another transaction,
+    # made heavier by changing other rows (InnoDB rolls back the lighter one),
+    # holds b and then asks for a: a deadlock, and the success write is the
+    # victim. It runs again, waits for the other transaction, and records
+    # both successes: the deadlock never reaches its caller.
+    for _ in range(12):
+        make_item()
+    a, b = sorted(claim(limit=2), key=lambda i: i.pk)
+    other = _second_connection()
+    answer: list[set[tuple[int, uuid.UUID]]] = []
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            outcomes = [(a.pk, a.claim_token, "1"), (b.pk, b.claim_token, "2")]
+            answer.append(operations().succeed_many(outcomes))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    caplog.set_level(logging.INFO, logger="django_dbworker.db")
+    try:
+        cursor = other.cursor()
+        cursor.execute(
+            f"UPDATE {TABLE} SET priority = 5 WHERE status = 'pending' ORDER BY id LIMIT 10"
+        )
+        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (b.pk,))
+        writer = threading.Thread(target=write)
+        writer.start()
+        wait_until(
+            lambda: _lock_waits() == 1 or errors or answer,
+            interval=0.3,
+            what="the success write to wait for row b",
+        )
+        assert not errors and not answer, (errors, answer)
+        try:
+            cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (a.pk,))
+        except Exception as exc:  # InnoDB chose the other one after all
+            pytest.fail(f"the heavier transaction was the deadlock victim: {exc}")
+        wait_until(
+            lambda: "Deadlock found" in caplog.text,
+            what="the success write to be rolled back by the deadlock and retried",
+        )
+        other.rollback()
+        writer.join(30)
+    finally:
+        other.close()
+    assert not errors, errors
+    assert answer == [{(a.pk, a.claim_token), (b.pk, b.claim_token)}]
+    assert {r.status for r in WorkItem.objects.filter(pk__in=[a.pk, b.pk])} == {Status.SUCCEEDED}
+
+
 # -- unique_key: a generated column with a unique index ----------------------------------
 
 

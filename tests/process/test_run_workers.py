@@ -293,7 +293,10 @@ def test_burst_ends_with_a_one_line_summary(start_worker) -> None:
 
     Record.enqueue_many([{"key": str(i)} for i in range(3)])
     AlwaysFail.enqueue({"key": "f"}, run_after=None)
-    worker = start_worker("record", "always_fail", "--burst")
+    # The retry is due in a minute, so the burst ends before it: with the
+    # suite's 0.05 s backoff a loaded machine could run it within the burst.
+    slow_retry = {"DBWORKER_RETRY_BACKOFF": "60", "DBWORKER_RETRY_BACKOFF_MAX": "60"}
+    worker = start_worker("record", "always_fail", "--burst", env=slow_retry)
     assert worker.wait() == 0
     assert "Worker stopped: 3 succeeded, 0 failed, 1 retried, 0 released" in worker.log(), (
         worker.log()
