@@ -193,6 +193,10 @@ class VendorOperations:
     supports_notify = False
     #: Whether ``SELECT ... FOR UPDATE SKIP LOCKED`` exists (``claim_next`` asks).
     supports_skip_locked = False
+    #: Whether the idle claim loop should poll often for a while after work
+    #: (``worker.wakeup.AdaptivePoll``): only without ``listen`` wake-ups, and
+    #: only where a claim that finds nothing is cheap and locks nothing.
+    poll_adaptively = False
 
     def __init__(self, using: str) -> None:
         self.using = using

@@ -346,6 +346,8 @@ class MySQLOperations(VendorOperations):
     vendor = "mysql"
     supports_notify = False
     supports_skip_locked = True
+    # An empty claim is one SELECT ... SKIP LOCKED that locks nothing.
+    poll_adaptively = True
 
     def check_version(self) -> None:
         connection: Any = self.connection

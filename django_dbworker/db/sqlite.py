@@ -179,6 +179,9 @@ class SQLiteOperations(VendorOperations):
     vendor = "sqlite"
     supports_notify = False
     supports_skip_locked = False
+    # Not poll_adaptively: every claim, even one that finds nothing, is an
+    # UPDATE that takes the database's one write lock, which heartbeats and
+    # outcome writes need too; frequent polls would starve them.
 
     def check_version(self) -> None:
         if sqlite3.sqlite_version_info < MIN_VERSION:

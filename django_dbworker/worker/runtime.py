@@ -200,7 +200,7 @@ class Worker:
         self._slow_write_at = -math.inf
         self._recovery_deferred_since: float | None = None
         self._claim_backoff = Backoff(first=0.2, cap=10.0)
-        self._poll = AdaptivePoll(self.config.poll_interval, enabled=not self.ops.supports_notify)
+        self._poll = AdaptivePoll(self.config.poll_interval, enabled=self.ops.poll_adaptively)
         self.prefetch = Prefetch(
             concurrency=self.config.concurrency,
             horizon=0.0 if self.config.inline else self.config.prefetch_horizon,

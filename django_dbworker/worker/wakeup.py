@@ -7,10 +7,11 @@ module holds the thread, its reconnects and backoff; it holds no SQL and no
 driver API. Losing the subscription only costs latency: the claim loop
 still polls at POLL_INTERVAL.
 
-Where the database has no such notifications (SQLite, MySQL), the claim
-loop polls adaptively instead (``AdaptivePoll``: soon after a claim that
-found work, backing off to POLL_INTERVAL when idle), and an enqueue
-committed in the worker's own process wakes it at once (``LocalWaker``).
+Where the database has no such notifications (SQLite, MySQL), an enqueue
+committed in the worker's own process wakes it at once (``LocalWaker``);
+on MySQL the claim loop also polls adaptively (``AdaptivePoll``: often for
+a moment after a claim that found work, backing off to POLL_INTERVAL when
+idle). Not on SQLite, where every poll takes the database's write lock.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class AdaptivePoll:
     finds nothing: cheap, and only while work is flowing); after that the
     wait doubles at each empty poll up to POLL_INTERVAL, so a quiet queue
     costs one query per interval per worker. Where notifications wake the
-    loop (``enabled`` False), it always waits POLL_INTERVAL.
+    loop, or polls are not cheap (``enabled`` False:
+    ``VendorOperations.poll_adaptively``), it always waits POLL_INTERVAL.
     """
 
     def __init__(
