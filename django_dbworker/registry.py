@@ -8,13 +8,16 @@ web as well as worker.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
 if TYPE_CHECKING:
     from django_dbworker.handlers import Handler
+
+logger = logging.getLogger("django_dbworker.registry")
 
 
 class Registry(Mapping[str, "type[Handler[Any]]"]):
@@ -76,6 +79,39 @@ def autodiscover() -> None:
     autodiscover_modules("workers")
     if uses_task_backend():
         autodiscover_modules("tasks")
+
+
+def import_by_path(names: Iterable[str]) -> list[str]:
+    """Import the unregistered ``names`` that are import paths; return those now registered.
+
+    A Django ``@task`` registers its handler, named by its import path,
+    when its module is imported; Django lets tasks live in any module, and
+    the database backend it replaces imports a task by its path when it
+    runs it. So a worker imports the paths of the rows it finds pending:
+    only modules that the project can import, and only names still unknown.
+    An import that fails is logged and skipped: it is one module's problem,
+    not the worker's.
+    """
+    from django.utils.module_loading import import_string
+
+    found = []
+    for name in names:
+        if (
+            name in registry
+            or "." not in name
+            or not all(part.isidentifier() for part in name.split("."))
+        ):
+            continue
+        try:
+            import_string(name)
+        except ImportError:
+            continue
+        except Exception:
+            logger.warning("Importing %s (a pending handler name) failed.", name, exc_info=True)
+            continue
+        if name in registry:
+            found.append(name)
+    return found
 
 
 def uses_task_backend() -> bool:

@@ -13,13 +13,14 @@ the worker process.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.utils import timezone
 
 from django_dbworker import transitions
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.tasks.compat import (
     Task,
@@ -40,11 +41,21 @@ logger = logging.getLogger("django_dbworker.tasks")
 
 
 class TaskHandler(WorkItemHandler):
-    """Runs one Django task per claimed row; one subclass per task function."""
+    """Runs one Django task per claimed row; one subclass per task function.
+
+    An attempt's ``TaskResult`` lives from ``attempt_started`` (which sends
+    ``task_started``) to ``attempt_recorded`` (which sends ``task_finished``
+    once the worker has written how the task ended), kept per attempt: row
+    id and claim token.
+    """
 
     abstract = True
     #: The task as ``@task`` declared it.
     task: ClassVar[Task]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[tuple[int, Any], TaskResult] = {}
 
     def handle(self, payload: Any) -> Any:
         """Call the task function with the row's arguments (no context, no signals)."""
@@ -55,78 +66,95 @@ class TaskHandler(WorkItemHandler):
             )
         return self.task.call(*args, **kwargs)
 
-    def handle_item(self, item: WorkItem) -> Any:
-        """Run the task for one attempt, as Django's backends do, with our recording.
-
-        Signals are sent robustly: a receiver that raises is logged and
-        never changes the attempt's outcome (a failing ``task_finished``
-        receiver must not turn a success into a retry that runs the task
-        again).
-        """
-        task = self.task
-        sender = type(task.get_backend())
-        args, kwargs = arguments(item.payload)
+    def attempt_started(self, item: WorkItem) -> None:
         result = build(
-            task,
+            self.task,
             _running_row(item),
-            backend=task.backend,
+            backend=self.task.backend,
             status=TaskResultStatus.RUNNING,
         )
-        _send(task_started, sender, result)
-        failure: BaseException | None = None
-        try:
-            if task.takes_context:
-                value = task.call(TaskContext(task_result=result), *args, **kwargs)
-            else:
-                value = task.call(*args, **kwargs)
-        except BaseException as exc:
-            if not self._is_last(exc, item):
-                raise  # retried: the task has not finished
-            _finish_failed(result, exc, sensitive=self.sensitive)
-            if not self.sensitive:
-                # Inside the except block, as Django's backends do: its log
-                # receiver prints the traceback.
-                _send(task_finished, sender, result)
-                raise
-            failure = exc
-        if failure is not None:
-            # Outside it for sensitive tasks, whose messages may quote their
-            # arguments: receivers see no exception to log.
-            _send(task_finished, sender, result)
-            raise failure
-        try:
-            normalized = _normalize(value)
-        except (TypeError, ValueError) as exc:
-            # Recorded as failed by the worker (a result it cannot store is
-            # not retried): say so to the receivers too.
-            _finish_failed(result, exc, sensitive=self.sensitive)
-            _send(task_finished, sender, result)
-            return value
-        object.__setattr__(result, "_return_value", normalized)
-        object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-        object.__setattr__(result, "finished_at", timezone.now())
-        _send(task_finished, sender, result)
-        return normalized
+        with self._lock:
+            self._running[(item.pk, item.claim_token)] = result
+        _send(task_started, self._sender(), result)
 
-    def _is_last(self, exc: BaseException, item: WorkItem) -> bool:
-        """Whether this failure ends the task (the worker will not retry it)."""
-        return not isinstance(exc, self.retry_on) or item.attempts >= item.max_attempts
+    def handle_item(self, item: WorkItem) -> Any:
+        """Call the task function, with its context if it takes one; return its value.
+
+        The value goes through Django's ``normalize_json`` (tuples become
+        lists); a value it cannot normalize is returned as it is, and the
+        worker records the task failed without a retry (it cannot store it).
+        """
+        with self._lock:
+            result = self._running.get((item.pk, item.claim_token))
+        if result is None:  # called without attempt_started (not by the worker)
+            self.attempt_started(item)
+            with self._lock:
+                result = self._running[(item.pk, item.claim_token)]
+        args, kwargs = arguments(item.payload)
+        task = self.task
+        if task.takes_context:
+            value = task.call(TaskContext(task_result=result), *args, **kwargs)
+        else:
+            value = task.call(*args, **kwargs)
+        try:
+            value = normalize_json(value)
+        except (TypeError, ValueError):
+            return value
+        object.__setattr__(result, "_return_value", value)
+        return value
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        """Send ``task_finished`` if the attempt ended the task (SUCCESSFUL or FAILED).
+
+        A retried attempt has not finished the task; a fenced one is not
+        this attempt's to report. Sent after the write committed, outside
+        the task's transaction, so a receiver that reads the result sees it.
+        """
+        with self._lock:
+            result = self._running.pop((item.pk, item.claim_token), None)
+        if status not in (Status.SUCCEEDED, Status.FAILED):
+            return
+        if result is None:
+            # Not run here: a row stale recovery failed (its worker died).
+            result = build(self.task, _recorded_row(item), backend=self.task.backend)
+        elif status == Status.SUCCEEDED:
+            object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+            object.__setattr__(result, "finished_at", timezone.now())
+        else:
+            if error is not None:
+                result.errors.append(
+                    TaskError(
+                        exception_class_path=transitions.exception_class_path(error),
+                        traceback=transitions.format_error(error, sensitive=self.sensitive),
+                    )
+                )
+            object.__setattr__(result, "status", TaskResultStatus.FAILED)
+            object.__setattr__(result, "_return_value", None)
+            object.__setattr__(result, "finished_at", timezone.now())
+        _send(task_finished, self._sender(), result)
+
+    def _sender(self) -> type:
+        return type(self.task.get_backend())
 
 
 def _running_row(item: WorkItem) -> Row:
-    """The claimed attempt as a result row; earlier attempts' history is read only if any."""
-    history: Any = None
-    if item.attempts > 1:
-        history = (
-            WorkItem.objects.using(item._state.db)
-            .filter(pk=item.pk)
-            .values_list("error_history", flat=True)
-            .first()
-        )
+    """The claimed attempt as a result row, with the row's history of failed attempts.
+
+    The history is read for every attempt: after an operator's Retry a
+    first attempt may have one, and the context must agree with get_result.
+    """
+    history = (
+        WorkItem.objects.using(item._state.db)
+        .filter(pk=item.pk)
+        .values_list("error_history", flat=True)
+        .first()
+    )
     values = item.__dict__
     return Row(
         id=item.pk,
-        status="claimed",
+        status=Status.CLAIMED,
         payload=item.payload,
         attempts=item.attempts,
         created_at=values.get("created_at"),
@@ -136,25 +164,26 @@ def _running_row(item: WorkItem) -> Row:
     )
 
 
-def _normalize(value: Any) -> Any:
-    return normalize_json(value)
-
-
-def _finish_failed(result: TaskResult, exc: BaseException, *, sensitive: bool = False) -> None:
-    """Mark ``result`` failed by ``exc``, with the error as the history will keep it."""
-    result.errors.append(
-        TaskError(
-            exception_class_path=transitions.exception_class_path(exc),
-            traceback=transitions.format_error(exc, sensitive=sensitive),
-        )
+def _recorded_row(item: WorkItem) -> Row:
+    """A row loaded in full (by the worker that recovered it)."""
+    return Row(
+        id=item.pk,
+        status=item.status,
+        payload=item.payload,
+        attempts=item.attempts,
+        created_at=item.created_at,
+        claimed_at=item.claimed_at,
+        claimed_by=item.claimed_by,
+        finished_at=item.finished_at,
+        result=item.result,
+        error_history=item.error_history,
     )
-    object.__setattr__(result, "status", TaskResultStatus.FAILED)
-    object.__setattr__(result, "finished_at", timezone.now())
 
 
 def _send(signal: Any, sender: type, result: TaskResult) -> None:
+    """Send robustly: a receiver that raises is logged, never changes the outcome."""
     for receiver, response in signal.send_robust(sender=sender, task_result=result):
-        if isinstance(response, BaseException):
+        if isinstance(response, Exception):
             logger.error(
                 "A receiver of %s (%r) raised for task result %s: %s",
                 "task_started" if signal is task_started else "task_finished",

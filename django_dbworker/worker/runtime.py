@@ -28,9 +28,10 @@ from django_dbworker import transitions, validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.errors import is_transient
+from django_dbworker.errors import WorkerLost
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
-from django_dbworker.models import WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import AttemptKey
@@ -544,6 +545,7 @@ class Worker:
                     )
                 elif isinstance(outcome, BaseException):
                     if self.aborting.is_set():
+                        execution.notify_recorded(handler, item, None, None)
                         return  # still claimed: released at shutdown
                     # Not a stop: the writer met an error it could not handle.
                     # Retire the attempt; stale recovery returns the row.
@@ -559,6 +561,10 @@ class Worker:
                 else:
                     execution.log_fenced(item, handler)
                     label = Outcome.FENCED
+                if label == Outcome.SUCCEEDED:
+                    execution.notify_recorded(handler, item, Status.SUCCEEDED, None)
+                elif label in (Outcome.FENCED, Outcome.UNRECORDED):
+                    execution.notify_recorded(handler, item, None, None)
                 if label.final:
                     self.metrics.task_done(handler.name, label, took)
                     self._count(attempt, label)
@@ -744,6 +750,32 @@ class Worker:
         self.metrics.recover_took(WORK_ITEM_LOOP, time.perf_counter() - started)
         for name, count in recovered.by_handler.items():
             self.metrics.recovered(name, count)
+        self._tell_recovered_failures(recovered.failed_rows)
+
+    def _tell_recovered_failures(self, rows: list[tuple[int, str]]) -> None:
+        """``attempt_recorded`` for rows this pass failed, for the handlers that listen.
+
+        The attempt's own worker is gone; the recovering worker speaks for
+        it, once the failure committed, with the row as it is now.
+        """
+        listening = {
+            name
+            for name, handler in self.work_item_handlers.items()
+            if type(handler).attempt_recorded is not WorkItemHandler.attempt_recorded
+        }
+        wanted = [pk for pk, name in rows if name in listening]
+        if not wanted:
+            return
+        try:
+            items = list(WorkItem.objects.using(self.config.using).filter(pk__in=wanted))
+        except Exception as exc:
+            logger.warning("Could not read the rows stale recovery failed: %s", exc)
+            return
+        for item in items:
+            lost = WorkerLost(item.last_error)
+            execution.notify_recorded(
+                self.work_item_handlers[item.handler], item, Status.FAILED, lost
+            )
 
     def _defer_recovery(self, now: float, why: str) -> None:
         if self._recovery_deferred_since is None:

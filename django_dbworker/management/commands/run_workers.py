@@ -21,7 +21,7 @@ from django_dbworker.db import UnsupportedDatabase, operations
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
 from django_dbworker.periodic import periodic_handlers
-from django_dbworker.registry import autodiscover, registry
+from django_dbworker.registry import autodiscover, import_by_path, registry
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.stats import orphaned_handlers
 from django_dbworker.worker.connections import close_thread_connections
@@ -122,6 +122,12 @@ class Command(BaseCommand):
         _ensure_log_output(options["verbosity"])
         self.check(display_num_errors=False)
         autodiscover()
+        using = work_db_for_write(options["database"])
+        # Django tasks may live in any module: import those that named
+        # handlers (on the command line, or of pending rows) point to.
+        import_by_path(options["names"] or [])
+        if not options["names"]:
+            self._import_pending_tasks(using)
         names: list[str] = options["names"] or sorted(registry)
         unknown = [n for n in names if n not in registry]
         if unknown:
@@ -146,7 +152,6 @@ class Command(BaseCommand):
                     "its items itself (raising NoTask when there are none) and processes them.",
                     returncode=2,
                 )
-        using = work_db_for_write(options["database"])
         self._check_database(using)
 
         flags = {
@@ -229,6 +234,20 @@ class Command(BaseCommand):
         except OSError as exc:
             raise CommandError(f"Cannot serve metrics on {addr}:{port}: {exc}") from None
         logger.info("Serving Prometheus metrics on http://%s:%s/metrics", addr, port)
+
+    def _import_pending_tasks(self, using: str) -> None:
+        """Import the handlers of pending rows that are import paths (``@task`` functions).
+
+        Best effort before the database check: if the work table cannot be
+        read yet, ``_check_database`` says why, clearly.
+        """
+        try:
+            pending = [row["handler"] for row in orphaned_handlers(using)]
+        except DatabaseError:
+            return
+        found = import_by_path(pending)
+        if found:
+            logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
     def _install_signal_handlers(self, worker: Worker) -> None:
         received = {"count": 0}
