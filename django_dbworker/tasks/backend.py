@@ -221,7 +221,7 @@ class DBWorkerBackend(BaseTaskBackend):
                 dbworker_settings.MAX_ATTEMPTS if max_attempts is None else max_attempts
             ),
         )
-        result = build(task, _row_of(item), backend=self.alias)
+        result = build(task, Row.from_item(item), backend=self.alias)
         if added:  # not for the live row of a unique_key: that was enqueued before
             task_enqueued.send(type(self), task_result=result)
         return result
@@ -348,21 +348,6 @@ def _row_id(result_id: Any) -> int | None:
     if not (text.isascii() and text.isdigit()) or len(text) > 19 or str(int(text)) != text:
         return None
     return int(text)
-
-
-def _row_of(item: WorkItem) -> Row:
-    return Row(
-        id=item.pk,
-        status=item.status,
-        payload=item.payload,
-        attempts=item.attempts,
-        created_at=item.created_at,
-        claimed_at=item.claimed_at,
-        claimed_by=item.claimed_by,
-        finished_at=item.finished_at,
-        result=item.result,
-        error_history=item.error_history,
-    )
 
 
 def _unique_key(task: Task, args: Any, kwargs: Any) -> str | None:

@@ -118,7 +118,7 @@ class TaskHandler(WorkItemHandler):
             return
         if result is None:
             # Not run here: a row stale recovery failed (its worker died).
-            result = build(self.task, _recorded_row(item), backend=self.task.backend)
+            result = build(self.task, Row.from_item(item), backend=self.task.backend)
         elif status == Status.SUCCEEDED:
             object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
             object.__setattr__(result, "finished_at", timezone.now())
@@ -161,22 +161,6 @@ def _running_row(item: WorkItem) -> Row:
         claimed_at=values.get("claimed_at"),
         claimed_by=item.claimed_by,
         error_history=history,
-    )
-
-
-def _recorded_row(item: WorkItem) -> Row:
-    """A row loaded in full (by the worker that recovered it)."""
-    return Row(
-        id=item.pk,
-        status=item.status,
-        payload=item.payload,
-        attempts=item.attempts,
-        created_at=item.created_at,
-        claimed_at=item.claimed_at,
-        claimed_by=item.claimed_by,
-        finished_at=item.finished_at,
-        result=item.result,
-        error_history=item.error_history,
     )
 
 

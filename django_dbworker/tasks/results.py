@@ -19,7 +19,7 @@ from typing import Any
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_dbworker.models import Status
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks.compat import Task, TaskError, TaskResult, TaskResultStatus
 
 #: The class path a cancelled row's last error names.
@@ -72,6 +72,11 @@ class Row:
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> Row:
         return cls(**{name: values[name] for name in cls.__dataclass_fields__})
+
+    @classmethod
+    def from_item(cls, item: WorkItem) -> Row:
+        """A row loaded in full (or just inserted by enqueue)."""
+        return cls(**{name: getattr(item, name) for name in cls.__dataclass_fields__})
 
 
 def arguments(payload: Any) -> tuple[list[Any], dict[str, Any]]:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
@@ -31,7 +30,7 @@ from django_dbworker.tasks.compat import (
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from tests.conftest import wait_until
-from tests.factories import age_heartbeat, claim
+from tests.factories import age_heartbeat, claim, run_retries
 from tests.testapp import tasks
 from tests.testapp.models import Effect, Execution
 
@@ -66,18 +65,6 @@ def finished() -> Iterator[list[tuple[str, str]]]:
     task_finished.connect(receiver)
     yield sent
     task_finished.disconnect(receiver)
-
-
-def make_due() -> None:
-    WorkItem.objects.filter(status=Status.PENDING).update(run_after=Now())
-
-
-def run_retries(rounds: int = 10) -> None:
-    for _ in range(rounds):
-        run_until_empty()
-        if not WorkItem.objects.filter(status=Status.PENDING).exists():
-            return
-        make_due()
 
 
 # -- get_result of ids it never issued ---------------------------------------------
