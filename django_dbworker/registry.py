@@ -78,7 +78,35 @@ def autodiscover() -> None:
 
     autodiscover_modules("workers")
     if uses_task_backend():
-        autodiscover_modules("tasks")
+        _import_tasks_modules()
+
+
+def _import_tasks_modules() -> None:
+    """Import ``<app>.tasks`` of every installed app, surviving the ones that fail.
+
+    Unlike ``workers`` (a name this app gave its modules), ``tasks`` is a
+    name other queues use too: a third-party app's ``tasks.py`` written for
+    Celery may not import here. One such module must not stop every
+    process of the project at start; it is logged, and its rows are
+    reported as unknown handlers like any other.
+    """
+    from importlib import import_module
+
+    from django.apps import apps
+    from django.utils.module_loading import module_has_submodule
+
+    for app_config in apps.get_app_configs():
+        if not module_has_submodule(app_config.module, "tasks"):
+            continue
+        name = f"{app_config.name}.tasks"
+        try:
+            import_module(name)
+        except Exception:
+            logger.error(
+                "Could not import %s: its @task functions will not run in this process.",
+                name,
+                exc_info=True,
+            )
 
 
 def import_by_path(names: Iterable[str]) -> list[str]:
