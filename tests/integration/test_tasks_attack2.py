@@ -394,3 +394,30 @@ def test_a_hook_that_raises_a_base_exception_does_not_kill_the_success_writer(
         time.sleep(0.05)
     assert worker.unhealthy is None, worker.unhealthy
     assert WorkItem.objects.get(pk=later.pk).status == Status.SUCCEEDED
+
+
+# -- get_result on a backend that refuses the task -----------------------------------
+
+
+def test_get_result_on_a_backend_the_task_cannot_use_is_consistent() -> None:
+    """``add`` refuses backend "patient" (its TIMEOUT differs); "patient" returns its results.
+
+    ``_as_enqueued`` tries ``task.using(backend="patient")``, which raises
+    InvalidTask, and then keeps the task as declared: the result says
+    ``backend == "patient"`` while ``result.task.backend == "default"``,
+    the inconsistency 2f1f960 fixed for compatible backends. "patient"
+    cannot have issued this id (``add`` can never be enqueued there): like
+    an id it never issued, it should raise ``TaskResultDoesNotExist``, or
+    at least answer a result whose task is on the backend it names.
+    """
+    from django_dbworker.tasks.compat import InvalidTask, TaskResultDoesNotExist
+    from tests.testapp import tasks
+
+    result = tasks.add.enqueue(1, 2)
+    with pytest.raises(InvalidTask):
+        tasks.add.using(backend="patient")
+    try:
+        fetched = task_backends["patient"].get_result(result.id)
+    except TaskResultDoesNotExist:
+        return
+    assert fetched.task.backend == fetched.backend, (fetched.backend, fetched.task.backend)
