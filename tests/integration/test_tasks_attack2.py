@@ -312,7 +312,12 @@ def test_recovering_a_mass_crash_fits_in_one_pass_of_the_worker() -> None:
     with CaptureQueriesContext(connection) as queries:
         worker._maybe_recover()
     left = WorkItem.objects.filter(status=Status.CLAIMED).count()
-    assert left == 0, f"{left} rows still claimed after the pass ({len(queries)} statements)"
+    # 71d4b93: 15 statements, 0.06 s (SQLite) / 0.11 s (PostgreSQL) for the
+    # 2,000 rows; 2f1f960: 2,015 statements, 2.2 s / 5.1 s (more than the
+    # production HEARTBEAT_INTERVAL of 5 s on PostgreSQL).
+    assert (left, len(queries) <= 100) == (0, True), (
+        f"{left} rows still claimed after the pass ({len(queries)} statements)"
+    )
 
 
 # -- import_by_path ------------------------------------------------------------------
