@@ -110,36 +110,58 @@ def _import_tasks_modules() -> None:
 
 
 def import_by_path(names: Iterable[str]) -> list[str]:
-    """Import the unregistered ``names`` that are import paths; return those now registered.
+    """Import the unregistered ``names`` that are import paths of the project; return
+    those now registered.
 
     A Django ``@task`` registers its handler, named by its import path,
     when its module is imported; Django lets tasks live in any module, and
     the database backend it replaces imports a task by its path when it
-    runs it. So a worker imports the paths of the rows it finds pending:
-    only modules that the project can import, and only names still unknown.
-    An import that fails is logged and skipped: it is one module's problem,
-    not the worker's.
+    runs it. So a worker imports the paths of the rows it finds pending,
+    but only names still unknown, and only modules of the project's own
+    packages (those of its installed apps and of its settings): a row is
+    no reason to import anything else (``this``, say, prints on import).
+    A module that is not there is skipped quietly; one that fails while
+    importing (a dependency missing on this host) is logged.
     """
-    from django.utils.module_loading import import_string
+    from importlib import import_module
 
     found = []
+    roots = _project_roots()
     for name in names:
+        module_path = name.rpartition(".")[0]
         if (
             name in registry
-            or "." not in name
+            or not module_path
             or not all(part.isidentifier() for part in name.split("."))
+            or name.split(".", 1)[0] not in roots
         ):
             continue
         try:
-            import_string(name)
-        except ImportError:
+            import_module(module_path)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (module_path + ".").startswith(exc.name + "."):
+                continue  # no such module (a renamed task, another deployment's handler)
+            logger.error("Could not import %s (for %s).", module_path, name, exc_info=True)
             continue
         except Exception:
-            logger.warning("Importing %s (a pending handler name) failed.", name, exc_info=True)
+            logger.error("Could not import %s (for %s).", module_path, name, exc_info=True)
             continue
         if name in registry:
             found.append(name)
     return found
+
+
+def _project_roots() -> set[str]:
+    """Top-level packages of the installed apps, the settings module and the URLconf."""
+    from django.apps import apps
+    from django.conf import settings
+
+    roots = {config.name.split(".", 1)[0] for config in apps.get_app_configs()}
+    for module in (getattr(settings, "SETTINGS_MODULE", None), settings.ROOT_URLCONF):
+        if isinstance(module, str) and module:
+            roots.add(module.split(".", 1)[0])
+    # Not Django's own, nor this package's: nothing of theirs is a task.
+    return roots - {"django", "django_dbworker"}
 
 
 def uses_task_backend() -> bool:

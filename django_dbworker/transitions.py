@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -368,23 +369,35 @@ def recover_stale(
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
-        # A row whose attempts are used up ends failed: one UPDATE each (they
-        # are rare: a worker died on a last attempt), so that exactly the rows
-        # this pass failed are known, for the handlers' attempt_recorded.
-        lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
-        for pk, handler in last:
-            failed = base.filter(pk=pk, attempts__gte=F("max_attempts")).update(
-                status=Status.FAILED,
-                finished_at=Now(),
-                claim_token=None,
-                updated_at=Now(),
-                last_error=lost_failed,
-                error_history=_with_history(lost_failed, Value(WORKER_LOST)),
+        # Rows whose attempts are used up end failed, in one UPDATE that
+        # marks them with a token of this pass (claim tokens are unique), so
+        # that exactly the rows this pass failed, and no other recoverer's,
+        # are read back for the handlers' attempt_recorded; then the mark
+        # goes. Two more statements, only when such rows exist.
+        if last:
+            lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
+            marker = uuid.uuid4()
+            candidates = [pk for pk, _ in last]
+            failed = (
+                base.filter(pk__in=candidates)
+                .filter(attempts__gte=F("max_attempts"))
+                .update(
+                    status=Status.FAILED,
+                    finished_at=Now(),
+                    claim_token=marker,
+                    updated_at=Now(),
+                    last_error=lost_failed,
+                    error_history=_with_history(lost_failed, Value(WORKER_LOST)),
+                )
             )
             if failed:
-                result.failed += 1
-                result.failed_rows.append((pk, handler))
-                result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
+                marked = WorkItem.objects.using(using).filter(pk__in=candidates, claim_token=marker)
+                rows = list(marked.values_list("pk", "handler"))
+                marked.update(claim_token=None)
+                result.failed += len(rows)
+                result.failed_rows.extend(rows)
+                for _, handler in rows:
+                    result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
         # The rest go back to pending: one UPDATE per handler (usually one or
         # two), exact counts per handler for the metrics, bounded by the batch.
         lost = Concat(Value(message), F("claimed_by"), Value("."))

@@ -44,7 +44,7 @@ from django_dbworker.tasks.compat import (
     task_enqueued,
 )
 from django_dbworker.tasks.handler import TaskHandler, handler_for
-from django_dbworker.tasks.results import RESULT_COLUMNS, Row, build
+from django_dbworker.tasks.results import RESULT_COLUMNS, Row, build, enqueued_task
 
 #: The handler column's width: a task's import path must fit.
 MAX_NAME = 200
@@ -243,27 +243,24 @@ class DBWorkerBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(
                 f"{result_id} is a work item of handler {values['handler']!r}, not a task."
             )
-        return build(self._as_enqueued(task, values), Row.from_values(values), backend=self.alias)
-
-    def _as_enqueued(self, task: Task, values: dict[str, Any]) -> Task:
-        """``task`` as this row was enqueued: this backend, the row's priority, queue and
-        ``run_after`` (if it was deferred), as Django's database backend answers."""
-        changes: dict[str, Any] = {}
-        if task.backend != self.alias:
-            changes["backend"] = self.alias
-        if task.priority != values["priority"]:
-            changes["priority"] = values["priority"]
-        if task.queue_name != values["queue"]:
-            changes["queue_name"] = values["queue"]
-        run_after, created = values["run_after"], values["created_at"]
-        if run_after is not None and created is not None and run_after > created:
-            changes["run_after"] = run_after
-        if not changes:
-            return task
         try:
-            return task.using(**changes)
-        except InvalidTask:  # the row was moved where this task may not go
-            return task
+            as_enqueued = enqueued_task(
+                task,
+                backend=self.alias,
+                priority=values["priority"],
+                queue=values["queue"],
+                run_after=values["run_after"],
+                created_at=values["created_at"],
+            )
+        except InvalidTask:
+            # Moved (by an operator) to a queue the task may not use: as declared.
+            try:
+                as_enqueued = task if task.backend == self.alias else task.using(backend=self.alias)
+            except InvalidTask:
+                raise TaskResultDoesNotExist(
+                    f"{result_id} is a task that backend {self.alias!r} cannot run."
+                ) from None
+        return build(as_enqueued, Row.from_values(values), backend=self.alias)
 
     # -- checks -------------------------------------------------------------------
 

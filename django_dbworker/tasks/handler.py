@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from django_dbworker import transitions
@@ -23,6 +24,7 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.tasks.compat import (
+    InvalidTask,
     Task,
     TaskContext,
     TaskError,
@@ -32,7 +34,7 @@ from django_dbworker.tasks.compat import (
     task_finished,
     task_started,
 )
-from django_dbworker.tasks.results import Row, arguments, build
+from django_dbworker.tasks.results import Row, arguments, build, enqueued_task
 
 if TYPE_CHECKING:
     from django_dbworker.tasks.backend import DBWorkerBackend
@@ -67,15 +69,34 @@ class TaskHandler(WorkItemHandler):
         return self.task.call(*args, **kwargs)
 
     def attempt_started(self, item: WorkItem) -> None:
-        result = build(
-            self.task,
-            _running_row(item),
-            backend=self.task.backend,
-            status=TaskResultStatus.RUNNING,
-        )
+        result = self._running_result(item)
         with self._lock:
             self._running[(item.pk, item.claim_token)] = result
         _send(task_started, self._sender(), result)
+
+    def _running_result(self, item: WorkItem) -> TaskResult:
+        row = _running_row(item)  # first: it reads created_at, which _task_of needs
+        return build(
+            self._task_of(item), row, backend=self.task.backend, status=TaskResultStatus.RUNNING
+        )
+
+    def _task_of(self, item: WorkItem) -> Task:
+        """The task as this row was enqueued (its priority, queue, run_after).
+
+        The backend is the one the function was declared on: rows do not
+        say which backend enqueued them.
+        """
+        try:
+            return enqueued_task(
+                self.task,
+                backend=self.task.backend,
+                priority=item.priority,
+                queue=item.queue,
+                run_after=item.run_after,
+                created_at=item.__dict__.get("created_at"),
+            )
+        except InvalidTask:  # moved by an operator to a queue it may not use
+            return self.task
 
     def handle_item(self, item: WorkItem) -> Any:
         """Call the task function, with its context if it takes one; return its value.
@@ -86,10 +107,11 @@ class TaskHandler(WorkItemHandler):
         """
         with self._lock:
             result = self._running.get((item.pk, item.claim_token))
-        if result is None:  # called without attempt_started (not by the worker)
-            self.attempt_started(item)
-            with self._lock:
-                result = self._running[(item.pk, item.claim_token)]
+        if result is None:
+            # Not started by the worker (a direct call), or its attempt was
+            # recorded already (it timed out while task_started was being
+            # sent): a result for the context only, kept nowhere.
+            result = self._running_result(item)
         args, kwargs = arguments(item.payload)
         task = self.task
         if task.takes_context:
@@ -117,8 +139,13 @@ class TaskHandler(WorkItemHandler):
         if status not in (Status.SUCCEEDED, Status.FAILED):
             return
         if result is None:
-            # Not run here: a row stale recovery failed (its worker died).
-            result = build(self.task, Row.from_item(item), backend=self.task.backend)
+            # No result of this attempt here: a row stale recovery failed (its
+            # worker died), or an attempt whose start failed. What the
+            # database now says is the answer.
+            row = WorkItem.objects.using(item._state.db).filter(pk=item.pk).first()
+            if row is None:
+                return
+            result = build(self._task_of(row), Row.from_item(row), backend=self.task.backend)
         elif status == Status.SUCCEEDED:
             object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
             object.__setattr__(result, "finished_at", timezone.now())
@@ -140,25 +167,33 @@ class TaskHandler(WorkItemHandler):
 
 
 def _running_row(item: WorkItem) -> Row:
-    """The claimed attempt as a result row, with the row's history of failed attempts.
+    """The claimed attempt as a result row, with what the claim did not return.
 
-    The history is read for every attempt: after an operator's Retry a
-    first attempt may have one, and the context must agree with get_result.
+    One read per attempt: the row's history of failed attempts (after an
+    operator's Retry a first attempt may have one, and the context must
+    agree with get_result), its enqueue time and this claim's time. A read
+    that fails costs the task nothing: the result goes without them.
     """
-    history = (
-        WorkItem.objects.using(item._state.db)
-        .filter(pk=item.pk)
-        .values_list("error_history", flat=True)
-        .first()
-    )
-    values = item.__dict__
+    extra: tuple[Any, ...] | None = None
+    try:
+        extra = (
+            WorkItem.objects.using(item._state.db)
+            .filter(pk=item.pk)
+            .values_list("error_history", "created_at", "claimed_at")
+            .first()
+        )
+    except DatabaseError as exc:
+        logger.warning("Could not read the history of task row %s: %s", item.pk, exc)
+    history, created_at, claimed_at = extra or (None, None, None)
+    if created_at is not None:
+        item.__dict__.setdefault("created_at", created_at)
     return Row(
         id=item.pk,
         status=Status.CLAIMED,
         payload=item.payload,
         attempts=item.attempts,
-        created_at=values.get("created_at"),
-        claimed_at=values.get("claimed_at"),
+        created_at=created_at,
+        claimed_at=claimed_at,
         claimed_by=item.claimed_by,
         error_history=history,
     )

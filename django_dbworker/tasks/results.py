@@ -110,6 +110,33 @@ def entry_time(value: Any) -> datetime | None:
     return parsed
 
 
+def enqueued_task(
+    task: Task,
+    *,
+    backend: str,
+    priority: int,
+    queue: str,
+    run_after: datetime | None,
+    created_at: datetime | None,
+) -> Task:
+    """``task`` as a row holds it: on ``backend``, with the row's priority, queue and
+    ``run_after`` (if it was deferred), as Django's database backend answers.
+
+    ``InvalidTask`` if ``backend`` may not run it (another backend's
+    options, a queue it does not allow).
+    """
+    changes: dict[str, Any] = {}
+    if task.backend != backend:
+        changes["backend"] = backend
+    if task.priority != priority:
+        changes["priority"] = priority
+    if task.queue_name != queue:
+        changes["queue_name"] = queue
+    if run_after is not None and created_at is not None and run_after > created_at:
+        changes["run_after"] = run_after
+    return task.using(**changes) if changes else task
+
+
 def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResult:
     """The ``TaskResult`` of ``row`` for ``task`` (``status`` overrides the row's)."""
     entries = history_entries(row.error_history)

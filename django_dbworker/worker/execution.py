@@ -146,13 +146,34 @@ def execute(
     return outcome
 
 
+def listens(handler: WorkItemHandler) -> bool:
+    """Whether ``handler`` has an ``attempt_recorded`` hook (most handlers do not)."""
+    return type(handler).attempt_recorded is not WorkItemHandler.attempt_recorded
+
+
+_notified_lock = threading.Lock()
+
+
 def notify_recorded(
     handler: WorkItemHandler, item: WorkItem, status: str | None, error: BaseException | None
 ) -> None:
-    """``handler.attempt_recorded(...)``, which must never change how the attempt ended."""
+    """``handler.attempt_recorded(...)``, once per attempt, never changing how it ended.
+
+    Once: a timed-out attempt is recorded by the thread that waited for it,
+    and its abandoned run may still end (fenced) later; the first word is
+    the attempt's. The mark sits on the attempt's ``WorkItem`` instance,
+    which both share. Nothing the hook raises (``BaseException`` included)
+    leaves it.
+    """
+    if not listens(handler):
+        return
+    with _notified_lock:
+        if item.__dict__.get("_dbworker_recorded"):
+            return
+        item.__dict__["_dbworker_recorded"] = True
     try:
         handler.attempt_recorded(item, status, error)
-    except Exception:
+    except BaseException:
         logger.exception(
             "%s.attempt_recorded raised for work item %s.", type(handler).__qualname__, item.pk
         )

@@ -336,7 +336,13 @@ def test_a_task_module_that_fails_to_import_is_not_skipped_silently(
     Only a missing *named* module should be skipped quietly
     (``ModuleNotFoundError.name`` tells them apart).
     """
-    (tmp_path / "attack2_billing.py").write_text(
+    from django.conf import settings
+    from django.test import override_settings
+
+    package = tmp_path / "attack2_billing"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "charges.py").write_text(
         "import attack2_dependency_not_installed  # noqa: F401\n"
         "from django_dbworker.tasks import task\n\n\n"
         "@task\n"
@@ -346,8 +352,10 @@ def test_a_task_module_that_fails_to_import_is_not_skipped_silently(
     monkeypatch.syspath_prepend(str(tmp_path))
     from django_dbworker.registry import import_by_path
 
-    with caplog.at_level("DEBUG"):
-        found = import_by_path(["attack2_billing.charge"])
+    # An installed app of the project (only the project's modules are imported).
+    apps = [*settings.INSTALLED_APPS, "attack2_billing"]
+    with override_settings(INSTALLED_APPS=apps), caplog.at_level("DEBUG"):
+        found = import_by_path(["attack2_billing.charges.charge"])
     assert found == []
     said = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert any("attack2_billing" in line for line in said), said
