@@ -163,7 +163,11 @@ class TaskHandler(WorkItemHandler):
         _send(task_finished, self._sender(), result)
 
     def _sender(self) -> type:
-        return type(self.task.get_backend())
+        """The backend class, the signals' sender (looked up once: per thread it is not cheap)."""
+        sender = self.__dict__.get("_sender_class")
+        if sender is None:
+            sender = self.__dict__["_sender_class"] = type(self.task.get_backend())
+        return sender
 
 
 def _running_row(item: WorkItem) -> Row:
