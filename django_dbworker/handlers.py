@@ -121,12 +121,13 @@ class WorkItemHandler(Handler["WorkItem"]):
         row (fenced out, or no outcome could be written), in which case
         someone else records the row's fate. ``error`` is the exception that
         failed the attempt. Called once per attempt, after the write
-        committed and outside any transaction of the attempt, from the
-        thread that wrote it (a worker thread or the success writer, so keep
-        it short); for a row that stale recovery failed because its attempts
-        ran out, by the recovering worker, with the row as it is now. It
-        must not raise (what it raises is logged). The Django Tasks backend
-        sends ``task_finished`` here.
+        committed and outside any transaction of the attempt: from the
+        worker thread that wrote a failure, or from the worker's notifier
+        thread for successes the success writer recorded and for rows stale
+        recovery failed because their attempts ran out (then by the
+        recovering worker, with the row as it is now). What it raises is
+        logged, never more. The Django Tasks backend sends ``task_finished``
+        here.
         """
 
     def backoff(self, attempt: int) -> float:
