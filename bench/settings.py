@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import dj_database_url
+import django
 
 SECRET_KEY = "bench-only"
 USE_TZ = True
@@ -14,6 +15,12 @@ INSTALLED_APPS = [
     "django_dbworker",
     "bench.benchapp",
 ]
+# Django's Tasks framework: built in from Django 6, the backport on 5.2.
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
+# The @task functions of bench/benchapp/tasks.py run on django-dbworker
+# (bench/tasks_compare.py); run_workers then also knows them by import path.
+TASKS = {"default": {"BACKEND": "django_dbworker.tasks.DBWorkerBackend"}}
 DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
     # A mysql:// URL (scripts/mariadbcluster.py start --durable): utf8mb4, and

@@ -214,6 +214,13 @@ def _item_maker() -> Callable[[dict[str, Any]], WorkItem]:
     return _new_item
 
 
+def _check_max_attempts(value: Any) -> int:
+    try:
+        return validation.positive_int(value)
+    except validation.InvalidValue as exc:
+        raise EnqueueError(f"max_attempts {exc}.") from None
+
+
 def _build(
     cls: type[WorkItemHandler],
     payload: Any,
@@ -222,6 +229,7 @@ def _build(
     priority: Any,
     queue: str | None,
     unique_key: str | None = None,
+    max_attempts: int | None = None,
 ) -> tuple[WorkItem, str]:
     """A validated, unsaved item and its payload as JSON text."""
     encoded = _check_payload(payload)
@@ -231,7 +239,11 @@ def _build(
             "queue": _check_queue(cls.queue if queue is None else queue),
             "payload": payload,
             "priority": _check_priority(priority),
-            "max_attempts": cls.get_max_attempts(),
+            "max_attempts": (
+                cls.get_max_attempts()
+                if max_attempts is None
+                else _check_max_attempts(max_attempts)
+            ),
             "unique_key": _check_unique_key(unique_key),
         }
     )
@@ -283,12 +295,47 @@ def enqueue(
     priority: int = 0,
     queue: str | None = None,
     unique_key: str | None = None,
+    max_attempts: int | None = None,
     using: str | None = None,
 ) -> WorkItem:
-    """Insert one work item; returns it (or, for a live ``unique_key``, the existing row)."""
+    """Insert one work item; returns it (or, for a live ``unique_key``, the existing row).
+
+    ``max_attempts`` overrides the handler's for this item.
+    """
+    item, _ = insert(
+        handler,
+        payload,
+        run_after=run_after,
+        priority=priority,
+        queue=queue,
+        unique_key=unique_key,
+        max_attempts=max_attempts,
+        using=using,
+    )
+    return item
+
+
+def insert(
+    handler: str | type[WorkItemHandler],
+    payload: Any = None,
+    *,
+    run_after: datetime | timedelta | None = None,
+    priority: int = 0,
+    queue: str | None = None,
+    unique_key: str | None = None,
+    max_attempts: int | None = None,
+    using: str | None = None,
+) -> tuple[WorkItem, bool]:
+    """``enqueue``, also saying whether a row was added (False: a live ``unique_key``'s row)."""
     cls = _handler_class(handler)
     item, payload_json = _build(
-        cls, payload, run_after=run_after, priority=priority, queue=queue, unique_key=unique_key
+        cls,
+        payload,
+        run_after=run_after,
+        priority=priority,
+        queue=queue,
+        unique_key=unique_key,
+        max_attempts=max_attempts,
     )
     db = work_db_for_write(using)
     ops = operations(db)
@@ -299,7 +346,7 @@ def enqueue(
         ):
             # One statement: the insert and its wake-up (the common case).
             send.set_message_id(item.pk)
-            return item
+            return item, True
         for _ in range(UNIQUE_RETRIES):
             try:
                 # A savepoint inside the caller's transaction, or a transaction
@@ -318,14 +365,14 @@ def enqueue(
                 )
                 if existing is not None:
                     send.set_message_id(existing.pk)
-                    return existing
+                    return existing, False
                 # The holder finished between our insert and our read: try again.
                 item.pk = None
                 item._state.adding = True
                 continue
             send.set_message_id(item.pk)
             _forget_expressions(item)
-            return item
+            return item, True
     raise EnqueueError(
         f"Could not enqueue {cls.name!r} with unique_key {unique_key!r}: the key kept "
         "changing hands; try again."

@@ -102,6 +102,34 @@ class WorkItemHandler(Handler["WorkItem"]):
         """
         return self.handle(item.payload)
 
+    def attempt_started(self, item: WorkItem) -> None:
+        """Hook: an attempt of ``item`` is about to run. Does nothing by default.
+
+        Called in the thread that runs it, before ``handle_item`` and outside
+        the transaction of an ``atomic`` handler; an exception counts as the
+        attempt's failure. The Django Tasks backend sends ``task_started``
+        here.
+        """
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        """Hook: an attempt's outcome is written. Does nothing by default.
+
+        ``status`` is what the row is now: ``succeeded``, ``pending`` (a retry
+        is due later) or ``failed``; None when the attempt no longer owns the
+        row (fenced out, or no outcome could be written), in which case
+        someone else records the row's fate. ``error`` is the exception that
+        failed the attempt. Called once per attempt, after the write
+        committed and outside any transaction of the attempt: from the
+        worker thread that wrote a failure, or from the worker's notifier
+        thread for successes the success writer recorded and for rows stale
+        recovery failed because their attempts ran out (then by the
+        recovering worker, with the row as it is now). What it raises is
+        logged, never more. The Django Tasks backend sends ``task_finished``
+        here.
+        """
+
     def backoff(self, attempt: int) -> float:
         """Seconds before the next attempt after failed attempt number ``attempt``."""
         return exponential_backoff(

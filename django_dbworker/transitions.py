@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db.models import Case, F, Q, Value, When
+from django.db.models import Case, F, Value, When
 from django.db.models.functions import Concat, JSONObject, Now
 
 from django_dbworker.conf import dbworker_settings
@@ -261,16 +262,28 @@ def retry_later(
     )
 
 
-def fail(item: WorkItem, *, error: str, error_class: str = "builtins.Exception") -> bool:
-    """claimed -> failed, the attempt joining ``error_history``. False if fenced out."""
+def fail(
+    item: WorkItem,
+    *,
+    error: str,
+    error_class: str = "builtins.Exception",
+    history: bool = True,
+) -> bool:
+    """claimed -> failed, the attempt joining ``error_history``. False if fenced out.
+
+    ``history=False`` leaves ``error_history`` alone: the last-resort
+    failure record, written when the database refused the full one.
+    """
+    changes: dict[str, Any] = {"last_error": error}
+    if history:
+        changes["error_history"] = _with_history(Value(error), Value(error_class))
     return (
         _fenced(item).update(
             status=Status.FAILED,
-            last_error=error,
-            error_history=_with_history(Value(error), Value(error_class)),
             finished_at=Now(),
             claim_token=None,
             updated_at=Now(),
+            **changes,
         )
         == 1
     )
@@ -307,6 +320,8 @@ class Recovered:
     requeued: int = 0
     failed: int = 0
     by_handler: dict[str, int] = field(default_factory=dict)
+    #: (id, handler) of the rows this pass failed (attempts used up).
+    failed_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -342,54 +357,80 @@ def recover_stale(
     base = WorkItem.objects.using(using).stale(timedelta(seconds=seconds))
     if handlers is not None:
         base = base.filter(handler__in=list(handlers))
-    exhausted = Q(attempts__gte=F("max_attempts"))
     message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
     result = Recovered()
     while True:
-        batch = list(base.order_by("heartbeat_at").values_list("pk", "handler")[:batch_size])
+        batch = list(
+            base.order_by("heartbeat_at").values_list("pk", "handler", "attempts", "max_attempts")[
+                :batch_size
+            ]
+        )
         if not batch:
             break
         by_handler: dict[str, list[int]] = {}
-        for pk, handler in batch:
+        last: list[tuple[int, str]] = []
+        for pk, handler, attempts, max_attempts in batch:
             by_handler.setdefault(handler, []).append(pk)
-        # One pair of UPDATEs per handler (usually one or two): exact counts
-        # per handler for the metrics, still bounded by the batch size.
+            if attempts >= max_attempts:
+                last.append((pk, handler))
+        # Rows whose attempts are used up end failed, in one UPDATE that
+        # marks them with a token of this pass (claim tokens are unique), so
+        # that exactly the rows this pass failed, and no other recoverer's,
+        # are read back for the handlers' attempt_recorded; then the mark
+        # goes. Two more statements, only when such rows exist.
+        if last:
+            lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
+            marker = uuid.uuid4()
+            candidates = [pk for pk, _ in last]
+            # Locked first in id order where the database's plan would not
+            # (MySQL: VendorOperations.locked_in_id_order).
+            with operations(using).locked_in_id_order(candidates):
+                failed = (
+                    base.filter(pk__in=candidates)
+                    .filter(attempts__gte=F("max_attempts"))
+                    .update(
+                        status=Status.FAILED,
+                        finished_at=Now(),
+                        claim_token=marker,
+                        updated_at=Now(),
+                        last_error=lost_failed,
+                        error_history=_with_history(lost_failed, Value(WORKER_LOST)),
+                    )
+                )
+            if failed:
+                marked = WorkItem.objects.using(using).filter(pk__in=candidates, claim_token=marker)
+                rows = list(marked.values_list("pk", "handler"))
+                with operations(using).locked_in_id_order([pk for pk, _ in rows]):
+                    marked.update(claim_token=None)
+                result.failed += len(rows)
+                result.failed_rows.extend(rows)
+                for _, handler in rows:
+                    result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
+        # The rest go back to pending: one UPDATE per handler (usually one or
+        # two), exact counts per handler for the metrics, bounded by the batch.
+        lost = Concat(Value(message), F("claimed_by"), Value("."))
         for handler, ids in by_handler.items():
-            rows = base.filter(pk__in=ids)
             with operations(using).locked_in_id_order(ids):
-                failed, requeued = _recover(rows, exhausted, message)
-            result.failed += failed
+                requeued = (
+                    base.filter(pk__in=ids)
+                    .exclude(attempts__gte=F("max_attempts"))
+                    .update(
+                        status=Status.PENDING,
+                        run_after=Now(),
+                        claim_token=None,
+                        updated_at=Now(),
+                        last_error=lost,
+                        error_history=_with_history(lost, Value(WORKER_LOST)),
+                    )
+                )
             result.requeued += requeued
-            if failed or requeued:
-                result.by_handler[handler] = result.by_handler.get(handler, 0) + failed + requeued
+            if requeued:
+                result.by_handler[handler] = result.by_handler.get(handler, 0) + requeued
         if len(batch) < batch_size:
             break
     if log:
         result.log()
     return result
-
-
-def _recover(rows: WorkItemQuerySet, exhausted: Q, message: str) -> tuple[int, int]:
-    """One batch of stale rows: those out of attempts failed, the others back to pending."""
-    lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
-    failed = rows.filter(exhausted).update(
-        status=Status.FAILED,
-        finished_at=Now(),
-        claim_token=None,
-        updated_at=Now(),
-        last_error=lost_failed,
-        error_history=_with_history(lost_failed, Value(WORKER_LOST)),
-    )
-    lost = Concat(Value(message), F("claimed_by"), Value("."))
-    requeued = rows.update(
-        status=Status.PENDING,
-        run_after=Now(),
-        claim_token=None,
-        updated_at=Now(),
-        last_error=lost,
-        error_history=_with_history(lost, Value(WORKER_LOST)),
-    )
-    return failed, requeued
 
 
 def prune(

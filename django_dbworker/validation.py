@@ -9,7 +9,9 @@ from the package, reads no settings, never touches the database.
 
 from __future__ import annotations
 
+import math
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -62,6 +64,14 @@ def positive_number(value: Any) -> float:
     if not value > 0:  # NaN too
         raise InvalidValue(f"must be greater than 0, got {value!r}")
     return float(value)
+
+
+def timeout_seconds(value: Any) -> float:
+    """A positive, finite number of seconds that a thread can wait for."""
+    number = positive_number(value)
+    if not math.isfinite(number) or number > threading.TIMEOUT_MAX:
+        raise InvalidValue(f"must be a finite number of seconds, got {value!r}")
+    return number
 
 
 def non_negative_number(value: Any) -> float:
@@ -133,7 +143,7 @@ SETTINGS: Mapping[str, Validator] = {
 #: defaults for them in a ``DBWorkerBackend``'s ``OPTIONS`` (upper case).
 TASK_OPTIONS: Mapping[str, Validator] = {
     "MAX_ATTEMPTS": optional(positive_int),
-    "TIMEOUT": optional(positive_number),
+    "TIMEOUT": optional(timeout_seconds),
     "ATOMIC": optional(boolean),
     "SENSITIVE": optional(boolean),
 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "example-project-insecure-key")
@@ -27,6 +29,16 @@ INSTALLED_APPS = [
     "django_dbworker.contrib.prometheus",  # queue gauges on this project's /metrics
     "example_project.demo",
 ]
+if django.VERSION < (6, 0):  # Django's Tasks framework: the backport on 5.2
+    INSTALLED_APPS.append("django_tasks")
+
+# @task functions (example_project/demo/tasks.py) run on django-dbworker too.
+TASKS = {
+    "default": {
+        "BACKEND": "django_dbworker.tasks.DBWorkerBackend",
+        "QUEUES": [],  # any queue name
+    }
+}
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",

@@ -55,3 +55,19 @@ def steal_claim(item_pk: int) -> None:
         WorkItem.objects.filter(pk=item_pk).update(heartbeat_at=Now() - timedelta(hours=1))
         result = transitions.recover_stale(stale_after=60)
     assert result.requeued == 1
+
+
+def make_due() -> None:
+    """Skip the backoff wait: retries become due now (DB clock)."""
+    WorkItem.objects.filter(status="pending").update(run_after=Now())
+
+
+def run_retries(rounds: int = 10) -> None:
+    """``run_until_empty``, making retries due between rounds, until nothing is pending."""
+    from django_dbworker.testing import run_until_empty
+
+    for _ in range(rounds):
+        run_until_empty()
+        if not WorkItem.objects.filter(status="pending").exists():
+            return
+        make_due()

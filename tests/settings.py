@@ -46,6 +46,11 @@ TASKS = {
         "QUEUES": [],
         "OPTIONS": {"MAX_ATTEMPTS": 4, "TIMEOUT": 30},
     },
+    # Only the number of attempts differs from "default": its tasks run alike.
+    "retrying": {
+        "BACKEND": "django_dbworker.tasks.DBWorkerBackend",
+        "OPTIONS": {"MAX_ATTEMPTS": 6},
+    },
 }
 
 MIDDLEWARE = [

@@ -12,6 +12,10 @@ if not settings.configured:
     from urllib.parse import urlparse
 
     parts = urlparse(url)
+    # BENCH_DJTASKS_CONN_MAX_AGE: Django's CONN_MAX_AGE ("none": never closed).
+    # Unset, Django's default 0: db_worker's close_old_connections() then
+    # closes the connection after every task, and the next one reconnects.
+    max_age = os.environ.get("BENCH_DJTASKS_CONN_MAX_AGE", "0")
     settings.configure(
         DEBUG=False,
         USE_TZ=True,
@@ -23,6 +27,7 @@ if not settings.configured:
                 "USER": parts.username,
                 "HOST": parts.hostname,
                 "PORT": parts.port,
+                "CONN_MAX_AGE": None if max_age == "none" else int(max_age),
             }
         },
         TASKS={"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}},

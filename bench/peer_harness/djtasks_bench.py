@@ -7,7 +7,20 @@ import time
 
 import djtasks_app
 from django.core.management import call_command
+from django.db import connection, transaction
+from django.db.models import Max, Min
+from django_tasks_db.models import DBTaskResult
 from peer_common import emit, latency_run
+
+
+def commits() -> int:
+    """Transactions committed in this database so far (all sessions)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        return int(cursor.fetchone()[0])
 
 
 def main() -> None:
@@ -17,15 +30,43 @@ def main() -> None:
         return
     call_command("migrate", verbosity=0)
     if mode == "w1":
+        # Enqueued with the task API in one transaction (not timed: Django's
+        # API has no bulk enqueue), then one db_worker --batch drains them.
+        # "w1 ITEMS analyze": ANALYZE the table before the worker starts.
         items = int(sys.argv[2])
-        for _ in range(items):
-            djtasks_app.noop.enqueue()
+        enqueue_started = time.perf_counter()
+        with transaction.atomic():
+            for _ in range(items):
+                djtasks_app.noop.enqueue()
+        enqueue_seconds = time.perf_counter() - enqueue_started
+        analyze = sys.argv[3:4] == ["analyze"]
+        if analyze:
+            # Planner statistics as autovacuum would leave them. Without them,
+            # right after a burst of enqueues, PostgreSQL takes the ready set
+            # for a handful of rows and sorts all of it for every claim.
+            with connection.cursor() as cursor:
+                cursor.execute(f"ANALYZE {DBTaskResult._meta.db_table}")
+        commits_before = commits()
         started = time.perf_counter()
         call_command("db_worker", "--batch", "--no-startup-delay", "--no-reload", verbosity=0)
+        wall = time.perf_counter() - started
+        # The worker ran on this process's connection: end that session so
+        # that its commit counts reach pg_stat_database.
+        connection.close()
+        time.sleep(0.5)
+        worker_commits = commits() - commits_before
+        span = DBTaskResult.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
+        active = (span["last"] - span["first"]).total_seconds()
         emit(
             bench="w1_throughput",
             items=items,
-            items_per_second=items / (time.perf_counter() - started),
+            analyzed=analyze,
+            succeeded=DBTaskResult.objects.successful().count(),
+            items_per_second=items / wall,
+            active_seconds=active,
+            items_per_second_active=items / active,
+            commits_per_item=worker_commits / items,
+            enqueue_in_one_transaction_per_second=items / enqueue_seconds,
         )
     elif mode == "w2":
         single = int(sys.argv[2])

@@ -73,15 +73,18 @@ class BaseWorkItemAdmin(_ModelAdmin):
             "Schedule",
             {
                 "fields": (
-                    "run_after",
+                    "run_after_exact",
                     "attempts_display",
-                    "created_at",
-                    "updated_at",
-                    "finished_at",
+                    "created_at_exact",
+                    "updated_at_exact",
+                    "finished_at_exact",
                 )
             },
         ),
-        ("Claim", {"fields": ("claimed_by", "claimed_at", "heartbeat_at", "claim_token")}),
+        (
+            "Claim",
+            {"fields": ("claimed_by", "claimed_at_exact", "heartbeat_at_exact", "claim_token")},
+        ),
         (
             "Data",
             {
@@ -102,14 +105,14 @@ class BaseWorkItemAdmin(_ModelAdmin):
         "status_badge",
         "priority",
         "unique_key",
-        "run_after",
+        "run_after_exact",
         "attempts_display",
-        "created_at",
-        "updated_at",
-        "finished_at",
+        "created_at_exact",
+        "updated_at_exact",
+        "finished_at_exact",
         "claimed_by",
-        "claimed_at",
-        "heartbeat_at",
+        "claimed_at_exact",
+        "heartbeat_at_exact",
         "claim_token",
         "payload_pretty",
         "result_pretty",
@@ -273,6 +276,32 @@ class BaseWorkItemAdmin(_ModelAdmin):
         if not obj.last_error:
             return "-"
         return format_html('<pre style="white-space:pre-wrap">{}</pre>', obj.last_error)
+
+    # Times to the second on the change page too (Django's default format
+    # stops at minutes, or at "10 p.m."), the full value on hover.
+    @admin.display(description="run after")
+    def run_after_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.run_after)
+
+    @admin.display(description="created at")
+    def created_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.created_at)
+
+    @admin.display(description="updated at")
+    def updated_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.updated_at)
+
+    @admin.display(description="finished at")
+    def finished_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.finished_at)
+
+    @admin.display(description="claimed at")
+    def claimed_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.claimed_at)
+
+    @admin.display(description="heartbeat at")
+    def heartbeat_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.heartbeat_at)
 
     @admin.display(description="failed attempts")
     def history_table(self, obj: WorkItem) -> SafeString | str:

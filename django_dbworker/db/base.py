@@ -44,8 +44,6 @@ CLAIM_COLUMNS = (
     "claimed_by",
     "claim_token",
     "trace_context",
-    "claimed_at",
-    "created_at",
 )
 
 

@@ -16,22 +16,26 @@ from django.db.models.expressions import Combinable
 from django.db.models.sql.compiler import SQLCompiler
 
 #: A JSON array with one entry appended, dropping the oldest entry when it
-#: already holds ``limit``; NULL counts as empty. ``{a}`` is the array,
-#: ``{e}`` the entry (a JSON object), ``{n}`` the limit (an integer literal).
+#: already holds ``limit``. NULL, and anything that is not an array (a value
+#: edited by hand), counts as empty: the write that records an outcome must
+#: not fail on it. ``{a}`` is the array, ``{e}`` the entry (a JSON object),
+#: ``{n}`` the limit (an integer literal).
 _APPEND_CAPPED = {
     "postgresql": (
-        "(CASE WHEN jsonb_array_length(COALESCE({a}, '[]')) >= {n} "
-        "THEN COALESCE({a}, '[]') - 0 ELSE COALESCE({a}, '[]') END) || jsonb_build_array({e})"
+        "(CASE WHEN jsonb_typeof({a}) IS DISTINCT FROM 'array' THEN '[]'::jsonb "
+        "WHEN jsonb_array_length({a}) >= {n} THEN {a} - 0 ELSE {a} END) "
+        "|| jsonb_build_array({e})"
     ),
     "sqlite": (
-        "json_insert(CASE WHEN json_array_length(COALESCE({a}, '[]')) >= {n} "
-        "THEN json_remove(COALESCE({a}, '[]'), '$[0]') ELSE COALESCE({a}, '[]') END, "
+        "json_insert(CASE WHEN {a} IS NULL OR NOT json_valid({a}) "
+        "OR json_type({a}) != 'array' THEN '[]' "
+        "WHEN json_array_length({a}) >= {n} THEN json_remove({a}, '$[0]') ELSE {a} END, "
         "'$[#]', json({e}))"
     ),
     "mysql": (
-        "JSON_ARRAY_APPEND(CASE WHEN JSON_LENGTH(COALESCE({a}, JSON_ARRAY())) >= {n} "
-        "THEN JSON_REMOVE(COALESCE({a}, JSON_ARRAY()), '$[0]') "
-        "ELSE COALESCE({a}, JSON_ARRAY()) END, '$', {e})"
+        "JSON_ARRAY_APPEND(CASE WHEN {a} IS NULL OR JSON_TYPE({a}) != 'ARRAY' "
+        "THEN JSON_ARRAY() WHEN JSON_LENGTH({a}) >= {n} THEN JSON_REMOVE({a}, '$[0]') "
+        "ELSE {a} END, '$', {e})"
     ),
 }
 

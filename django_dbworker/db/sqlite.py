@@ -64,7 +64,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, claimed_at, created_at
+          max_attempts, claimed_by, claim_token, trace_context
 """,
 )
 
@@ -91,7 +91,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, claimed_at, created_at
+          max_attempts, claimed_by, claim_token, trace_context
 """,
 )
 

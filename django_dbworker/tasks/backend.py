@@ -25,7 +25,8 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 
 from django_dbworker import validation
-from django_dbworker.enqueuing import enqueue as enqueue_item
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.enqueuing import insert
 from django_dbworker.models import WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read
@@ -43,7 +44,7 @@ from django_dbworker.tasks.compat import (
     task_enqueued,
 )
 from django_dbworker.tasks.handler import TaskHandler, handler_for
-from django_dbworker.tasks.results import RESULT_COLUMNS, Row, build
+from django_dbworker.tasks.results import RESULT_COLUMNS, Row, build, enqueued_task
 
 #: The handler column's width: a task's import path must fit.
 MAX_NAME = 200
@@ -160,7 +161,18 @@ class DBWorkerBackend(BaseTaskBackend):
                 "An atomic task must be a plain function: an async one runs its queries "
                 "outside the transaction that records its success."
             )
-        handler_for(task, self)
+        handler = handler_for(task, self)
+        # One function, one way of running it: a backend whose defaults would
+        # run it differently than its handler does must not take it.
+        runs = (handler.timeout, handler.atomic, handler.sensitive)
+        wanted = (options.timeout, options.atomic, options.sensitive)
+        if runs != wanted:
+            raise InvalidTask(
+                f"Task {name} runs with timeout={runs[0]!r}, atomic={runs[1]!r}, "
+                f"sensitive={runs[2]!r} (from the backend it was declared on); backend "
+                f"{self.alias!r} would run it with timeout={wanted[0]!r}, atomic={wanted[1]!r}, "
+                f"sensitive={wanted[2]!r}. Set these options on the task itself."
+            )
 
     def resolved_options(self, task: Task) -> Options:
         """The task's own options, else this backend's OPTIONS, else DBWORKER's."""
@@ -196,16 +208,22 @@ class DBWorkerBackend(BaseTaskBackend):
         self.validate_task(task)
         payload = {"args": normalize_json(list(args)), "kwargs": normalize_json(dict(kwargs))}
         handler = handler_for(task, self)
-        item = enqueue_item(
+        max_attempts = self.resolved_options(task).max_attempts
+        item, added = insert(
             handler,
             payload,
             run_after=task.run_after,
-            priority=task.priority,
+            # Django's validate_task takes any whole number (5.0, True).
+            priority=int(task.priority),
             queue=task.queue_name,
             unique_key=_unique_key(task, args, kwargs),
+            max_attempts=int(
+                dbworker_settings.MAX_ATTEMPTS if max_attempts is None else max_attempts
+            ),
         )
-        result = build(task, _row_of(item), backend=self.alias)
-        task_enqueued.send(type(self), task_result=result)
+        result = build(task, Row.from_item(item), backend=self.alias)
+        if added:  # not for the live row of a unique_key: that was enqueued before
+            task_enqueued.send(type(self), task_result=result)
         return result
 
     # -- results ------------------------------------------------------------------
@@ -225,16 +243,24 @@ class DBWorkerBackend(BaseTaskBackend):
             raise TaskResultDoesNotExist(
                 f"{result_id} is a work item of handler {values['handler']!r}, not a task."
             )
-        return build(self._as_enqueued(task, values), Row.from_values(values), backend=self.alias)
-
-    def _as_enqueued(self, task: Task, values: dict[str, Any]) -> Task:
-        """``task`` with the row's priority and queue (an operator may have changed them)."""
-        if task.priority == values["priority"] and task.queue_name == values["queue"]:
-            return task
         try:
-            return task.using(priority=values["priority"], queue_name=values["queue"])
+            as_enqueued = enqueued_task(
+                task,
+                backend=self.alias,
+                priority=values["priority"],
+                queue=values["queue"],
+                run_after=values["run_after"],
+                created_at=values["created_at"],
+            )
         except InvalidTask:
-            return task
+            # Moved (by an operator) to a queue the task may not use: as declared.
+            try:
+                as_enqueued = task if task.backend == self.alias else task.using(backend=self.alias)
+            except InvalidTask:
+                raise TaskResultDoesNotExist(
+                    f"{result_id} is a task that backend {self.alias!r} cannot run."
+                ) from None
+        return build(as_enqueued, Row.from_values(values), backend=self.alias)
 
     # -- checks -------------------------------------------------------------------
 
@@ -309,25 +335,16 @@ def task_of(name: str) -> Task | None:
 
 
 def _row_id(result_id: Any) -> int | None:
-    text = str(result_id)
-    if not text.isdigit() or len(text) > 19:
+    """The row id a result id stands for, only if this backend could have issued it.
+
+    ASCII digits without a leading zero: ``isdigit()`` alone accepts "²"
+    (which ``int()`` refuses) and other scripts' digits, and "01" would read
+    as row 1 under another id.
+    """
+    text = result_id if isinstance(result_id, str) else str(result_id)
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or str(int(text)) != text:
         return None
     return int(text)
-
-
-def _row_of(item: WorkItem) -> Row:
-    return Row(
-        id=item.pk,
-        status=item.status,
-        payload=item.payload,
-        attempts=item.attempts,
-        created_at=item.created_at,
-        claimed_at=item.claimed_at,
-        claimed_by=item.claimed_by,
-        finished_at=item.finished_at,
-        result=item.result,
-        error_history=item.error_history,
-    )
 
 
 def _unique_key(task: Task, args: Any, kwargs: Any) -> str | None:

@@ -13,15 +13,18 @@ the worker process.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from django.db import DatabaseError
 from django.utils import timezone
 
 from django_dbworker import transitions
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.tasks.compat import (
+    InvalidTask,
     Task,
     TaskContext,
     TaskError,
@@ -31,7 +34,7 @@ from django_dbworker.tasks.compat import (
     task_finished,
     task_started,
 )
-from django_dbworker.tasks.results import Row, arguments, build
+from django_dbworker.tasks.results import Row, arguments, build, enqueued_task
 
 if TYPE_CHECKING:
     from django_dbworker.tasks.backend import DBWorkerBackend
@@ -40,11 +43,21 @@ logger = logging.getLogger("django_dbworker.tasks")
 
 
 class TaskHandler(WorkItemHandler):
-    """Runs one Django task per claimed row; one subclass per task function."""
+    """Runs one Django task per claimed row; one subclass per task function.
+
+    An attempt's ``TaskResult`` lives from ``attempt_started`` (which sends
+    ``task_started``) to ``attempt_recorded`` (which sends ``task_finished``
+    once the worker has written how the task ended), kept per attempt: row
+    id and claim token.
+    """
 
     abstract = True
     #: The task as ``@task`` declared it.
     task: ClassVar[Task]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[tuple[int, Any], TaskResult] = {}
 
     def handle(self, payload: Any) -> Any:
         """Call the task function with the row's arguments (no context, no signals)."""
@@ -55,106 +68,145 @@ class TaskHandler(WorkItemHandler):
             )
         return self.task.call(*args, **kwargs)
 
-    def handle_item(self, item: WorkItem) -> Any:
-        """Run the task for one attempt, as Django's backends do, with our recording.
+    def attempt_started(self, item: WorkItem) -> None:
+        result = self._running_result(item)
+        with self._lock:
+            self._running[(item.pk, item.claim_token)] = result
+        _send(task_started, self._sender(), result)
 
-        Signals are sent robustly: a receiver that raises is logged and
-        never changes the attempt's outcome (a failing ``task_finished``
-        receiver must not turn a success into a retry that runs the task
-        again).
-        """
-        task = self.task
-        sender = type(task.get_backend())
-        args, kwargs = arguments(item.payload)
-        result = build(
-            task,
-            _running_row(item),
-            backend=task.backend,
-            status=TaskResultStatus.RUNNING,
+    def _running_result(self, item: WorkItem) -> TaskResult:
+        row = _running_row(item)  # first: it reads created_at, which _task_of needs
+        return build(
+            self._task_of(item), row, backend=self.task.backend, status=TaskResultStatus.RUNNING
         )
-        _send(task_started, sender, result)
-        failure: BaseException | None = None
-        try:
-            if task.takes_context:
-                value = task.call(TaskContext(task_result=result), *args, **kwargs)
-            else:
-                value = task.call(*args, **kwargs)
-        except BaseException as exc:
-            if not self._is_last(exc, item):
-                raise  # retried: the task has not finished
-            _finish_failed(result, exc, sensitive=self.sensitive)
-            if not self.sensitive:
-                # Inside the except block, as Django's backends do: its log
-                # receiver prints the traceback.
-                _send(task_finished, sender, result)
-                raise
-            failure = exc
-        if failure is not None:
-            # Outside it for sensitive tasks, whose messages may quote their
-            # arguments: receivers see no exception to log.
-            _send(task_finished, sender, result)
-            raise failure
-        try:
-            normalized = _normalize(value)
-        except (TypeError, ValueError) as exc:
-            # Recorded as failed by the worker (a result it cannot store is
-            # not retried): say so to the receivers too.
-            _finish_failed(result, exc, sensitive=self.sensitive)
-            _send(task_finished, sender, result)
-            return value
-        object.__setattr__(result, "_return_value", normalized)
-        object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-        object.__setattr__(result, "finished_at", timezone.now())
-        _send(task_finished, sender, result)
-        return normalized
 
-    def _is_last(self, exc: BaseException, item: WorkItem) -> bool:
-        """Whether this failure ends the task (the worker will not retry it)."""
-        return not isinstance(exc, self.retry_on) or item.attempts >= item.max_attempts
+    def _task_of(self, item: WorkItem) -> Task:
+        """The task as this row was enqueued (its priority, queue, run_after).
+
+        The backend is the one the function was declared on: rows do not
+        say which backend enqueued them.
+        """
+        try:
+            return enqueued_task(
+                self.task,
+                backend=self.task.backend,
+                priority=item.priority,
+                queue=item.queue,
+                run_after=item.run_after,
+                created_at=item.__dict__.get("created_at"),
+            )
+        except InvalidTask:  # moved by an operator to a queue it may not use
+            return self.task
+
+    def handle_item(self, item: WorkItem) -> Any:
+        """Call the task function, with its context if it takes one; return its value.
+
+        The value goes through Django's ``normalize_json`` (tuples become
+        lists); a value it cannot normalize is returned as it is, and the
+        worker records the task failed without a retry (it cannot store it).
+        """
+        with self._lock:
+            result = self._running.get((item.pk, item.claim_token))
+        if result is None:
+            # Not started by the worker (a direct call), or its attempt was
+            # recorded already (it timed out while task_started was being
+            # sent): a result for the context only, kept nowhere.
+            result = self._running_result(item)
+        args, kwargs = arguments(item.payload)
+        task = self.task
+        if task.takes_context:
+            value = task.call(TaskContext(task_result=result), *args, **kwargs)
+        else:
+            value = task.call(*args, **kwargs)
+        try:
+            value = normalize_json(value)
+        except (TypeError, ValueError):
+            return value
+        object.__setattr__(result, "_return_value", value)
+        return value
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        """Send ``task_finished`` if the attempt ended the task (SUCCESSFUL or FAILED).
+
+        A retried attempt has not finished the task; a fenced one is not
+        this attempt's to report. Sent after the write committed, outside
+        the task's transaction, so a receiver that reads the result sees it.
+        """
+        with self._lock:
+            result = self._running.pop((item.pk, item.claim_token), None)
+        if status not in (Status.SUCCEEDED, Status.FAILED):
+            return
+        if result is None:
+            # No result of this attempt here: a row stale recovery failed (its
+            # worker died), or an attempt whose start failed. What the
+            # database now says is the answer.
+            row = WorkItem.objects.using(item._state.db).filter(pk=item.pk).first()
+            if row is None:
+                return
+            result = build(self._task_of(row), Row.from_item(row), backend=self.task.backend)
+        elif status == Status.SUCCEEDED:
+            object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+            object.__setattr__(result, "finished_at", timezone.now())
+        else:
+            if error is not None:
+                result.errors.append(
+                    TaskError(
+                        exception_class_path=transitions.exception_class_path(error),
+                        traceback=transitions.format_error(error, sensitive=self.sensitive),
+                    )
+                )
+            object.__setattr__(result, "status", TaskResultStatus.FAILED)
+            object.__setattr__(result, "_return_value", None)
+            object.__setattr__(result, "finished_at", timezone.now())
+        _send(task_finished, self._sender(), result)
+
+    def _sender(self) -> type:
+        """The backend class, the signals' sender (looked up once: per thread it is not cheap)."""
+        sender = self.__dict__.get("_sender_class")
+        if sender is None:
+            sender = self.__dict__["_sender_class"] = type(self.task.get_backend())
+        return sender
 
 
 def _running_row(item: WorkItem) -> Row:
-    """The claimed attempt as a result row; earlier attempts' history is read only if any."""
-    history: Any = None
-    if item.attempts > 1:
-        history = (
+    """The claimed attempt as a result row, with what the claim did not return.
+
+    One read per attempt: the row's history of failed attempts (after an
+    operator's Retry a first attempt may have one, and the context must
+    agree with get_result), its enqueue time and this claim's time. A read
+    that fails costs the task nothing: the result goes without them.
+    """
+    extra: tuple[Any, ...] | None = None
+    try:
+        extra = (
             WorkItem.objects.using(item._state.db)
             .filter(pk=item.pk)
-            .values_list("error_history", flat=True)
+            .values_list("error_history", "created_at", "claimed_at")
             .first()
         )
-    values = item.__dict__
+    except DatabaseError as exc:
+        logger.warning("Could not read the history of task row %s: %s", item.pk, exc)
+    history, created_at, claimed_at = extra or (None, None, None)
+    if created_at is not None:
+        item.__dict__.setdefault("created_at", created_at)
     return Row(
         id=item.pk,
-        status="claimed",
+        status=Status.CLAIMED,
         payload=item.payload,
         attempts=item.attempts,
-        created_at=values.get("created_at"),
-        claimed_at=values.get("claimed_at"),
+        created_at=created_at,
+        claimed_at=claimed_at,
         claimed_by=item.claimed_by,
         error_history=history,
     )
 
 
-def _normalize(value: Any) -> Any:
-    return normalize_json(value)
-
-
-def _finish_failed(result: TaskResult, exc: BaseException, *, sensitive: bool = False) -> None:
-    """Mark ``result`` failed by ``exc``, with the error as the history will keep it."""
-    result.errors.append(
-        TaskError(
-            exception_class_path=transitions.exception_class_path(exc),
-            traceback=transitions.format_error(exc, sensitive=sensitive),
-        )
-    )
-    object.__setattr__(result, "status", TaskResultStatus.FAILED)
-    object.__setattr__(result, "finished_at", timezone.now())
-
-
 def _send(signal: Any, sender: type, result: TaskResult) -> None:
+    """Send robustly: a receiver that raises is logged, never changes the outcome."""
     for receiver, response in signal.send_robust(sender=sender, task_result=result):
-        if isinstance(response, BaseException):
+        if isinstance(response, Exception):
             logger.error(
                 "A receiver of %s (%r) raised for task result %s: %s",
                 "task_started" if signal is task_started else "task_finished",

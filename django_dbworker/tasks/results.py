@@ -19,7 +19,7 @@ from typing import Any
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from django_dbworker.models import Status
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks.compat import Task, TaskError, TaskResult, TaskResultStatus
 
 #: The class path a cancelled row's last error names.
@@ -73,6 +73,11 @@ class Row:
     def from_values(cls, values: Mapping[str, Any]) -> Row:
         return cls(**{name: values[name] for name in cls.__dataclass_fields__})
 
+    @classmethod
+    def from_item(cls, item: WorkItem) -> Row:
+        """A row loaded in full (or just inserted by enqueue)."""
+        return cls(**{name: getattr(item, name) for name in cls.__dataclass_fields__})
+
 
 def arguments(payload: Any) -> tuple[list[Any], dict[str, Any]]:
     """The task's ``args`` and ``kwargs`` from a row's payload (``{"args", "kwargs"}``)."""
@@ -103,6 +108,33 @@ def entry_time(value: Any) -> datetime | None:
     if parsed is not None and timezone.is_naive(parsed):
         parsed = parsed.replace(tzinfo=UTC)
     return parsed
+
+
+def enqueued_task(
+    task: Task,
+    *,
+    backend: str,
+    priority: int,
+    queue: str,
+    run_after: datetime | None,
+    created_at: datetime | None,
+) -> Task:
+    """``task`` as a row holds it: on ``backend``, with the row's priority, queue and
+    ``run_after`` (if it was deferred), as Django's database backend answers.
+
+    ``InvalidTask`` if ``backend`` may not run it (another backend's
+    options, a queue it does not allow).
+    """
+    changes: dict[str, Any] = {}
+    if task.backend != backend:
+        changes["backend"] = backend
+    if task.priority != priority:
+        changes["priority"] = priority
+    if task.queue_name != queue:
+        changes["queue_name"] = queue
+    if run_after is not None and created_at is not None and run_after > created_at:
+        changes["run_after"] = run_after
+    return task.using(**changes) if changes else task
 
 
 def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResult:

@@ -31,7 +31,7 @@ from django_dbworker.conf import dbworker_settings
 from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
-from django_dbworker.models import WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
@@ -139,9 +139,44 @@ def execute(
         if outcome is None:
             ready()
             outcome = _record_failure(item, handler, exc, retriable=True, give_up=give_up)
+    if outcome in (Outcome.FENCED, Outcome.UNRECORDED):
+        notify_recorded(handler, item, None, None)
     if outcome.final:
         metrics.task_done(handler.name, outcome, time.perf_counter() - started)
     return outcome
+
+
+def listens(handler: WorkItemHandler) -> bool:
+    """Whether ``handler`` has an ``attempt_recorded`` hook (most handlers do not)."""
+    return type(handler).attempt_recorded is not WorkItemHandler.attempt_recorded
+
+
+_notified_lock = threading.Lock()
+
+
+def notify_recorded(
+    handler: WorkItemHandler, item: WorkItem, status: str | None, error: BaseException | None
+) -> None:
+    """``handler.attempt_recorded(...)``, once per attempt, never changing how it ended.
+
+    Once: a timed-out attempt is recorded by the thread that waited for it,
+    and its abandoned run may still end (fenced) later; the first word is
+    the attempt's. The mark sits on the attempt's ``WorkItem`` instance,
+    which both share. Nothing the hook raises (``BaseException`` included)
+    leaves it.
+    """
+    if not listens(handler):
+        return
+    with _notified_lock:
+        if item.__dict__.get("_dbworker_recorded"):
+            return
+        item.__dict__["_dbworker_recorded"] = True
+    try:
+        handler.attempt_recorded(item, status, error)
+    except BaseException:
+        logger.exception(
+            "%s.attempt_recorded raised for work item %s.", type(handler).__qualname__, item.pk
+        )
 
 
 def _execute(
@@ -228,8 +263,16 @@ def _run_and_record(
 
     if owned:
         refresh_if_idle(db, conn)
+    # Failures are recorded after the except blocks, not in them: the
+    # handler's exception is then no longer "being handled", so nothing that
+    # runs while recording (the attempt_recorded hook, signal receivers that
+    # log with sys.exc_info()) can print it; a sensitive handler's messages
+    # may quote its payload.
+    refused: _ResultRefused | None = None
+    failure: BaseException | None = None
     try:
         try:
+            handler.attempt_started(item)
             if handler.atomic:
                 with transaction.atomic(using=db):
                     result = handler.handle_item(item)
@@ -237,21 +280,30 @@ def _run_and_record(
                     ready()
                     if not _succeed_or_refuse(item, encoded):
                         raise _FencedOut
+                notify_recorded(handler, item, Status.SUCCEEDED, None)
                 return Outcome.SUCCEEDED
             encoded = _encode_result(handler.handle_item(item))
             ready()
         except _FencedOut:
             log_fenced(item, handler)
             return Outcome.FENCED
-        except _ResultRefused as refused:
+        except _ResultRefused as exc:
+            refused = exc
+        except BaseException as exc:
+            failure = exc
+        if refused is not None:
             ready()
             tidy_if_owned()
             return record_refused_result(item, handler, refused.cause, give_up=give_up)
-        except BaseException as exc:
+        if failure is not None:
             ready()
             tidy_if_owned()
             return _record_failure(
-                item, handler, exc, retriable=isinstance(exc, handler.retry_on), give_up=give_up
+                item,
+                handler,
+                failure,
+                retriable=isinstance(failure, handler.retry_on),
+                give_up=give_up,
             )
         tidy_if_owned()
         # The success writer owns the write (and its fallbacks) from here.
@@ -346,12 +398,21 @@ def _record_failure(
         return transitions.fail(item, error=error, error_class=error_class)
 
     try:
-        recorded = _write_outcome(item, handler, write, give_up=give_up, error_class=error_class)
+        status = _write_outcome(
+            item,
+            handler,
+            write,
+            give_up=give_up,
+            intended=Status.PENDING if retry else Status.FAILED,
+        )
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
-    if not recorded:
+    if status is None:
         log_fenced(item, handler)
         return Outcome.FENCED
+    notify_recorded(handler, item, status, exc)
+    if status == Status.FAILED and retry:
+        return label or Outcome.FAILED  # the retry was refused: a plain failure was written
     if retry:
         logger.warning(
             "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
@@ -391,18 +452,19 @@ def record_refused_result(
     error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
     error_class = transitions.exception_class_path(cause)
     try:
-        recorded = _write_outcome(
+        status = _write_outcome(
             item,
             handler,
             lambda: transitions.fail(item, error=error, error_class=error_class),
             give_up=give_up,
-            error_class=error_class,
+            intended=Status.FAILED,
         )
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
-    if not recorded:
+    if status is None:
         log_fenced(item, handler)
         return Outcome.FENCED
+    notify_recorded(handler, item, status, cause)
     logger.error(
         "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
         item.pk,
@@ -418,18 +480,21 @@ def _write_outcome(
     write: Callable[[], bool],
     *,
     give_up: threading.Event | None,
-    error_class: str,
-) -> bool:
+    intended: str,
+) -> str | None:
     """``write`` until it lands; if the database refuses it, a plain fenced failure.
 
+    Returns the row's status now (``intended``, or ``failed`` if the plain
+    failure was written instead), or None if the attempt was fenced out.
     Raises only when even the plain failure cannot be written (or the worker
     is stopping at once while the database is away).
     """
     db = item._state.db or "default"
     try:
-        return persist(
+        landed = persist(
             lambda: _guarded(item, write), what="recording an outcome", give_up=give_up, using=db
         )
+        return intended if landed else None
     except Exception as exc:
         if is_transient(exc):
             raise
@@ -442,17 +507,20 @@ def _write_outcome(
         refusal,
     )
     plain = f"The outcome could not be recorded: {refusal}"
-    return persist(
+    landed = persist(
         lambda: _guarded(
             item,
+            # Without the history: whatever the database refused, this
+            # write asks the least of it.
             lambda: transitions.fail(
-                item, error=transitions.clean_error_text(plain), error_class=error_class
+                item, error=transitions.clean_error_text(plain), history=False
             ),
         ),
         what="recording a plain failure",
         give_up=give_up,
         using=db,
     )
+    return Status.FAILED if landed else None
 
 
 def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> Outcome:

@@ -12,6 +12,7 @@ and never inside the claim transaction.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -28,9 +29,10 @@ from django_dbworker import transitions, validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.errors import is_transient
+from django_dbworker.errors import WorkerLost
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics, default_metrics
-from django_dbworker.models import WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import AttemptKey
@@ -44,6 +46,7 @@ from django_dbworker.worker.connections import (
 )
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.notifier import Notifier
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.pool import InlinePool, Pool
 from django_dbworker.worker.prefetch import Prefetch
@@ -64,6 +67,9 @@ SHED_AFTER_HORIZONS = 2.0
 #: Seconds past SHUTDOWN_TIMEOUT a stopping worker waits for the outcomes of
 #: finished handlers to be written (while the database is briefly away).
 RECORD_GRACE = 30.0
+#: How long a stopping worker waits for handlers' attempt_recorded hooks
+#: (task_finished receivers) still queued.
+NOTIFY_GRACE = 10.0
 
 
 @dataclass
@@ -193,6 +199,7 @@ class Worker:
         self._heartbeat: Heartbeat | None = None
         self._pool: Pool | None = None
         self._writer: SuccessWriter | None = None
+        self._notifier = Notifier(inline=self.config.inline)
         self._scheduler: Scheduler | None = None
         self._next_recovery = 0.0
         #: When one of this process's writes (claim, heartbeat) last waited
@@ -222,6 +229,19 @@ class Worker:
         self.wake.set()
 
     # -- the loop ---------------------------------------------------------------
+
+    def add_handlers(self, classes: Sequence[type[WorkItemHandler]]) -> None:
+        """Claim for these WorkItem handlers too, from the next claim on.
+
+        For ``@task`` functions found after start-up (run_workers'
+        ``watch_new_tasks``). The claim loop, heartbeat and recovery read
+        ``work_item_handlers`` from other threads: it is replaced, never
+        changed in place.
+        """
+        added = {cls.name: cls() for cls in classes if cls.name not in self.work_item_handlers}
+        if added:
+            self.work_item_handlers = {**self.work_item_handlers, **added}
+            self.wake.set()
 
     def run(self) -> None:
         """Run until ``stop()`` (or idle, in burst mode); release unfinished rows.
@@ -300,6 +320,7 @@ class Worker:
             if self._writer is not None and self._writer.is_alive():
                 self._writer.close()
                 self._writer.join(10)
+            self._notifier.close(NOTIFY_GRACE)  # after the writer: it hands hooks over
             if not cfg.inline:  # inline, the connection is the caller's
                 close_thread_connections()
 
@@ -553,6 +574,7 @@ class Worker:
                     )
                 elif isinstance(outcome, BaseException):
                     if self.aborting.is_set():
+                        self._notify(handler, item, None)
                         return  # still claimed: released at shutdown
                     # Not a stop: the writer met an error it could not handle.
                     # Retire the attempt; stale recovery returns the row.
@@ -568,6 +590,10 @@ class Worker:
                 else:
                     execution.log_fenced(item, handler)
                     label = Outcome.FENCED
+                if label == Outcome.SUCCEEDED:
+                    self._notify(handler, item, Status.SUCCEEDED)
+                elif label in (Outcome.FENCED, Outcome.UNRECORDED):
+                    self._notify(handler, item, None)
                 if label.final:
                     self.metrics.task_done(handler.name, label, took)
                     self._count(attempt, label)
@@ -753,6 +779,45 @@ class Worker:
         self.metrics.recover_took(WORK_ITEM_LOOP, time.perf_counter() - started)
         for name, count in recovered.by_handler.items():
             self.metrics.recovered(name, count)
+        self._tell_recovered_failures(recovered.failed_rows)
+
+    def _tell_recovered_failures(self, rows: list[tuple[int, str]]) -> None:
+        """``attempt_recorded`` for rows this pass failed, for the handlers that listen.
+
+        The attempt's own worker is gone; the recovering worker speaks for
+        it, once the failure committed, with the row as it is now.
+        """
+        listening = {
+            name for name, handler in self.work_item_handlers.items() if execution.listens(handler)
+        }
+        wanted = [pk for pk, name in rows if name in listening]
+        if not wanted:
+            return
+        try:
+            items = list(WorkItem.objects.using(self.config.using).filter(pk__in=wanted))
+        except Exception as exc:
+            logger.warning("Could not read the rows stale recovery failed: %s", exc)
+            return
+        for item in items:
+            self._notify(
+                self.work_item_handlers[item.handler],
+                item,
+                Status.FAILED,
+                WorkerLost(item.last_error),
+            )
+
+    def _notify(
+        self,
+        handler: WorkItemHandler,
+        item: WorkItem,
+        status: str | None,
+        error: BaseException | None = None,
+    ) -> None:
+        """``attempt_recorded`` off the success writer's and the claim loop's threads."""
+        if execution.listens(handler):
+            self._notifier.submit(
+                functools.partial(execution.notify_recorded, handler, item, status, error)
+            )
 
     def _defer_recovery(self, now: float, why: str) -> None:
         if self._recovery_deferred_since is None:

@@ -74,7 +74,7 @@ class _Pending:
             assert self.written is not None
             try:
                 self.callback(self.written)
-            except Exception:
+            except BaseException:  # the writer thread must outlive any callback
                 logger.exception("Error in a success callback.")
 
 

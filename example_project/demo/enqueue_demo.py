@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from django.db import transaction
 
+from example_project.demo.tasks import notify_followers
 from example_project.demo.workers import GenerateReport, ResizeImage, SendWelcomeEmail
 
 
@@ -25,4 +26,5 @@ def enqueue_demo_work() -> int:
             GenerateReport.enqueue({"report": "sales"}, priority=10),
             GenerateReport.enqueue({"report": "broken-export", "broken": True}),
         ]
-    return len(emails) + len(images) + len(later) + len(reports)
+        tasks = [notify_followers.enqueue(f"user{n}") for n in range(3)]  # Django's Tasks API
+    return len(emails) + len(images) + len(later) + len(reports) + len(tasks)

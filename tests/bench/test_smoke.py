@@ -29,6 +29,11 @@ SCRIPTS = [
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
     ("w5_memory.py", ["--items", "4000"], "w5_memory"),
     ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),
+    (
+        "tasks_compare.py",
+        ["--items", "200", "--latency-items", "5", "--rate", "50", "--skip-peer", "--save", ""],
+        "tasks_compare",
+    ),
 ]
 
 

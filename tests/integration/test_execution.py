@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import assert_enqueued, enqueued, run_until_empty
 from django_dbworker.worker.runtime import Worker, WorkerConfig
-from tests.factories import claim
+from tests.factories import claim, make_due
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
     AlwaysFail,
@@ -28,11 +28,6 @@ from tests.testapp.workers import (
 )
 
 pytestmark = pytest.mark.django_db
-
-
-def make_due() -> None:
-    """Skip the backoff wait: retries become due now (DB clock)."""
-    WorkItem.objects.filter(status=Status.PENDING).update(run_after=Now())
 
 
 def test_success_records_the_return_value() -> None:

@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import transaction
-from django.db.models.functions import Now
 from django.utils import timezone
 
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.models import WorkItem
 from django_dbworker.tasks import DBWorkerBackend
 from django_dbworker.tasks.compat import (
     InvalidTask,
@@ -28,6 +27,7 @@ from django_dbworker.tasks.compat import (
     task_started,
 )
 from django_dbworker.testing import run_until_empty
+from tests.factories import run_retries
 from tests.testapp import tasks
 from tests.testapp.models import Effect, Execution
 from tests.testapp.workers import Echo
@@ -38,19 +38,6 @@ try:
     from django.tasks.exceptions import TaskResultMismatch
 except ImportError:  # Django 5.2
     from django_tasks.exceptions import TaskResultMismatch  # type: ignore[no-redef]
-
-
-def make_due() -> None:
-    """Skip the backoff wait: retries become due now (DB clock)."""
-    WorkItem.objects.filter(status=Status.PENDING).update(run_after=Now())
-
-
-def run_retries(rounds: int = 10) -> None:
-    for _ in range(rounds):
-        run_until_empty()
-        if not WorkItem.objects.filter(status=Status.PENDING).exists():
-            return
-        make_due()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
@@ -31,7 +30,7 @@ from django_dbworker.tasks.compat import (
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from tests.conftest import wait_until
-from tests.factories import age_heartbeat, claim
+from tests.factories import age_heartbeat, claim, run_retries
 from tests.testapp import tasks
 from tests.testapp.models import Effect, Execution
 
@@ -66,18 +65,6 @@ def finished() -> Iterator[list[tuple[str, str]]]:
     task_finished.connect(receiver)
     yield sent
     task_finished.disconnect(receiver)
-
-
-def make_due() -> None:
-    WorkItem.objects.filter(status=Status.PENDING).update(run_after=Now())
-
-
-def run_retries(rounds: int = 10) -> None:
-    for _ in range(rounds):
-        run_until_empty()
-        if not WorkItem.objects.filter(status=Status.PENDING).exists():
-            return
-        make_due()
 
 
 # -- get_result of ids it never issued ---------------------------------------------
@@ -144,7 +131,7 @@ def test_task_finished_never_says_successful_for_a_task_recorded_failed(
     the receivers ("So errors setting it (eg JSON encode) can still be
     recorded").
     """
-    result = tasks.add.enqueue(1e308, 1e308)  # returns inf
+    result = tasks.infinite.enqueue()
     run_until_empty()
     result.refresh()
     assert result.status == TaskResultStatus.FAILED  # what the row says
@@ -228,19 +215,22 @@ def test_a_deduplicated_enqueue_sends_no_second_task_enqueued() -> None:
 
 
 def test_a_task_enqueued_on_another_backend_gets_that_backends_options() -> None:
-    """``task.using(backend="patient")`` runs with the default backend's options.
+    """``task.using(backend=...)`` takes that backend's OPTIONS, or is refused.
 
-    The handler (and so ``max_attempts``, ``timeout``, ``atomic``,
-    ``sensitive``) is made once per function, from the backend of the first
-    Task object seen; the "patient" backend's OPTIONS (MAX_ATTEMPTS 4,
-    TIMEOUT 30) are ignored for tasks declared on "default", and applied to
-    "patient" tasks moved to "default". Issue 12: per-task options come "via
-    the backend's OPTIONS as defaults".
+    ``max_attempts`` is per row: the target backend's default applies. The
+    options that say how a function runs (timeout, atomic, sensitive) belong
+    to its one handler: a backend whose defaults differ refuses the task
+    (InvalidTask) rather than run it with the other backend's.
     """
-    on_patient = tasks.add.using(backend="patient").enqueue(1, 2)
-    on_default = tasks.patient.using(backend="default").enqueue("d")
-    assert WorkItem.objects.get(pk=int(on_patient.id)).max_attempts == 4  # patient's OPTIONS
-    assert WorkItem.objects.get(pk=int(on_default.id)).max_attempts == 3  # DBWORKER's default
+    on_retrying = tasks.add.using(backend="retrying").enqueue(1, 2)
+    assert WorkItem.objects.get(pk=int(on_retrying.id)).max_attempts == 6
+    on_default = tasks.add.enqueue(1, 2)
+    assert WorkItem.objects.get(pk=int(on_default.id)).max_attempts == 3  # DBWORKER's
+    with pytest.raises(InvalidTask, match="timeout"):
+        tasks.add.using(backend="patient")  # TIMEOUT 30 there, none where add was declared
+    with pytest.raises(InvalidTask, match="timeout"):
+        tasks.patient.using(backend="default")
+    assert WorkItem.objects.count() == 2
 
 
 def test_get_result_on_a_backend_returns_a_task_of_that_backend() -> None:
@@ -252,10 +242,10 @@ def test_get_result_on_a_backend_returns_a_task_of_that_backend() -> None:
     backend than ``result.backend``. django-tasks-db returns
     ``task.using(backend=self.backend_name)``.
     """
-    enqueued = tasks.add.using(backend="patient").enqueue(1, 2)
-    assert enqueued.task.backend == "patient"
-    fetched = task_backends["patient"].get_result(enqueued.id)
-    assert fetched.backend == "patient"
+    enqueued = tasks.add.using(backend="retrying").enqueue(1, 2)
+    assert enqueued.task.backend == "retrying"
+    fetched = task_backends["retrying"].get_result(enqueued.id)
+    assert fetched.backend == "retrying"
     assert fetched.task.backend == fetched.backend
 
 

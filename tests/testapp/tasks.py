@@ -91,6 +91,12 @@ def not_json() -> Any:
     return object()
 
 
+@task
+def infinite() -> float:
+    """Django's normalize_json keeps inf; JSON (and so the result column) cannot hold it."""
+    return float("inf")
+
+
 @dbtask(timeout=0.3, max_attempts=1)
 def overrun(seconds: float) -> None:
     time.sleep(seconds)

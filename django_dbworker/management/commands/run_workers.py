@@ -18,12 +18,12 @@ from django.utils import timezone
 
 from django_dbworker import metrics, validation
 from django_dbworker.db import UnsupportedDatabase, operations
-from django_dbworker.handlers import unimplemented
+from django_dbworker.handlers import WorkItemHandler, unimplemented
 from django_dbworker.outcomes import Outcome
 from django_dbworker.periodic import periodic_handlers
-from django_dbworker.registry import autodiscover, registry
+from django_dbworker.registry import autodiscover, import_by_path, registry, uses_task_backend
 from django_dbworker.routing import work_db_for_write
-from django_dbworker.stats import orphaned_handlers
+from django_dbworker.stats import new_pending_handlers, orphaned_handlers
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.runtime import Worker, WorkerConfig
 
@@ -122,6 +122,12 @@ class Command(BaseCommand):
         _ensure_log_output(options["verbosity"])
         self.check(display_num_errors=False)
         autodiscover()
+        using = work_db_for_write(options["database"])
+        # Django tasks may live in any module: import those that named
+        # handlers (on the command line, or of pending rows) point to.
+        import_by_path(options["names"] or [])
+        if not options["names"]:
+            self._import_pending_tasks(using)
         names: list[str] = options["names"] or sorted(registry)
         unknown = [n for n in names if n not in registry]
         if unknown:
@@ -146,7 +152,6 @@ class Command(BaseCommand):
                     "its items itself (raising NoTask when there are none) and processes them.",
                     returncode=2,
                 )
-        using = work_db_for_write(options["database"])
         self._check_database(using)
 
         flags = {
@@ -173,6 +178,8 @@ class Command(BaseCommand):
         _log_schedules([registry[n] for n in names], config.queues)
         _warn_about_orphans(using)
         watch_orphans(using, stopping=worker.stopping)
+        if not options["names"] and uses_task_backend():
+            watch_new_tasks(worker, using)
         self._start_metrics_server(options)
         self._install_signal_handlers(worker)
         try:
@@ -229,6 +236,20 @@ class Command(BaseCommand):
         except OSError as exc:
             raise CommandError(f"Cannot serve metrics on {addr}:{port}: {exc}") from None
         logger.info("Serving Prometheus metrics on http://%s:%s/metrics", addr, port)
+
+    def _import_pending_tasks(self, using: str) -> None:
+        """Import the handlers of pending rows that are import paths (``@task`` functions).
+
+        Best effort before the database check: if the work table cannot be
+        read yet, ``_check_database`` says why, clearly.
+        """
+        try:
+            pending = [row["handler"] for row in orphaned_handlers(using)]
+        except DatabaseError:
+            return
+        found = import_by_path(pending)
+        if found:
+            logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
     def _install_signal_handlers(self, worker: Worker) -> None:
         received = {"count": 0}
@@ -346,6 +367,46 @@ def watch_orphans(
             close_thread_connections()
 
     thread = threading.Thread(target=watch, name="dbworker-orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+#: Seconds between looks for pending rows of tasks this worker has not imported.
+TASK_DISCOVERY_INTERVAL = 5.0
+
+
+def watch_new_tasks(
+    worker: Worker, using: str, *, interval: float = TASK_DISCOVERY_INTERVAL
+) -> threading.Thread:
+    """Run ``@task`` functions enqueued after start-up from modules not imported yet.
+
+    Django lets a task live in any module (``myapp/emails.py``); a worker
+    imports the ``tasks`` modules at start, and the modules of the rows
+    pending then, but a task first enqueued later would wait for the next
+    restart. Every ``interval`` seconds this looks at the rows added since
+    the last look (a primary-key range, however large the table), imports
+    the project's modules their handler names point to, and adds the tasks
+    found to the running worker.
+    """
+
+    def watch() -> None:
+        seen = None
+        try:
+            while not worker.stopping.wait(interval):
+                try:
+                    names, seen = new_pending_handlers(seen, using)
+                except DatabaseError as exc:
+                    logger.debug("Looking for new task names failed: %s", exc)
+                    continue
+                found = import_by_path(names)
+                classes = [c for n in found if issubclass(c := registry[n], WorkItemHandler)]
+                if classes:
+                    worker.add_handlers(classes)
+                    logger.info("Now running task(s) enqueued since start: %s", ", ".join(found))
+        finally:
+            close_thread_connections()
+
+    thread = threading.Thread(target=watch, name="dbworker-task-discovery", daemon=True)
     thread.start()
     return thread
 

@@ -617,6 +617,8 @@ def test_change_page_lists_each_failed_attempt_newest_first(superuser_client: Cl
     assert html.index("x.Second") < html.index("x.First")  # newest first
     assert "first &lt;b&gt;boom&lt;/b&gt;" in html and "<b>boom" not in html  # escaped
     assert "2026-11-30 10:00:00" in html
+    # The row's own times are to the second too, not Django's "10 p.m.".
+    assert re.search(r">\d{4}-\d\d-\d\d \d\d:\d\d:\d\d</span>", html.split("failed attempts")[0])
     garbage = make_item(status=Status.FAILED, error_history={"not": "a list"})
     url = reverse("admin:django_dbworker_workitem_change", args=[garbage.pk])
     assert superuser_client.get(url).status_code == 200

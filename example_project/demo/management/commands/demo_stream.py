@@ -11,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
+from example_project.demo.tasks import notify_followers
 from example_project.demo.workers import GenerateReport, ResizeImage, SendWelcomeEmail
 
 
@@ -49,6 +50,9 @@ def enqueue_a_few(sequence: int) -> int:
             n += 1
         if random.random() < 0.6:
             ResizeImage.enqueue({"image": f"upload-{sequence + n}.jpg"})
+            n += 1
+        if random.random() < 0.3:
+            notify_followers.enqueue(f"stream{sequence + n}")
             n += 1
         roll = random.random()
         if roll < 0.05:
