@@ -157,7 +157,10 @@ def _project_roots() -> set[str]:
     from django.conf import settings
 
     roots = {config.name.split(".", 1)[0] for config in apps.get_app_configs()}
-    for module in (getattr(settings, "SETTINGS_MODULE", None), settings.ROOT_URLCONF):
+    for module in (
+        getattr(settings, "SETTINGS_MODULE", None),
+        getattr(settings, "ROOT_URLCONF", None),
+    ):
         if isinstance(module, str) and module:
             roots.add(module.split(".", 1)[0])
     # Not Django's own, nor this package's: nothing of theirs is a task.
