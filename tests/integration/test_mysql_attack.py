@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import threading
+from typing import Any
 
+import pytest
+from django.db import connection, connections, transaction
+
+from django_dbworker import transitions
 from django_dbworker.enqueuing import insert as enqueue_or_get
 from django_dbworker.models import Status, WorkItem
-from tests.factories import make_item
+from tests.conftest import wait_until
+from tests.factories import age_heartbeat, claim, make_item
 
 pytestmark = [pytest.mark.mysql_only, pytest.mark.django_db(transaction=True)]
+
+TABLE = "django_dbworker_workitem"
 
 
 # -- unique_key and PAD SPACE ----------------------------------------------------------
@@ -39,4 +47,81 @@ def test_retry_is_not_blocked_by_a_live_row_whose_key_only_differs_by_trailing_s
     make_item(unique_key="k  ")  # pending, a different key
     assert WorkItem.objects.filter(pk=failed.pk).retry() == 1, (
         "retry() skipped a failed row: it took 'k  ' for a live twin of 'k'"
+    )
+
+
+# -- lock order inside the worker's recovery transaction --------------------------------
+
+
+def _second_connection() -> Any:
+    conn = connection.get_new_connection(connection.get_connection_params())
+    conn.autocommit(False)
+    conn.cursor().execute("SET SESSION innodb_lock_wait_timeout = 5")
+    return conn
+
+
+def _lock_waits() -> int:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_stale_recovery_and_a_success_write_of_the_same_rows_cannot_deadlock() -> None:
+    # The worker runs recover_stale in ONE transaction (Worker._maybe_recover:
+    # transaction.atomic around it). Inside it, each UPDATE's rows are locked
+    # in id order (locked_in_id_order), but one after the other: first the
+    # rows whose attempts are used up, then each handler's requeued rows, then
+    # the next batch. Over the whole transaction the rows are NOT taken in
+    # ascending id order, so a success writer (a late finisher's batch, which
+    # locks a, b ascending) deadlocks with it. Here: a (attempts left) < b
+    # (attempts used up), both stale. The success writer has locked a and is
+    # about to lock b (its SELECT ... ORDER BY id FOR UPDATE takes a, then b).
+    # Recovery fails b first (locks b), then requeues a (waits for a).
+    # Taken in ascending order, recovery would wait for a before touching b.
+    for _ in range(3):
+        make_item()
+    a, b = sorted(claim(limit=2), key=lambda i: i.pk)
+    WorkItem.objects.filter(pk=b.pk).update(max_attempts=1)
+    WorkItem.objects.filter(pk=a.pk).update(max_attempts=5)
+    age_heartbeat(a, 3600)
+    age_heartbeat(b, 3600)
+
+    errors: list[BaseException] = []
+    recovered: list[Any] = []
+
+    def recover() -> None:
+        try:
+            with transaction.atomic():  # as Worker._maybe_recover runs it
+                recovered.append(transitions.recover_stale(stale_after=60, log=False))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    writer = _second_connection()
+    try:
+        cursor = writer.cursor()
+        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (a.pk,))
+        thread = threading.Thread(target=recover)
+        thread.start()
+        wait_until(
+            lambda: _lock_waits() == 1 or errors or recovered,
+            interval=0.2,
+            what="the recovery to wait for row a",
+        )
+        deadlock: BaseException | None = None
+        try:
+            # The success writer's next row.
+            cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", (b.pk,))
+        except Exception as exc:
+            deadlock = exc
+        writer.rollback()
+        thread.join(30)
+    finally:
+        writer.close()
+    assert deadlock is None and not errors, (
+        "recovery took row b before row a in its transaction and deadlocked with a "
+        f"success writer taking a, b in id order: writer={deadlock!r}, recovery={errors!r}"
     )
