@@ -125,3 +125,72 @@ def test_stale_recovery_and_a_success_write_of_the_same_rows_cannot_deadlock() -
         "recovery took row b before row a in its transaction and deadlocked with a "
         f"success writer taking a, b in id order: writer={deadlock!r}, recovery={errors!r}"
     )
+
+
+# -- concurrent enqueues of one unique_key ----------------------------------------------
+
+
+def test_concurrent_enqueues_of_one_unique_key_all_return_the_same_row() -> None:
+    results: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def enqueuer() -> None:
+        try:
+            connection.ensure_connection()
+            barrier.wait()
+            for _ in range(20):
+                item, _ = enqueue_or_get("noop", {}, unique_key="same")
+                results.append(item.pk)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=enqueuer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(set(results)) == 1
+    assert WorkItem.objects.filter(unique_key="same").count() == 1
+
+
+# -- retry() on MySQL 8: error 1093 ----------------------------------------------------
+
+
+def test_retry_update_does_not_select_from_its_own_target_table() -> None:
+    # MySQL 8 refuses "UPDATE t ... WHERE ... EXISTS (SELECT ... FROM t ...)"
+    # with error 1093 (ER_UPDATE_TABLE_USED: You can't specify target table
+    # 't' for update in FROM clause); MariaDB 10.3+ accepts it, so this
+    # server cannot show the error: the SQL does. retry() (the admin's Retry
+    # action, WorkItem.retry()) excludes rows with a live twin by a
+    # correlated EXISTS on the same table, in the UPDATE itself.
+    from django.test.utils import CaptureQueriesContext
+
+    failed = make_item(unique_key="k", status=Status.FAILED)
+    with CaptureQueriesContext(connection) as ctx:
+        assert WorkItem.objects.filter(pk=failed.pk).retry() == 1
+    updates = [
+        q["sql"] for q in ctx.captured_queries if q["sql"].lstrip().upper().startswith("UPDATE")
+    ]
+    assert updates, ctx.captured_queries
+    for sql in updates:
+        assert f"FROM `{TABLE}` U0" not in sql, (
+            f"MySQL 8 refuses this UPDATE with error 1093 (subquery on the target table): {sql}"
+        )
+
+
+def test_retry_of_two_dead_rows_with_one_key_revives_one_and_does_not_raise() -> None:
+    # Two failed attempts at the same unique work (a key enqueued again after
+    # the first failed, failed again). The admin selects both and clicks
+    # Retry: NOT EXISTS is evaluated before either row is updated, both
+    # qualify, and the second UPDATEd row collides with the first in
+    # dbworker_my_active_key_uniq: the action raises IntegrityError (a 500
+    # in the admin) instead of retrying one and skipping the other.
+    first = make_item(unique_key="k", status=Status.FAILED)
+    second = make_item(unique_key="k", status=Status.FAILED)
+    revived = WorkItem.objects.filter(pk__in=[first.pk, second.pk]).retry()
+    assert revived == 1
+    assert WorkItem.objects.filter(unique_key="k", status=Status.PENDING).count() == 1
