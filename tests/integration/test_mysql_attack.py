@@ -9,6 +9,7 @@ import pytest
 from django.db import connection, connections, transaction
 
 from django_dbworker import transitions
+from django_dbworker.db import mysql
 from django_dbworker.enqueuing import insert as enqueue_or_get
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
@@ -194,3 +195,64 @@ def test_retry_of_two_dead_rows_with_one_key_revives_one_and_does_not_raise() ->
     revived = WorkItem.objects.filter(pk__in=[first.pk, second.pk]).retry()
     assert revived == 1
     assert WorkItem.objects.filter(unique_key="k", status=Status.PENDING).count() == 1
+
+
+# -- admin actions against a claim in progress ------------------------------------------
+
+
+def test_cancel_of_pending_rows_does_not_deadlock_with_a_claim_in_progress() -> None:
+    # A claim has locked its rows (SELECT ... FOR UPDATE SKIP LOCKED) and is
+    # about to mark them claimed; the admin's Cancel (WorkItem.objects
+    # .cancel(): an ORM UPDATE ... WHERE status = 'pending', not locked in id
+    # order by primary key first) arrives meanwhile. The cancel takes a
+    # secondary-index entry of status and waits for the claim's row; the
+    # claim's UPDATE changes status, must change that entry, and waits for
+    # the cancel: a deadlock. InnoDB rolls back the lighter transaction,
+    # the cancel, whose 1213 reaches the admin (nothing retries it).
+    # A queue table as it usually is: mostly finished rows, a small backlog.
+    WorkItem.objects.bulk_create(
+        WorkItem(handler="noop", payload={}, max_attempts=3, status=Status.SUCCEEDED)
+        for _ in range(300)
+    )
+    pending = [make_item() for _ in range(10)]
+    claimer = _second_connection()
+    errors: list[BaseException] = []
+    cancelled: list[int] = []
+
+    def cancel() -> None:
+        try:
+            cancelled.append(WorkItem.objects.all().cancel())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    deadlock: BaseException | None = None
+    try:
+        cursor = claimer.cursor()
+        # The claim's own statements: the next 2 of 10 ready rows.
+        select = mysql.claim_select_sql(1, 0)
+        cursor.execute(select, {"limit": 2, "handler_0": "noop"})
+        ids = sorted(pk for (pk,) in cursor.fetchall())
+        assert ids == [i.pk for i in pending[:2]]
+        thread = threading.Thread(target=cancel)
+        thread.start()
+        wait_until(
+            lambda: _lock_waits() == 1 or errors or cancelled,
+            interval=0.2,
+            what="the cancel to wait for a claimed row",
+        )
+        try:
+            cursor.execute(
+                mysql.claim_update_sql(len(ids)),
+                {"worker": "w", **mysql.numbered_params("id", ids)},
+            )
+        except Exception as exc:
+            deadlock = exc
+        claimer.commit()
+        thread.join(30)
+    finally:
+        claimer.close()
+    assert deadlock is None and not errors, (
+        f"the claim and the admin's cancel deadlocked: claim={deadlock!r}, cancel={errors!r}"
+    )
