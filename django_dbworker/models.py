@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django.db import models, router
+from django.db import IntegrityError, models, router, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
@@ -79,25 +79,57 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
 
         A row whose ``unique_key`` is live again (another row of its handler
         with that key is pending or claimed) is skipped: retrying it would
-        break the unique-work guarantee (and the partial unique index would
-        refuse it).
+        break the unique-work guarantee (and the unique index would refuse
+        it). Of several dead rows with one key, only the newest is retried,
+        for the same reason. The eligible ids are read first, then updated
+        by primary key: MySQL refuses an UPDATE whose subquery reads the
+        table it updates (error 1093). A key that came alive between the two
+        (a racing enqueue) skips its row instead of failing the others.
         """
         live_twin = WorkItem.objects.filter(
             handler=OuterRef("handler"),
             unique_key=OuterRef("unique_key"),
             status__in=ACTIVE_STATUSES,
         )
-        eligible = self.filter(status__in=(Status.FAILED, Status.CANCELLED)).exclude(
-            Q(unique_key__isnull=False) & Exists(live_twin)
+        # The write alias for the read as for the update (read-your-writes).
+        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        dead = (Status.FAILED, Status.CANCELLED)
+        eligible = (
+            self.using(db)
+            .filter(status__in=dead)
+            .exclude(Q(unique_key__isnull=False) & Exists(live_twin))
         )
-        return eligible.update(
-            status=Status.PENDING,
-            attempts=0,
-            run_after=Now(),
-            finished_at=None,
-            claim_token=None,
-            updated_at=Now(),
-        )
+        ids: set[int] = set()
+        newest: dict[tuple[str, str], int] = {}
+        for pk, handler, key in eligible.values_list("pk", "handler", "unique_key"):
+            if key is None:
+                ids.add(pk)
+            else:
+                newest[(handler, key)] = max(pk, newest.get((handler, key), pk))
+        ids.update(newest.values())
+        if not ids:
+            return 0
+        rows = WorkItem.objects.using(db).filter(status__in=dead)
+        changes = {
+            "status": Status.PENDING,
+            "attempts": 0,
+            "run_after": Now(),
+            "finished_at": None,
+            "claim_token": None,
+            "updated_at": Now(),
+        }
+        try:
+            with transaction.atomic(using=db):
+                return rows.filter(pk__in=sorted(ids)).update(**changes)
+        except IntegrityError:
+            changed = 0
+            for pk in sorted(ids):
+                try:
+                    with transaction.atomic(using=db):
+                        changed += rows.filter(pk=pk).update(**changes)
+                except IntegrityError:
+                    continue  # its key is live again: skipped
+            return changed
 
     def run_now(self) -> int:
         """pending: make due now (DB clock)."""

@@ -359,78 +359,95 @@ def recover_stale(
         base = base.filter(handler__in=list(handlers))
     message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
     result = Recovered()
+    ops = operations(using)
+    after = 0
+    # Batches in ascending id order, each locked as a whole before it is
+    # written (VendorOperations.locked_in_id_order: MySQL takes the locks
+    # first, where its plans would not): all the locks of a pass, which the
+    # worker runs in one transaction, are taken in one ascending order, as
+    # every other bulk writer takes them, so recovery cannot deadlock with
+    # them.
     while True:
         batch = list(
-            base.order_by("heartbeat_at").values_list("pk", "handler", "attempts", "max_attempts")[
-                :batch_size
-            ]
+            base.filter(pk__gt=after)
+            .order_by("pk")
+            .values_list("pk", "handler", "attempts", "max_attempts")[:batch_size]
         )
         if not batch:
             break
+        after = batch[-1][0]
         by_handler: dict[str, list[int]] = {}
         last: list[tuple[int, str]] = []
         for pk, handler, attempts, max_attempts in batch:
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
-        # Rows whose attempts are used up end failed, in one UPDATE that
-        # marks them with a token of this pass (claim tokens are unique), so
-        # that exactly the rows this pass failed, and no other recoverer's,
-        # are read back for the handlers' attempt_recorded; then the mark
-        # goes. Two more statements, only when such rows exist.
-        if last:
-            lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
-            marker = uuid.uuid4()
-            candidates = [pk for pk, _ in last]
-            # Locked first in id order where the database's plan would not
-            # (MySQL: VendorOperations.locked_in_id_order).
-            with operations(using).locked_in_id_order(candidates):
-                failed = (
-                    base.filter(pk__in=candidates)
-                    .filter(attempts__gte=F("max_attempts"))
-                    .update(
-                        status=Status.FAILED,
-                        finished_at=Now(),
-                        claim_token=marker,
-                        updated_at=Now(),
-                        last_error=lost_failed,
-                        error_history=_with_history(lost_failed, Value(WORKER_LOST)),
-                    )
-                )
-            if failed:
-                marked = WorkItem.objects.using(using).filter(pk__in=candidates, claim_token=marker)
-                rows = list(marked.values_list("pk", "handler"))
-                with operations(using).locked_in_id_order([pk for pk, _ in rows]):
-                    marked.update(claim_token=None)
-                result.failed += len(rows)
-                result.failed_rows.extend(rows)
-                for _, handler in rows:
-                    result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
-        # The rest go back to pending: one UPDATE per handler (usually one or
-        # two), exact counts per handler for the metrics, bounded by the batch.
-        lost = Concat(Value(message), F("claimed_by"), Value("."))
-        for handler, ids in by_handler.items():
-            with operations(using).locked_in_id_order(ids):
-                requeued = (
-                    base.filter(pk__in=ids)
-                    .exclude(attempts__gte=F("max_attempts"))
-                    .update(
-                        status=Status.PENDING,
-                        run_after=Now(),
-                        claim_token=None,
-                        updated_at=Now(),
-                        last_error=lost,
-                        error_history=_with_history(lost, Value(WORKER_LOST)),
-                    )
-                )
-            result.requeued += requeued
-            if requeued:
-                result.by_handler[handler] = result.by_handler.get(handler, 0) + requeued
+        with ops.locked_in_id_order([pk for pk, *_ in batch]):
+            _recover_batch(base, last, by_handler, message, using, result)
         if len(batch) < batch_size:
             break
     if log:
         result.log()
     return result
+
+
+def _recover_batch(
+    base: WorkItemQuerySet,
+    last: list[tuple[int, str]],
+    by_handler: dict[str, list[int]],
+    message: str,
+    using: str | None,
+    result: Recovered,
+) -> None:
+    """One batch of stale rows: those out of attempts failed, the others back to pending."""
+    # Rows whose attempts are used up end failed, in one UPDATE that marks
+    # them with a token of this pass (claim tokens are unique), so that
+    # exactly the rows this pass failed, and no other recoverer's, are read
+    # back for the handlers' attempt_recorded; then the mark goes. Two more
+    # statements, only when such rows exist.
+    if last:
+        lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
+        marker = uuid.uuid4()
+        candidates = [pk for pk, _ in last]
+        failed = (
+            base.filter(pk__in=candidates)
+            .filter(attempts__gte=F("max_attempts"))
+            .update(
+                status=Status.FAILED,
+                finished_at=Now(),
+                claim_token=marker,
+                updated_at=Now(),
+                last_error=lost_failed,
+                error_history=_with_history(lost_failed, Value(WORKER_LOST)),
+            )
+        )
+        if failed:
+            marked = WorkItem.objects.using(using).filter(pk__in=candidates, claim_token=marker)
+            rows = list(marked.values_list("pk", "handler"))
+            marked.update(claim_token=None)
+            result.failed += len(rows)
+            result.failed_rows.extend(rows)
+            for _, handler in rows:
+                result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
+    # The rest go back to pending: one UPDATE per handler (usually one or
+    # two), exact counts per handler for the metrics, bounded by the batch.
+    lost = Concat(Value(message), F("claimed_by"), Value("."))
+    for handler, ids in by_handler.items():
+        requeued = (
+            base.filter(pk__in=ids)
+            .exclude(attempts__gte=F("max_attempts"))
+            .update(
+                status=Status.PENDING,
+                run_after=Now(),
+                claim_token=None,
+                updated_at=Now(),
+                last_error=lost,
+                error_history=_with_history(lost, Value(WORKER_LOST)),
+            )
+        )
+        result.requeued += requeued
+        if requeued:
+            result.by_handler[handler] = result.by_handler.get(handler, 0) + requeued
 
 
 def prune(

@@ -1,6 +1,6 @@
-"""Admin actions: each one filtered UPDATE, the queryset verbs of ``models``.
+"""Admin actions: the queryset verbs of ``models``, each a filtered UPDATE.
 
-The selected rows are narrowed to eligible states inside the same UPDATE
+The selected rows are narrowed to eligible states inside the UPDATE
 that changes them, so an action cannot race a worker claiming the row at
 that moment, and rows in other states are reported as skipped. The UPDATE
 goes to the routers' write alias (``routing.py``), whichever alias the
@@ -17,6 +17,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from django_dbworker.db import operations
 from django_dbworker.models import WorkItem, WorkItemQuerySet
 from django_dbworker.routing import work_db_for_write
 
@@ -28,13 +29,21 @@ def _make(
 ) -> Action:
     @admin.action(description=label, permissions=["change"])
     def action(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        selected = queryset.count()
         db = work_db_for_write()
-        # The selection re-read on the write alias: one UPDATE ... WHERE id IN (SELECT ...).
-        rows = WorkItem.objects.using(db).filter(pk__in=queryset.using(db).values("pk"))
+        # The selection re-read on the write alias, its rows locked in
+        # ascending id order first where the database's plan would not (MySQL:
+        # then a claim or a batch of successes cannot deadlock with the
+        # action), and the whole tried again if a lock conflict ended it.
+        ids = sorted(queryset.using(db).values_list("pk", flat=True))
+        selected = len(ids)
+        ops = operations(db)
+
+        def apply() -> int:
+            with transaction.atomic(using=db), ops.locked_in_id_order(ids):
+                return transition(WorkItem.objects.using(db).filter(pk__in=ids))
+
         try:
-            with transaction.atomic(using=db):
-                changed = transition(rows)
+            changed = ops.retrying(apply, f"the admin action {name!r}")
         except IntegrityError:
             modeladmin.message_user(
                 request,

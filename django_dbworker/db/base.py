@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from uuid import UUID
 
 from django.db import connections, transaction
@@ -28,6 +28,8 @@ from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
+
+T = TypeVar("T")
 
 #: Columns a claim returns, in this order: everything the executor needs
 #: (and ``run_after``, for the claim order), nothing bulky it doesn't. Every
@@ -245,6 +247,15 @@ class VendorOperations:
         superseded one and the current one) are told apart by their tokens.
         """
         raise NotImplementedError
+
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
+        """Run the transaction ``fn``, again if a lock conflict ended it.
+
+        Only MySQL's deadlocks (1213) and lock wait timeouts (1205) end a
+        transaction that simply running it again fixes; elsewhere ``fn``
+        runs once.
+        """
+        return fn()
 
     def locked_in_id_order(self, ids: Collection[int]) -> AbstractContextManager[None]:
         """A transaction holding the row locks of ``ids``, taken in ascending id order.

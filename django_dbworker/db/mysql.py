@@ -467,6 +467,9 @@ class MySQLOperations(VendorOperations):
                 cursor.execute(SET_READ_COMMITTED.sql)
         return transaction.atomic(using=self.using)
 
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
+        return self._retrying(fn, what)
+
     def _retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run the transaction ``fn`` again when a deadlock or lock wait timeout ended it.
 

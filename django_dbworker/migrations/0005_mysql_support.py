@@ -30,11 +30,13 @@ other database:
   PostgreSQL. VARBINARY, so keys compare byte for byte (case and accents
   matter, as on PostgreSQL), whatever the table's collation. Django's
   model does not know the column and never reads or writes it.
-- ``handler``, ``queue`` and ``unique_key`` in the binary collation
-  ``utf8mb4_bin``: with MySQL's default, case-insensitive collations a
-  claim for handler ``echo`` would take rows of ``Echo``, and the lookup of
-  the live row holding a unique_key could find another key's. A later
-  ``AlterField`` of these fields on MySQL must keep the collation.
+- ``handler``, ``queue`` and ``unique_key`` in a binary NO PAD collation
+  (``utf8mb4_nopad_bin`` on MariaDB, ``utf8mb4_0900_bin`` on MySQL 8): with
+  MySQL's default, case-insensitive collations a claim for handler ``echo``
+  would take rows of ``Echo``, and with a PAD SPACE one (``utf8mb4_bin``)
+  the lookup of the live row holding unique_key ``"k"`` would find the row
+  of ``"k "``. A later ``AlterField`` of these fields on MySQL must keep
+  the collation.
 
 The SQL is written out here rather than imported from ``db/mysql.py``: a
 migration is history and must not change when the package does.
@@ -46,9 +48,9 @@ TABLE = "django_dbworker_workitem"
 
 FORWARDS = [
     f"""ALTER TABLE {TABLE}
-    MODIFY handler VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
-    MODIFY queue VARCHAR(100) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
-    MODIFY unique_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL""",
+    MODIFY handler VARCHAR(200) CHARACTER SET utf8mb4 COLLATE {{collation}} NOT NULL,
+    MODIFY queue VARCHAR(100) CHARACTER SET utf8mb4 COLLATE {{collation}} NOT NULL,
+    MODIFY unique_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}} NULL""",
     f"""ALTER TABLE {TABLE}
     ADD COLUMN active_unique_key VARBINARY(2048)
         GENERATED ALWAYS AS (
@@ -78,10 +80,13 @@ BACKWARDS = [
 
 def _run_on_mysql(statements):
     def run(apps, schema_editor):
-        if schema_editor.connection.vendor != "mysql":
+        connection = schema_editor.connection
+        if connection.vendor != "mysql":
             return
+        # Binary and NO PAD: trailing spaces count, as they do on PostgreSQL.
+        collation = "utf8mb4_nopad_bin" if connection.mysql_is_mariadb else "utf8mb4_0900_bin"
         for sql in statements:
-            schema_editor.execute(sql)
+            schema_editor.execute(sql.replace("{collation}", collation))
 
     return run
 

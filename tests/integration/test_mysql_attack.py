@@ -220,8 +220,17 @@ def test_cancel_of_pending_rows_does_not_deadlock_with_a_claim_in_progress() -> 
     cancelled: list[int] = []
 
     def cancel() -> None:
+        # The admin's action itself (what an operator runs), as the admin calls it.
+        from django.test import RequestFactory
+
+        from django_dbworker.admin import actions
+
+        class Admin:
+            def message_user(self, request: object, text: str, level: int) -> None:
+                cancelled.append(level)
+
         try:
-            cancelled.append(WorkItem.objects.all().cancel())
+            actions.cancel(Admin(), RequestFactory().post("/"), WorkItem.objects.all())
         except BaseException as exc:
             errors.append(exc)
         finally:
