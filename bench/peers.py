@@ -6,6 +6,12 @@ Installs each peer from PyPI into bench/.peers/NAME (once), gives it a
 fresh database in the same durable PostgreSQL cluster as our benchmarks,
 and runs its harness (bench/peer_harness/NAME_bench.py) with the same sizes and
 the same concurrency (8) as ours. Prints one JSON line per result.
+
+    .venv/bin/python bench/peers.py --mysql [--only django-tasks-db]
+
+runs the peers that support MySQL (django-tasks-db only) on a durable
+MariaDB instead, started by scripts/mariadbcluster.py (its own state file,
+stopped at the end), or on the mysql:// DATABASE_URL when one is set.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
-from common import machine, start_postgres, stop_postgres
+from common import ROOT, machine, start_postgres, stop_postgres
 
 BENCH = Path(__file__).resolve().parent
+MARIADB_STATE = ROOT / ".tmp" / "mariadb-peers.json"
 VENVS = BENCH / ".peers"
 HARNESS = BENCH / "peer_harness"
 
@@ -31,6 +39,8 @@ PEERS = {
         "djtasks_bench.py",
     ),
 }
+#: The peers that run on MySQL/MariaDB, and what their venv needs on top.
+MYSQL_PEERS = {"django-tasks-db": ["mysqlclient"]}
 
 
 def venv_python(name: str, packages: list[str]) -> Path:
@@ -50,13 +60,69 @@ def venv_python(name: str, packages: list[str]) -> Path:
 
 
 def fresh_database(url: str, name: str) -> str:
+    db = "peer_" + name.replace("-", "_")
+    if url.startswith(("mysql://", "mariadb://")):
+        return fresh_mysql_database(url, db)
     import psycopg
 
-    db = "peer_" + name.replace("-", "_")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{db}"')
     return url.rsplit("/", 1)[0] + "/" + db
+
+
+def fresh_mysql_database(url: str, db: str) -> str:
+    import MySQLdb
+
+    parts = urlparse(url)
+    conn = MySQLdb.connect(
+        host=parts.hostname,
+        port=parts.port or 3306,
+        user=parts.username or "root",
+        password=parts.password or "",
+        charset="utf8mb4",
+    )
+    try:
+        cursor = conn.cursor()
+        cursor.execute(f"DROP DATABASE IF EXISTS `{db}`")
+        cursor.execute(f"CREATE DATABASE `{db}` CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci")
+    finally:
+        conn.close()
+    return url.rsplit("/", 1)[0] + "/" + db
+
+
+def start_mariadb() -> tuple[str, bool]:
+    """The mysql:// DATABASE_URL if set, else a durable MariaDB of our own."""
+    if os.environ.get("DATABASE_URL", "").startswith(("mysql://", "mariadb://")):
+        return os.environ["DATABASE_URL"], False
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "mariadbcluster.py"),
+            "start",
+            "--durable",
+            "--state",
+            str(MARIADB_STATE),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip(), True
+
+
+def stop_mariadb() -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "mariadbcluster.py"),
+            "stop",
+            "--state",
+            str(MARIADB_STATE),
+        ],
+        check=False,
+        capture_output=True,
+    )
 
 
 def run(python: Path, script: str, url: str, *args: str) -> dict:
@@ -90,12 +156,26 @@ def main() -> None:
     parser.add_argument("--latency-items", type=int, default=200)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--only", action="append")
+    parser.add_argument(
+        "--mysql",
+        action="store_true",
+        help="on MariaDB (the peers that support it), not PostgreSQL",
+    )
     args = parser.parse_args()
-    url = start_postgres()
+    if args.mysql:
+        if args.only and set(args.only) - set(MYSQL_PEERS):
+            parser.error(f"on MySQL only: {', '.join(MYSQL_PEERS)}")
+        url, started = start_mariadb()
+    else:
+        url, started = start_postgres(), False
     try:
         for name, (packages, script) in PEERS.items():
             if args.only and name not in args.only:
                 continue
+            if args.mysql:
+                if name not in MYSQL_PEERS:
+                    continue
+                packages = [*packages, *MYSQL_PEERS[name]]
             python = venv_python(name, packages)
             results = {
                 "w1": run(python, script, fresh_database(url, name), "w1", str(args.items)),
@@ -122,6 +202,7 @@ def main() -> None:
                         "bench": "peer",
                         "peer": name,
                         "packages": packages,
+                        "database": "mariadb" if args.mysql else "postgresql",
                         **results,
                         "machine": machine(),
                     }
@@ -129,7 +210,11 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        stop_postgres()
+        if args.mysql:
+            if started and not os.environ.get("BENCH_KEEP_PG"):
+                stop_mariadb()
+        else:
+            stop_postgres()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ one UPDATE ... FOR UPDATE SKIP LOCKED ... RETURNING, mark them succeeded with
 one UPDATE, each its own commit (batch 1 and batch 100); and a loop of
 single-row INSERTs, each its own commit (the enqueue ceiling). No framework,
 no threads, no handler: what PostgreSQL itself allows on this machine.
+
+On a mysql:// DATABASE_URL only the INSERT + commit loop runs (MySQLdb,
+autocommit): the claim/complete statements above are PostgreSQL's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ VALUES ('bench_noop', 'default', 'null', 'pending', 0, statement_timestamp(), 0,
     '{{}}', statement_timestamp(), statement_timestamp())
 """
 
+MYSQL_INSERT = f"""
+INSERT INTO {TABLE} (handler, queue, payload, status, priority, run_after, attempts,
+    max_attempts, claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES ('bench_noop', 'default', 'null', 'pending', 0, CURRENT_TIMESTAMP(6), 0, 3, '', '',
+    '{{}}', CURRENT_TIMESTAMP(6), CURRENT_TIMESTAMP(6))
+"""
+
 
 def fill(items: int) -> None:
     from bench.benchapp.workers import BenchNoop
@@ -65,6 +75,9 @@ def main() -> None:
     url = start_postgres()
     try:
         setup_django(url)
+        if url.startswith(("mysql://", "mariadb://")):
+            report("raw_ceiling", mysql_inserts(args.inserts))
+            return
         result: dict[str, object] = {"items": args.items}
         with psycopg.connect(url, autocommit=True) as conn:
             for batch in (1, 100):
@@ -82,6 +95,20 @@ def main() -> None:
         report("raw_ceiling", result)
     finally:
         stop_postgres()
+
+
+def mysql_inserts(inserts: int) -> dict[str, object]:
+    """Single-row INSERT + commit on Django's own MySQL connection (autocommit)."""
+    from django.db import connection
+
+    reset_table()
+    with connection.cursor() as cursor:
+        started = time.perf_counter()
+        for _ in range(inserts):
+            cursor.execute(MYSQL_INSERT)
+        elapsed = time.perf_counter() - started
+    reset_table()
+    return {"inserts": inserts, "single_insert_per_second": inserts / elapsed}
 
 
 if __name__ == "__main__":

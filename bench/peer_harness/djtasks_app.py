@@ -16,20 +16,25 @@ if not settings.configured:
     # Unset, Django's default 0: db_worker's close_old_connections() then
     # closes the connection after every task, and the next one reconnects.
     max_age = os.environ.get("BENCH_DJTASKS_CONN_MAX_AGE", "0")
+    database = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": parts.path.lstrip("/"),
+        "USER": parts.username,
+        "PASSWORD": parts.password or "",
+        "HOST": parts.hostname,
+        "PORT": parts.port,
+        "CONN_MAX_AGE": None if max_age == "none" else int(max_age),
+    }
+    if parts.scheme in ("mysql", "mariadb"):
+        # A mysql:// URL (bench/peers.py --mysql): Django's MySQL backend on
+        # mysqlclient, utf8mb4 as in bench/settings.py.
+        database["ENGINE"] = "django.db.backends.mysql"
+        database["OPTIONS"] = {"charset": "utf8mb4"}
     settings.configure(
         DEBUG=False,
         USE_TZ=True,
         INSTALLED_APPS=["django_tasks", "django_tasks_db"],
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": parts.path.lstrip("/"),
-                "USER": parts.username,
-                "HOST": parts.hostname,
-                "PORT": parts.port,
-                "CONN_MAX_AGE": None if max_age == "none" else int(max_age),
-            }
-        },
+        DATABASES={"default": database},
         TASKS={"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}},
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
     )
