@@ -49,6 +49,20 @@ CLAIM_COLUMNS = (
 )
 
 
+def numbered(name: str, count: int) -> str:
+    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list.
+
+    For vendors without array parameters (SQLite, MySQL): a list of N
+    values is N placeholders, filled into a statement's ``{slot}``.
+    """
+    return ", ".join(f"%({name}_{i})s" for i in range(count))
+
+
+def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
+    """The values for ``numbered(name, len(values))``."""
+    return {f"{name}_{i}": value for i, value in enumerate(values)}
+
+
 @dataclass(frozen=True)
 class Statement:
     """One named SQL statement of a vendor module: what it is for, and its text.

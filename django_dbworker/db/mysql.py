@@ -52,6 +52,8 @@ from django_dbworker.db.base import (
     UnsupportedDatabase,
     VendorOperations,
     as_uuid,
+    numbered,
+    numbered_params,
 )
 from django_dbworker.db.errors import mysql_error_code
 from django_dbworker.models import WorkItem
@@ -247,16 +249,6 @@ SERVER_SETTINGS = Statement(
 SELECT @@log_bin, @@binlog_format
 """,
 )
-
-
-def numbered(name: str, count: int) -> str:
-    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list."""
-    return ", ".join(f"%({name}_{i})s" for i in range(count))
-
-
-def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
-    """The values for ``numbered(name, len(values))``."""
-    return {f"{name}_{i}": value for i, value in enumerate(values)}
 
 
 # Rendered once per list length: a worker claims with the same filters and

@@ -18,7 +18,6 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
 from uuid import UUID
 
 from django_dbworker.db.base import (
@@ -26,6 +25,8 @@ from django_dbworker.db.base import (
     UnsupportedDatabase,
     VendorOperations,
     as_uuid,
+    numbered,
+    numbered_params,
 )
 from django_dbworker.models import WorkItem
 
@@ -135,21 +136,11 @@ SELECT name FROM queues WHERE name IS NOT NULL
 )
 
 
-def numbered(name: str, count: int) -> str:
-    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list."""
-    return ", ".join(f"%({name}_{i})s" for i in range(count))
-
-
 def numbered_rows(names: Sequence[str], count: int) -> str:
     """``(%(a_0)s, %(b_0)s), (%(a_1)s, %(b_1)s), ...``: ``count`` rows for a VALUES list."""
     return ", ".join(
         "(" + ", ".join(f"%({name}_{i})s" for name in names) + ")" for i in range(count)
     )
-
-
-def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
-    """The values for ``numbered(name, len(values))``."""
-    return {f"{name}_{i}": value for i, value in enumerate(values)}
 
 
 # Rendered once per list length: a worker claims with the same filters and
