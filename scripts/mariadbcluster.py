@@ -24,12 +24,13 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import throwaway  # scripts/throwaway.py, beside this script
 
 #: How long the server may take to accept connections, or to exit.
 START_TIMEOUT = 60.0
@@ -51,31 +52,7 @@ def find_binaries() -> tuple[Path, Path, Path] | None:
 
 
 def ensure_installed() -> tuple[Path, Path, Path]:
-    found = find_binaries()
-    if found is not None:
-        return found
-    if os.geteuid() != 0:
-        sys.exit(
-            "MariaDB server binaries are missing; install the Debian 'mariadb-server' package."
-        )
-    log("installing MariaDB server binaries (apt-get install mariadb-server)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "mariadb-server"],
-        check=True,
-        env=env,
-    )
-    found = find_binaries()
-    if found is None:
-        sys.exit("apt-get installed mariadb-server but no mariadbd was found")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return throwaway.ensure_installed("mariadb-server", find_binaries, log)
 
 
 def server_args(info: dict[str, object]) -> list[str]:
@@ -190,7 +167,7 @@ def start(state: Path, durable: bool) -> dict[str, object]:
     if owner:
         install_cmd.append(f"--user={owner}")
     subprocess.run(install_cmd, check=True, text=True, capture_output=True)
-    port = free_port()
+    port = throwaway.free_port()
     info: dict[str, object] = {
         "base": str(base),
         "datadir": str(datadir),

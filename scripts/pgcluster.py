@@ -20,11 +20,12 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import throwaway  # scripts/throwaway.py, beside this script
 
 
 def log(msg: str) -> None:
@@ -43,29 +44,7 @@ def find_bindir() -> Path | None:
 
 
 def ensure_installed() -> Path:
-    bindir = find_bindir()
-    if bindir is not None:
-        return bindir
-    if os.geteuid() != 0:
-        sys.exit("PostgreSQL server binaries are missing; install the Debian 'postgresql' package.")
-    log("installing PostgreSQL server binaries (apt-get install postgresql)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "postgresql"],
-        check=True,
-        env=env,
-    )
-    bindir = find_bindir()
-    if bindir is None:
-        sys.exit("apt-get installed postgresql but no initdb was found")
-    return bindir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return throwaway.ensure_installed("postgresql", find_bindir, log)
 
 
 def run_as_owner(cmd: list[str], owner: str | None) -> subprocess.CompletedProcess[str]:
@@ -109,7 +88,7 @@ def start(state: Path, durable: bool) -> dict[str, object]:
         ],
         owner,
     )
-    port = free_port()
+    port = throwaway.free_port()
     settings = {
         "listen_addresses": "'127.0.0.1'",
         "port": str(port),

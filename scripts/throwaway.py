@@ -1,0 +1,44 @@
+"""What the throwaway-server scripts share (pgcluster.py, mariadbcluster.py; stdlib only).
+
+Installing a server's Debian package when its binaries are missing, and
+picking a free port on 127.0.0.1. The scripts run before the package is
+installed, so this sits beside them, not in it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def ensure_installed(package: str, find: Callable[[], T | None], log: Callable[[str], None]) -> T:
+    """``find()``, after ``apt-get install package`` if it found nothing (root only)."""
+    found = find()
+    if found is not None:
+        return found
+    if os.geteuid() != 0:
+        sys.exit(f"The {package} binaries are missing; install the Debian {package!r} package.")
+    log(f"installing the {package} binaries (apt-get install {package})")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
+        check=True,
+        env=env,
+    )
+    found = find()
+    if found is None:
+        sys.exit(f"apt-get installed {package} but its binaries were not found")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
