@@ -190,10 +190,18 @@ class DBWorkerBackend(BaseTaskBackend):
         )
 
     def _defaults(self) -> dict[str, Any]:
-        problems = options_problems(self.options)
-        if problems:
-            raise ImproperlyConfigured(f"TASKS[{self.alias!r}]: {problems[0]}")
-        return dict(self.options or {})
+        """``OPTIONS``, validated once: every enqueue asks for them.
+
+        A backend is rebuilt when ``TASKS`` changes (Django's
+        ``setting_changed`` receiver), so they cannot go stale.
+        """
+        defaults: dict[str, Any] | None = self.__dict__.get("_checked_options")
+        if defaults is None:
+            problems = options_problems(self.options)
+            if problems:
+                raise ImproperlyConfigured(f"TASKS[{self.alias!r}]: {problems[0]}")
+            defaults = self.__dict__["_checked_options"] = dict(self.options or {})
+        return defaults
 
     # -- enqueueing ---------------------------------------------------------------
 
