@@ -11,12 +11,13 @@ alias unless ``using`` says otherwise (``routing.py``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Expression
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
@@ -276,6 +277,12 @@ def _sibling(
     return item
 
 
+@contextmanager
+def _autocommit(using: str) -> Iterator[None]:
+    """What ``atomic()`` is for one statement in autocommit: nothing to open or commit."""
+    yield
+
+
 def _forget_expressions(item: WorkItem) -> None:
     """Turn fields saved from SQL expressions into deferred fields.
 
@@ -347,12 +354,13 @@ def insert(
             # One statement: the insert and its wake-up (the common case).
             send.set_message_id(item.pk)
             return item, True
+        # Inside the caller's transaction a savepoint, so that a unique_key
+        # conflict does not poison it. In autocommit the INSERT is its own
+        # transaction: atomic() would only add round trips (four on MySQL).
+        guard = transaction.atomic if connections[db].in_atomic_block else _autocommit
         for _ in range(UNIQUE_RETRIES):
             try:
-                # A savepoint inside the caller's transaction, or a transaction
-                # of its own in autocommit: a unique_key conflict must not
-                # poison the caller's transaction.
-                with transaction.atomic(using=db):
+                with guard(using=db):
                     item.save(using=db, force_insert=True)
                     ops.notify([item.queue])
             except IntegrityError:

@@ -33,7 +33,8 @@ def test_short_jobs_are_claimed_in_large_batches(background_worker: StartWorker)
         timeout=60,
         what="2,000 items to succeed",
     )
-    assert worker.outcomes == {"succeeded": 2000}
+    # The worker counts outcomes after their commit: wait for the count too.
+    wait_until(lambda: worker.outcomes == {"succeeded": 2000}, what="the worker's count")
     assert worker.claims <= 100
 
 
@@ -103,7 +104,8 @@ def test_a_stop_releases_buffered_rows_at_once(background_worker: StartWorker, g
         timeout=5,
         what="the buffered rows to be released while the gated item runs",
     )
-    assert worker.released >= 10
+    # The worker counts the release after its commit: wait for the count too.
+    wait_until(lambda: worker.released == 29, timeout=5, what="the worker to count the release")
     GATE.set()
     wait_until(lambda: not WorkItem.objects.filter(status=Status.CLAIMED).exists())
     assert Execution.objects.filter(key__startswith="gated").count() == 1
