@@ -11,6 +11,7 @@ pyproject.toml).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -108,7 +109,9 @@ class WorkItemHandler(Handler["WorkItem"]):
         Called in the thread that runs it, before ``handle_item`` and outside
         the transaction of an ``atomic`` handler; an exception counts as the
         attempt's failure. The Django Tasks backend sends ``task_started``
-        here.
+        here. The attempt's timeout is running already: a slow hook can find,
+        once it returns, that the attempt was recorded meanwhile
+        (``attempt_was_recorded``).
         """
 
     def attempt_recorded(
@@ -239,6 +242,35 @@ class Enqueuer(Protocol):
         queue: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]: ...
+
+
+#: The mark ``mark_attempt_recorded`` leaves on an attempt's ``WorkItem`` instance.
+_RECORDED = "_dbworker_recorded"
+_recorded_lock = threading.Lock()
+
+
+def mark_attempt_recorded(item: WorkItem) -> bool:
+    """Mark the attempt ``item`` holds as recorded; False if it was already.
+
+    The mark sits on the attempt's ``WorkItem`` instance, which the thread
+    running the attempt and the thread recording it share: a timed-out
+    attempt is recorded by the thread that waited for it while its
+    abandoned run may still go on. The worker calls this before
+    ``attempt_recorded``, so that the hook runs once per attempt.
+    """
+    with _recorded_lock:
+        if item.__dict__.get(_RECORDED):
+            return False
+        item.__dict__[_RECORDED] = True
+        return True
+
+
+def attempt_was_recorded(item: WorkItem) -> bool:
+    """Whether the attempt ``item`` holds has been recorded (``attempt_recorded`` called or due).
+
+    Kept for handlers with an ``attempt_recorded`` hook only; False for the others.
+    """
+    return bool(item.__dict__.get(_RECORDED))
 
 
 _port: list[Enqueuer] = []

@@ -20,7 +20,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from django_dbworker import transitions
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, attempt_was_recorded
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.tasks.compat import (
@@ -71,6 +71,12 @@ class TaskHandler(WorkItemHandler):
     def attempt_started(self, item: WorkItem) -> None:
         result = self._running_result(item)
         with self._lock:
+            # Timed out and recorded while the row was read: attempt_recorded
+            # found nothing to take, so a result kept now would stay forever;
+            # and the attempt has ended, so it did not start as far as
+            # receivers are concerned.
+            if attempt_was_recorded(item):
+                return
             self._running[(item.pk, item.claim_token)] = result
         _send(task_started, self._sender(), result)
 

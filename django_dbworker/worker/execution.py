@@ -29,7 +29,7 @@ from django_dbworker import tracing, transitions
 from django_dbworker.backoff import exponential_backoff
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, mark_attempt_recorded
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
@@ -151,9 +151,6 @@ def listens(handler: WorkItemHandler) -> bool:
     return type(handler).attempt_recorded is not WorkItemHandler.attempt_recorded
 
 
-_notified_lock = threading.Lock()
-
-
 def notify_recorded(
     handler: WorkItemHandler, item: WorkItem, status: str | None, error: BaseException | None
 ) -> None:
@@ -165,12 +162,8 @@ def notify_recorded(
     which both share. Nothing the hook raises (``BaseException`` included)
     leaves it.
     """
-    if not listens(handler):
+    if not listens(handler) or not mark_attempt_recorded(item):
         return
-    with _notified_lock:
-        if item.__dict__.get("_dbworker_recorded"):
-            return
-        item.__dict__["_dbworker_recorded"] = True
     try:
         handler.attempt_recorded(item, status, error)
     except BaseException:

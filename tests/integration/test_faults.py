@@ -267,7 +267,9 @@ def test_a_sensitive_handlers_error_keeps_type_and_frames_not_the_message(
 def test_abandoned_threads_are_counted_and_capped(caplog: pytest.LogCaptureFixture) -> None:
     registry_ = CollectorRegistry()
     metrics = WorkerMetrics(registry_)
-    Slow.enqueue_many([{"key": f"a{n}", "seconds": 2.5} for n in range(3)])
+    # Runs long enough to be still abandoned (counted) when the worker has
+    # stopped, however slowly a loaded machine drains it.
+    Slow.enqueue_many([{"key": f"a{n}", "seconds": 5.0} for n in range(3)])
     # Two run at once; the first timeout reaches the cap of one: no third claim.
     worker = Worker([Slow], worker_config(concurrency=2, max_abandoned_threads=1), metrics=metrics)
     thread = threading.Thread(target=worker.run, daemon=True)
@@ -303,8 +305,11 @@ def test_late_outcomes_of_abandoned_threads_are_fenced_and_counted(
         lambda: caplog.text.count("Discarded the outcome of work item") == 2,
         what="both late failures to be discarded",
     )
-    fenced = registry_.get_sample_value("worker_fenced_total", {"worker": "slow_fail"})
-    assert fenced == 2
+    # The abandoned thread logs, closes its connection, and only then counts.
+    wait_until(
+        lambda: registry_.get_sample_value("worker_fenced_total", {"worker": "slow_fail"}) == 2,
+        what="both late failures to be counted",
+    )
 
 
 @pytest.mark.server_db

@@ -212,11 +212,11 @@ def test_a_running_worker_enqueues_each_second_on_time_and_skips_behind_slow_run
         timeout=15,
         what="slow_tick to skip slots behind its slow runs",
     )
-    # Each slot's item was created within a few hundred ms of its slot (by
+    # Each slot's item was created before the next slot was due, whatever the load (by
     # the database clock; the item's created_at is the database's too).
     for item in WorkItem.objects.filter(handler="tick"):
         late = (item.created_at - datetime.fromisoformat(item.unique_key)).total_seconds()
-        assert 0 <= late < 0.5, (item.unique_key, item.created_at)
+        assert 0 <= late < 1.0, (item.unique_key, item.created_at)
     # Slow runs never overlap: at most one slow_tick item was ever live at once.
     slow = items_of("slow_tick")
     for earlier, later in itertools.pairwise(slow):

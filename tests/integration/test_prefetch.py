@@ -70,11 +70,12 @@ def test_buffered_rows_go_back_when_jobs_turn_long(background_worker: StartWorke
         timeout=30,
         what="the slow items",
     )
-    assert first.given_back >= 1
-    ran = {w: 0 for w in (first, second)}
-    for worker in ran:
-        ran[worker] = worker.outcomes["succeeded"]
-    assert ran[second] >= 1, "the second worker got none of the slow items"
+    # Both counts follow their commits: wait for them as for the rows.
+    wait_until(lambda: first.given_back >= 1, what="the first worker to give rows back")
+    wait_until(
+        lambda: second.outcomes["succeeded"] >= 1,
+        what="the second worker to run a slow item",
+    )
     # Given back, never run twice.
     starts = list(Execution.objects.filter(kind="start").values_list("key", flat=True))
     assert sorted(starts) == [str(n) for n in range(6)]
@@ -84,7 +85,11 @@ def test_a_stop_releases_buffered_rows_at_once(background_worker: StartWorker, g
     """SIGTERM-like stop: the running item may finish; the buffered ones go back now."""
     Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(5)], priority=10)
     Gate.enqueue_many([{"key": f"gated-{n}", "wait": True} for n in range(30)])
-    worker = background_worker(["gate"], concurrency=1, heartbeat_interval=0.1)
+    # A horizon long enough that the buffer is not given back as the gated
+    # item runs on (that is test_buffered_rows_go_back_when_jobs_turn_long).
+    worker = background_worker(
+        ["gate"], concurrency=1, heartbeat_interval=0.1, prefetch_horizon=5.0
+    )
     wait_until(
         lambda: Execution.objects.filter(key__startswith="gated", kind="start").exists(),
         what="a gated item to start",
@@ -92,12 +97,13 @@ def test_a_stop_releases_buffered_rows_at_once(background_worker: StartWorker, g
     buffered = WorkItem.objects.filter(status=Status.CLAIMED).exclude(
         pk__in=WorkItem.objects.filter(payload__key="gated-0").values("pk")
     )
-    assert buffered.count() >= 10, "nothing was prefetched behind the running item"
+    wait_until(lambda: buffered.count() >= 10, what="rows prefetched behind the running item")
     # Buffered rows are heartbeated like running ones.
     wait_until(
         lambda: not buffered.filter(heartbeat_at__lte=F("claimed_at")).exists(),
         what="heartbeats of the buffered rows",
     )
+    assert worker.given_back == 0
     worker.stop()
     wait_until(
         lambda: WorkItem.objects.filter(status=Status.CLAIMED).count() == 1,
@@ -120,10 +126,15 @@ def test_a_buffered_row_recovered_meanwhile_is_not_run(
     Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(5)], priority=10)
     Gate.enqueue({"key": "gated", "wait": True}, priority=5)
     Gate.enqueue_many([{"key": f"later-{n}"} for n in range(10)])
-    worker = background_worker(["gate"], concurrency=1, heartbeat_interval=0.1)
+    worker = background_worker(
+        ["gate"], concurrency=1, heartbeat_interval=0.1, prefetch_horizon=5.0
+    )
     wait_until(lambda: Execution.objects.filter(key="gated").exists(), what="the gated item")
+    wait_until(
+        lambda: WorkItem.objects.filter(payload__key="later-0", status=Status.CLAIMED).exists(),
+        what="later-0 to be prefetched",
+    )
     victim = WorkItem.objects.get(payload__key="later-0")
-    assert victim.status == Status.CLAIMED, "later-0 was not prefetched"
     steal_claim(victim.pk)
     wait_until(
         lambda: any(a.lost for a in list(worker._in_flight.values())),

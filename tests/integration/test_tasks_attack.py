@@ -188,6 +188,8 @@ def test_a_timed_out_last_attempt_sends_task_finished_failed_not_successful(
     result.refresh()
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[-1].exception_class_path == "builtins.TimeoutError"
+    # Sent after the FAILED commit, by the thread that recorded it.
+    wait_until(lambda: bool(finished), what="task_finished")
     assert finished == [(result.id, "FAILED")]
 
 

@@ -59,7 +59,8 @@ def last_chance(key: str) -> str:
     return key
 
 
-@dbtask(timeout=0.3, max_attempts=1)
+# A timeout the start's own read stays well inside, even on a loaded machine.
+@dbtask(timeout=1.0, max_attempts=1)
 def fails_after_slow_start(key: str) -> None:
     raise ValueError(f"fails: {key}")
 
@@ -158,7 +159,7 @@ def test_a_slow_task_started_receiver_neither_repeats_task_started_nor_leaks_a_r
     def slow(sender: Any, task_result: Any, **kwargs: Any) -> None:
         if task_result.task.func is fails_after_slow_start.func:
             started.append(task_result.id)
-            time.sleep(0.6)
+            time.sleep(2.0)
 
     task_started.connect(slow)
     try:
@@ -176,6 +177,46 @@ def test_a_slow_task_started_receiver_neither_repeats_task_started_nor_leaks_a_r
     handler = worker.work_item_handlers[fails_after_slow_start.module_path]
     leaked = dict(handler._running)  # type: ignore[attr-defined]
     assert (started, len(leaked)) == ([result.id], 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_attempt_recorded_while_its_start_reads_the_row_leaves_no_result_behind(
+    background_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start's read of the row outlasts the timeout (a slow new connection).
+
+    The worker records the timed-out attempt, and ``attempt_recorded`` finds
+    nothing to pop, while ``attempt_started`` is still reading; when the read
+    returns, the result must not be kept for an attempt already recorded (it
+    would stay for the life of the process), nor announced by task_started.
+    """
+    real = task_handler_module._running_row
+    started: list[str] = []
+
+    def slow_read(item: Any, **kwargs: Any) -> Any:
+        row = real(item, **kwargs)
+        time.sleep(2.0)  # longer than the task's 1 s timeout
+        return row
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        started.append(task_result.id)
+
+    monkeypatch.setattr(task_handler_module, "_running_row", slow_read)
+    task_started.connect(receiver)
+    try:
+        result = fails_after_slow_start.enqueue("slow read")
+        worker = background_worker([fails_after_slow_start.module_path])
+        wait_until(
+            lambda: WorkItem.objects.get(pk=int(result.id)).status == Status.FAILED,
+            timeout=20,
+            what="the attempt to time out",
+        )
+        wait_until(no_item_threads, timeout=20, what="the abandoned run to end")
+    finally:
+        task_started.disconnect(receiver)
+    handler = worker.work_item_handlers[fails_after_slow_start.module_path]
+    assert dict(handler._running) == {}  # type: ignore[attr-defined]
+    assert started == []
 
 
 def test_a_last_attempt_whose_start_fails_sends_task_finished_failed(

@@ -72,10 +72,10 @@ def test_every_slot_runs_once_across_several_processes(start_worker, processes: 
     assert len(slots) >= 6
     assert {b - a for a, b in itertools.pairwise(slots)} == {timedelta(seconds=1)}, table
     assert "Skipped slot" not in logs
-    # Each slot's item was created within a few hundred ms of its slot (DB clock).
+    # Each slot's item was created before the next slot was due, whatever the load (DB clock).
     for item in WorkItem.objects.filter(handler="tick"):
         late = (item.created_at - datetime.fromisoformat(item.unique_key)).total_seconds()
-        assert 0 <= late < 0.5, (item.unique_key, late)
+        assert 0 <= late < 1.0, (item.unique_key, late)
     pids = dict(Execution.objects.filter(kind="tick").values_list("key", "pid"))
     print(f"\nslot table of {processes} processes (slot, items, runs, status, run by pid):")
     for row in table:

@@ -65,12 +65,22 @@ def test_unmigrated_database_is_a_clear_startup_error(start_worker, tmp_path: Pa
 def test_three_processes_run_each_item_exactly_once(start_worker) -> None:
     # Enough work that it outlasts one process's prefetch buffer (what its
     # threads start within PREFETCH_HORIZON), so the claims spread.
+    # All three are up and idle before the work arrives, so that a fast
+    # machine cannot let the first process finish before the others start.
     n = 2000
-    Record.enqueue_many([{"key": str(i)} for i in range(n)])
-    workers = [start_worker("record", "--burst", "--concurrency", "4") for _ in range(3)]
+    workers = [start_worker("record", "--concurrency", "4") for _ in range(3)]
     for worker in workers:
-        assert worker.wait(timeout=180) == 0, worker.log()
-    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == n
+        worker.wait_for_log("Starting worker", timeout=60)
+    Record.enqueue_many([{"key": str(i)} for i in range(n)])
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == n,
+        timeout=180,
+        what="every item to succeed",
+    )
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        assert worker.wait(timeout=60) == 0, worker.log()
     assert_each_key_ran_once(n)
     # More than one process did real work (the claim spreads across them).
     assert Execution.objects.values("pid").distinct().count() >= 2
