@@ -48,6 +48,9 @@ CLAIM_COLUMNS = (
     "trace_context",
 )
 
+#: Columns an enqueue statement returns for each inserted row, in this order.
+INSERTED_COLUMNS = ("id", "run_after", "created_at", "updated_at")
+
 
 def numbered(name: str, count: int) -> str:
     """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list.
@@ -402,25 +405,52 @@ class VendorOperations:
         so a claimed item equals what the ORM would load. RETURNING gives no
         order, hence the sort.
         """
-        connection = self.connection
         if self._converters is None:
-            table = WorkItem._meta.db_table
-            converters: list[tuple[list[Converter], Any]] = []
-            for name in CLAIM_COLUMNS:
-                col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
-                funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
-                converters.append((funcs, col))
-            self._converters = converters
-        items = []
-        for row in rows:
-            values = []
-            for value, (funcs, col) in zip(row, self._converters, strict=True):
-                for func in funcs:
-                    value = func(value, col, connection)
-                values.append(value)
-            items.append(self._claimed_item(values))
+            self._converters = self._converters_of(CLAIM_COLUMNS)
+        items = [self._claimed_item(self._convert(row, self._converters)) for row in rows]
         items.sort(key=lambda i: (-i.priority, i.run_after, i.pk))
         return items
+
+    def _converters_of(self, names: Sequence[str]) -> list[tuple[list[Converter], Any]]:
+        """Django's converters of the WorkItem columns ``names`` on this connection."""
+        connection = self.connection
+        table = WorkItem._meta.db_table
+        converters: list[tuple[list[Converter], Any]] = []
+        for name in names:
+            col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
+            funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+            converters.append((funcs, col))
+        return converters
+
+    def _convert(
+        self, row: Sequence[Any], converters: list[tuple[list[Converter], Any]]
+    ) -> list[Any]:
+        """One row's values as the ORM would load them (JSON, UUID, aware datetimes)."""
+        connection = self.connection
+        values = []
+        for value, (funcs, col) in zip(row, converters, strict=True):
+            for func in funcs:
+                value = func(value, col, connection)
+            values.append(value)
+        return values
+
+    def _assign(self, rows: Sequence[Sequence[Any]], items: Sequence[WorkItem]) -> None:
+        """Give inserted items their ids and database-set times, as ``save()`` would.
+
+        ``rows`` are ``(id, run_after, created_at, updated_at)``, one per item,
+        in the items' order.
+        """
+        if len(rows) != len(items):
+            raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
+        converters = self._converters_of(INSERTED_COLUMNS)
+        for item, row in zip(items, rows, strict=True):
+            pk, run_after, created_at, updated_at = self._convert(row[:4], converters)
+            item.pk = pk
+            item.run_after = run_after
+            item.created_at = created_at
+            item.updated_at = updated_at
+            item._state.adding = False
+            item._state.db = self.using
 
     def _claimed_item(self, values: list[Any]) -> WorkItem:
         """A ``WorkItem`` of the claim's columns, as ``Model.from_db`` would build it.

@@ -34,11 +34,13 @@ poll adaptively, and an enqueue in a worker's own process wakes it
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, TypeVar
 from uuid import UUID
@@ -65,6 +67,14 @@ T = TypeVar("T")
 #: SKIP LOCKED arrived in MySQL 8.0.1 and MariaDB 10.6.
 MIN_MYSQL_VERSION = (8, 0, 1)
 MIN_MARIADB_VERSION = (10, 6)
+
+#: A batch enqueue's statements: at most this many rows, and about this many
+#: bytes (payloads plus INSERT_ROW_BYTES of SQL per row), well inside the
+#: server's default ``max_allowed_packet``.
+INSERT_ROWS = 1000
+INSERT_BYTES = 4 * 1024 * 1024
+INSERT_ROW_BYTES = 400
+MICROSECOND = timedelta(microseconds=1)
 
 #: Deadlock found when trying to get lock; Lock wait timeout exceeded.
 DEADLOCK = 1213
@@ -221,6 +231,29 @@ FOR UPDATE
 """,
 )
 
+# MariaDB returns the inserted rows (INSERT ... RETURNING, 10.5+), in the
+# order of the VALUES list; MySQL 8 cannot, and keeps Django's bulk_create.
+# The shared values are named once and repeated by name in every row: the
+# driver quotes each parameter once, whatever the batch size.
+INSERT_ITEMS = Statement(
+    "insert_items",
+    "Insert pending rows sharing all but their payloads; return their ids and times.",
+    """
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES {rows}
+RETURNING id, run_after, created_at, updated_at
+""",
+)
+
+#: One row of ``INSERT_ITEMS``; ``{n}`` numbers its payload parameter.
+INSERT_ROW = (
+    "(%(handler)s, %(queue)s, %(payload_{n})s, 'pending', %(priority)s, "
+    "COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), "
+    "0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+)
+
 # MySQL and MariaDB read DISTINCT on the leading column of an index by a
 # loose index scan (one probe per value) on their own, from
 # dbworker_my_queue_idx (not from dbworker_queue_idx: MariaDB does not
@@ -291,6 +324,28 @@ def succeed_update_sql(rows: int) -> str:
 @lru_cache(maxsize=256)
 def lock_rows_sql(rows: int) -> str:
     return LOCK_ROWS.render(ids=numbered("id", rows))
+
+
+@lru_cache(maxsize=16)
+def insert_items_sql(rows: int) -> str:
+    return INSERT_ITEMS.render(rows=", ".join(INSERT_ROW.format(n=n) for n in range(rows)))
+
+
+def insert_chunks(payloads: Sequence[str | None]) -> Iterator[Sequence[str | None]]:
+    """``payloads`` in runs of at most INSERT_ROWS rows and about INSERT_BYTES of JSON.
+
+    One statement must fit in the server's ``max_allowed_packet`` (16 MiB by
+    default on MariaDB, 64 MiB on MySQL 8); a row on its own always goes.
+    """
+    start = size = 0
+    for index, payload in enumerate(payloads):
+        length = len(payload or "") + INSERT_ROW_BYTES
+        if index > start and (index - start >= INSERT_ROWS or size + length > INSERT_BYTES):
+            yield payloads[start:index]
+            start, size = index, 0
+        size += length
+    if start < len(payloads):
+        yield payloads[start:]
 
 
 def set_session_time_zone(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
@@ -435,6 +490,52 @@ class MySQLOperations(VendorOperations):
                 return held
 
         return self._retrying(attempt, "recording successes")
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def insert_items(
+        self,
+        items: Sequence[WorkItem],
+        *,
+        run_after: datetime | timedelta | None,
+        payloads_json: Sequence[str | None],
+    ) -> bool:
+        # Django's bulk_create spends about 80% of a 10,000-row batch
+        # compiling every value of every row (docs/benchmarks.md, W2).
+        connection: Any = self.connection
+        connection.ensure_connection()
+        if not connection.mysql_is_mariadb:
+            return False  # no INSERT ... RETURNING: Django's bulk_create
+        first = items[0]
+        shared = {
+            "handler": first.handler,
+            "queue": first.queue,
+            "priority": first.priority,
+            "run_at": (
+                connection.ops.adapt_datetimefield_value(run_after)
+                if isinstance(run_after, datetime)
+                else None
+            ),
+            "delay_us": run_after // MICROSECOND if isinstance(run_after, timedelta) else 0,
+            "max_attempts": first.max_attempts,
+            "trace_context": json.dumps(first.trace_context or {}),
+        }
+        rows: list[tuple[Any, ...]] = []
+        # All or nothing: one transaction in autocommit; inside the caller's,
+        # no savepoint (as on PostgreSQL, an error breaks the caller's
+        # transaction and nothing of the batch stays).
+        with (
+            transaction.atomic(using=self.using, savepoint=False),
+            connection.cursor() as cursor,
+        ):
+            for chunk in insert_chunks(payloads_json):
+                cursor.execute(
+                    insert_items_sql(len(chunk)), {**shared, **numbered_params("payload", chunk)}
+                )
+                rows.extend(cursor.fetchall())
+            self.notify([first.queue])
+        self._assign(rows, items)
+        return True
 
     def _read_committed(self) -> Any:
         """A transaction of its own (or the caller's), at READ COMMITTED.

@@ -556,20 +556,6 @@ class PostgresOperations(VendorOperations):
             "trace_context": json.dumps(first.trace_context or {}),
         }
 
-    def _assign(self, rows: list[tuple[Any, ...]], items: Sequence[WorkItem]) -> None:
-        """Give inserted items their ids and database-set times, as ``save()`` would."""
-        if len(rows) != len(items):
-            raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
-        for item, (pk, run_after_value, created_at, updated_at, *_) in zip(
-            items, rows, strict=True
-        ):
-            item.pk = pk
-            item.run_after = run_after_value
-            item.created_at = created_at
-            item.updated_at = updated_at
-            item._state.adding = False
-            item._state.db = self.using
-
     def notify(self, queues: Sequence[str]) -> None:
         # Delivered only if (and when) the enclosing transaction commits,
         # savepoint rollbacks included.

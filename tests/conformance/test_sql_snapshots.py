@@ -48,6 +48,7 @@ EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
         "succeed_lock": lambda: mysql.succeed_lock_sql(rows=2),
         "succeed_update": lambda: mysql.succeed_update_sql(rows=2),
         "lock_rows": lambda: mysql.lock_rows_sql(rows=2),
+        "insert_items": lambda: mysql.insert_items_sql(rows=2),
         "estimate_count": lambda: mysql.ESTIMATE_COUNT.render(query=EXAMPLE_QUERY),
     },
     "sqlite": {

@@ -12,11 +12,12 @@ import logging
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import DatabaseError, IntegrityError, connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 
 from django_dbworker.db import mysql, operations
 from django_dbworker.models import Status, WorkItem
@@ -245,6 +246,67 @@ def test_a_lone_enqueue_is_one_autocommit_insert() -> None:
         assert enqueue("noop", {"n": 6}, unique_key="twice").payload == {"n": 5}
         transaction.set_rollback(True)
     assert sorted(WorkItem.objects.values_list("payload__n", flat=True)) == [1, 2]
+
+
+def test_a_batch_goes_in_by_statements_that_fit_the_packet_and_comes_back_in_order() -> None:
+    """MariaDB: ``enqueue_many`` is INSERT ... RETURNING in runs of rows and bytes.
+
+    2,500 small payloads and six of 900 KiB: several statements, each
+    within the server's ``max_allowed_packet``; the items come back in the
+    order given, with the ids and database times the rows have.
+    """
+    from django_dbworker.enqueuing import enqueue_many
+
+    if not connection.mysql_is_mariadb:  # type: ignore[attr-defined]
+        pytest.skip("MySQL 8 has no INSERT ... RETURNING: its batches go by bulk_create")
+    big = "x" * (900 * 1024)
+    payloads: list[Any] = [{"n": n} for n in range(2500)]
+    payloads[10:10] = [{"big": big, "n": -b} for b in range(5)] + [None]
+    with CaptureQueriesContext(connection) as ctx:
+        items = enqueue_many("noop", payloads, priority=4, run_after=timedelta(seconds=90))
+    inserts = [q for q in ctx.captured_queries if q["sql"].lstrip().upper().startswith("INSERT")]
+    # About 4 MiB at most: four big ones fit, the fifth starts a run; then
+    # 1,000 rows at most: [0:14], [14:1014], [1014:2014], [2014:2506].
+    assert len(inserts) == 4, [len(q["sql"]) for q in inserts]
+    assert [i.pk for i in items] == sorted(i.pk for i in items)
+    stored = {r.pk: r for r in WorkItem.objects.all()}
+    assert len(stored) == len(payloads)
+    assert [stored[i.pk].payload for i in items] == payloads
+    for item in items:
+        row = stored[item.pk]
+        assert (item.run_after, item.created_at, item.updated_at) == (
+            row.run_after,
+            row.created_at,
+            row.updated_at,
+        )
+        assert (row.status, row.priority, row.attempts, row.handler) == ("pending", 4, 0, "noop")
+        assert row.run_after == row.created_at + timedelta(seconds=90)
+        assert item.created_at.tzinfo is not None and not item._state.adding
+
+
+def test_a_batch_whose_last_statement_fails_leaves_nothing() -> None:
+    """All or nothing across the statements of one batch, in autocommit and inside a transaction."""
+    from django_dbworker.enqueuing import enqueue_many
+
+    payloads: list[Any] = [{"n": n} for n in range(2500)] + ["refuse me"]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TRIGGER attack_refuse BEFORE INSERT ON {TABLE} FOR EACH ROW "
+            "IF NEW.payload = '\"refuse me\"' THEN "
+            "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF"
+        )
+    try:
+        with pytest.raises(DatabaseError, match="refused"):
+            enqueue_many("noop", payloads)
+        assert not WorkItem.objects.exists()
+        with pytest.raises(DatabaseError, match="refused"), transaction.atomic():
+            enqueue_many("noop", payloads)
+        assert not WorkItem.objects.exists()
+        # The connection is fine afterwards.
+        assert len(enqueue_many("noop", payloads[:-1])) == 2500
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS attack_refuse")
 
 
 # -- the clock -------------------------------------------------------------------------

@@ -92,6 +92,14 @@ WHERE id IN (%(id_0)s, %(id_1)s)
 ORDER BY id
 FOR UPDATE;
 
+-- name: insert_items
+-- Insert pending rows sharing all but their payloads; return their ids and times.
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES (%(handler)s, %(queue)s, %(payload_0)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), (%(handler)s, %(queue)s, %(payload_1)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+RETURNING id, run_after, created_at, updated_at;
+
 -- name: distinct_queues
 -- Every queue name in the table, by a loose index scan (one index probe per queue).
 SELECT DISTINCT queue FROM django_dbworker_workitem ORDER BY queue;
