@@ -354,10 +354,13 @@ def insert(
             # One statement: the insert and its wake-up (the common case).
             send.set_message_id(item.pk)
             return item, True
-        # Inside the caller's transaction a savepoint, so that a unique_key
-        # conflict does not poison it. In autocommit the INSERT is its own
-        # transaction: atomic() would only add round trips (four on MySQL).
-        guard = transaction.atomic if connections[db].in_atomic_block else _autocommit
+        # Inside the caller's transaction (an atomic block, or a connection
+        # with AUTOCOMMIT off) a savepoint, so that a unique_key conflict does
+        # not poison it. In autocommit the INSERT is its own transaction:
+        # atomic() would only add round trips (four on MySQL).
+        conn = connections[db]
+        in_transaction = conn.in_atomic_block or not conn.get_autocommit()
+        guard = transaction.atomic if in_transaction else _autocommit
         for _ in range(UNIQUE_RETRIES):
             try:
                 with guard(using=db):

@@ -169,6 +169,22 @@ def test_unique_key_conflict_does_not_break_the_callers_transaction() -> None:
     assert WorkItem.objects.filter(pk__in=[a.pk, c.pk]).count() == 2
 
 
+@pytest.mark.django_db(transaction=True)
+def test_unique_key_conflict_does_not_break_a_transaction_without_autocommit() -> None:
+    """``AUTOCOMMIT: False``: the caller's transaction is open outside any atomic block."""
+    connection.set_autocommit(False)
+    try:
+        a = Echo.enqueue({}, unique_key="k")
+        b = Echo.enqueue({}, unique_key="k")
+        c = Noop.enqueue({})  # the transaction is still usable
+        connection.commit()
+    finally:
+        connection.rollback()
+        connection.set_autocommit(True)
+    assert a.pk == b.pk
+    assert WorkItem.objects.filter(pk__in=[a.pk, c.pk]).count() == 2
+
+
 def test_enqueue_many_is_one_insert() -> None:
     # Within one statement's worth on every vendor: Django gives SQLite at
     # most 999 parameters per statement (20 columns -> 49 rows).
