@@ -88,7 +88,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
+          w.claimed_at
 """,
 )
 
@@ -119,7 +120,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
+          w.claimed_at
 """,
 )
 
@@ -147,7 +149,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
+          w.claimed_at
 """,
 )
 
