@@ -1,0 +1,171 @@
+"""Attacks on the enqueue changes of 1 December: the autocommit enqueue, MariaDB's
+INSERT ... RETURNING batches, and the tasks' attempt-recorded mark.
+
+Django's "manual transaction" mode (``DATABASES[...]["AUTOCOMMIT"] = False``,
+or ``transaction.set_autocommit(False)``) has a transaction open while
+``connection.in_atomic_block`` is False: ``atomic()`` then makes a
+savepoint, exactly as it does inside the caller's ``atomic()`` block.
+
+The last test is about an older race (MariaDB/MySQL): it fails on 64c17a3
+as well as on today's head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, connections, transaction
+from django.db.models.functions import Now
+
+from django_dbworker import EnqueueError, enqueue, enqueue_many
+from django_dbworker.db.base import add_local_waker, remove_local_waker
+from django_dbworker.models import WorkItem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TABLE = "django_dbworker_workitem"
+
+
+@pytest.fixture
+def manual_transaction() -> Iterator[None]:
+    """Autocommit off, as ``AUTOCOMMIT: False`` in DATABASES leaves every connection."""
+    transaction.set_autocommit(False)
+    try:
+        yield
+    finally:
+        transaction.rollback()
+        connection.needs_rollback = False
+        transaction.set_autocommit(True)
+
+
+# -- enqueue in manual transaction mode ------------------------------------------------
+
+
+def test_a_live_unique_key_in_a_manual_transaction_returns_the_holder(
+    manual_transaction: None,
+) -> None:
+    """The second enqueue of a live key returns the first row; the transaction goes on.
+
+    On PostgreSQL the conflicting INSERT now runs without a savepoint
+    (``in_atomic_block`` is False here), so it aborts the caller's
+    transaction: the holder's read fails with "current transaction is
+    aborted", and so does everything the caller does next.
+    """
+    first = enqueue("noop", {"n": 1}, unique_key="k")
+    again = enqueue("noop", {"n": 2}, unique_key="k")
+    assert again.pk == first.pk
+    enqueue("noop", {"n": 3})  # the caller's transaction is still usable
+    transaction.commit()
+    assert sorted(WorkItem.objects.values_list("payload__n", flat=True)) == [1, 3]
+
+
+def test_an_enqueue_in_a_manual_transaction_with_a_worker_in_process_does_not_raise(
+    manual_transaction: None,
+) -> None:
+    """With a worker in the process (a local waker), enqueue must not raise after inserting.
+
+    The wake-up goes through ``transaction.on_commit``, which Django refuses
+    in manual transaction mode outside ``atomic()``: the row is inserted and
+    then ``enqueue`` raises TransactionManagementError.
+    """
+    woken: list[Any] = []
+    add_local_waker(woken.append)
+    try:
+        item = enqueue("noop", {"n": 1}, unique_key="k")
+        plain = enqueue("noop", {"n": 2})
+    finally:
+        remove_local_waker(woken.append)
+    transaction.commit()
+    assert WorkItem.objects.filter(pk__in=[item.pk, plain.pk]).count() == 2
+
+
+@pytest.mark.mysql_only
+def test_a_failed_batch_in_a_manual_transaction_leaves_no_rows_to_commit(
+    manual_transaction: None,
+) -> None:
+    """MariaDB: a batch whose last statement fails leaves none of its rows behind.
+
+    ``atomic(savepoint=False)`` in manual mode neither rolls back nor makes
+    a savepoint: the first 2,000 rows stay in the caller's transaction, and
+    a caller that goes on to commit its other work commits them too.
+    """
+    enqueue("noop", {"n": "mine"})
+    payloads: list[Any] = [{"n": n} for n in range(2500)] + ["refuse me"]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TRIGGER attack_dec1_refuse BEFORE INSERT ON {TABLE} FOR EACH ROW "
+            "IF NEW.payload = '\"refuse me\"' THEN "
+            "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF"
+        )
+    try:
+        with pytest.raises(DatabaseError, match="refused"):
+            enqueue_many("noop", payloads)
+        transaction.commit()
+    finally:
+        connection.needs_rollback = False
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS attack_dec1_refuse")
+        transaction.commit()
+    assert list(WorkItem.objects.values_list("payload__n", flat=True)) == ["mine"]
+
+
+# -- unique_key against its holder's end (MySQL/MariaDB; older than today's diff) ------
+
+
+@pytest.mark.mysql_only
+def test_enqueues_of_a_live_key_racing_the_end_of_its_holder_do_not_deadlock() -> None:
+    """A second enqueue of a live key returns the holder or inserts; it never fails.
+
+    When the holder's row leaves pending/claimed (its success), the INSERTs
+    waiting on its entry of ``dbworker_my_active_key_uniq`` all get a shared
+    lock, then all want to insert: InnoDB kills all but one of them with
+    error 1213. ``insert()`` retries an IntegrityError, not a deadlock, so
+    the enqueue raises OperationalError. (The spec: "a second enqueue
+    returns the existing row instead of inserting (race-free)".)
+    """
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def enqueuer() -> None:
+        try:
+            for n in range(150):
+                if stop.is_set():
+                    return
+                # "The key kept changing hands; try again" is allowed.
+                with contextlib.suppress(EnqueueError):
+                    enqueue("noop", {"n": n}, unique_key="hot")
+        except DatabaseError as exc:
+            errors.append(exc)
+            stop.set()
+        finally:
+            connections.close_all()
+
+    def finisher() -> None:
+        # A worker's success: the live row by its id, pending/claimed -> succeeded.
+        try:
+            while not stop.is_set():
+                live = WorkItem.objects.filter(unique_key="hot", status="pending")
+                pk = live.values_list("pk", flat=True).first()
+                if pk is not None:
+                    WorkItem.objects.filter(pk=pk, status="pending").update(
+                        status="succeeded", finished_at=Now()
+                    )
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=enqueuer) for _ in range(6)]
+    ender = threading.Thread(target=finisher)
+    ender.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    stop.set()
+    ender.join(30)
+    assert not any(t.is_alive() for t in [*threads, ender]), "a thread did not finish"
+    assert not errors, errors[:3]
+    assert WorkItem.objects.filter(unique_key="hot", status="pending").count() <= 1
