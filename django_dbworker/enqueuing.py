@@ -356,16 +356,28 @@ def insert(
             return item, True
         # Inside the caller's transaction (an atomic block, or a connection
         # with AUTOCOMMIT off) a savepoint, so that a unique_key conflict does
-        # not poison it. In autocommit the INSERT is its own transaction:
-        # atomic() would only add round trips (four on MySQL).
+        # not poison it. Where the wake-up is a statement of its own
+        # (PostgreSQL's NOTIFY), a transaction, so that the row and its
+        # wake-up commit together. Otherwise, in autocommit, the INSERT is
+        # its own transaction: atomic() would only add round trips (four on
+        # MySQL).
         conn = connections[db]
         in_transaction = conn.in_atomic_block or not conn.get_autocommit()
-        guard = transaction.atomic if in_transaction else _autocommit
+        guard = transaction.atomic if in_transaction or ops.supports_notify else _autocommit
+
+        def save() -> None:
+            with guard(using=db):
+                item.save(using=db, force_insert=True)
+                ops.notify([item.queue])
+
         for _ in range(UNIQUE_RETRIES):
             try:
-                with guard(using=db):
-                    item.save(using=db, force_insert=True)
-                    ops.notify([item.queue])
+                # MySQL: inserts of one live key queue on its unique index;
+                # when the holder finishes, all but one of them can be chosen
+                # as deadlock victims. In a transaction of its own, the
+                # insert is simply run again (inside the caller's, InnoDB
+                # rolled all of it back, and the error is the caller's).
+                ops.retrying(save, "enqueueing")
             except IntegrityError:
                 if unique_key is None:
                     raise

@@ -521,13 +521,12 @@ class MySQLOperations(VendorOperations):
             "trace_context": json.dumps(first.trace_context or {}),
         }
         rows: list[tuple[Any, ...]] = []
-        # All or nothing: one transaction in autocommit; inside the caller's,
-        # no savepoint (as on PostgreSQL, an error breaks the caller's
-        # transaction and nothing of the batch stays).
-        with (
-            transaction.atomic(using=self.using, savepoint=False),
-            connection.cursor() as cursor,
-        ):
+        # All or nothing: one transaction in autocommit; a savepoint inside
+        # the caller's transaction (an atomic block, or AUTOCOMMIT off, where
+        # nothing but a savepoint would take back the statements that
+        # succeeded), so the caller's transaction stays usable, as it does
+        # around Django's bulk_create.
+        with transaction.atomic(using=self.using), connection.cursor() as cursor:
             for chunk in insert_chunks(payloads_json):
                 cursor.execute(
                     insert_items_sql(len(chunk)), {**shared, **numbered_params("payload", chunk)}
