@@ -32,10 +32,8 @@ from django_dbworker.models import Status, WorkItem
 T = TypeVar("T")
 
 #: Columns a claim returns, in this order: everything the executor needs
-#: (and ``run_after``, for the claim order; ``created_at`` and ``claimed_at``,
-#: for the Tasks backend's results: when the task was enqueued and started),
-#: nothing bulky it doesn't. Every vendor's claim statement RETURNs exactly
-#: these (the snapshot test checks).
+#: (and ``run_after``, for the claim order), nothing bulky it doesn't. Every
+#: vendor's claim statement RETURNs exactly these (the snapshot test checks).
 CLAIM_COLUMNS = (
     "id",
     "handler",
@@ -48,8 +46,6 @@ CLAIM_COLUMNS = (
     "claimed_by",
     "claim_token",
     "trace_context",
-    "created_at",
-    "claimed_at",
 )
 
 #: Columns an enqueue statement returns for each inserted row, in this order.

@@ -181,7 +181,7 @@ CLAIM_READ = Statement(
     "Read back the rows this transaction just claimed.",
     """
 SELECT id, handler, queue, payload, priority, run_after, attempts,
-       max_attempts, claimed_by, claim_token, trace_context, created_at, claimed_at
+       max_attempts, claimed_by, claim_token, trace_context
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
   AND status = 'claimed'

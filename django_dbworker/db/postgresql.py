@@ -88,8 +88,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
 """,
 )
 
@@ -120,8 +119,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
 """,
 )
 
@@ -149,8 +147,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
 """,
 )
 

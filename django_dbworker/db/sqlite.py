@@ -65,7 +65,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, created_at, claimed_at
+          max_attempts, claimed_by, claim_token, trace_context
 """,
 )
 
@@ -92,7 +92,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, created_at, claimed_at
+          max_attempts, claimed_by, claim_token, trace_context
 """,
 )
 

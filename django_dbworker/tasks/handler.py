@@ -81,6 +81,7 @@ class TaskHandler(WorkItemHandler):
         _send(task_started, self._sender(), result)
 
     def _running_result(self, item: WorkItem) -> TaskResult:
+        # First: it may read created_at, which _task_of needs.
         row = _running_row(item, takes_context=self.task.takes_context)
         return build(
             self._task_of(item), row, backend=self.task.backend, status=TaskResultStatus.RUNNING
@@ -179,29 +180,31 @@ class TaskHandler(WorkItemHandler):
 def _running_row(item: WorkItem, *, takes_context: bool) -> Row:
     """The claimed attempt as a result row, with what the claim did not return.
 
-    The claim returns what every handler needs and the times a result shows
-    (enqueued, started), not a task's error history; reading it is one
-    query per attempt, which at short jobs' pace costs most of a task's run
-    (measured: W1 fell to a tenth of a plain handler's). So it is read where
-    it matters: for a retried row (``attempts`` > 1, so there is history)
-    and for a task that takes a context (after an operator's Retry a first
-    attempt may have history, and the context must agree with get_result).
-    A read that fails costs the task nothing: the result goes without it.
+    The claim returns what every handler needs, not a task's history or its
+    enqueue time; reading them is one query per attempt, which at short
+    jobs' pace costs most of a task's run (measured: W1 fell to a tenth of
+    a plain handler's). So they are read where they matter: for a retried
+    row (``attempts`` > 1, so there is history) and for a task that takes a
+    context (after an operator's Retry a first attempt may have history,
+    and the context must agree with get_result). Otherwise the result
+    given to ``task_started`` and ``task_finished`` has no ``enqueued_at``
+    and starts now, by this host's clock; ``get_result`` has every field.
+    A read that fails costs the task nothing: the result goes without them.
     """
-    history = None
+    extra: tuple[Any, ...] | None = None
     if item.attempts > 1 or takes_context:
         try:
-            history = (
+            extra = (
                 WorkItem.objects.using(item._state.db)
                 .filter(pk=item.pk)
-                .values_list("error_history", flat=True)
+                .values_list("error_history", "created_at", "claimed_at")
                 .first()
             )
         except DatabaseError as exc:
             logger.warning("Could not read the history of task row %s: %s", item.pk, exc)
-    # An item claimed by the worker has both times; one built by hand may not.
-    created_at = item.__dict__.get("created_at")
-    claimed_at = item.__dict__.get("claimed_at") or timezone.now()
+    history, created_at, claimed_at = extra or (None, None, timezone.now())
+    if created_at is not None:
+        item.__dict__.setdefault("created_at", created_at)
     return Row(
         id=item.pk,
         status=Status.CLAIMED,

@@ -96,32 +96,6 @@ def test_a_task_goes_from_ready_to_successful(signals: list[Any]) -> None:
     assert signals[1:] == [("started", "RUNNING", result.id), ("finished", "SUCCESSFUL", result.id)]
 
 
-def test_the_results_signals_carry_have_the_rows_times() -> None:
-    """A first attempt of a task without context: the signals' results say when it was
-    enqueued and when it started, as ``get_result`` does (the claim returns both)."""
-    seen: dict[str, Any] = {}
-
-    def started(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen["started"] = (task_result.enqueued_at, task_result.started_at)
-
-    def finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen["finished"] = (task_result.enqueued_at, task_result.started_at)
-
-    task_started.connect(started)
-    task_finished.connect(finished)
-    try:
-        result = tasks.add.enqueue(2, 3)
-        assert run_until_empty() == {"succeeded": 1}
-    finally:
-        task_started.disconnect(started)
-        task_finished.disconnect(finished)
-    row = WorkItem.objects.get(pk=int(result.id))
-    assert seen == {
-        "started": (row.created_at, row.claimed_at),
-        "finished": (row.created_at, row.claimed_at),
-    }
-
-
 def test_get_result_reads_any_task_and_refuses_the_rest() -> None:
     backend = task_backends["default"]
     result = tasks.echo.enqueue(1, "two", three=[3])

@@ -24,8 +24,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
 
 -- name: claim_in_queue
 -- Claim the next ready rows of some handlers in one queue.
@@ -49,8 +48,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in several queues.
@@ -74,8 +72,7 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.created_at,
-          w.claimed_at;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.

@@ -23,7 +23,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, created_at, claimed_at;
+          max_attempts, claimed_by, claim_token, trace_context;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in some queues.
@@ -46,7 +46,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, created_at, claimed_at;
+          max_attempts, claimed_by, claim_token, trace_context;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
