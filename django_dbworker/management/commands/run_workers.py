@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -392,6 +393,10 @@ def watch_new_tasks(
     def watch() -> None:
         seen = None
         try:
+            # The baseline now, not after the first interval: a row added
+            # meanwhile is then found at the first look, not the second.
+            with contextlib.suppress(DatabaseError):
+                _, seen = new_pending_handlers(None, using)
             while not worker.stopping.wait(interval):
                 try:
                     names, seen = new_pending_handlers(seen, using)
