@@ -326,6 +326,12 @@ class VendorOperations:
         if not _local_wakers:
             return
         names = list(queues)
+        connection = self.connection
+        if not connection.in_atomic_block and not connection.get_autocommit():
+            # AUTOCOMMIT off, outside atomic(): Django has no commit hooks
+            # there (on_commit raises). The workers find the rows when they
+            # next poll; waking them now would only find nothing.
+            return
         transaction.on_commit(lambda: wake_local(names), using=self.using)
 
     def listen(self) -> Subscription:

@@ -493,6 +493,28 @@ class MySQLOperations(VendorOperations):
 
     # -- enqueue ------------------------------------------------------------------
 
+    def insert_item(
+        self,
+        item: WorkItem,
+        *,
+        run_after: datetime | timedelta | None,
+        payload_json: str | None = None,
+    ) -> bool:
+        # One statement, as on PostgreSQL: in autocommit one round trip and
+        # one commit, without the ORM compiling the model's every field.
+        if not self._returns_inserted_rows():
+            return False  # no INSERT ... RETURNING: Django's save()
+        if payload_json is None and item.payload is not None:
+            payload_json = json.dumps(item.payload)
+        params = self._insert_params(item, run_after)
+        params["payload_0"] = None if item.payload is None else payload_json
+        with self.connection.cursor() as cursor:
+            cursor.execute(insert_items_sql(1), params)
+            rows = cursor.fetchall()
+        self.notify([item.queue])
+        self._assign(rows, [item])
+        return True
+
     def insert_items(
         self,
         items: Sequence[WorkItem],
@@ -502,24 +524,11 @@ class MySQLOperations(VendorOperations):
     ) -> bool:
         # Django's bulk_create spends about 80% of a 10,000-row batch
         # compiling every value of every row (docs/benchmarks.md, W2).
-        connection: Any = self.connection
-        connection.ensure_connection()
-        if not connection.mysql_is_mariadb:
+        if not self._returns_inserted_rows():
             return False  # no INSERT ... RETURNING: Django's bulk_create
+        connection: Any = self.connection
         first = items[0]
-        shared = {
-            "handler": first.handler,
-            "queue": first.queue,
-            "priority": first.priority,
-            "run_at": (
-                connection.ops.adapt_datetimefield_value(run_after)
-                if isinstance(run_after, datetime)
-                else None
-            ),
-            "delay_us": run_after // MICROSECOND if isinstance(run_after, timedelta) else 0,
-            "max_attempts": first.max_attempts,
-            "trace_context": json.dumps(first.trace_context or {}),
-        }
+        shared = self._insert_params(first, run_after)
         rows: list[tuple[Any, ...]] = []
         # All or nothing: one transaction in autocommit; a savepoint inside
         # the caller's transaction (an atomic block, or AUTOCOMMIT off, where
@@ -535,6 +544,30 @@ class MySQLOperations(VendorOperations):
             self.notify([first.queue])
         self._assign(rows, items)
         return True
+
+    def _returns_inserted_rows(self) -> bool:
+        """MariaDB has ``INSERT ... RETURNING`` (10.5+); MySQL 8 does not."""
+        connection: Any = self.connection
+        connection.ensure_connection()
+        return bool(connection.mysql_is_mariadb)
+
+    def _insert_params(
+        self, first: WorkItem, run_after: datetime | timedelta | None
+    ) -> dict[str, Any]:
+        """The parameters the inserted rows share (all but the payload)."""
+        return {
+            "handler": first.handler,
+            "queue": first.queue,
+            "priority": first.priority,
+            "run_at": (
+                self.connection.ops.adapt_datetimefield_value(run_after)
+                if isinstance(run_after, datetime)
+                else None
+            ),
+            "delay_us": run_after // MICROSECOND if isinstance(run_after, timedelta) else 0,
+            "max_attempts": first.max_attempts,
+            "trace_context": json.dumps(first.trace_context or {}),
+        }
 
     def _read_committed(self) -> Any:
         """A transaction of its own (or the caller's), at READ COMMITTED.

@@ -31,6 +31,7 @@ def test_enqueue_fills_defaults_from_the_handler() -> None:
     assert row.max_attempts == 3 and Flaky.enqueue({}).max_attempts == 4
     assert row.attempts == 0 and row.priority == 0
     assert item.run_after == row.run_after  # loaded from the DB default on access
+    assert (item.created_at, item.updated_at) == (row.created_at, row.updated_at)
     assert WorkItem.objects.ready().filter(pk=item.pk).exists()
 
 
