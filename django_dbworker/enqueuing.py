@@ -349,7 +349,7 @@ def insert(
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
         if unique_key is None and ops.insert_item(
-            item, run_after=run_after, payload_json=payload_json
+            item, run_after=run_after, payload_json=None if payload is None else payload_json
         ):
             # One statement: the insert and its wake-up (the common case).
             send.set_message_id(item.pk)

@@ -293,14 +293,15 @@ class VendorOperations:
         item: WorkItem,
         *,
         run_after: datetime | timedelta | None,
-        payload_json: str | None = None,
+        payload_json: str | None,
     ) -> bool:
         """Insert a validated item without a unique_key, and wake workers; in one go.
 
         Returns False where the vendor has no faster way than the ORM's
         ``save()`` followed by ``notify()``; the caller then does that.
         ``run_after`` is the caller's original value (None: now, by the DB clock);
-        ``payload_json`` the payload already encoded by validation.
+        ``payload_json`` the payload already encoded by validation, None for
+        a None payload (stored as SQL NULL, as the ORM stores it).
         """
         return False
 
@@ -311,7 +312,10 @@ class VendorOperations:
         run_after: datetime | timedelta | None,
         payloads_json: Sequence[str | None],
     ) -> bool:
-        """``insert_item`` for a batch sharing handler, queue, priority and run_after."""
+        """``insert_item`` for a batch sharing handler, queue, priority and run_after.
+
+        ``payloads_json`` as ``insert_item``'s ``payload_json``, one per item.
+        """
         return False
 
     def notify(self, queues: Sequence[str]) -> None:

@@ -498,16 +498,14 @@ class MySQLOperations(VendorOperations):
         item: WorkItem,
         *,
         run_after: datetime | timedelta | None,
-        payload_json: str | None = None,
+        payload_json: str | None,
     ) -> bool:
         # One statement, as on PostgreSQL: in autocommit one round trip and
         # one commit, without the ORM compiling the model's every field.
         if not self._returns_inserted_rows():
             return False  # no INSERT ... RETURNING: Django's save()
-        if payload_json is None and item.payload is not None:
-            payload_json = json.dumps(item.payload)
         params = self._insert_params(item, run_after)
-        params["payload_0"] = None if item.payload is None else payload_json
+        params["payload_0"] = payload_json
         with self.connection.cursor() as cursor:
             cursor.execute(insert_items_sql(1), params)
             rows = cursor.fetchall()

@@ -401,14 +401,12 @@ class PostgresOperations(VendorOperations):
         item: WorkItem,
         *,
         run_after: datetime | timedelta | None,
-        payload_json: str | None = None,
+        payload_json: str | None,
     ) -> bool:
         # One round trip and, in autocommit, one commit: the INSERT and the
         # NOTIFY run as one statement.
-        if payload_json is None and item.payload is not None:
-            payload_json = json.dumps(item.payload)
         params = self._insert_params(item, run_after)
-        params["payload"] = None if item.payload is None else payload_json
+        params["payload"] = payload_json
         with self._insert_cursor() as cursor:
             cursor.execute(INSERT_ITEM.sql, params)
             rows = cursor.fetchall()
@@ -485,13 +483,7 @@ class PostgresOperations(VendorOperations):
                         )
                     )
             cursor.execute(NOTIFY.sql, {"queue": params["queue"]})
-        for item, pk in zip(items, ids, strict=True):
-            item.pk = pk
-            item.run_after = run_after_value
-            item.created_at = now
-            item.updated_at = now
-            item._state.adding = False
-            item._state.db = self.using
+        self._assign([(pk, run_after_value, now, now) for pk in ids], items)
 
     def _insert_cursor(self) -> CursorWrapper:
         """A cursor for the enqueue statements: prepared where the connection allows it.
