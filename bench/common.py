@@ -102,3 +102,24 @@ def report(name: str, result: dict[str, Any]) -> None:
     for key, value in result.items():
         shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
         print(f"  {key.ljust(width)}  {shown}", file=sys.stderr)
+
+
+def commits() -> int:
+    """Transactions committed in this database so far (all sessions).
+
+    bench/peer_harness/djtasks_bench.py has its own copy: it runs in the
+    peer's virtual environment, where this module is not importable.
+    """
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "mysql":
+            # Server-wide (the benchmark server serves nothing else):
+            # explicit COMMITs only, so a write in autocommit is not counted.
+            cursor.execute("SHOW GLOBAL STATUS LIKE 'Com_commit'")
+            return int(cursor.fetchone()[1])
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        return int(cursor.fetchone()[0])

@@ -53,6 +53,7 @@ from typing import Any
 
 from common import (
     ROOT,
+    commits,
     machine,
     report,
     reset_table,
@@ -76,18 +77,6 @@ WORKERS = {
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def commits() -> int:
-    """Transactions committed in this database so far (all sessions)."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_clear_snapshot()")
-        cursor.execute(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
-        )
-        return int(cursor.fetchone()[0])
 
 
 def enqueuers() -> dict[str, tuple[Callable[[], object], Callable[[], int]]]:

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 from common import (
+    commits,
     report,
     reset_table,
     setup_django,
@@ -86,22 +87,6 @@ def main() -> None:
             raise SystemExit("not every item succeeded")
     finally:
         stop_postgres()
-
-
-def commits() -> int:
-    """Transactions committed in this database so far (all sessions)."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        if connection.vendor == "mysql":
-            # Server-wide (the benchmark server serves nothing else).
-            cursor.execute("SHOW GLOBAL STATUS LIKE 'Com_commit'")
-            return int(cursor.fetchone()[1])
-        cursor.execute("SELECT pg_stat_clear_snapshot()")
-        cursor.execute(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
-        )
-        return int(cursor.fetchone()[0])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ worker must not rely on a READ-COMMITTED server setting.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pwd
@@ -246,19 +245,14 @@ def restart(state: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("action", choices=["start", "stop", "restart", "ensure-installed"])
-    parser.add_argument("--state", type=Path, default=Path(".tmp/mariadb.json"))
-    parser.add_argument("--durable", action="store_true")
-    args = parser.parse_args()
-    if args.action == "start":
-        print(start(args.state, args.durable)["url"])
-    elif args.action == "stop":
-        stop(args.state)
-    elif args.action == "restart":
-        restart(args.state)
-    else:
-        print(ensure_installed()[0])
+    throwaway.main(
+        __doc__,
+        Path(".tmp/mariadb.json"),
+        start=start,
+        stop=stop,
+        restart=restart,
+        ensure_installed=lambda: ensure_installed()[0],
+    )
 
 
 if __name__ == "__main__":

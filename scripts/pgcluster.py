@@ -14,7 +14,6 @@ benchmarks pass ``--durable`` to measure real commits.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -178,19 +177,14 @@ def restart(state: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("action", choices=["start", "stop", "restart", "ensure-installed"])
-    parser.add_argument("--state", type=Path, default=Path(".tmp/pg.json"))
-    parser.add_argument("--durable", action="store_true")
-    args = parser.parse_args()
-    if args.action == "start":
-        print(start(args.state, args.durable)["url"])
-    elif args.action == "stop":
-        stop(args.state)
-    elif args.action == "restart":
-        restart(args.state)
-    else:
-        print(ensure_installed())
+    throwaway.main(
+        __doc__,
+        Path(".tmp/pg.json"),
+        start=start,
+        stop=stop,
+        restart=restart,
+        ensure_installed=ensure_installed,
+    )
 
 
 if __name__ == "__main__":

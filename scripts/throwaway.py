@@ -7,11 +7,13 @@ installed, so this sits beside them, not in it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,3 +44,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def main(
+    description: str,
+    default_state: Path,
+    *,
+    start: Callable[[Path, bool], dict[str, object]],
+    stop: Callable[[Path], None],
+    restart: Callable[[Path], None],
+    ensure_installed: Callable[[], object],
+) -> None:
+    """The command line of both scripts: start (prints the URL), stop, restart, ensure-installed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("action", choices=["start", "stop", "restart", "ensure-installed"])
+    parser.add_argument("--state", type=Path, default=default_state)
+    parser.add_argument("--durable", action="store_true")
+    args = parser.parse_args()
+    if args.action == "start":
+        print(start(args.state, args.durable)["url"])
+    elif args.action == "stop":
+        stop(args.state)
+    elif args.action == "restart":
+        restart(args.state)
+    else:
+        print(ensure_installed())

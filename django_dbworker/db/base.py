@@ -218,6 +218,7 @@ class VendorOperations:
     def __init__(self, using: str) -> None:
         self.using = using
         self._converters: list[tuple[list[Converter], Any]] | None = None
+        self._inserted_converters: list[tuple[list[Converter], Any]] | None = None
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
@@ -452,7 +453,9 @@ class VendorOperations:
         """
         if len(rows) != len(items):
             raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
-        converters = self._converters_of(INSERTED_COLUMNS)
+        if self._inserted_converters is None:
+            self._inserted_converters = self._converters_of(INSERTED_COLUMNS)
+        converters = self._inserted_converters
         for item, row in zip(items, rows, strict=True):
             pk, run_after, created_at, updated_at = self._convert(row[:4], converters)
             item.pk = pk

@@ -156,11 +156,10 @@ def notify_recorded(
 ) -> None:
     """``handler.attempt_recorded(...)``, once per attempt, never changing how it ended.
 
-    Once: a timed-out attempt is recorded by the thread that waited for it,
-    and its abandoned run may still end (fenced) later; the first word is
-    the attempt's. The mark sits on the attempt's ``WorkItem`` instance,
-    which both share. Nothing the hook raises (``BaseException`` included)
-    leaves it.
+    Once (``mark_attempt_recorded``): a timed-out attempt is recorded by the
+    thread that waited for it, and its abandoned run may still end (fenced)
+    later; the first word is the attempt's. Nothing the hook raises
+    (``BaseException`` included) leaves it.
     """
     if not listens(handler) or not mark_attempt_recorded(item):
         return
