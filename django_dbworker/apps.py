@@ -30,7 +30,7 @@ class DBWorkerConfig(AppConfig):
 
         from django_dbworker import checks  # noqa: F401 - checks register on import
         from django_dbworker.db.mysql import set_session_time_zone
-        from django_dbworker.registry import autodiscover
+        from django_dbworker.discovery import autodiscover
 
         # MySQL sessions in UTC, so that Django's Now() is the worker's clock
         # (see set_session_time_zone); a no-op for other databases.

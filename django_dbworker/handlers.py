@@ -11,7 +11,6 @@ pyproject.toml).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -125,7 +124,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         someone else records the row's fate. ``error`` is the exception that
         failed the attempt. Called once per attempt, after the write
         committed and outside any transaction of the attempt: from the
-        worker thread that wrote a failure, or from the worker's notifier
+        worker thread that wrote a failure, or from the worker's hook
         thread for successes the success writer recorded and for rows stale
         recovery failed because their attempts ran out (then by the
         recovering worker, with the row as it is now). What it raises is
@@ -244,33 +243,21 @@ class Enqueuer(Protocol):
     ) -> list[WorkItem]: ...
 
 
-#: The mark ``mark_attempt_recorded`` leaves on an attempt's ``WorkItem`` instance.
-_RECORDED = "_dbworker_recorded"
-_recorded_lock = threading.Lock()
-
-
-def mark_attempt_recorded(item: WorkItem) -> bool:
-    """Mark the attempt ``item`` holds as recorded; False if it was already.
-
-    The mark sits on the attempt's ``WorkItem`` instance, which the thread
-    running the attempt and the thread recording it share: a timed-out
-    attempt is recorded by the thread that waited for it while its
-    abandoned run may still go on. The worker calls this before
-    ``attempt_recorded``, so that the hook runs once per attempt.
-    """
-    with _recorded_lock:
-        if item.__dict__.get(_RECORDED):
-            return False
-        item.__dict__[_RECORDED] = True
-        return True
+#: The attribute of an attempt's ``WorkItem`` instance that points to the
+#: worker's record of the attempt (``worker/attempts.py``).
+_ATTEMPT = "_dbworker_attempt"
 
 
 def attempt_was_recorded(item: WorkItem) -> bool:
-    """Whether the attempt ``item`` holds has been recorded (``attempt_recorded`` called or due).
+    """Whether the attempt ``item`` holds has been recorded (its ending settled).
 
-    Kept for handlers with an ``attempt_recorded`` hook only; False for the others.
+    The worker keeps this on its record of the attempt, which the thread
+    running the attempt and the thread recording it share: a timed-out
+    attempt is recorded by the thread that waited for it while its
+    abandoned run may still go on (``attempt_started`` of the Tasks backend
+    asks, after a slow read). False for an item no worker runs.
     """
-    return bool(item.__dict__.get(_RECORDED))
+    return bool(getattr(item.__dict__.get(_ATTEMPT), "recorded", False))
 
 
 _port: list[Enqueuer] = []

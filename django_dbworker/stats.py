@@ -101,34 +101,6 @@ class OrphanedHandler(TypedDict):
     oldest_age: float
 
 
-#: How far behind the newest id a look for new handler names starts: rows of
-#: transactions that committed after later ids were seen are still found.
-NEW_ROWS_LOOKBACK = 10_000
-
-
-def new_pending_handlers(after_id: int | None, using: str | None = None) -> tuple[list[str], int]:
-    """Handler names of pending rows added since ``after_id`` that nothing here registers.
-
-    Returns them (at most 100) and the newest id now, for the next look. A
-    primary-key range scan: its cost is the rows added since, not the
-    table. ``None`` starts from the newest row.
-    """
-    db = work_db_for_read(using)
-    newest = WorkItem.objects.using(db).order_by("-pk").values_list("pk", flat=True).first() or 0
-    if after_id is None:
-        return [], newest
-    known = [name for name, cls in registry.items() if issubclass(cls, WorkItemHandler)]
-    names = list(
-        WorkItem.objects.using(db)
-        .filter(pk__gt=max(0, after_id - NEW_ROWS_LOOKBACK), status="pending")
-        .exclude(handler__in=known)
-        .order_by()
-        .values_list("handler", flat=True)
-        .distinct()[:100]
-    )
-    return names, newest
-
-
 def orphaned_handlers(using: str | None = None) -> list[OrphanedHandler]:
     """Handler names with pending rows that no WorkItemHandler here registers, by name.
 

@@ -132,7 +132,7 @@ class DBWorkerBackend(BaseTaskBackend):
     supports_async_task = True
     supports_get_result = True
     supports_priority = True
-    #: How ``registry.autodiscover`` tells that ``tasks`` modules hold our handlers.
+    #: How ``discovery.autodiscover`` tells that ``tasks`` modules hold our handlers.
     is_dbworker_backend = True
 
     # -- declaring ----------------------------------------------------------------

@@ -146,6 +146,7 @@ def run_until_stopped(
     what: str,
     using: str,
     on_error: Callable[[], None] | None = None,
+    wait: Callable[[threading.Event, float], bool] = threading.Event.wait,
 ) -> None:
     """Call ``step`` until ``stopped`` is set, sleeping the seconds it returns.
 
@@ -156,7 +157,7 @@ def run_until_stopped(
     """
     delay = first_delay
     try:
-        while not stopped.wait(delay):
+        while not wait(stopped, delay):
             try:
                 delay = step()
             except Exception as exc:

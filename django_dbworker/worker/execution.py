@@ -11,13 +11,17 @@ raises or returns, however its exception prints, whatever its ``backoff``
 answers, and whatever value the database refuses, an outcome is written
 (falling back to a plain fenced failure), or the attempt is reported
 ``Outcome.UNRECORDED`` so that its owner releases it.
+
+This module decides and writes; it *returns* what happened (an
+``Ending``) and accounts for nothing: metrics of finished tasks, the
+``attempt_recorded`` hook, counters and the fenced log line are
+``settle.py``'s.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,35 +30,31 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import tracing, transitions
-from django_dbworker.backoff import exponential_backoff
-from django_dbworker.conf import dbworker_settings
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler, mark_attempt_recorded
+from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
+from django_dbworker.worker import endings
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
     close_thread_connections,
     guarded,
-    persist,
     refresh_if_idle,
     tidy,
 )
+from django_dbworker.worker.endings import Ending
+from django_dbworker.worker.failures import record_failure, record_refused_result
 
 logger = logging.getLogger("django_dbworker.worker")
 
 #: Hands a success to the success writer: (item, result as JSON text or
-#: None). The writer records and reports the outcome; it answers how it
-#: ended if it knows at once (inline, or a quick write), else None.
+#: None). The writer records it and its ending is settled from there; it
+#: answers how it ended if it knows at once (inline, or a quick write), else None.
 RecordSuccess = Callable[[WorkItem, "str | None"], "Outcome | None"]
-
-
-#: The longest retry delay a ``backoff()`` may ask for (ten years): any
-#: datetime arithmetic of every supported database stays in range.
-MAX_RETRY_DELAY = 10 * 365 * 86400.0
-#: Prefix of ``last_error`` when the database refused the handler's result.
-RESULT_NOT_STORED = "result could not be stored: "
+#: Hears the ending of an abandoned (timed-out) run that finished after its
+#: attempt was recorded as timed out.
+LateEnding = Callable[[Ending], None]
 
 
 class _Recording:
@@ -93,26 +93,28 @@ def execute(
     record_success: RecordSuccess,
     abandoned: AbandonedThreads | None = None,
     on_recording: Callable[[], None] | None = None,
-) -> Outcome:
-    """Run ``item`` and record its outcome; returns one of the outcome labels.
+    on_late: LateEnding | None = None,
+) -> Ending:
+    """Run ``item`` and record its outcome; returns how the attempt ended.
 
     Never raises for anything the handler does (``BaseException`` included):
     the caller's slot and loop must survive any user code. Each attempt is
-    one CONSUMER span and one observation of the task metrics.
-    Non-atomic successes go to ``record_success`` (the worker's success
-    writer); atomic handlers write theirs in their own transaction, through
-    the same ``transitions.succeed``.
+    one CONSUMER span. Non-atomic successes go to ``record_success`` (the
+    worker's success writer; the ending is then ``DEFERRED``); atomic
+    handlers write theirs in their own transaction, through the same
+    ``transitions.succeed``.
     ``on_recording`` is told when the handler is done and its outcome is
     about to be written (a heartbeat that misses the row after that point
-    raced the write; it did not lose the claim).
+    raced the write; it did not lose the claim). ``on_late`` hears how an
+    abandoned run ended, if it ends after its timeout was recorded.
     """
     metrics = metrics or default_metrics()
     ready = _Recording(on_recording)
     started = time.perf_counter()
-    outcome: Outcome | None = None
+    ending: Ending | None = None
     try:
         with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
-            outcome = _execute(
+            ending = _execute(
                 item,
                 handler,
                 give_up=give_up,
@@ -120,12 +122,12 @@ def execute(
                 record_success=record_success,
                 abandoned=abandoned,
                 ready=ready,
-                metrics=metrics,
+                on_late=on_late,
             )
-            if outcome == Outcome.DEFERRED:
+            if ending.outcome == Outcome.DEFERRED:
                 attempt.outcome(ready.reported or Outcome.SUCCEEDED)
             else:
-                attempt.outcome(outcome)
+                attempt.outcome(ending.outcome)
     except BaseException as exc:
         # Our own code (or a tracing SDK) failed around the handler. If no
         # outcome was recorded yet, the attempt still needs one.
@@ -136,39 +138,10 @@ def execute(
             transitions.error_summary(exc, sensitive=handler.sensitive),
             exc_info=not handler.sensitive,
         )
-        if outcome is None:
+        if ending is None:
             ready()
-            outcome = _record_failure(item, handler, exc, retriable=True, give_up=give_up)
-    if outcome in (Outcome.FENCED, Outcome.UNRECORDED):
-        notify_recorded(handler, item, None, None)
-    if outcome.final:
-        metrics.task_done(handler.name, outcome, time.perf_counter() - started)
-    return outcome
-
-
-def listens(handler: WorkItemHandler) -> bool:
-    """Whether ``handler`` has an ``attempt_recorded`` hook (most handlers do not)."""
-    return type(handler).attempt_recorded is not WorkItemHandler.attempt_recorded
-
-
-def notify_recorded(
-    handler: WorkItemHandler, item: WorkItem, status: str | None, error: BaseException | None
-) -> None:
-    """``handler.attempt_recorded(...)``, once per attempt, never changing how it ended.
-
-    Once (``mark_attempt_recorded``): a timed-out attempt is recorded by the
-    thread that waited for it, and its abandoned run may still end (fenced)
-    later; the first word is the attempt's. Nothing the hook raises
-    (``BaseException`` included) leaves it.
-    """
-    if not listens(handler) or not mark_attempt_recorded(item):
-        return
-    try:
-        handler.attempt_recorded(item, status, error)
-    except BaseException:
-        logger.exception(
-            "%s.attempt_recorded raised for work item %s.", type(handler).__qualname__, item.pk
-        )
+            ending = record_failure(item, handler, exc, retriable=True, give_up=give_up)
+    return ending.took(time.perf_counter() - started)
 
 
 def _execute(
@@ -180,8 +153,8 @@ def _execute(
     record_success: RecordSuccess,
     abandoned: AbandonedThreads | None,
     ready: _Recording,
-    metrics: WorkerMetrics,
-) -> Outcome:
+    on_late: LateEnding | None,
+) -> Ending:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
         return _run_and_record(item, handler, give_up, record_success, ready)
@@ -192,20 +165,18 @@ def _execute(
 
     def target() -> None:
         started = time.perf_counter()
-        outcome: Outcome | None = None
+        ending: Ending | None = None
         try:
-            outcome = box["outcome"] = _run_and_record(
-                item, handler, give_up, record_success, ready
-            )
+            ending = box["ending"] = _run_and_record(item, handler, give_up, record_success, ready)
         except BaseException as exc:  # our bug: the attempt still needs an outcome
             box["error"] = exc
         finally:
             close_thread_connections()
             late = tracker.finish(finished, gone)
-            if late and outcome is not None and outcome.final:
+            if late and ending is not None and on_late is not None:
                 # Abandoned: the caller reported the timeout, and only this
                 # thread knows how the late run ended (usually fenced).
-                metrics.task_done(handler.name, outcome, time.perf_counter() - started)
+                on_late(ending.took(time.perf_counter() - started))
 
     # Python cannot stop a thread, so a handler that overruns is abandoned:
     # its attempt is recorded as timed out now, and whatever it records
@@ -219,13 +190,14 @@ def _execute(
     runner.join(timeout)
     if not tracker.abandon(finished, gone):
         runner.join()  # it ended just now: its own outcome stands
-        if "outcome" in box:
-            return Outcome(box["outcome"])
+        if "ending" in box:
+            ending: Ending = box["ending"]
+            return ending
         ready()
-        return _record_failure(item, handler, box["error"], retriable=True, give_up=give_up)
+        return record_failure(item, handler, box["error"], retriable=True, give_up=give_up)
     error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
     ready()
-    return _record_failure(
+    return record_failure(
         item,
         handler,
         error,
@@ -242,7 +214,7 @@ def _run_and_record(
     give_up: threading.Event | None,
     record_success: RecordSuccess,
     ready: _Recording,
-) -> Outcome:
+) -> Ending:
     db = item._state.db or "default"
     conn = connections[db]
     # Tidy the connection between steps only if we own its state: a caller
@@ -272,13 +244,11 @@ def _run_and_record(
                     ready()
                     if not _succeed_or_refuse(item, encoded):
                         raise _FencedOut
-                notify_recorded(handler, item, Status.SUCCEEDED, None)
-                return Outcome.SUCCEEDED
+                return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
             encoded = _encode_result(handler.handle_item(item))
             ready()
         except _FencedOut:
-            log_fenced(item, handler)
-            return Outcome.FENCED
+            return endings.FENCED
         except _ResultRefused as exc:
             refused = exc
         except BaseException as exc:
@@ -290,7 +260,7 @@ def _run_and_record(
         if failure is not None:
             ready()
             tidy_if_owned()
-            return _record_failure(
+            return record_failure(
                 item,
                 handler,
                 failure,
@@ -300,7 +270,7 @@ def _run_and_record(
         tidy_if_owned()
         # The success writer owns the write (and its fallbacks) from here.
         ready.reported = record_success(item, encoded)
-        return Outcome.DEFERRED
+        return endings.DEFERRED
     finally:
         tidy_if_owned()
 
@@ -332,204 +302,3 @@ def _succeed_or_refuse(item: WorkItem, encoded: str | None) -> bool:
         if is_transient(exc):
             raise
         raise _ResultRefused(exc) from exc
-
-
-def retry_delay(handler: WorkItemHandler, attempt: int) -> float:
-    """The handler's ``backoff(attempt)``, or the default one if it misbehaves.
-
-    ``backoff`` is user code: it may raise, or answer infinity, NaN or
-    something that is not a number; none of that may keep a failure from
-    being recorded.
-    """
-    try:
-        delay = float(handler.backoff(attempt))
-        problem = None if math.isfinite(delay) else f"returned {delay!r}"
-    except BaseException as exc:
-        problem = f"raised {transitions.error_summary(exc)}"
-    if problem is not None:
-        logger.error(
-            "%s.backoff(%d) %s; using the default backoff.",
-            type(handler).__qualname__,
-            attempt,
-            problem,
-        )
-        delay = exponential_backoff(
-            attempt,
-            base=float(dbworker_settings.RETRY_BACKOFF),
-            cap=float(dbworker_settings.RETRY_BACKOFF_MAX),
-        )
-    return min(max(0.0, delay), MAX_RETRY_DELAY)
-
-
-def _record_failure(
-    item: WorkItem,
-    handler: WorkItemHandler,
-    exc: BaseException,
-    *,
-    retriable: bool,
-    give_up: threading.Event | None,
-    label: Outcome | None = None,
-    text: str | None = None,
-) -> Outcome:
-    sensitive = handler.sensitive
-    error = text if text is not None else transitions.format_error(exc, sensitive=sensitive)
-    try:
-        tracing.record_failure(exc, sensitive=sensitive)
-    except Exception:
-        logger.debug("Could not record the failure on the span.", exc_info=True)
-    shown = transitions.error_summary(exc, sensitive=sensitive)
-    attempts, max_attempts = item.attempts, item.max_attempts
-    retry = retriable and attempts < max_attempts
-    delay = retry_delay(handler, attempts) if retry else 0.0
-
-    error_class = transitions.exception_class_path(exc)
-
-    def write() -> bool:
-        if retry:
-            return transitions.retry_later(item, delay=delay, error=error, error_class=error_class)
-        return transitions.fail(item, error=error, error_class=error_class)
-
-    try:
-        status = _write_outcome(
-            item,
-            handler,
-            write,
-            give_up=give_up,
-            intended=Status.PENDING if retry else Status.FAILED,
-        )
-    except Exception as exc_write:
-        return _unrecorded(item, handler, exc_write)
-    if status is None:
-        log_fenced(item, handler)
-        return Outcome.FENCED
-    notify_recorded(handler, item, status, exc)
-    if status == Status.FAILED and retry:
-        return label or Outcome.FAILED  # the retry was refused: a plain failure was written
-    if retry:
-        logger.warning(
-            "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
-            item.pk,
-            handler.name,
-            attempts,
-            max_attempts,
-            delay,
-            shown,
-        )
-        return label or Outcome.RETRIED
-    logger.error(
-        "Work item %s (%s) failed on attempt %d/%d%s: %s",
-        item.pk,
-        handler.name,
-        attempts,
-        max_attempts,
-        "" if retriable else " (not retryable)",
-        shown,
-    )
-    return label or Outcome.FAILED
-
-
-def record_refused_result(
-    item: WorkItem,
-    handler: WorkItemHandler,
-    cause: BaseException,
-    *,
-    give_up: threading.Event | None,
-) -> Outcome:
-    """The handler finished but its result cannot be stored: record ``failed``.
-
-    Not retried: a new attempt would compute the same result (and repeat the
-    handler's side effects) only to be refused again.
-    """
-    reason = transitions.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
-    error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
-    error_class = transitions.exception_class_path(cause)
-    try:
-        status = _write_outcome(
-            item,
-            handler,
-            lambda: transitions.fail(item, error=error, error_class=error_class),
-            give_up=give_up,
-            intended=Status.FAILED,
-        )
-    except Exception as exc_write:
-        return _unrecorded(item, handler, exc_write)
-    if status is None:
-        log_fenced(item, handler)
-        return Outcome.FENCED
-    notify_recorded(handler, item, status, cause)
-    logger.error(
-        "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
-        item.pk,
-        handler.name,
-        reason,
-    )
-    return Outcome.FAILED
-
-
-def _write_outcome(
-    item: WorkItem,
-    handler: WorkItemHandler,
-    write: Callable[[], bool],
-    *,
-    give_up: threading.Event | None,
-    intended: str,
-) -> str | None:
-    """``write`` until it lands; if the database refuses it, a plain fenced failure.
-
-    Returns the row's status now (``intended``, or ``failed`` if the plain
-    failure was written instead), or None if the attempt was fenced out.
-    Raises only when even the plain failure cannot be written (or the worker
-    is stopping at once while the database is away).
-    """
-    db = item._state.db or "default"
-    try:
-        landed = persist(
-            lambda: _guarded(item, write), what="recording an outcome", give_up=give_up, using=db
-        )
-        return intended if landed else None
-    except Exception as exc:
-        if is_transient(exc):
-            raise
-        refusal = transitions.error_summary(exc)
-    logger.error(
-        "The database refused the outcome of work item %s (%s): %s; "
-        "recording a plain failure instead.",
-        item.pk,
-        handler.name,
-        refusal,
-    )
-    plain = f"The outcome could not be recorded: {refusal}"
-    landed = persist(
-        lambda: _guarded(
-            item,
-            # Without the history: whatever the database refused, this
-            # write asks the least of it.
-            lambda: transitions.fail(
-                item, error=transitions.clean_error_text(plain), history=False
-            ),
-        ),
-        what="recording a plain failure",
-        give_up=give_up,
-        using=db,
-    )
-    return Status.FAILED if landed else None
-
-
-def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> Outcome:
-    logger.error(
-        "Could not record any outcome of work item %s (%s): %s. It stays claimed under "
-        "this attempt until it is released or recovered as stale.",
-        item.pk,
-        handler.name,
-        transitions.error_summary(exc),
-    )
-    return Outcome.UNRECORDED
-
-
-def log_fenced(item: WorkItem, handler: WorkItemHandler) -> None:
-    logger.warning(
-        "Discarded the outcome of work item %s (%s): the row is no longer claimed by "
-        "this attempt (recovered as stale, and maybe re-claimed, meanwhile).",
-        item.pk,
-        handler.name,
-    )

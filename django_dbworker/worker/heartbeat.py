@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Collection
 
 from django_dbworker import transitions
 from django_dbworker.transitions import AttemptKey
+from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.connections import Backoff, run_until_stopped
 
 
@@ -25,8 +25,8 @@ class Heartbeat(threading.Thread):
     ``snapshot`` returns the attempts to keep alive; ``on_lost`` receives
     those whose token is gone from the row (recovered as stale and possibly
     re-claimed elsewhere), which are then no longer heartbeated; ``on_held``
-    those still held, with the ``time.perf_counter()`` taken before the
-    snapshot (their rows' heartbeat_at is no older than that).
+    those still held, with the clock's time taken before the snapshot
+    (their rows' heartbeat_at is no older than that).
     """
 
     def __init__(
@@ -38,6 +38,7 @@ class Heartbeat(threading.Thread):
         using: str,
         on_held: Callable[[set[AttemptKey], float], None] | None = None,
         observe: Callable[[float], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(name="dbworker-heartbeat", daemon=True)
         self.interval = interval
@@ -46,6 +47,7 @@ class Heartbeat(threading.Thread):
         self.on_held = on_held
         self.using = using
         self.observe = observe
+        self.clock = clock
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -57,17 +59,18 @@ class Heartbeat(threading.Thread):
             what="Heartbeat",
             using=self.using,
             on_error=lambda: self._observe(math.inf),
+            wait=self.clock.wait,
         )
 
     def _step(self) -> float:
-        started = time.monotonic()
+        started = self.clock.now()
         self.beat()
-        self._observe(time.monotonic() - started)
+        self._observe(self.clock.now() - started)
         return self.interval
 
     def beat(self) -> None:
         # Taken before the snapshot: every row held gets a heartbeat_at later than this.
-        taken = time.perf_counter()
+        taken = self.clock.now()
         claims = set(self.snapshot())
         if not claims:
             return

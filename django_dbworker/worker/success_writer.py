@@ -84,14 +84,9 @@ class SuccessWriter(threading.Thread):
         using: str = DEFAULT_DB_ALIAS,
         *,
         give_up: threading.Event | None = None,
-        inline: bool = False,
     ) -> None:
         super().__init__(name="dbworker-success-writer", daemon=True)
         self.using = using
-        #: Write each success in the submitting thread (no writer thread):
-        #: ``testing.run_until_empty`` runs the worker in the caller's thread
-        #: and transaction.
-        self.inline = inline
         self.give_up = give_up
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -121,7 +116,7 @@ class SuccessWriter(threading.Thread):
         assert item.claim_token is not None
         entry = _Pending(item, item.claim_token, result_json, callback)
         with self._lock:
-            direct = self.inline or self._closed or (self.ident is not None and not self.is_alive())
+            direct = self._writes_here()
             if not direct:
                 self._queue.put(entry)
         if direct:
@@ -129,6 +124,9 @@ class SuccessWriter(threading.Thread):
             # writer thread that died: write it here, alone.
             self._write([entry])
         return entry
+
+    def _writes_here(self) -> bool:
+        return self._closed or (self.ident is not None and not self.is_alive())
 
     def close(self) -> None:
         """Write what is queued, then stop (or write it here if the thread is gone)."""
@@ -222,3 +220,17 @@ class SuccessWriter(threading.Thread):
             )
         for entry in batch:
             entry.written = entry.key in recorded
+
+
+class InlineSuccessWriter(SuccessWriter):
+    """Writes each success in the submitting thread; no writer thread.
+
+    ``testing.run_until_empty`` runs the worker in the caller's thread and
+    transaction, where another thread's connection would not see its rows.
+    """
+
+    def _writes_here(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass

@@ -134,11 +134,13 @@ def test_run_workers_repeats_the_orphan_warning_while_it_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Rows of an unregistered handler enqueued after start-up are reported too."""
-    from django_dbworker.management.commands.run_workers import watch_orphans
+    from django_dbworker.worker.watchers import OrphanWatch
 
     stopping = threading.Event()
     caplog.set_level(logging.WARNING, logger="django_dbworker")
-    thread = watch_orphans("default", stopping=stopping, interval=0.1)
+    thread = OrphanWatch("default", interval=0.1)
+    thread.attach(stopping=stopping, add_handlers=lambda classes: None)
+    thread.start()
     try:
         make_item(handler="moved-to-tasks-py")
         wait_until(lambda: "moved-to-tasks-py" in caplog.text, what="the repeated orphan warning")

@@ -217,7 +217,7 @@ def test_sigterm_during_a_read_only_window_does_not_release_a_finished_job(
     )
     worker.stop()  # SIGTERM
     # The handler is done: the drain waits for its outcome, not for the pool.
-    wait_until(lambda: worker._pool is not None and worker._pool.busy() == 0)
+    wait_until(lambda: worker.pool is not None and worker.pool.busy() == 0)
     read_only_window(False)
     assert finish(worker, thread, 45), "the worker did not stop"
     row = WorkItem.objects.get(pk=item.pk)

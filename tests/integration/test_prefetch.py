@@ -137,7 +137,7 @@ def test_a_buffered_row_recovered_meanwhile_is_not_run(
     victim = WorkItem.objects.get(payload__key="later-0")
     steal_claim(victim.pk)
     wait_until(
-        lambda: any(a.lost for a in list(worker._in_flight.values())),
+        lambda: any(a.lost for a in worker.ledger.attempts()),
         what="the heartbeat to notice the lost claim",
     )
     GATE.set()

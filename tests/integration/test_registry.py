@@ -7,7 +7,8 @@ import logging
 import pytest
 from django.test import override_settings
 
-from django_dbworker.registry import autodiscover, import_by_path, registry
+from django_dbworker.discovery import autodiscover, import_by_path
+from django_dbworker.registry import registry
 
 
 def test_a_tasks_module_that_cannot_be_imported_is_logged_not_fatal(

@@ -356,7 +356,7 @@ def test_recovering_a_mass_crash_fits_in_one_pass_of_the_worker() -> None:
     # the pass back for having waited.
     worker = Worker([registry["noop"]], worker_config(heartbeat_interval=5.0))
     with CaptureQueriesContext(connection) as queries:
-        worker._maybe_recover()
+        worker.recovery.maybe_recover()
     left = WorkItem.objects.filter(status=Status.CLAIMED).count()
     # 71d4b93: 15 statements, 0.06 s (SQLite) / 0.11 s (PostgreSQL) for the
     # 2,000 rows; 2f1f960: 2,015 statements, 2.2 s / 5.1 s (more than the
@@ -396,7 +396,7 @@ def test_a_task_module_that_fails_to_import_is_not_skipped_silently(
         "    return amount\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from django_dbworker.registry import import_by_path
+    from django_dbworker.discovery import import_by_path
 
     # An installed app of the project (only the project's modules are imported).
     apps = [*settings.INSTALLED_APPS, "attack2_billing"]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
-import threading
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -19,14 +17,15 @@ from django.utils import timezone
 
 from django_dbworker import metrics, validation
 from django_dbworker.db import UnsupportedDatabase, operations
-from django_dbworker.handlers import WorkItemHandler, unimplemented
+from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
+from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
 from django_dbworker.periodic import periodic_handlers
-from django_dbworker.registry import autodiscover, import_by_path, registry, uses_task_backend
+from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_write
-from django_dbworker.stats import new_pending_handlers, orphaned_handlers
-from django_dbworker.worker.connections import close_thread_connections
+from django_dbworker.stats import orphaned_handlers
 from django_dbworker.worker.runtime import Worker, WorkerConfig
+from django_dbworker.worker.watchers import OrphanWatch, TaskDiscovery, Watcher, warn_about_orphans
 
 logger = logging.getLogger("django_dbworker")
 
@@ -166,7 +165,10 @@ class Command(BaseCommand):
             queues=options["queues"],
             **{field: value for field, value in flags.items() if value is not None},
         )
-        worker = Worker([registry[n] for n in names], config)
+        watchers: list[Watcher] = [OrphanWatch(using)]
+        if not options["names"] and uses_task_backend():
+            watchers.append(TaskDiscovery(using))
+        worker = Worker([registry[n] for n in names], config, watchers=watchers)
 
         logger.info(
             "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s",
@@ -177,10 +179,7 @@ class Command(BaseCommand):
             " (burst)" if config.burst else "",
         )
         _log_schedules([registry[n] for n in names], config.queues)
-        _warn_about_orphans(using)
-        watch_orphans(using, stopping=worker.stopping)
-        if not options["names"] and uses_task_backend():
-            watch_new_tasks(worker, using)
+        warn_about_orphans(using)
         self._start_metrics_server(options)
         self._install_signal_handlers(worker)
         try:
@@ -327,93 +326,6 @@ def _log_schedules(handlers: list[type[Any]], queues: Sequence[str] | None) -> N
             cls.queue,
             "none" if following is None else following.isoformat(timespec="seconds"),
         )
-
-
-def _warn_about_orphans(using: str) -> None:
-    """Pending rows that no handler of this deployment runs would wait forever, silently."""
-    try:
-        orphans = orphaned_handlers(using)
-    except DatabaseError:
-        return  # the claim loop will say what is wrong with the database
-    for orphan in orphans:
-        logger.warning(
-            "%d pending item(s) of handler %r wait for a handler nothing here registers "
-            "(oldest: %.0fs). Is it defined in a `workers.py` module of an installed app, "
-            "under that name?",
-            orphan["pending"],
-            orphan["handler"],
-            orphan["oldest_age"],
-        )
-
-
-#: Seconds between the repeated warnings about pending rows nothing runs.
-ORPHAN_CHECK_INTERVAL = 600.0
-
-
-def watch_orphans(
-    using: str, *, stopping: threading.Event, interval: float = ORPHAN_CHECK_INTERVAL
-) -> threading.Thread:
-    """Repeat the orphan warning every ``interval`` seconds until ``stopping`` is set.
-
-    Rows enqueued after start-up under a name nothing registers (a deploy of
-    the web tier ahead of the workers, a handler moved out of ``workers.py``)
-    would otherwise wait without a sign until the next restart.
-    """
-
-    def watch() -> None:
-        try:
-            while not stopping.wait(interval):
-                _warn_about_orphans(using)
-        finally:
-            close_thread_connections()
-
-    thread = threading.Thread(target=watch, name="dbworker-orphan-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-#: Seconds between looks for pending rows of tasks this worker has not imported.
-TASK_DISCOVERY_INTERVAL = 5.0
-
-
-def watch_new_tasks(
-    worker: Worker, using: str, *, interval: float = TASK_DISCOVERY_INTERVAL
-) -> threading.Thread:
-    """Run ``@task`` functions enqueued after start-up from modules not imported yet.
-
-    Django lets a task live in any module (``myapp/emails.py``); a worker
-    imports the ``tasks`` modules at start, and the modules of the rows
-    pending then, but a task first enqueued later would wait for the next
-    restart. Every ``interval`` seconds this looks at the rows added since
-    the last look (a primary-key range, however large the table), imports
-    the project's modules their handler names point to, and adds the tasks
-    found to the running worker.
-    """
-
-    def watch() -> None:
-        seen = None
-        try:
-            # The baseline now, not after the first interval: a row added
-            # meanwhile is then found at the first look, not the second.
-            with contextlib.suppress(DatabaseError):
-                _, seen = new_pending_handlers(None, using)
-            while not worker.stopping.wait(interval):
-                try:
-                    names, seen = new_pending_handlers(seen, using)
-                except DatabaseError as exc:
-                    logger.debug("Looking for new task names failed: %s", exc)
-                    continue
-                found = import_by_path(names)
-                classes = [c for n in found if issubclass(c := registry[n], WorkItemHandler)]
-                if classes:
-                    worker.add_handlers(classes)
-                    logger.info("Now running task(s) enqueued since start: %s", ", ".join(found))
-        finally:
-            close_thread_connections()
-
-    thread = threading.Thread(target=watch, name="dbworker-task-discovery", daemon=True)
-    thread.start()
-    return thread
 
 
 def _ensure_log_output(verbosity: int) -> None:

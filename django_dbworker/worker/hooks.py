@@ -1,12 +1,13 @@
-"""Handlers' ``attempt_recorded`` hooks, run where they can hold nobody up.
+"""The hook runner: handlers' ``attempt_recorded`` hooks, run where they can hold nobody up.
 
 The success writer records the successes of every handler of a process,
 and the claim loop recovers stale rows for all of them; a hook is user
 code (a Django ``task_finished`` receiver sends an e-mail, calls a web
-service), so neither thread may wait for it. They hand the calls to one
-notifier thread, in order. Only handlers that have a hook pay for it.
-Inline (``testing.run_until_empty``), the calls run at once, in the
-caller's thread, so a test sees the signals when the run returns.
+service), so neither thread may wait for it. ``settle.py`` hands those
+calls to one hook thread, in order. Only handlers that have a hook pay for
+it. Inline (``testing.run_until_empty``: ``InlineHookRunner``), the calls
+run at once, in the caller's thread, so a test sees the signals when the
+run returns.
 """
 
 from __future__ import annotations
@@ -21,22 +22,23 @@ from django_dbworker.worker.connections import close_thread_connections
 logger = logging.getLogger("django_dbworker.worker")
 
 
-class Notifier:
-    def __init__(self, *, inline: bool = False) -> None:
-        self.inline = inline
+class HookRunner:
+    """One thread, started on first use, that runs queued hook calls in order."""
+
+    def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
 
     def submit(self, call: Callable[[], None]) -> None:
-        """Run ``call`` in the notifier thread (at once if inline, closed or the thread is gone)."""
+        """Run ``call`` in the hook thread (at once if closed or the thread is gone)."""
         with self._lock:
-            direct = self.inline or self._closed
+            direct = self._closed
             if not direct:
                 if self._thread is None:
                     self._thread = threading.Thread(
-                        target=self._run, name="dbworker-notifier", daemon=True
+                        target=self._run, name="dbworker-hooks", daemon=True
                     )
                     self._thread.start()
                 direct = not self._thread.is_alive()
@@ -73,3 +75,10 @@ def _call(call: Callable[[], None]) -> None:
         call()
     except BaseException:  # a hook must never take a thread of the worker down
         logger.exception("An attempt_recorded hook raised.")
+
+
+class InlineHookRunner(HookRunner):
+    """Runs every hook call at once, in the calling thread."""
+
+    def submit(self, call: Callable[[], None]) -> None:
+        _call(call)

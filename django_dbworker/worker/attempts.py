@@ -1,0 +1,267 @@
+"""Attempts in flight and the one ledger that owns them.
+
+An attempt is one claim of one row: created when the claim returns it,
+retired when its outcome is recorded (or when the row is handed back).
+It is keyed by ``(row id, claim token)``: a row claimed again by this same
+process (a retry after a timeout, a re-claim after a false stale detection)
+is a different attempt, and nothing the older one does touches it.
+
+The ledger is the only place that changes an attempt's state, under one
+lock; the claim loop, pool threads, the heartbeat, the success writer's
+callbacks and shutdown all go through it. It holds no database code and
+runs no user code.
+
+States::
+
+    BUFFERED --start--> RUNNING --handler done--> RECORDING --settled--> retired
+       |                   |                          |
+       |withdraw           |heartbeat: token gone     |heartbeat: token gone
+       v                   v                          v
+    RELEASED             LOST  <----------------------'
+    (handed back)        (its outcome will be fenced out)
+
+``RELEASED`` and ``LOST`` attempts are retired too, once the release is
+written or the lost attempt's run ends. Whether an attempt's ending has
+been *settled* (accounted for once: metrics, the hook, the counters) is
+kept here as well (``settle_once``), so that a timed-out attempt whose
+abandoned run ends later is accounted for exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import WorkItem
+from django_dbworker.transitions import AttemptKey
+
+#: The attribute of an attempt's ``WorkItem`` that points to its ``Attempt``
+#: (``handlers.attempt_was_recorded`` reads it: the Tasks layer cannot
+#: import the worker).
+ATTEMPT_ATTR = "_dbworker_attempt"  # handlers._ATTEMPT
+
+
+class State(Enum):
+    BUFFERED = "buffered"
+    RUNNING = "running"
+    RECORDING = "recording"
+    LOST = "lost"
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One claim of one row, from the claim until its outcome is recorded."""
+
+    item: WorkItem
+    handler: WorkItemHandler
+    #: Clock time when its claim statement was sent (its row's heartbeat_at
+    #: is no older than this).
+    claimed_at: float
+    #: When the row was last known to be ours: the claim, or the snapshot
+    #: of the last heartbeat that found it held.
+    confirmed_at: float = 0.0
+    #: Clock time when a pool thread started it; None while buffered.
+    started_at: float | None = None
+    state: State = State.BUFFERED
+    #: Its ending was accounted for (``Ledger.settle_once``).
+    recorded: bool = False
+    _key: AttemptKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.confirmed_at = self.claimed_at
+        assert self.item.claim_token is not None
+        self._key = (self.item.pk, self.item.claim_token)
+        self.item.__dict__[ATTEMPT_ATTR] = self
+
+    @property
+    def key(self) -> AttemptKey:
+        return self._key
+
+    @property
+    def lost(self) -> bool:
+        return self.state is State.LOST
+
+    @property
+    def recording(self) -> bool:
+        return self.state is State.RECORDING
+
+
+class Ledger:
+    """The attempts of one worker process that are not yet recorded."""
+
+    def __init__(self, *, on_retired: Callable[[], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._attempts: dict[AttemptKey, Attempt] = {}
+        #: The newest attempt of each row in flight.
+        self._by_row: dict[int, Attempt] = {}
+        self._on_retired = on_retired
+
+    # -- reading -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._attempts)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def items(self) -> list[WorkItem]:
+        with self._lock:
+            return [a.item for a in self._attempts.values()]
+
+    def attempts(self) -> list[Attempt]:
+        with self._lock:
+            return list(self._attempts.values())
+
+    def to_heartbeat(self) -> list[AttemptKey]:
+        """Every attempt whose claim is still believed ours."""
+        with self._lock:
+            return [key for key, a in self._attempts.items() if a.state is not State.LOST]
+
+    def any_recording(self) -> bool:
+        with self._lock:
+            return any(a.state is State.RECORDING for a in self._attempts.values())
+
+    def youngest_start(self) -> float | None:
+        """When the youngest attempt still running its handler started."""
+        with self._lock:
+            starts = [
+                a.started_at
+                for a in self._attempts.values()
+                if a.started_at is not None and a.state in (State.RUNNING, State.LOST)
+            ]
+        return max(starts) if starts else None
+
+    # -- changing ------------------------------------------------------------
+
+    def add(self, attempts: Iterable[Attempt]) -> None:
+        """Claimed rows, in claim order (dicts keep it: shedding reads it)."""
+        with self._lock:
+            for attempt in attempts:
+                self._attempts[attempt.key] = attempt
+                # The row was claimed again: any older attempt of it here was
+                # recovered as stale meanwhile, whether the heartbeat saw it or not.
+                older = self._by_row.get(attempt.item.pk)
+                if older is not None and older is not attempt:
+                    older.state = State.LOST
+                self._by_row[attempt.item.pk] = attempt
+
+    def start(self, attempt: Attempt, now: float, *, draining: bool) -> State | None:
+        """A pool thread takes ``attempt`` out of the buffer to run it.
+
+        Answers ``RUNNING`` if it may run, ``LOST`` if it was recovered as
+        stale while it waited (the caller drops it), None if it must not
+        run: it started already, was handed back, or the worker is
+        stopping (buffered rows are then released, not run).
+        """
+        with self._lock:
+            if draining or attempt.started_at is not None:
+                return None
+            if attempt.state is State.LOST:
+                return State.LOST
+            if attempt.state is not State.BUFFERED:
+                return None
+            attempt.state = State.RUNNING
+            attempt.started_at = now
+            return State.RUNNING
+
+    def begin_recording(self, attempt: Attempt) -> None:
+        """The handler is done; its outcome is being written (a heartbeat miss now raced it)."""
+        with self._lock:
+            if attempt.state is State.RUNNING:
+                attempt.state = State.RECORDING
+
+    def lose(self, attempt: Attempt) -> None:
+        with self._lock:
+            attempt.state = State.LOST
+
+    def mark_lost(self, keys: Iterable[AttemptKey]) -> list[Attempt]:
+        """The heartbeat found these tokens gone; returns the attempts that lost a claim.
+
+        An attempt whose outcome was being written lost nothing: the
+        heartbeat raced the write (and a fenced write says so itself); it is
+        not in the answer, but it is no longer heartbeated either.
+        """
+        lost: list[Attempt] = []
+        with self._lock:
+            for key in keys:
+                attempt = self._attempts.get(key)
+                if attempt is None or attempt.state is State.LOST:
+                    continue
+                if attempt.state is not State.RECORDING:
+                    lost.append(attempt)
+                attempt.state = State.LOST
+        return lost
+
+    def mark_held(self, keys: Iterable[AttemptKey], at: float) -> None:
+        """The heartbeat whose snapshot was taken at ``at`` found these attempts held."""
+        with self._lock:
+            for key in keys:
+                attempt = self._attempts.get(key)
+                if attempt is not None and attempt.confirmed_at < at:
+                    attempt.confirmed_at = at
+
+    def withdraw_unstarted(self) -> list[Attempt]:
+        """Take every buffered attempt back (to release it): no thread starts it after this."""
+        with self._lock:
+            unstarted = [a for a in self._attempts.values() if a.state is State.BUFFERED]
+            for attempt in unstarted:
+                attempt.state = State.RELEASED
+        return unstarted
+
+    def withdraw_excess(self, keep: int, *, older_than: float) -> list[Attempt]:
+        """The buffered attempts beyond the first ``keep``, if the oldest was claimed
+        before ``older_than``; withdrawn (the last claimed are the excess)."""
+        with self._lock:
+            unstarted = [a for a in self._attempts.values() if a.state is State.BUFFERED]
+            if len(unstarted) <= keep or unstarted[0].claimed_at >= older_than:
+                return []
+            excess = unstarted[keep:]
+            for attempt in excess:
+                attempt.state = State.RELEASED
+        return excess
+
+    def restore(self, attempts: Iterable[Attempt]) -> None:
+        """Withdrawn attempts whose release failed: still ours, buffered again."""
+        with self._lock:
+            for attempt in attempts:
+                if attempt.state is State.RELEASED:
+                    attempt.state = State.BUFFERED
+
+    def withdraw_leftovers(self, *, everything: bool) -> list[Attempt]:
+        """At the end of a stop: what is left to release.
+
+        Every attempt not recording its outcome (a finished handler's
+        outcome is recorded, never released: releasing it would run a
+        finished job again), or, with ``everything``, all of them.
+        """
+        with self._lock:
+            leaving = [
+                a for a in self._attempts.values() if everything or a.state is not State.RECORDING
+            ]
+            for attempt in leaving:
+                if attempt.state is not State.LOST:
+                    attempt.state = State.RELEASED
+        return leaving
+
+    def settle_once(self, attempt: Attempt) -> bool:
+        """Mark ``attempt``'s ending accounted for; False if it already was."""
+        with self._lock:
+            if attempt.recorded:
+                return False
+            attempt.recorded = True
+            return True
+
+    def retire(self, attempt: Attempt) -> None:
+        """Forget ``attempt`` (and only it): its outcome is recorded or its row handed back."""
+        with self._lock:
+            if self._attempts.get(attempt.key) is attempt:
+                del self._attempts[attempt.key]
+            if self._by_row.get(attempt.item.pk) is attempt:
+                del self._by_row[attempt.item.pk]
+        if self._on_retired is not None:
+            self._on_retired()  # room for another claim

@@ -1,0 +1,261 @@
+"""The WorkItem claim loop: how many rows to claim, claiming them, and dispatch.
+
+Runs on the worker's calling (main) thread. Each step recovers stale rows
+if due (``recovery.py``), gives back buffered rows it cannot start soon,
+claims a batch in one short statement sized to the free threads plus a
+prefetch buffer (``prefetch.py``: what the threads can start within
+PREFETCH_HORIZON), records the rows as attempts in the ledger and queues
+them on the pool. Between steps it sleeps on the wake-up event that
+LISTEN/NOTIFY, a buffer running low and signals set. Handler code never
+runs here, and nothing here holds a row lock beyond its claim statement.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+from django_dbworker.db import VendorOperations
+from django_dbworker.db.errors import is_transient
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
+from django_dbworker.models import WorkItem
+from django_dbworker.worker.attempts import Attempt, Ledger
+from django_dbworker.worker.clock import Clock
+from django_dbworker.worker.config import (
+    MAX_CLAIM,
+    SHED_AFTER_HORIZONS,
+    UNRECORDED_EXTRA,
+    WorkerConfig,
+)
+from django_dbworker.worker.connections import Backoff, close_quietly
+from django_dbworker.worker.control import Control
+from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.pool import Pool
+from django_dbworker.worker.prefetch import Prefetch
+from django_dbworker.worker.recovery import Recovery
+from django_dbworker.worker.shutdown import Shutdown
+from django_dbworker.worker.wakeup import AdaptivePoll
+
+logger = logging.getLogger("django_dbworker.worker")
+
+#: Seconds between two looks at whether the buffer should shed rows.
+SHED_CHECK_EVERY = 0.25
+
+
+class ClaimLoop:
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        control: Control,
+        ops: VendorOperations,
+        pool: Pool,
+        ledger: Ledger,
+        prefetch: Prefetch,
+        recovery: Recovery,
+        shutdown: Shutdown,
+        metrics: WorkerMetrics,
+        clock: Clock,
+        handlers: Callable[[], dict[str, WorkItemHandler]],
+        runner: Callable[[Attempt], Callable[[], None]],
+        healthy: Callable[[], bool],
+        raise_errors: bool,
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.ops = ops
+        self.pool = pool
+        self.ledger = ledger
+        self.prefetch = prefetch
+        self.recovery = recovery
+        self.shutdown = shutdown
+        self.metrics = metrics
+        self.clock = clock
+        #: The WorkItem handlers claimed for, by name (replaced, never changed
+        #: in place, when tasks are discovered after start).
+        self.handlers = handlers
+        self.runner = runner
+        self.healthy = healthy
+        #: Inline, a claim error is the caller's (its connection, its transaction).
+        self.raise_errors = raise_errors
+        #: Rows claimed so far, and by how many claim statements that found rows.
+        self.claimed = 0
+        self.claims = 0
+        #: Buffered rows handed back because jobs got too long to start them soon.
+        self.given_back = 0
+        self._backoff = Backoff(first=0.2, cap=10.0)
+        self._poll = AdaptivePoll(
+            config.poll_interval, enabled=ops.poll_adaptively, clock=clock.now
+        )
+        #: The claim loop is woken to refill when this few rows are buffered.
+        self._refill_at = 0
+        #: The last claim statement found fewer rows than it asked for.
+        self._ran_dry = False
+        self._next_shed_check = 0.0
+
+    # -- one step --------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """One claim-and-dispatch step: recover stale rows if due, claim a batch, submit it.
+
+        Returns the number of rows claimed.
+        """
+        if not self.healthy():
+            return 0
+        self.recovery.maybe_recover()
+        self._shed_hoard()
+        limit = self._claim_limit()
+        max_items = self.config.max_items
+        if max_items is not None:
+            limit = min(limit, max_items - self.claimed)
+            if limit <= 0 and self.claimed >= max_items:
+                self.control.stopping.set()
+                return 0
+        if limit <= 0:
+            return 0
+        self.metrics.poll(WORK_ITEM_LOOP)
+        started = self.clock.now()
+        items = self.ops.claim(
+            limit=limit,
+            handlers=list(self.handlers()),
+            queues=self.config.queues,
+            worker=worker_id(),
+        )
+        took = self.clock.now() - started
+        self.metrics.claim_took(WORK_ITEM_LOOP, took)
+        self.prefetch.observe_claim(took)
+        self.recovery.observe_write(took)
+        self.claimed += len(items)
+        self.claims += bool(items)
+        self._ran_dry = len(items) < limit
+        self._dispatch(items, claimed_at=started)
+        return len(items)
+
+    def _claim_limit(self) -> int:
+        """How many rows to claim now: free threads plus what the buffer lacks.
+
+        Nothing while the buffer holds more than its refill mark (a refill of
+        a few rows would cost a commit each). Rows awaiting their success
+        write still count against the process: at most the running and
+        buffered rows plus UNRECORDED_EXTRA are claimed and not yet recorded,
+        so a slow database applies back-pressure instead of a growing queue
+        (and heartbeats stay one bounded UPDATE).
+        """
+        running_for = self._youngest_running_age()
+        target = self.prefetch.target(running_for)
+        self._refill_at = self.prefetch.refill_at(target, running_for)
+        outstanding = self.pool.busy()
+        if outstanding - self.pool.running() > self._refill_at:
+            return 0
+        unrecorded = len(self.ledger)
+        hold = self.pool.size + target  # inline, one at a time
+        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        if self.config.batch_size > 0:
+            limit = min(limit, self.config.batch_size)
+        return max(0, limit)
+
+    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
+        """Record claimed rows as attempts in flight and queue them, in claim order."""
+        handlers = self.handlers()
+        attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
+        self.ledger.add(attempts)
+        self.pool.submit_many([self.runner(attempt) for attempt in attempts])
+
+    def _shed_hoard(self) -> None:
+        """Give back buffered rows this worker cannot start soon.
+
+        The buffer is sized from the jobs seen so far; when jobs suddenly get
+        long (a batch of slow items behind fast ones), rows claimed for the
+        fast pace would wait here while other workers sit idle. Once the
+        oldest buffered row has waited a few horizons, the rows beyond what
+        the current estimate allows (the last claimed first) go back to
+        pending, where any worker can take them.
+        """
+        now = self.clock.now()
+        if (
+            not self.prefetch.enabled
+            or self.control.draining.is_set()
+            or now < self._next_shed_check
+        ):
+            return
+        self._next_shed_check = now + SHED_CHECK_EVERY
+        patience = max(1.0, SHED_AFTER_HORIZONS * self.prefetch.horizon)
+        keep = self.prefetch.target(self._youngest_running_age())
+        excess = self.ledger.withdraw_excess(keep, older_than=now - patience)
+        if not excess:
+            return
+        try:
+            given_back = self.shutdown.release(excess, "giving back buffered work items")
+        except Exception as exc:
+            # Still this worker's: keep them in flight (heartbeated) and run
+            # them after all; their queued tasks may be gone, so queue them anew.
+            logger.warning("Could not give back %d buffered work item(s): %s", len(excess), exc)
+            self.ledger.restore(excess)
+            self.pool.submit_many([self.runner(attempt) for attempt in excess])
+            return
+        self.given_back += given_back
+        logger.info(
+            "Gave back %d buffered work item(s) that this worker could not start within "
+            "PREFETCH_HORIZON (%gs): its jobs now take longer.",
+            given_back,
+            self.prefetch.horizon,
+        )
+        for attempt in excess:
+            self.ledger.retire(attempt)
+
+    def _youngest_running_age(self) -> float:
+        """Seconds the youngest running attempt has run, when every thread is busy; else 0.
+
+        Jobs that suddenly take long show here before any of them finishes.
+        """
+        if self.pool.running() < self.pool.size:
+            return 0.0
+        start = self.ledger.youngest_start()
+        return self.clock.now() - start if start is not None else 0.0
+
+    def maybe_wake(self) -> None:
+        """Wake the loop if the buffer is down to its refill mark."""
+        if self.pool.queued() <= self._refill_at:
+            self.control.wake.set()
+
+    # -- the loop --------------------------------------------------------------
+
+    def run(self) -> None:
+        """Claim until stopped (or, in burst mode, until nothing is left to claim or run)."""
+        control, clock = self.control, self.clock
+        while not control.stopping.is_set():
+            control.wake.clear()
+            try:
+                claimed = self.run_once()
+            except Exception as exc:
+                if self.raise_errors:
+                    raise
+                self.metrics.claim_error(WORK_ITEM_LOOP)
+                self.recovery.observe_write(math.inf)  # a claim that failed was held up too
+                delay = self._backoff.next()
+                if is_transient(exc):
+                    logger.error(
+                        "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
+                    )
+                else:
+                    # Not a connection problem (a missing table, a bad query): say
+                    # so loudly, but keep the process alive and its rows owned.
+                    logger.exception("Claiming failed; retrying in %.1fs.", delay)
+                close_quietly(self.config.using)
+                clock.wait(control.stopping, delay)
+                continue
+            self._backoff.reset()
+            if control.stopping.is_set():
+                return
+            if claimed:
+                self._poll.found_work()
+            if claimed and not self._ran_dry:
+                continue  # a full batch: more rows may be ready right now
+            if self.config.burst and not claimed and not self.ledger:
+                return
+            if not claimed and self._ran_dry:
+                control.idle.set()
+            clock.wait(control.wake, self._poll.next())
+            control.idle.clear()

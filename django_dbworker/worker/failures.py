@@ -1,0 +1,227 @@
+"""Recording a failed attempt: the retry or the failure, and the fallbacks of that write.
+
+Whatever the handler raised, however its exception prints, whatever its
+``backoff`` answers and whatever value the database refuses, an outcome is
+written (falling back to a plain fenced failure), or the attempt is
+reported ``UNRECORDED`` so that its owner releases it. Returns an
+``Ending``; the accounting is ``settle.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+from django_dbworker import tracing, transitions
+from django_dbworker.backoff import exponential_backoff
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.db.errors import is_transient
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.outcomes import Outcome
+from django_dbworker.worker import endings
+from django_dbworker.worker.connections import guarded, persist
+from django_dbworker.worker.endings import Ending
+
+logger = logging.getLogger("django_dbworker.worker")
+
+#: The longest retry delay a ``backoff()`` may ask for (ten years): any
+#: datetime arithmetic of every supported database stays in range.
+MAX_RETRY_DELAY = 10 * 365 * 86400.0
+#: Prefix of ``last_error`` when the database refused the handler's result.
+RESULT_NOT_STORED = "result could not be stored: "
+
+
+def _guarded(item: WorkItem, write: Callable[[], bool]) -> bool:
+    return guarded(item._state.db or "default", write)
+
+
+def retry_delay(handler: WorkItemHandler, attempt: int) -> float:
+    """The handler's ``backoff(attempt)``, or the default one if it misbehaves.
+
+    ``backoff`` is user code: it may raise, or answer infinity, NaN or
+    something that is not a number; none of that may keep a failure from
+    being recorded.
+    """
+    try:
+        delay = float(handler.backoff(attempt))
+        problem = None if math.isfinite(delay) else f"returned {delay!r}"
+    except BaseException as exc:
+        problem = f"raised {transitions.error_summary(exc)}"
+    if problem is not None:
+        logger.error(
+            "%s.backoff(%d) %s; using the default backoff.",
+            type(handler).__qualname__,
+            attempt,
+            problem,
+        )
+        delay = exponential_backoff(
+            attempt,
+            base=float(dbworker_settings.RETRY_BACKOFF),
+            cap=float(dbworker_settings.RETRY_BACKOFF_MAX),
+        )
+    return min(max(0.0, delay), MAX_RETRY_DELAY)
+
+
+def record_failure(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    exc: BaseException,
+    *,
+    retriable: bool,
+    give_up: threading.Event | None,
+    label: Outcome | None = None,
+    text: str | None = None,
+) -> Ending:
+    sensitive = handler.sensitive
+    error = text if text is not None else transitions.format_error(exc, sensitive=sensitive)
+    try:
+        tracing.record_failure(exc, sensitive=sensitive)
+    except Exception:
+        logger.debug("Could not record the failure on the span.", exc_info=True)
+    shown = transitions.error_summary(exc, sensitive=sensitive)
+    attempts, max_attempts = item.attempts, item.max_attempts
+    retry = retriable and attempts < max_attempts
+    delay = retry_delay(handler, attempts) if retry else 0.0
+
+    error_class = transitions.exception_class_path(exc)
+
+    def write() -> bool:
+        if retry:
+            return transitions.retry_later(item, delay=delay, error=error, error_class=error_class)
+        return transitions.fail(item, error=error, error_class=error_class)
+
+    try:
+        status = _write_outcome(
+            item,
+            handler,
+            write,
+            give_up=give_up,
+            intended=Status.PENDING if retry else Status.FAILED,
+        )
+    except Exception as exc_write:
+        return _unrecorded(item, handler, exc_write)
+    if status is None:
+        return endings.FENCED
+    if status == Status.FAILED and retry:
+        # The retry was refused: a plain failure was written.
+        return Ending(label or Outcome.FAILED, status, exc)
+    if retry:
+        logger.warning(
+            "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
+            item.pk,
+            handler.name,
+            attempts,
+            max_attempts,
+            delay,
+            shown,
+        )
+        return Ending(label or Outcome.RETRIED, status, exc)
+    logger.error(
+        "Work item %s (%s) failed on attempt %d/%d%s: %s",
+        item.pk,
+        handler.name,
+        attempts,
+        max_attempts,
+        "" if retriable else " (not retryable)",
+        shown,
+    )
+    return Ending(label or Outcome.FAILED, status, exc)
+
+
+def record_refused_result(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    cause: BaseException,
+    *,
+    give_up: threading.Event | None,
+) -> Ending:
+    """The handler finished but its result cannot be stored: record ``failed``.
+
+    Not retried: a new attempt would compute the same result (and repeat the
+    handler's side effects) only to be refused again.
+    """
+    reason = transitions.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
+    error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
+    error_class = transitions.exception_class_path(cause)
+    try:
+        status = _write_outcome(
+            item,
+            handler,
+            lambda: transitions.fail(item, error=error, error_class=error_class),
+            give_up=give_up,
+            intended=Status.FAILED,
+        )
+    except Exception as exc_write:
+        return _unrecorded(item, handler, exc_write)
+    if status is None:
+        return endings.FENCED
+    logger.error(
+        "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
+        item.pk,
+        handler.name,
+        reason,
+    )
+    return Ending(Outcome.FAILED, status, cause)
+
+
+def _write_outcome(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    write: Callable[[], bool],
+    *,
+    give_up: threading.Event | None,
+    intended: str,
+) -> str | None:
+    """``write`` until it lands; if the database refuses it, a plain fenced failure.
+
+    Returns the row's status now (``intended``, or ``failed`` if the plain
+    failure was written instead), or None if the attempt was fenced out.
+    Raises only when even the plain failure cannot be written (or the worker
+    is stopping at once while the database is away).
+    """
+    db = item._state.db or "default"
+    try:
+        landed = persist(
+            lambda: _guarded(item, write), what="recording an outcome", give_up=give_up, using=db
+        )
+        return intended if landed else None
+    except Exception as exc:
+        if is_transient(exc):
+            raise
+        refusal = transitions.error_summary(exc)
+    logger.error(
+        "The database refused the outcome of work item %s (%s): %s; "
+        "recording a plain failure instead.",
+        item.pk,
+        handler.name,
+        refusal,
+    )
+    plain = f"The outcome could not be recorded: {refusal}"
+    landed = persist(
+        lambda: _guarded(
+            item,
+            # Without the history: whatever the database refused, this
+            # write asks the least of it.
+            lambda: transitions.fail(
+                item, error=transitions.clean_error_text(plain), history=False
+            ),
+        ),
+        what="recording a plain failure",
+        give_up=give_up,
+        using=db,
+    )
+    return Status.FAILED if landed else None
+
+
+def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> Ending:
+    logger.error(
+        "Could not record any outcome of work item %s (%s): %s. It stays claimed under "
+        "this attempt until it is released or recovered as stale.",
+        item.pk,
+        handler.name,
+        transitions.error_summary(exc),
+    )
+    return endings.UNRECORDED

@@ -1,0 +1,191 @@
+"""Running one attempt on a pool thread: start it, execute it, hand its ending over.
+
+What a pool thread does with one buffered attempt: the start-time fence
+check (a row recovered as stale while it waited is someone else's now),
+``execution.execute``, and the hand-off of a success to the batched
+success writer. Every ending, from whichever thread, goes to
+``Settler.settle``; this module accounts for nothing itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from django_dbworker import transitions
+from django_dbworker.metrics import WorkerMetrics
+from django_dbworker.models import Status
+from django_dbworker.outcomes import Outcome
+from django_dbworker.worker import endings, execution, failures
+from django_dbworker.worker.abandoned import AbandonedThreads
+from django_dbworker.worker.attempts import Attempt, Ledger, State
+from django_dbworker.worker.clock import Clock
+from django_dbworker.worker.config import WorkerConfig
+from django_dbworker.worker.connections import close_quietly
+from django_dbworker.worker.control import Control
+from django_dbworker.worker.endings import Ending
+from django_dbworker.worker.prefetch import Prefetch
+from django_dbworker.worker.settle import Settler
+from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
+
+logger = logging.getLogger("django_dbworker.worker")
+
+
+class AttemptRunner:
+    """Builds, for each attempt, the callable a pool thread runs."""
+
+    def __init__(
+        self,
+        *,
+        config: WorkerConfig,
+        control: Control,
+        ledger: Ledger,
+        settler: Settler,
+        writer: SuccessWriter,
+        prefetch: Prefetch,
+        metrics: WorkerMetrics,
+        abandoned: AbandonedThreads,
+        clock: Clock,
+        enforce_timeout: bool,
+        healthy: Callable[[], bool],
+        on_started: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.control = control
+        self.ledger = ledger
+        self.settler = settler
+        self.writer = writer
+        self.prefetch = prefetch
+        self.metrics = metrics
+        self.abandoned = abandoned
+        self.clock = clock
+        self.enforce_timeout = enforce_timeout
+        #: The watchdog's check: False stops starting buffered rows.
+        self.healthy = healthy
+        #: Told when the buffer shrank (the claim loop may refill).
+        self.on_started = on_started
+
+    def __call__(self, attempt: Attempt) -> Callable[[], None]:
+        """What a pool thread runs for ``attempt``: start it, execute it, hand it over."""
+
+        def run() -> None:
+            if not self._start(attempt):
+                return
+            assert attempt.started_at is not None
+            ending = endings.UNRECORDED
+            try:
+                ending = execution.execute(
+                    attempt.item,
+                    attempt.handler,
+                    give_up=self.control.aborting,
+                    metrics=self.metrics,
+                    record_success=lambda item, result: self._hand_over(attempt, result),
+                    abandoned=self.abandoned,
+                    on_recording=lambda: self.ledger.begin_recording(attempt),
+                    on_late=lambda late: self.settler.settle(attempt, late),
+                    enforce_timeout=self.enforce_timeout,
+                )
+            finally:
+                self.settler.settle(attempt, ending)
+                self.prefetch.observe_run(self.clock.now() - attempt.started_at)
+
+        return run
+
+    def _start(self, attempt: Attempt) -> bool:
+        """Take ``attempt`` out of the buffer to run it; False if it must not run.
+
+        A worker that is stopping (or whose watchdog just tripped) releases
+        buffered rows instead (``shutdown.py``). A row recovered as stale
+        while it waited is someone else's now: dropped, not run. Between two
+        heartbeats that is not known here, so a row not confirmed for half
+        of STALE_AFTER (heartbeats held up) is checked with the database
+        first; it cannot have been recovered before STALE_AFTER has passed
+        since its heartbeat, so fresher rows start without a query.
+        """
+        if not self.healthy():
+            return False
+        state = self.ledger.start(
+            attempt, self.clock.now(), draining=self.control.draining.is_set()
+        )
+        if state is None:
+            return False  # already running, or released by shutdown / shedding
+        lost = state is State.LOST
+        if not lost:
+            assert attempt.started_at is not None
+            if attempt.started_at - attempt.confirmed_at > self.config.stale_after / 2:
+                lost = not self._still_held(attempt)
+        if lost:
+            logger.warning(
+                "Dropped work item %s (%s) before it started: it was recovered as stale "
+                "while waiting in this worker's buffer.",
+                attempt.item.pk,
+                attempt.handler.name,
+            )
+            self.ledger.lose(attempt)
+            self.ledger.retire(attempt)
+            return False
+        self.on_started()
+        return True
+
+    def _still_held(self, attempt: Attempt) -> bool:
+        """Refresh the heartbeat of a buffered row that waited long; False if it is gone.
+
+        If the database cannot say, the row starts only while it cannot have
+        been recovered yet; otherwise it is left to stale recovery.
+        """
+        assert attempt.started_at is not None
+        try:
+            held = bool(transitions.heartbeat({attempt.key}, using=self.config.using))
+        except Exception as exc:
+            age = self.clock.now() - attempt.confirmed_at
+            logger.warning(
+                "Could not check the claim of work item %s before starting it (%s).",
+                attempt.item.pk,
+                transitions.error_summary(exc),
+            )
+            close_quietly(self.config.using)
+            return age < self.config.stale_after
+        if held:
+            attempt.confirmed_at = attempt.started_at
+        return held
+
+    def _hand_over(self, attempt: Attempt, result_json: str | None) -> Outcome | None:
+        """Queue a success for the writer; the thread is free for the next item.
+
+        The attempt stays in the ledger (heartbeated) until it is written.
+        Answers how it ended if that is known at once (inline, or a quick
+        writer), else None.
+        """
+        assert attempt.started_at is not None
+        took = self.clock.now() - attempt.started_at
+        settled: list[Outcome] = []
+
+        def written(result: Written) -> None:
+            ending = self._ending_of(attempt, result).took(took)
+            settled.append(ending.outcome)
+            self.settler.settle(attempt, ending, defer_hook=True)
+
+        self.writer.submit(attempt.item, result_json, written)
+        return settled[0] if settled else None
+
+    def _ending_of(self, attempt: Attempt, result: Written) -> Ending:
+        """How a success the writer wrote (or could not write) ended."""
+        item, handler = attempt.item, attempt.handler
+        if isinstance(result, Refused):
+            return failures.record_refused_result(
+                item, handler, result.error, give_up=self.control.aborting
+            )
+        if isinstance(result, BaseException):
+            if not self.control.aborting.is_set():
+                # Not a stop: the writer met an error it could not handle.
+                # The attempt is retired; stale recovery returns the row.
+                logger.error(
+                    "Could not record the success of work item %s (%s): %s",
+                    item.pk,
+                    handler.name,
+                    transitions.error_summary(result),
+                )
+            return endings.UNRECORDED  # when stopping: still claimed, released at shutdown
+        if result:
+            return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
+        return endings.FENCED

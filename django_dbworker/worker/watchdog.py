@@ -1,0 +1,65 @@
+"""The watchdog: stop the process when it can no longer keep its promises.
+
+Without heartbeats every job longer than STALE_AFTER would run twice;
+without the writer no success would be recorded; without the scheduler
+no periodic slot would be taken; past the cap of abandoned threads, hung
+handlers would pile up threads and connections. A supervisor restarting
+the process is the cure: the worker stops claiming, drains like on
+SIGTERM, and ``run_workers`` exits non-zero. Every helper thread a worker
+starts (its watchers included) is registered here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from django_dbworker.worker.abandoned import AbandonedThreads
+from django_dbworker.worker.control import Control
+
+logger = logging.getLogger("django_dbworker.worker")
+
+
+class Watchdog:
+    def __init__(self, *, control: Control, abandoned: AbandonedThreads, cap: int) -> None:
+        self.control = control
+        self.abandoned = abandoned
+        self.cap = cap
+        self._threads: list[tuple[str, threading.Thread, bool]] = []
+        #: Why the process stopped itself, or None; exit non-zero if set.
+        self.unhealthy: str | None = None
+
+    def watch(self, what: str, thread: threading.Thread, *, ends_on_stop: bool = False) -> None:
+        """``thread`` must stay alive while the worker runs; ``what`` names it in the log.
+
+        ``ends_on_stop``: the thread ends by itself once the worker stops
+        claiming (the watchers), which is then no sign of trouble.
+        """
+        self._threads.append((what, thread, ends_on_stop))
+
+    def healthy(self) -> bool:
+        """False (and the worker stopping) if a watched thread died or the cap is reached."""
+        reason = None
+        stopping = self.control.stopping.is_set()
+        for what, thread, ends_on_stop in self._threads:
+            if not thread.is_alive() and not (ends_on_stop and stopping):
+                reason = f"the {what} thread died"
+                break
+        if reason is None and self.abandoned.count >= self.cap:
+            reason = (
+                f"{self.abandoned.count} handler thread(s) that overran their timeout are still "
+                f"running (abandoned threads), the cap is {self.cap} (MAX_ABANDONED_THREADS)"
+            )
+        if reason is None:
+            return True
+        self.control.draining.set()
+        if self.unhealthy is None:
+            self.unhealthy = reason
+            logger.critical(
+                "Stopping this worker: %s. It finishes or releases its running items and "
+                "exits non-zero so that a supervisor restarts it.",
+                reason,
+            )
+        self.control.stopping.set()
+        self.control.wake.set()
+        return False
