@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from django.db import DatabaseError
 from django.utils import timezone
@@ -36,8 +36,29 @@ from django_dbworker.tasks.compat import (
 )
 from django_dbworker.tasks.results import Row, arguments, build, enqueued_task
 
-if TYPE_CHECKING:
-    from django_dbworker.tasks.backend import DBWorkerBackend
+
+class TaskOptions(Protocol):
+    """A task's options after the backend's defaults (``backend.Options``)."""
+
+    @property
+    def max_attempts(self) -> int | None: ...
+    @property
+    def timeout(self) -> float | None: ...
+    @property
+    def atomic(self) -> bool: ...
+    @property
+    def sensitive(self) -> bool: ...
+
+
+class OptionsSource(Protocol):
+    """What ``handler_for`` needs of a backend (``DBWorkerBackend``).
+
+    A protocol, not the class: the backend imports this module, and this
+    module must not import it back (not even for type checking).
+    """
+
+    def resolved_options(self, task: Task) -> TaskOptions: ...
+
 
 logger = logging.getLogger("django_dbworker.tasks")
 
@@ -230,7 +251,7 @@ def _send(signal: Any, sender: type, result: TaskResult) -> None:
             )
 
 
-def handler_for(task: Task, backend: DBWorkerBackend) -> type[TaskHandler]:
+def handler_for(task: Task, backend: OptionsSource) -> type[TaskHandler]:
     """The handler class of ``task``'s function, registering it the first time.
 
     Keyed by the function, not the ``Task`` object: ``task.using(...)``
