@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from django.db import DatabaseError
 from django.utils import timezone
 
-from django_dbworker import transitions
+from django_dbworker import errortext
 from django_dbworker.handlers import WorkItemHandler, attempt_was_recorded
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
@@ -160,8 +160,8 @@ class TaskHandler(WorkItemHandler):
             if error is not None:
                 result.errors.append(
                     TaskError(
-                        exception_class_path=transitions.exception_class_path(error),
-                        traceback=transitions.format_error(error, sensitive=self.sensitive),
+                        exception_class_path=errortext.exception_class_path(error),
+                        traceback=errortext.format_error(error, sensitive=self.sensitive),
                     )
                 )
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
