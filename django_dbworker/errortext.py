@@ -13,6 +13,7 @@ can use it.
 from __future__ import annotations
 
 import json
+import re
 import traceback
 from typing import Any
 
@@ -20,6 +21,15 @@ from typing import Any
 MAX_ERROR_BYTES = 10_000
 #: What replaces exception messages of sensitive handlers.
 REDACTED = "[redacted]"
+
+#: Characters that end, forge or hide a line, or drive the terminal showing
+#: it: C0 controls, DEL, C1 controls (NEL U+0085, CSI U+009B among them),
+#: and Unicode's line and paragraph separators. Stored text keeps ``\n`` and
+#: ``\t`` (a traceback's lines and indents); a log line keeps neither.
+_STORED_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+_LINE_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: A log line's words stay apart where the message broke its lines.
+_SPACED = str.maketrans("\n\t", "  ")
 
 _TRUNCATED = "\n... (truncated) ...\n"
 # The interpreter's own words between chained exceptions.
@@ -53,21 +63,32 @@ def format_error(
 
 
 def clean_error_text(text: str) -> str:
-    """``text`` as every database stores it: valid UTF-8, NUL escaped, at most 10 kB.
+    """``text`` as every database stores it: valid UTF-8, controls escaped, at most 10 kB.
 
     Messages quote file names and bytes: a lone surrogate (undecodable bytes
     read with ``surrogateescape``) cannot be encoded, so it is written as a
-    backslash escape instead of making the failure unrecordable.
+    backslash escape instead of making the failure unrecordable. Control
+    characters but ``\n`` and ``\t`` are written as escapes too (``\x00``,
+    which PostgreSQL's text columns refuse, ``\r``, ``\x1b``, ``\u2028``):
+    the admin, a terminal or a log shipper reading ``last_error`` sees the
+    text the exception held, never a line it forged or colours it set.
     """
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return cap_text(text.replace("\x00", "\\x00"), MAX_ERROR_BYTES)
+    return cap_text(_escape_controls(text, _STORED_CONTROL), MAX_ERROR_BYTES)
 
 
 def error_summary(exc: BaseException, *, sensitive: bool = False, limit: int = 500) -> str:
-    """One short line for logs: ``Type: message``, never raising, secrets redacted."""
+    """One short line for logs: ``Type: message``, never raising, secrets redacted.
+
+    One line whatever the message holds: newlines and tabs become spaces,
+    every other control character (``\r``, ANSI escapes, NEL, U+2028...) an
+    escape, so an exception cannot forge log lines or drive a terminal.
+    """
     if sensitive:
-        return f"{_type_name(exc)}: {REDACTED}"
-    line = format_error(exc, include_traceback=False).replace("\n", " ")
+        line = clean_error_text(f"{_type_name(exc)}: {REDACTED}")
+    else:
+        line = format_error(exc, include_traceback=False)
+    line = _escape_controls(line.translate(_SPACED), _LINE_CONTROL)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -92,6 +113,17 @@ def ensure_json(value: Any, what: str) -> str:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None
+
+
+def _escape_controls(text: str, controls: re.Pattern[str]) -> str:
+    """``text`` with each of ``controls`` written as its Python escape (``\\x1b``)."""
+    if text.isprintable():  # the common case: nothing to look for
+        return text
+    return controls.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    return repr(match.group())[1:-1]
 
 
 def _type_name(exc: BaseException) -> str:
