@@ -201,7 +201,11 @@ def _running_row(item: WorkItem, *, takes_context: bool) -> Row:
                 .first()
             )
         except DatabaseError as exc:
-            logger.warning("Could not read the history of task row %s: %s", item.pk, exc)
+            logger.warning(
+                "Could not read the history of task row %s: %s",
+                item.pk,
+                errortext.error_summary(exc),
+            )
     history, created_at, claimed_at = extra or (None, None, timezone.now())
     if created_at is not None:
         item.__dict__.setdefault("created_at", created_at)
