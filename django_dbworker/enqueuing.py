@@ -4,20 +4,25 @@ Enqueue writes through the caller's connection, so inside
 ``transaction.atomic()`` the row exists if and only if that transaction
 commits; the PostgreSQL wake-up NOTIFY is transactional too. Every input
 is validated before anything is written, and problems raise
-``EnqueueError`` naming the problem. The row goes to the routers' write
-alias unless ``using`` says otherwise (``routing.py``).
+``EnqueueError`` naming the problem, never quoting the payload: that
+includes the text no database stores (NUL, lone surrogates), which would
+otherwise come back as a database error quoting the row. For a
+``sensitive`` handler, a database error of the write itself reaches the
+caller and the span with its text withheld. The row goes to the routers'
+write alias unless ``using`` says otherwise (``routing.py``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connections, transaction
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.models import Expression
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
@@ -28,6 +33,7 @@ from django_dbworker import tracing, validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.errors import EnqueueError
+from django_dbworker.errortext import exception_class_path
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, PRIORITY_MAX, PRIORITY_MIN, WorkItem
 from django_dbworker.registry import registry
@@ -54,12 +60,41 @@ def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
     return cls
 
 
-#: How ``json.dumps`` (ASCII output) writes a NUL character.
-_NUL_ESCAPE = "\\u0000"
+#: What ``json.dumps`` (ASCII output) writes for the characters no database
+#: stores as text: a NUL, and the escapes of surrogates (``\\ud800``-``\\udfff``).
+#: Characters beyond U+FFFF are written as surrogate pairs, and a literal
+#: backslash before such letters matches too; the walk then finds nothing.
+_UNSTORABLE_ESCAPE = re.compile(r"\\u(?:0000|d[89a-f])")
+#: An unpaired surrogate in a Python string (what ``json.loads('"\\ud800"')``
+#: or ``surrogateescape`` decoding makes); valid text never holds one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NUL = "a NUL character (\\u0000)"
+_LONE_SURROGATE = "a lone surrogate (U+D800-U+DFFF)"
+#: Why each is refused, as the payload's error says it.
+_WHY_REFUSED = {
+    _NUL: "PostgreSQL cannot store it in JSON",
+    _LONE_SURROGATE: "it is not text that UTF-8 can encode",
+}
 
 
-def _nul_place(payload: Any) -> str | None:
-    """Where a NUL character sits in ``payload`` ("a dict key", "a string"), or None.
+def _unstorable(text: str) -> str | None:
+    """What in ``text`` no database can store ("a NUL character ..."), or None.
+
+    PostgreSQL's text and jsonb refuse NUL (SQLite and MySQL would store
+    it); a lone surrogate cannot be encoded as UTF-8 by any driver, and
+    PostgreSQL's jsonb refuses its escape. Both are refused on every
+    database, so a SQLite dev setup fails like PostgreSQL production, and
+    before the database can answer with an error that quotes the row.
+    """
+    if "\x00" in text:
+        return _NUL
+    if not text.isascii() and _SURROGATE.search(text):
+        return _LONE_SURROGATE
+    return None
+
+
+def _unstorable_place(payload: Any) -> tuple[str, str] | None:
+    """What no database stores, and where it sits in ``payload`` ("a dict key"), or None.
 
     Iterative, so it never recurses deeper than ``json.dumps`` just did.
     """
@@ -67,12 +102,15 @@ def _nul_place(payload: Any) -> str | None:
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            if "\x00" in value:
-                return "a string"
+            problem = _unstorable(value)
+            if problem is not None:
+                return problem, "a string"
         elif isinstance(value, dict):
             for key, inner in value.items():
-                if isinstance(key, str) and "\x00" in key:
-                    return "a dict key"
+                if isinstance(key, str):
+                    problem = _unstorable(key)
+                    if problem is not None:
+                        return problem, "a dict key"
                 stack.append(inner)
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
@@ -87,18 +125,16 @@ def _check_payload(payload: Any) -> str:
         raise EnqueueError(f"Payload is not JSON-serialisable: {exc}.") from None
     except RecursionError:
         raise EnqueueError("Payload is nested too deeply to encode as JSON.") from None
-    # PostgreSQL's jsonb refuses \u0000 (with an error that quotes the whole
-    # payload); SQLite would store it. Refused everywhere, so a SQLite dev
-    # setup fails like production. The walk runs only when the escape shows
-    # up in the text (a literal backslash before "u0000" shows it too, and
-    # the walk then finds no NUL), so ordinary payloads pay one substring
-    # search. The message names where, never what: payloads may be sensitive.
-    if _NUL_ESCAPE in encoded:
-        place = _nul_place(payload)
-        if place is not None:
+    # The walk runs only when such an escape shows up in the text, so
+    # ordinary payloads pay one search of the encoded text. The message
+    # names what and where, never the text: payloads may be sensitive.
+    if _UNSTORABLE_ESCAPE.search(encoded):
+        found = _unstorable_place(payload)
+        if found is not None:
+            problem, place = found
             raise EnqueueError(
-                f"Payload contains a NUL character (\\u0000) in {place}; PostgreSQL "
-                "cannot store it in JSON, so it is refused on every database."
+                f"Payload contains {problem} in {place}; {_WHY_REFUSED[problem]}, "
+                "so it is refused on every database."
             )
     limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
     # json.dumps escapes every non-ASCII character: one character, one byte.
@@ -151,9 +187,10 @@ def _check_unique_key(key: Any) -> str | None:
         return None
     if not isinstance(key, str) or not 1 <= len(key) <= 255:
         raise EnqueueError(f"unique_key must be a string of 1 to 255 characters, got {key!r}.")
-    if "\x00" in key:
-        # PostgreSQL's text columns refuse NUL; refused everywhere, like payloads.
-        raise EnqueueError("unique_key contains a NUL character (\\u0000), which is not allowed.")
+    problem = _unstorable(key)
+    if problem is not None:
+        # Refused everywhere, like payloads; the message does not quote the key.
+        raise EnqueueError(f"unique_key contains {problem}, which is not allowed.")
     return key
 
 
@@ -345,57 +382,93 @@ def insert(
         max_attempts=max_attempts,
     )
     db = work_db_for_write(using)
-    ops = operations(db)
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
-        if unique_key is None and ops.insert_item(
-            item, run_after=run_after, payload_json=None if payload is None else payload_json
-        ):
-            # One statement: the insert and its wake-up (the common case).
-            send.set_message_id(item.pk)
-            return item, True
-        # Inside the caller's transaction (an atomic block, or a connection
-        # with AUTOCOMMIT off) a savepoint, so that a unique_key conflict does
-        # not poison it. Where the wake-up is a statement of its own
-        # (PostgreSQL's NOTIFY), a transaction, so that the row and its
-        # wake-up commit together. Otherwise, in autocommit, the INSERT is
-        # its own transaction: atomic() would only add round trips (four on
-        # MySQL).
-        conn = connections[db]
-        in_transaction = conn.in_atomic_block or not conn.get_autocommit()
-        guard = transaction.atomic if in_transaction or ops.supports_notify else _autocommit
+        try:
+            return _save(cls, item, send, db, run_after, None if payload is None else payload_json)
+        except DatabaseError as exc:
+            if cls.sensitive:
+                raise _withheld(exc, cls) from None
+            raise
 
-        def save() -> None:
-            with guard(using=db):
-                item.save(using=db, force_insert=True)
-                ops.notify([item.queue])
 
-        for _ in range(UNIQUE_RETRIES):
-            try:
-                # MySQL: inserts of one live key queue on its unique index;
-                # when the holder finishes, all but one of them can be chosen
-                # as deadlock victims. In a transaction of its own, the
-                # insert is simply run again (inside the caller's, InnoDB
-                # rolled all of it back, and the error is the caller's).
-                ops.retrying(save, "enqueueing")
-            except IntegrityError:
-                if unique_key is None:
-                    raise
-                existing = (
-                    WorkItem.objects.using(db)
-                    .filter(handler=cls.name, unique_key=unique_key, status__in=ACTIVE_STATUSES)
-                    .first()
-                )
-                if existing is not None:
-                    send.set_message_id(existing.pk)
-                    return existing, False
-                # The holder finished between our insert and our read: try again.
-                item.pk = None
-                item._state.adding = True
-                continue
-            send.set_message_id(item.pk)
-            _forget_expressions(item)
-            return item, True
+def _withheld(exc: DatabaseError, cls: type[WorkItemHandler]) -> DatabaseError:
+    """``exc`` without its text, for a sensitive handler's caller, span and logs.
+
+    The database's words may quote the row: PostgreSQL's ``DETAIL: Failing
+    row contains (...)`` of a constraint, the ``CONTEXT`` of a JSON error.
+    The class stays, so callers that catch ``IntegrityError`` or
+    ``OperationalError`` still do; the caller raises it ``from None``, so
+    the original is not chained in (nor in the span's stack trace).
+    """
+    kind = type(exc)
+    message = (
+        f"{exception_class_path(exc)} while enqueueing {cls.name!r}: the database's message is "
+        "withheld because the handler is sensitive (it may quote the row, payload included)."
+    )
+    try:
+        return kind(message)
+    except Exception:  # a driver's class that takes other arguments
+        return DatabaseError(message)
+
+
+def _save(
+    cls: type[WorkItemHandler],
+    item: WorkItem,
+    send: Any,
+    db: str,
+    run_after: datetime | timedelta | None,
+    payload_json: str | None,
+) -> tuple[WorkItem, bool]:
+    """Write ``item`` (a validated one) and its wake-up; ``insert``'s answer."""
+    ops = operations(db)
+    unique_key = item.unique_key
+    if unique_key is None and ops.insert_item(item, run_after=run_after, payload_json=payload_json):
+        # One statement: the insert and its wake-up (the common case).
+        send.set_message_id(item.pk)
+        return item, True
+    # Inside the caller's transaction (an atomic block, or a connection
+    # with AUTOCOMMIT off) a savepoint, so that a unique_key conflict does
+    # not poison it. Where the wake-up is a statement of its own
+    # (PostgreSQL's NOTIFY), a transaction, so that the row and its
+    # wake-up commit together. Otherwise, in autocommit, the INSERT is
+    # its own transaction: atomic() would only add round trips (four on
+    # MySQL).
+    conn = connections[db]
+    in_transaction = conn.in_atomic_block or not conn.get_autocommit()
+    guard = transaction.atomic if in_transaction or ops.supports_notify else _autocommit
+
+    def save() -> None:
+        with guard(using=db):
+            item.save(using=db, force_insert=True)
+            ops.notify([item.queue])
+
+    for _ in range(UNIQUE_RETRIES):
+        try:
+            # MySQL: inserts of one live key queue on its unique index;
+            # when the holder finishes, all but one of them can be chosen
+            # as deadlock victims. In a transaction of its own, the
+            # insert is simply run again (inside the caller's, InnoDB
+            # rolled all of it back, and the error is the caller's).
+            ops.retrying(save, "enqueueing")
+        except IntegrityError:
+            if unique_key is None:
+                raise
+            existing = (
+                WorkItem.objects.using(db)
+                .filter(handler=cls.name, unique_key=unique_key, status__in=ACTIVE_STATUSES)
+                .first()
+            )
+            if existing is not None:
+                send.set_message_id(existing.pk)
+                return existing, False
+            # The holder finished between our insert and our read: try again.
+            item.pk = None
+            item._state.adding = True
+            continue
+        send.set_message_id(item.pk)
+        _forget_expressions(item)
+        return item, True
     raise EnqueueError(
         f"Could not enqueue {cls.name!r} with unique_key {unique_key!r}: the key kept "
         "changing hands; try again."
@@ -441,11 +514,26 @@ def enqueue_many(
     with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
         for item in items:
             item.trace_context = send.context
-        if operations(db).insert_items(items, run_after=run_after, payloads_json=encoded):
-            return items
-        with transaction.atomic(using=db):
-            created = WorkItem.objects.using(db).bulk_create(items)
-            operations(db).notify([items[0].queue])
+        try:
+            return _save_many(items, db, run_after, encoded)
+        except DatabaseError as exc:
+            if cls.sensitive:
+                raise _withheld(exc, cls) from None
+            raise
+
+
+def _save_many(
+    items: list[WorkItem],
+    db: str,
+    run_after: datetime | timedelta | None,
+    encoded: list[str | None],
+) -> list[WorkItem]:
+    """Write validated ``items`` and one wake-up; ``enqueue_many``'s answer."""
+    if operations(db).insert_items(items, run_after=run_after, payloads_json=encoded):
+        return items
+    with transaction.atomic(using=db):
+        created = WorkItem.objects.using(db).bulk_create(items)
+        operations(db).notify([items[0].queue])
     for item in created:
         _forget_expressions(item)
     return created

@@ -11,11 +11,26 @@ Several worker processes on one host either get one ``--metrics-port`` each,
 or share prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
 set for all of them, one of them serving ``/metrics`` for all); see
 ``serve``.
+
+``serve`` binds ``127.0.0.1`` unless told otherwise, and logs a warning at
+start when the address answers beyond this host (``0.0.0.0``, ``::``, a
+routable address): ``/metrics`` has no authentication, and its handler and
+queue names tell a reader what the application does.
+
+Cardinality: these metrics' labels are handler names and outcomes, bounded
+by the handlers a process registers. The web process's queue gauges
+(``django_dbworker.contrib.prometheus``) add six series for each distinct
+queue name in the table (five statuses and the oldest pending age), with no
+cap: queue names made up per tenant or per request grow the scrape without
+bound.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +44,8 @@ try:
     import prometheus_client
 except ImportError:  # the optional extra is not installed
     prometheus_client = None  # type: ignore[assignment]
+
+logger = logging.getLogger("django_dbworker.metrics")
 
 #: Label value of the shared WorkItem claim loop's metrics.
 WORK_ITEM_LOOP = "workitems"
@@ -234,11 +251,13 @@ def multiprocess_mode() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-def serve(port: int, addr: str) -> None:
+def serve(port: int, addr: str) -> Any:
     """Serve ``/metrics`` from this process (raises OSError if the port is taken).
 
     In multiprocess mode the endpoint aggregates every process that shares
-    ``PROMETHEUS_MULTIPROC_DIR``; serve it from one process only.
+    ``PROMETHEUS_MULTIPROC_DIR``; serve it from one process only. Logs a
+    warning when ``addr`` answers beyond loopback. Returns what
+    ``prometheus_client.start_http_server`` returns (the server and its thread).
     """
     if prometheus_client is None:
         raise RuntimeError(
@@ -250,7 +269,41 @@ def serve(port: int, addr: str) -> None:
 
         registry = prometheus_client.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    server = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    if binds_beyond_loopback(addr):
+        logger.warning(
+            "Serving /metrics on %s:%s, beyond loopback: it has no authentication, so "
+            "whoever reaches that port reads handler and queue names and counts. Bind "
+            "127.0.0.1 (the default) or keep the port behind a firewall.",
+            addr,
+            port,
+        )
+    return server
+
+
+def binds_beyond_loopback(addr: str) -> bool:
+    """Whether a server bound to ``addr`` answers other hosts than this one.
+
+    ``addr`` is resolved as the server resolves it; any address that is not
+    loopback (the wildcards ``0.0.0.0`` and ``::`` included), or a name that
+    does not resolve, counts as beyond.
+    """
+    host = addr.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        return True  # every interface
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return True
+    for *_, sockaddr in infos:
+        ip = ipaddress.ip_address(str(sockaddr[0]).partition("%")[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if not ip.is_loopback:
+            return True
+    return not infos
 
 
 def mark_process_dead() -> None:

@@ -24,6 +24,8 @@ try:
 except ImportError:  # the optional extra is not installed
     trace = None  # type: ignore[assignment]
 
+from django_dbworker.errortext import error_summary, format_error
+
 if TYPE_CHECKING:
     from django_dbworker.handlers import WorkItemHandler
     from django_dbworker.models import WorkItem
@@ -171,8 +173,6 @@ def record_failure(exc: BaseException, *, sensitive: bool) -> None:
         span.add_event("exception", {"exception.type": kind})
         span.set_status(StatusCode.ERROR, kind)
     else:
-        from django_dbworker.transitions import error_summary, format_error
-
         summary = error_summary(exc)  # never raises, unlike str(exc)
         span.add_event(
             "exception",

@@ -13,9 +13,7 @@ All times come from the database clock (``Now()``), never the worker host's.
 
 from __future__ import annotations
 
-import json
 import logging
-import traceback
 import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +27,13 @@ from django.db.models.functions import Concat, JSONObject, Now
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.expressions import AppendCapped
+
+# Re-exported for worker/ until it imports them from errortext.
+from django_dbworker.errortext import clean_error_text as clean_error_text
+from django_dbworker.errortext import ensure_json as ensure_json
+from django_dbworker.errortext import error_summary as error_summary
+from django_dbworker.errortext import exception_class_path as exception_class_path
+from django_dbworker.errortext import format_error as format_error
 from django_dbworker.models import (
     ERROR_HISTORY_LIMIT,
     FINISHED_STATUSES,
@@ -42,20 +47,11 @@ logger = logging.getLogger("django_dbworker.transitions")
 #: An attempt: a row id and the claim token of one claim of it.
 AttemptKey = tuple[int, UUID]
 
-#: ``last_error`` is cut to this many bytes of UTF-8 (SPEC: 10 kB).
-MAX_ERROR_BYTES = 10_000
 #: Rows per UPDATE of the stale-recovery pass.
 RECOVERY_BATCH = 500
-#: What replaces exception messages of sensitive handlers.
-REDACTED = "[redacted]"
 #: The exception class path that ``error_history`` gives an attempt whose
 #: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
 WORKER_LOST = "django_dbworker.errors.WorkerLost"
-
-_TRUNCATED = "\n... (truncated) ...\n"
-# The interpreter's own words between chained exceptions.
-_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
-_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
 
 
 def _fenced(item: WorkItem) -> WorkItemQuerySet:
@@ -63,12 +59,6 @@ def _fenced(item: WorkItem) -> WorkItemQuerySet:
     return WorkItem.objects.using(item._state.db).filter(
         pk=item.pk, status=Status.CLAIMED, claim_token=item.claim_token
     )
-
-
-def exception_class_path(exc: BaseException) -> str:
-    """``module.QualName`` of the exception's class, importable (``builtins.`` kept)."""
-    cls = type(exc)
-    return f"{getattr(cls, '__module__', 'builtins')}.{getattr(cls, '__qualname__', cls.__name__)}"
 
 
 def _with_history(error: Any, class_path: Any) -> AppendCapped:
@@ -82,103 +72,6 @@ def _with_history(error: Any, class_path: Any) -> AppendCapped:
         error=error,
     )
     return AppendCapped(F("error_history"), entry, limit=ERROR_HISTORY_LIMIT)
-
-
-def format_error(
-    exc: BaseException, *, include_traceback: bool = True, sensitive: bool = False
-) -> str:
-    """Exception type, message and traceback as ``last_error`` stores them.
-
-    Never raises: formatting runs user code (``__str__``), and a failure that
-    cannot be formatted must still be recorded. For ``sensitive`` handlers
-    every message in the chain is replaced by ``[redacted]`` (a message may
-    quote the payload); types and frames stay, since they are what a reader
-    needs. NUL characters, which PostgreSQL's text columns refuse, are
-    escaped; the text is cut to ``MAX_ERROR_BYTES`` bytes of UTF-8.
-    """
-    try:
-        text = _redacted(exc, include_traceback) if sensitive else _plain(exc, include_traceback)
-        return clean_error_text(text)
-    except Exception:
-        return clean_error_text(f"{_type_name(exc)}: (the exception could not be formatted)")
-
-
-def clean_error_text(text: str) -> str:
-    """``text`` as every database stores it: valid UTF-8, NUL escaped, at most 10 kB.
-
-    Messages quote file names and bytes: a lone surrogate (undecodable bytes
-    read with ``surrogateescape``) cannot be encoded, so it is written as a
-    backslash escape instead of making the failure unrecordable.
-    """
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return cap_text(text.replace("\x00", "\\x00"), MAX_ERROR_BYTES)
-
-
-def error_summary(exc: BaseException, *, sensitive: bool = False, limit: int = 500) -> str:
-    """One short line for logs: ``Type: message``, never raising, secrets redacted."""
-    if sensitive:
-        return f"{_type_name(exc)}: {REDACTED}"
-    line = format_error(exc, include_traceback=False).replace("\n", " ")
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def cap_text(text: str, max_bytes: int) -> str:
-    """``text`` cut in the middle to at most ``max_bytes`` bytes of UTF-8.
-
-    The head (type and message) and the tail (the innermost frames) are what
-    a reader needs; the middle of a long traceback is not.
-    """
-    data = text.encode("utf-8")
-    if len(data) <= max_bytes:
-        return text
-    room = max_bytes - len(_TRUNCATED.encode("utf-8"))
-    head = data[: room // 2].decode("utf-8", "ignore")
-    tail = data[len(data) - (room - room // 2) :].decode("utf-8", "ignore")
-    return head + _TRUNCATED + tail
-
-
-def _type_name(exc: BaseException) -> str:
-    cls = type(exc)
-    module = getattr(cls, "__module__", "")
-    name = getattr(cls, "__qualname__", cls.__name__)
-    return name if module in ("builtins", "__main__", "") else f"{module}.{name}"
-
-
-def _plain(exc: BaseException, include_traceback: bool) -> str:
-    # The summary line comes first so that the admin's "first line" is useful.
-    text = "".join(traceback.format_exception_only(exc)).strip()
-    if include_traceback:
-        text += "\n\n" + "".join(traceback.format_exception(exc)).strip()
-    return text
-
-
-def _redacted(exc: BaseException, include_traceback: bool) -> str:
-    summary = f"{_type_name(exc)}: {REDACTED}"
-    if not include_traceback:
-        return summary
-    # The chain as the interpreter prints it, oldest first, messages replaced.
-    chain: list[tuple[BaseException, str]] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    link = ""
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        chain.append((current, link))
-        if current.__cause__ is not None:
-            current, link = current.__cause__, _CAUSE
-        elif current.__context__ is not None and not current.__suppress_context__:
-            current, link = current.__context__, _CONTEXT
-        else:
-            current = None
-    parts = []
-    for index, (item, _) in enumerate(reversed(chain)):
-        if index:
-            parts.append(chain[len(chain) - index][1])
-        if item.__traceback__ is not None:
-            parts.append("Traceback (most recent call last):\n")
-            parts.extend(traceback.format_tb(item.__traceback__))
-        parts.append(f"{_type_name(item)}: {REDACTED}\n")
-    return summary + "\n\n" + "".join(parts).strip()
 
 
 # -- worker transitions (fenced) ----------------------------------------------------
@@ -473,11 +366,3 @@ def prune(
             return deleted
         count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
         deleted += count
-
-
-def ensure_json(value: Any, what: str) -> str:
-    """JSON-encode ``value`` or raise ``TypeError`` naming ``what``."""
-    try:
-        return json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None

@@ -28,7 +28,7 @@ from django_dbworker import validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.enqueuing import insert
 from django_dbworker.models import WorkItem
-from django_dbworker.registry import registry
+from django_dbworker.registry import import_by_path, registry
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.tasks.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,
@@ -326,17 +326,17 @@ def options_problems(options: Any) -> list[str]:
 
 
 def task_of(name: str) -> Task | None:
-    """The task whose handler is named ``name``, importing its module if needed."""
-    cls = registry.get(name)
-    if cls is None and "." in name:
-        from django.utils.module_loading import import_string
+    """The task whose handler is named ``name``, importing its module if needed.
 
-        try:
-            found = import_string(name)
-        except ImportError:
-            return None
-        if isinstance(found, Task) and found.module_path == name:
-            cls = registry.get(name)
+    ``name`` comes from a row, which anyone who can write to the table
+    controls: its module is imported only as the worker would import it
+    (``import_by_path``: a module of the project's own packages), never
+    whatever module a row names.
+    """
+    cls = registry.get(name)
+    if cls is None:
+        import_by_path([name])
+        cls = registry.get(name)
     if isinstance(cls, type) and issubclass(cls, TaskHandler):
         return cls.task
     return None

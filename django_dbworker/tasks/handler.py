@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 from django.db import DatabaseError
 from django.utils import timezone
 
-from django_dbworker import transitions
+from django_dbworker import errortext
 from django_dbworker.handlers import WorkItemHandler, attempt_was_recorded
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
@@ -181,8 +181,8 @@ class TaskHandler(WorkItemHandler):
             if error is not None:
                 result.errors.append(
                     TaskError(
-                        exception_class_path=transitions.exception_class_path(error),
-                        traceback=transitions.format_error(error, sensitive=self.sensitive),
+                        exception_class_path=errortext.exception_class_path(error),
+                        traceback=errortext.format_error(error, sensitive=self.sensitive),
                     )
                 )
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
@@ -222,7 +222,11 @@ def _running_row(item: WorkItem, *, takes_context: bool) -> Row:
                 .first()
             )
         except DatabaseError as exc:
-            logger.warning("Could not read the history of task row %s: %s", item.pk, exc)
+            logger.warning(
+                "Could not read the history of task row %s: %s",
+                item.pk,
+                errortext.error_summary(exc),
+            )
     history, created_at, claimed_at = extra or (None, None, timezone.now())
     if created_at is not None:
         item.__dict__.setdefault("created_at", created_at)

@@ -20,7 +20,7 @@ from django.db import connection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from django_dbworker import tracing, transitions
+from django_dbworker import errortext, tracing
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
@@ -334,8 +334,8 @@ def test_a_connection_killed_while_idle_does_not_cost_the_next_job_an_attempt(
 
 
 def test_last_error_is_capped_in_bytes() -> None:
-    text = transitions.format_error(ValueError("é" * 20_000))
-    assert len(text.encode("utf-8")) <= transitions.MAX_ERROR_BYTES
+    text = errortext.format_error(ValueError("é" * 20_000))
+    assert len(text.encode("utf-8")) <= errortext.MAX_ERROR_BYTES
     assert text.startswith("ValueError: éé")
 
 

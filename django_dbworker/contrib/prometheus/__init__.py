@@ -6,4 +6,8 @@ project: ``dbworker_queue_items{queue,status}`` and
 the database at each scrape of the default registry, which django-prometheus
 exports. Worker processes leave these gauges out of their own ``/metrics``
 (every worker would report the same global numbers).
+
+Cardinality: each distinct queue name in the table adds six series (five
+statuses and the oldest pending age), with no cap; queue names should be
+a fixed few, not one per tenant or request (docs/observability.md).
 """
