@@ -27,13 +27,6 @@ from django.db.models.functions import Concat, JSONObject, Now
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.expressions import AppendCapped
-
-# Re-exported for worker/ until it imports them from errortext.
-from django_dbworker.errortext import clean_error_text as clean_error_text
-from django_dbworker.errortext import ensure_json as ensure_json
-from django_dbworker.errortext import error_summary as error_summary
-from django_dbworker.errortext import exception_class_path as exception_class_path
-from django_dbworker.errortext import format_error as format_error
 from django_dbworker.models import (
     ERROR_HISTORY_LIMIT,
     FINISHED_STATUSES,

@@ -26,9 +26,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_dbworker import validation
 from django_dbworker.conf import dbworker_settings
+from django_dbworker.discovery import import_by_path
 from django_dbworker.enqueuing import insert
 from django_dbworker.models import WorkItem
-from django_dbworker.registry import import_by_path, registry
+from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.tasks.compat import (
     DEFAULT_TASK_BACKEND_ALIAS,

@@ -29,7 +29,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections, transaction
 
-from django_dbworker import tracing, transitions
+from django_dbworker import errortext, tracing, transitions
 from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
@@ -135,7 +135,7 @@ def execute(
             "Unexpected error around work item %s (%s): %s",
             item.pk,
             handler.name,
-            transitions.error_summary(exc, sensitive=handler.sensitive),
+            errortext.error_summary(exc, sensitive=handler.sensitive),
             exc_info=not handler.sensitive,
         )
         if ending is None:
@@ -204,7 +204,7 @@ def _execute(
         retriable=True,
         label=Outcome.TIMEOUT,
         give_up=give_up,
-        text=transitions.format_error(error, include_traceback=False),
+        text=errortext.format_error(error, include_traceback=False),
     )
 
 
@@ -280,7 +280,7 @@ def _encode_result(result: Any) -> str | None:
     if result is None:
         return None
     try:
-        return transitions.ensure_json(result, "The handler's return value")
+        return errortext.ensure_json(result, "The handler's return value")
     except TypeError as exc:
         raise _ResultRefused(exc) from None
 

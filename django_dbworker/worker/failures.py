@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Callable
 
-from django_dbworker import tracing, transitions
+from django_dbworker import errortext, tracing, transitions
 from django_dbworker.backoff import exponential_backoff
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db.errors import is_transient
@@ -49,7 +49,7 @@ def retry_delay(handler: WorkItemHandler, attempt: int) -> float:
         delay = float(handler.backoff(attempt))
         problem = None if math.isfinite(delay) else f"returned {delay!r}"
     except BaseException as exc:
-        problem = f"raised {transitions.error_summary(exc)}"
+        problem = f"raised {errortext.error_summary(exc)}"
     if problem is not None:
         logger.error(
             "%s.backoff(%d) %s; using the default backoff.",
@@ -76,17 +76,17 @@ def record_failure(
     text: str | None = None,
 ) -> Ending:
     sensitive = handler.sensitive
-    error = text if text is not None else transitions.format_error(exc, sensitive=sensitive)
+    error = text if text is not None else errortext.format_error(exc, sensitive=sensitive)
     try:
         tracing.record_failure(exc, sensitive=sensitive)
     except Exception:
         logger.debug("Could not record the failure on the span.", exc_info=True)
-    shown = transitions.error_summary(exc, sensitive=sensitive)
+    shown = errortext.error_summary(exc, sensitive=sensitive)
     attempts, max_attempts = item.attempts, item.max_attempts
     retry = retriable and attempts < max_attempts
     delay = retry_delay(handler, attempts) if retry else 0.0
 
-    error_class = transitions.exception_class_path(exc)
+    error_class = errortext.exception_class_path(exc)
 
     def write() -> bool:
         if retry:
@@ -143,9 +143,9 @@ def record_refused_result(
     Not retried: a new attempt would compute the same result (and repeat the
     handler's side effects) only to be refused again.
     """
-    reason = transitions.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
-    error = transitions.clean_error_text(RESULT_NOT_STORED + reason)
-    error_class = transitions.exception_class_path(cause)
+    reason = errortext.error_summary(cause, sensitive=handler.sensitive, limit=2_000)
+    error = errortext.clean_error_text(RESULT_NOT_STORED + reason)
+    error_class = errortext.exception_class_path(cause)
     try:
         status = _write_outcome(
             item,
@@ -191,7 +191,7 @@ def _write_outcome(
     except Exception as exc:
         if is_transient(exc):
             raise
-        refusal = transitions.error_summary(exc)
+        refusal = errortext.error_summary(exc)
     logger.error(
         "The database refused the outcome of work item %s (%s): %s; "
         "recording a plain failure instead.",
@@ -205,9 +205,7 @@ def _write_outcome(
             item,
             # Without the history: whatever the database refused, this
             # write asks the least of it.
-            lambda: transitions.fail(
-                item, error=transitions.clean_error_text(plain), history=False
-            ),
+            lambda: transitions.fail(item, error=errortext.clean_error_text(plain), history=False),
         ),
         what="recording a plain failure",
         give_up=give_up,
@@ -222,6 +220,6 @@ def _unrecorded(item: WorkItem, handler: WorkItemHandler, exc: BaseException) ->
         "this attempt until it is released or recovered as stale.",
         item.pk,
         handler.name,
-        transitions.error_summary(exc),
+        errortext.error_summary(exc),
     )
     return endings.UNRECORDED

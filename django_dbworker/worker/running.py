@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from django_dbworker import transitions
+from django_dbworker import errortext, transitions
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import Status
 from django_dbworker.outcomes import Outcome
@@ -141,7 +141,7 @@ class AttemptRunner:
             logger.warning(
                 "Could not check the claim of work item %s before starting it (%s).",
                 attempt.item.pk,
-                transitions.error_summary(exc),
+                errortext.error_summary(exc),
             )
             close_quietly(self.config.using)
             return age < self.config.stale_after
@@ -183,7 +183,7 @@ class AttemptRunner:
                     "Could not record the success of work item %s (%s): %s",
                     item.pk,
                     handler.name,
-                    transitions.error_summary(result),
+                    errortext.error_summary(result),
                 )
             return endings.UNRECORDED  # when stopping: still claimed, released at shutdown
         if result:

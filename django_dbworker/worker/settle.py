@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import Counter
 
-from django_dbworker import transitions
+from django_dbworker import errortext
 from django_dbworker.errors import WorkerLost
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics
@@ -138,7 +138,7 @@ def _run_hook(
                 "%s.attempt_recorded raised for work item %s: %s",
                 name,
                 item.pk,
-                transitions.error_summary(exc, sensitive=True),
+                errortext.error_summary(exc, sensitive=True),
             )
         else:
             logger.exception("%s.attempt_recorded raised for work item %s.", name, item.pk)

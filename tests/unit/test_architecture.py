@@ -40,7 +40,11 @@ def _strings_containing(text: str) -> set[Path]:
     for path in _modules():
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and text in node.value:
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and text in node.value
+            ):
                 found.add(path)
     return found
 
