@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from django_dbworker.errors import EnqueueError, NoTask
 from django_dbworker.registry import registry
+from django_dbworker.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from django_dbworker.claiming import claim_next
@@ -30,7 +31,6 @@ __all__ = [
     "registry",
 ]
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "Handler": "django_dbworker.handlers",

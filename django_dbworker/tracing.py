@@ -46,7 +46,7 @@ def _tracer() -> Any:
     provider = _provider_override or trace.get_tracer_provider()
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None  # no SDK configured: tracing must cost nothing
-    from django_dbworker import __version__
+    from django_dbworker.version import __version__
 
     return provider.get_tracer("django_dbworker", __version__)
 
