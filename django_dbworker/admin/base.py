@@ -2,9 +2,15 @@
 
 ``BaseWorkItemAdmin`` holds the configuration of the list pages (filters,
 exact indexed search, estimating paginator, no facet counts), the read-only
-change page and the permission rules; the columns it can show live in
-``columns``. The pages themselves (``workitems``, ``claimed``, ``failed``,
-``queue_summary``) subclass it.
+change page, the raw JSON download of payload and result, and the rules of
+access; the columns it can show live in ``columns``. The pages themselves
+(``workitems``, ``claimed``, ``failed``, ``queue_summary``) subclass it.
+
+Access, on every page: the permissions of ``WorkItem`` decide, never those
+of the proxy model a page is registered for (``view`` or ``change`` to see,
+``change`` for the actions). A list accepts only the lookups of its own
+filters: any other (``?payload__password__startswith=h``) is refused with
+400, so no list tells whether a value the user may not read matches.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from django.contrib import admin
+from django.contrib.admin.exceptions import DisallowedModelAdminLookup
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import Q, QuerySet
-from django.db.models.functions import Left, Now
-from django.http import HttpRequest, HttpResponse
+from django.core.exceptions import PermissionDenied
+from django.db.models import Q, QuerySet, TextField
+from django.db.models.functions import Cast, Left, Now
+from django.http import Http404, HttpRequest, HttpResponse
+from django.urls import URLPattern, path, reverse
 
-from django_dbworker.admin import actions
+from django_dbworker.admin import actions, display
 from django_dbworker.admin.columns import WorkItemColumns
 from django_dbworker.admin.filters import HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
@@ -106,6 +116,9 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         "trace_id",
     )
 
+    #: The values the raw JSON download serves (with the change page's redaction).
+    raw_values = ("payload", "result")
+
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _LightChangeList
 
@@ -138,23 +151,85 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None:
-            return False
-        return super().has_change_permission(request, obj)
+        return obj is None and may(request, "change")
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        opts = WorkItem._meta
-        return bool(
-            request.user.has_perm(f"{opts.app_label}.view_{opts.model_name}")
-            or request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
-        )
+        return may(request, "view") or may(request, "change")
 
     def has_module_permission(self, request: HttpRequest) -> bool:
         return self.has_view_permission(request)
 
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        """Only the parameters of this page's list filters (and Django's own, such as ``q``).
+
+        Django allows any lookup on a local field by default, and a list
+        whose rows appear or not for ``?last_error__startswith=...`` reads
+        out values the user may not see, one character at a time.
+        """
+        return lookup in self.filter_parameters(request)
+
+    def filter_parameters(self, request: HttpRequest | None) -> set[str]:
+        """The query parameters that the list filters of this page read."""
+        filters = self.get_list_filter(request) if request is not None else self.list_filter
+        names: set[str] = set()
+        for item in filters:
+            if isinstance(item, type) and issubclass(item, admin.SimpleListFilter):
+                names.add(str(item.parameter_name))
+            else:  # a field, or (field, filter class): Django's field filters
+                field = item[0] if isinstance(item, list | tuple) else item
+                names |= {f"{field}__exact", f"{field}__isnull"}
+        return names
+
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         title = str(self.model._meta.verbose_name_plural).capitalize()
         return super().changelist_view(request, {"title": title, **(extra_context or {})})
+
+    # -- the raw JSON of payload and result -------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        opts = self.model._meta
+        raw = path(
+            "<path:object_id>/raw/<str:value>/",
+            self.admin_site.admin_view(self.raw_view),
+            name=f"{opts.app_label}_{opts.model_name}_raw",
+        )
+        return [raw, *super().get_urls()]
+
+    def raw_url(self, obj: WorkItem, value: str) -> str | None:
+        opts = self.model._meta
+        name = f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_raw"
+        return reverse(name, args=[quote(obj.pk), value])
+
+    def raw_view(self, request: HttpRequest, object_id: str, value: str) -> HttpResponse:
+        """The stored JSON of a row's payload or result, as a download.
+
+        The change page's rules: the user may view work items, the row is
+        one of this page's, and the value is not redacted (sensitive or
+        unregistered handler). The text is the database's, not re-encoded,
+        so a value of any size or depth downloads whole.
+        """
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if value not in self.raw_values:
+            raise Http404(f"No raw download of {value!r}.")
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404("No such work item on this page.")
+        if not self.has_view_permission(request, obj) or display.redaction(obj, value):
+            raise PermissionDenied
+        raw = (
+            self.get_queryset(request)
+            .filter(pk=obj.pk)
+            .annotate(raw=Cast(value, TextField()))
+            .values_list("raw", flat=True)
+            .first()
+        )
+        response = HttpResponse(
+            "null" if raw is None else raw, content_type="application/json; charset=utf-8"
+        )
+        response["Content-Disposition"] = f'attachment; filename="work-item-{obj.pk}-{value}.json"'
+        response["X-Content-Type-Options"] = "nosniff"
+        return response
 
 
 class _OneStatusAdmin(BaseWorkItemAdmin):
@@ -162,6 +237,12 @@ class _OneStatusAdmin(BaseWorkItemAdmin):
 
     def get_list_filter(self, request: HttpRequest) -> Any:
         return (QueueFilter, HandlerFilter)
+
+
+def refuse_parameters(request: HttpRequest) -> None:
+    """For pages that take no query parameters: refuse any, as a list refuses unknown lookups."""
+    for key in request.GET:
+        raise DisallowedModelAdminLookup(f"Filtering by {key} not allowed")
 
 
 def may(request: HttpRequest, action: str) -> bool:

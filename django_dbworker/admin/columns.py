@@ -106,22 +106,29 @@ class WorkItemColumns:
         line = display.first_line(head if head is not None else obj.last_error)
         return display.one_line(line) if line else "-"
 
+    def raw_url(self, obj: WorkItem, value: str) -> str | None:
+        """Where ``obj``'s whole ``value`` downloads; the admin that mixes this in knows."""
+        return None
+
+    def _pretty_value(self, obj: WorkItem, value: str) -> SafeString | str:
+        hidden = display.redaction(obj, value)
+        if hidden is not None:
+            return hidden
+        return display.pretty_json(getattr(obj, value), raw_url=self.raw_url(obj, value))
+
     @admin.display(description="payload")
     def payload_pretty(self, obj: WorkItem) -> SafeString | str:
-        redaction = display.payload_redaction(obj)
-        if redaction is not None:
-            return redaction
-        return display.pretty_json(obj.payload)
+        return self._pretty_value(obj, "payload")
 
     @admin.display(description="result")
-    def result_pretty(self, obj: WorkItem) -> SafeString:
-        return display.pretty_json(obj.result)
+    def result_pretty(self, obj: WorkItem) -> SafeString | str:
+        return self._pretty_value(obj, "result")
 
     @admin.display(description="last error")
     def error_pre(self, obj: WorkItem) -> SafeString | str:
         if not obj.last_error:
             return "-"
-        return format_html('<pre style="white-space:pre-wrap">{}</pre>', obj.last_error)
+        return display.error_text(obj.last_error)
 
     # Times to the second on the change page too (Django's default format
     # stops at minutes, or at "10 p.m."), the full value on hover.

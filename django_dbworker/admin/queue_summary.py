@@ -1,7 +1,8 @@
 """The Queue summary page's admin: the dashboard in place of a change list.
 
 The figures and their shaping are ``summary``'s; this module only serves
-them, to users who may view work items.
+them, to users who may view work items (the permissions of ``WorkItem``,
+not of the ``QueueSummary`` proxy). It takes no query parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
-from django_dbworker.admin.base import BaseWorkItemAdmin
+from django_dbworker.admin.base import BaseWorkItemAdmin, refuse_parameters
 from django_dbworker.admin.summary import summary_context
 
 
@@ -24,6 +25,7 @@ class QueueSummaryAdmin(BaseWorkItemAdmin):
     ) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        refuse_parameters(request)
         context = {
             **self.admin_site.each_context(request),
             **summary_context(),

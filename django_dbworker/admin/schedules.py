@@ -22,7 +22,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from django_dbworker.admin import display
-from django_dbworker.admin.base import may
+from django_dbworker.admin.base import may, refuse_parameters
 from django_dbworker.enqueuing import enqueue
 from django_dbworker.models import PeriodicSchedule, WorkItem
 from django_dbworker.periodic import PeriodicHandler, slot_key
@@ -118,6 +118,7 @@ class ScheduleAdmin(_ScheduleModelAdmin):
     ) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        refuse_parameters(request)
         if request.method == "POST":
             if not self.has_change_permission(request):
                 raise PermissionDenied
