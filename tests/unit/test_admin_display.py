@@ -9,9 +9,7 @@ from django.utils import timezone
 from django.utils.html import strip_tags
 
 from django_dbworker.admin.display import (
-    PRETTY_MAX_CHARS,
     age,
-    bounded_json,
     duration,
     error_history,
     first_line,
@@ -20,6 +18,7 @@ from django_dbworker.admin.display import (
     trace_id,
     worker,
 )
+from django_dbworker.admin.jsontext import PRETTY_MAX_CHARS, bounded_json
 
 
 @pytest.mark.parametrize(
