@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 
@@ -10,7 +9,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.admin.jsontext import PRETTY_MAX_CHARS, bounded_json
+from django_dbworker.models import ERROR_HISTORY_LIMIT, Status, WorkItem
 from django_dbworker.registry import registry
 
 STATUS_COLOURS: dict[str, str] = {
@@ -106,27 +106,45 @@ def worker(claimed_by: str) -> SafeString | str:
     return format_html('<span title="{}">{}</span>', claimed_by, shown)
 
 
-def payload_redaction(item: WorkItem) -> str | None:
-    """Why ``item``'s payload must not be shown, or None when it may be.
+def redaction(item: WorkItem, value: str = "payload") -> str | None:
+    """Why ``item``'s ``value`` (``payload`` or ``result``) must not be shown, or None.
 
-    Fails closed: a handler that is not registered in this process (its
-    ``workers`` module is only deployed with the workers, or it was renamed)
-    might be sensitive, so its payload is hidden too.
+    ``sensitive`` covers both: what a handler returns often echoes what it
+    was given (a token, an address). Fails closed: a handler that is not
+    registered in this process (its ``workers`` module is only deployed with
+    the workers, or it was renamed) might be sensitive, so its values are
+    hidden too.
     """
     cls = registry.get(item.handler)
     if cls is None:
         return (
             f"(redacted: handler {item.handler} is not registered in this process, "
-            "so it cannot be told whether its payload is sensitive)"
+            f"so it cannot be told whether its {value} is sensitive)"
         )
     if getattr(cls, "sensitive", False):
         return "(redacted: this handler is marked sensitive)"
     return None
 
 
-def pretty_json(value: Any) -> SafeString:
-    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
-    return format_html('<pre style="white-space:pre-wrap">{}</pre>', text)
+def payload_redaction(item: WorkItem) -> str | None:
+    """Why ``item``'s payload must not be shown, or None when it may be (see ``redaction``)."""
+    return redaction(item, "payload")
+
+
+def pretty_json(value: Any, raw_url: str | None = None) -> SafeString:
+    """``value`` pretty-printed in a ``<pre>``, bounded (see ``bounded_json``).
+
+    When it had to be cut, a note says so and, given ``raw_url``, links to
+    the whole value as a download.
+    """
+    text, truncated = bounded_json(value)
+    pre = format_html('<pre style="white-space:pre-wrap">{}</pre>', text)
+    if not truncated:
+        return pre
+    note = f"(truncated: the first {PRETTY_MAX_CHARS:,} characters are shown"
+    if raw_url is None:
+        return format_html("{}<p>{})</p>", pre, note)
+    return format_html('{}<p>{}; <a href="{}">download the raw JSON</a>)</p>', pre, note, raw_url)
 
 
 def first_line(text: str | None, limit: int = 160) -> str:
@@ -153,30 +171,44 @@ def trace_id(trace_context: Any) -> str | None:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
 
 
+#: Failed attempts listed on a change page, and characters of each error
+#: shown: what the workers write (``ERROR_HISTORY_LIMIT`` entries of at most
+#: 10 kB), so only a value edited by hand is ever cut.
+HISTORY_ROWS_SHOWN = ERROR_HISTORY_LIMIT
+HISTORY_ERROR_CHARS = 10_000
+
+
+def error_text(error: str) -> SafeString:
+    """An error in a ``<pre>``, cut at ``HISTORY_ERROR_CHARS`` (workers write at most 10 kB)."""
+    if len(error) > HISTORY_ERROR_CHARS:
+        error = error[:HISTORY_ERROR_CHARS] + f"\n(truncated at {HISTORY_ERROR_CHARS:,} characters)"
+    return format_html('<pre style="white-space:pre-wrap">{}</pre>', error)
+
+
 def error_history(history: Any) -> SafeString | str:
     """The attempts that ended without success, newest first: one line each, the rest folded.
 
     Tolerates hand-edited values: anything that is not a list of objects
-    shows as nothing rather than breaking the page.
+    shows as nothing rather than breaking the page. Bounded like
+    ``pretty_json``: the newest ``HISTORY_ROWS_SHOWN`` entries, each error
+    cut at ``HISTORY_ERROR_CHARS``.
     """
     if not isinstance(history, list):
         return "-"
     rows = []
-    for entry in reversed(history):
-        if not isinstance(entry, dict):
-            continue
+    entries = [entry for entry in reversed(history) if isinstance(entry, dict)]
+    for entry in entries[:HISTORY_ROWS_SHOWN]:
         error = str(entry.get("error") or "")
         rows.append(
             format_html(
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
-                '<td><details><summary>{}</summary><pre style="white-space:pre-wrap">{}</pre>'
-                "</details></td></tr>",
-                entry.get("attempt", "?"),
-                worker(str(entry.get("worker") or "")),
+                "<td><details><summary>{}</summary>{}</details></td></tr>",
+                str(entry.get("attempt", "?"))[:20],
+                worker(str(entry.get("worker") or "")[:300]),
                 str(entry.get("finished_at") or "-")[:19].replace("T", " "),
-                str(entry.get("exception_class_path") or "-"),
+                str(entry.get("exception_class_path") or "-")[:300],
                 first_line(error) or "-",
-                error,
+                error_text(error),
             )
         )
     if not rows:
@@ -189,4 +221,8 @@ def error_history(history: Any) -> SafeString | str:
         "exception",
         "error",
     )
-    return format_html("<table>{}{}</table>", head, SafeString("".join(str(row) for row in rows)))
+    table = format_html("<table>{}{}</table>", head, SafeString("".join(str(row) for row in rows)))
+    left_out = len(entries) - len(rows)
+    if left_out > 0:
+        return format_html("{}<p>({} older attempts not shown)</p>", table, left_out)
+    return table

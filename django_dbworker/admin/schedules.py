@@ -1,6 +1,7 @@
 """The Schedules page: each periodic handler, its schedule in words, its slots, "Run now".
 
-Reads through ``stats.schedule_stats`` (two queries whatever the table
+``ScheduleAdmin`` serves the page in place of a change list; the rest of the
+module shapes its rows. Reads through ``stats.schedule_stats`` (two queries whatever the table
 size). "Run now" enqueues one extra WorkItem of the handler (payload
 ``{"slot": <now>, "manual": true}``, no unique key) and never touches the
 schedule row: the next slot comes when it is due, as before.
@@ -9,13 +10,21 @@ schedule row: the next slot comes when it is due, as before.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from django_dbworker.admin import display
+from django_dbworker.admin.base import may, refuse_parameters
 from django_dbworker.enqueuing import enqueue
-from django_dbworker.models import WorkItem
+from django_dbworker.models import PeriodicSchedule, WorkItem
 from django_dbworker.periodic import PeriodicHandler, slot_key
 from django_dbworker.registry import registry
 from django_dbworker.stats import schedule_stats
@@ -69,3 +78,73 @@ def run_now(name: str) -> WorkItem:
     if cls is None or not issubclass(cls, PeriodicHandler):
         raise LookupError(f"{name!r} is not a periodic handler registered here")
     return enqueue(cls, {"slot": slot_key(timezone.now()), "manual": True})
+
+
+if TYPE_CHECKING:
+    _ScheduleModelAdmin = admin.ModelAdmin[PeriodicSchedule]
+else:  # ModelAdmin is generic only in django-stubs
+    _ScheduleModelAdmin = admin.ModelAdmin
+
+
+class ScheduleAdmin(_ScheduleModelAdmin):
+    """One page: each periodic handler, its schedule in words, next and last slot, "Run now".
+
+    Permissions are the work item pages': view (or change) work items to see
+    it, change work items for "Run now", which creates a work item as the
+    Retry action does. Schedule rows are the scheduler's: no add, edit or
+    delete here.
+    """
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return may(request, "view") or may(request, "change")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and may(request, "change")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
+        return redirect("admin:django_dbworker_periodicschedule_changelist")
+
+    def changelist_view(  # the schedules page replaces the list
+        self, request: HttpRequest, extra_context: Any = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        refuse_parameters(request)
+        if request.method == "POST":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            name = request.POST.get("run_now", "")
+            try:
+                item = run_now(name)
+            except LookupError as exc:
+                self.message_user(request, f"Nothing enqueued: {exc}.", messages.ERROR)
+            else:
+                self.message_user(
+                    request,
+                    format_html(
+                        'Enqueued an extra run of {} (<a href="{}">work item {}</a>); '
+                        "the schedule is unchanged.",
+                        name,
+                        reverse("admin:django_dbworker_workitem_change", args=[item.pk]),
+                        item.pk,
+                    ),
+                    messages.SUCCESS,
+                )
+            return redirect(request.path)
+        context = {
+            **self.admin_site.each_context(request),
+            **schedules_context(),
+            "title": "Schedules",
+            "opts": self.model._meta,
+            "can_run": self.has_change_permission(request),
+        }
+        return TemplateResponse(request, "admin/django_dbworker/schedules.html", context)

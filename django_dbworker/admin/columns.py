@@ -1,0 +1,165 @@
+"""The columns and change-page fields of the work item pages, as a mixin.
+
+Each method renders one value of a row (a list column or a read-only field
+of the change page) through ``display``; ``BaseWorkItemAdmin`` mixes them in
+and each page picks its ``list_display`` from them.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from django_dbworker.admin import display
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
+
+
+class WorkItemColumns:
+    """Display methods for ``WorkItem`` rows, shared by every work item page."""
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, obj: WorkItem) -> SafeString:
+        return display.badge(obj.status)
+
+    @admin.display(description="handler", ordering="handler")
+    def handler_display(self, obj: WorkItem) -> SafeString | str:
+        """The handler name, marked when no loaded module registers it (it would never run)."""
+        if obj.handler in registry or obj.status not in (Status.PENDING, Status.CLAIMED):
+            return obj.handler
+        return format_html(
+            '{} <strong style="color:#c53030" title="No loaded module registers this handler, '
+            "so no worker runs it: is it defined in a workers.py module of an installed app?"
+            '">(not registered)</strong>',
+            obj.handler,
+        )
+
+    @admin.display(description="claimed by", ordering="claimed_by")
+    def worker_display(self, obj: WorkItem) -> SafeString | str:
+        return display.worker(obj.claimed_by)
+
+    @admin.display(description="handler / last error", ordering="handler")
+    def handler_and_error(self, obj: WorkItem) -> SafeString | str:
+        """The handler, and under it the first line of the last error (whole on hover).
+
+        One column instead of two keeps the list readable at 1,280 px:
+        the error was the widest column and the last, so off-screen.
+        """
+        head = getattr(obj, "error_head", None)
+        line = display.first_line(head if head is not None else obj.last_error)
+        if not line:
+            return self.handler_display(obj)
+        return format_html(
+            '{}<br><small style="color:var(--body-quiet-color)">{}</small>',
+            self.handler_display(obj),
+            display.one_line(line, width="20em"),
+        )
+
+    @admin.display(description="progress")
+    def progress(self, obj: WorkItem) -> SafeString | str:
+        """Where the row stands: when it runs, who runs it (heartbeat age), or when it ended."""
+        if obj.status == Status.PENDING:
+            return self.next_run(obj)
+        if obj.status == Status.CLAIMED:
+            return format_html(
+                "{}, heartbeat {}", display.worker(obj.claimed_by), self.heartbeat_age(obj)
+            )
+        if obj.finished_at is not None:
+            return format_html("ended {}", display.timestamp(obj.finished_at))
+        return "-"
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.created_at)
+
+    @admin.display(description="claimed", ordering="claimed_at")
+    def claimed(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.claimed_at)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.finished_at)
+
+    @admin.display(description="attempts")
+    def attempts_display(self, obj: WorkItem) -> str:
+        return f"{obj.attempts}/{obj.max_attempts}"
+
+    @admin.display(description="heartbeat", ordering="heartbeat_at")
+    def heartbeat_age(self, obj: WorkItem) -> str:
+        if obj.status != Status.CLAIMED:
+            return "-"
+        return display.age(obj.heartbeat_at, display.db_now(obj))
+
+    @admin.display(description="next run", ordering="run_after")
+    def next_run(self, obj: WorkItem) -> str:
+        if obj.status != Status.PENDING:
+            return "-"
+        now = display.db_now(obj)
+        if now is not None and obj.run_after <= now:
+            return "due"
+        return display.age(obj.run_after, now)
+
+    @admin.display(description="error")
+    def error_summary(self, obj: WorkItem) -> SafeString | str:
+        head = getattr(obj, "error_head", None)
+        line = display.first_line(head if head is not None else obj.last_error)
+        return display.one_line(line) if line else "-"
+
+    def raw_url(self, obj: WorkItem, value: str) -> str | None:
+        """Where ``obj``'s whole ``value`` downloads; the admin that mixes this in knows."""
+        return None
+
+    def _pretty_value(self, obj: WorkItem, value: str) -> SafeString | str:
+        hidden = display.redaction(obj, value)
+        if hidden is not None:
+            return hidden
+        return display.pretty_json(getattr(obj, value), raw_url=self.raw_url(obj, value))
+
+    @admin.display(description="payload")
+    def payload_pretty(self, obj: WorkItem) -> SafeString | str:
+        return self._pretty_value(obj, "payload")
+
+    @admin.display(description="result")
+    def result_pretty(self, obj: WorkItem) -> SafeString | str:
+        return self._pretty_value(obj, "result")
+
+    @admin.display(description="last error")
+    def error_pre(self, obj: WorkItem) -> SafeString | str:
+        if not obj.last_error:
+            return "-"
+        return display.error_text(obj.last_error)
+
+    # Times to the second on the change page too (Django's default format
+    # stops at minutes, or at "10 p.m."), the full value on hover.
+    @admin.display(description="run after")
+    def run_after_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.run_after)
+
+    @admin.display(description="created at")
+    def created_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.created_at)
+
+    @admin.display(description="updated at")
+    def updated_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.updated_at)
+
+    @admin.display(description="finished at")
+    def finished_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.finished_at)
+
+    @admin.display(description="claimed at")
+    def claimed_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.claimed_at)
+
+    @admin.display(description="heartbeat at")
+    def heartbeat_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.heartbeat_at)
+
+    @admin.display(description="failed attempts")
+    def history_table(self, obj: WorkItem) -> SafeString | str:
+        return display.error_history(obj.error_history)
+
+    @admin.display(description="trace id")
+    def trace_id(self, obj: WorkItem) -> str:
+        return display.trace_id(obj.trace_context) or "-"
