@@ -16,8 +16,9 @@ from django.utils import timezone
 from django_dbworker.admin import display
 from django_dbworker.enqueuing import enqueue
 from django_dbworker.models import WorkItem
-from django_dbworker.periodic import PeriodicHandler, slot_key
+from django_dbworker.periodic import PeriodicHandler
 from django_dbworker.registry import registry
+from django_dbworker.schedules import slot_key
 from django_dbworker.stats import schedule_stats
 
 
