@@ -20,6 +20,9 @@ Validator = Callable[[Any], Any]
 
 #: What ``enqueue`` accepts as a queue name (SPEC: ``[A-Za-z0-9_.:-]{1,100}``).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+#: The priorities ``enqueue`` accepts (SPEC: -100..100; a constraint of the table too).
+PRIORITY_MIN = -100
+PRIORITY_MAX = 100
 
 
 class InvalidValue(ValueError):
