@@ -463,7 +463,7 @@ def test_hot_statements_read_their_index_in_order(big_table: None) -> None:
 
 
 def test_the_database_checks_pass_on_this_server() -> None:
-    from django_dbworker.checks import check_mysql_server
+    from django_dbworker.checks import check_database_servers as check_mysql_server
     from django_dbworker.db.mysql import MIN_MARIADB_VERSION
 
     assert tuple(connection.mysql_version) >= MIN_MARIADB_VERSION
