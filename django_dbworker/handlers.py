@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 class Handler(Generic[T]):
-    """Claim one item, process it; optionally return stale items to the pool.
+    """Claim one item, process it; optionally recover stale items (make them ready again).
 
     Concrete subclasses register themselves under ``name`` when their class is
     created. Set ``abstract = True`` on a base class to keep it out of the
@@ -61,7 +61,7 @@ class Handler(Generic[T]):
         raise NotImplementedError(f"{type(self).__qualname__} must implement process()")
 
     def recover_stale(self) -> None:
-        """Return items abandoned by crashed workers; called at each cycle start."""
+        """Recover items abandoned by crashed workers; called at each cycle start."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__qualname__} {self.name!r}>"
