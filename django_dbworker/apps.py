@@ -29,12 +29,12 @@ class DBWorkerConfig(AppConfig):
         from django.db.backends.signals import connection_created
 
         from django_dbworker import checks  # noqa: F401 - checks register on import
-        from django_dbworker.db.mysql import set_session_time_zone
+        from django_dbworker.db import prepare_session
         from django_dbworker.discovery import autodiscover
 
-        # MySQL sessions in UTC, so that Django's Now() is the worker's clock
-        # (see set_session_time_zone); a no-op for other databases.
-        connection_created.connect(set_session_time_zone, dispatch_uid="django_dbworker.mysql_tz")
+        # Each vendor sets up its new sessions: MySQL's in UTC, so that
+        # Django's Now() is the worker's clock (MySQLOperations.prepare_session).
+        connection_created.connect(prepare_session, dispatch_uid="django_dbworker.prepare_session")
 
         # Like admin.autodiscover(): every process (web and worker) knows every
         # handler name, so enqueue-by-name works everywhere.

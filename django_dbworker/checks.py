@@ -22,8 +22,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
-from django_dbworker.db import UnsupportedDatabase, operations
-from django_dbworker.db.mysql import MySQLOperations
+from django_dbworker.db import server_problems
 from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import registry
 
@@ -159,47 +158,30 @@ def sqlite_warnings(databases: Mapping[str, Mapping[str, Any]]) -> list[CheckMes
     return warnings
 
 
+#: The database servers' problems (``VendorOperations.server_problems``) by
+#: name: an error (the worker cannot run there) or a warning, and its id.
+SERVER_CHECKS: dict[str, tuple[type[Error] | type[Warning], str]] = {
+    "version": (Error, "django_dbworker.E018"),
+    "replication": (Warning, "django_dbworker.W004"),
+}
+
+
 @register(Tags.database)
-def check_mysql_server(
+def check_database_servers(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
-    """Refuse MySQL before 8.0.1 and MariaDB before 10.6; warn on a binlog format that is not ROW.
+    """Refuse a server the worker cannot run on; warn about one it runs on at a risk.
 
-    Both lack ``SKIP LOCKED`` below those versions. With statement-based
-    (or mixed) binary logging, a replica replays ``SELECT ... FOR UPDATE
-    SKIP LOCKED ... LIMIT`` and ``UUID()`` differently from the source:
-    MySQL marks them unsafe for statement-based replication
-    (https://dev.mysql.com/doc/refman/8.0/en/replication-rbr-safe-unsafe.html).
-    Only for the aliases Django asks about, since it connects.
+    Each vendor says what is wrong with its server (MySQL before 8.0.1 and
+    MariaDB before 10.6 lack ``SKIP LOCKED``: E018; their binary log must
+    be row-based: W004; PostgreSQL and SQLite report nothing here). Only
+    for the aliases Django asks about, since it connects.
     """
     messages: list[CheckMessage] = []
     for alias in databases or ():
-        if settings.DATABASES.get(alias, {}).get("ENGINE") != "django.db.backends.mysql":
-            continue
-        ops = operations(alias)
-        if not isinstance(ops, MySQLOperations):
-            continue
-        try:
-            ops.check_version()
-        except UnsupportedDatabase as exc:
-            messages.append(
-                Error(
-                    f"Database {alias!r}: {exc}",
-                    hint="Upgrade the server, or run django-dbworker on PostgreSQL.",
-                    id="django_dbworker.E018",
-                )
-            )
-            continue
-        binlog_format = ops.binlog_format()
-        if binlog_format is not None and binlog_format != "ROW":
-            messages.append(
-                Warning(
-                    f"Database {alias!r} writes its binary log in {binlog_format} format.",
-                    hint="Set binlog_format = ROW: the worker's SKIP LOCKED claims and UUID() "
-                    "claim tokens are unsafe for statement-based replication.",
-                    id="django_dbworker.W004",
-                )
-            )
+        for problem in server_problems(alias):
+            kind, check_id = SERVER_CHECKS[problem.check]
+            messages.append(kind(problem.message, hint=problem.hint, id=check_id))
     return messages
 
 

@@ -4,12 +4,18 @@ Enqueue writes through the caller's connection, so inside
 ``transaction.atomic()`` the row exists if and only if that transaction
 commits; the PostgreSQL wake-up NOTIFY is transactional too. Every input
 is validated before anything is written, and problems raise
-``EnqueueError`` naming the problem, never quoting the payload: that
+``EnqueueError`` naming the problem (the options' checks are
+``enqueue_options.EnqueueOptions``'s), never quoting the payload: that
 includes the text no database stores (NUL, lone surrogates), which would
 otherwise come back as a database error quoting the row. For a
 ``sensitive`` handler, a database error of the write itself reaches the
 caller and the span with its text withheld. The row goes to the routers'
 write alias unless ``using`` says otherwise (``routing.py``).
+
+The public functions take the options as keywords and pass one
+``EnqueueOptions`` on: ``insert_one`` and ``insert_many`` are what the
+``WorkItemHandler`` class methods (through the port in ``handlers.py``) and
+the Tasks backend call.
 """
 
 from __future__ import annotations
@@ -21,23 +27,21 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connections, transaction
-from django.db.models import Expression
 from django.db.models.base import ModelState
-from django.db.models.functions import Now
 from django.db.models.signals import post_init, pre_init
-from django.utils import timezone
 
-from django_dbworker import tracing, validation
+from django_dbworker import tracing
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
+from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.errors import EnqueueError
 from django_dbworker.errortext import exception_class_path
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import ACTIVE_STATUSES, PRIORITY_MAX, PRIORITY_MIN, WorkItem
+from django_dbworker.models import ACTIVE_STATUSES, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_write
+from django_dbworker.validation import LONE_SURROGATE, NUL_CHARACTER, unstorable_text
 
 #: A unique_key conflict whose holder finishes before we can read it is retried this often.
 UNIQUE_RETRIES = 5
@@ -65,32 +69,11 @@ def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
 #: Characters beyond U+FFFF are written as surrogate pairs, and a literal
 #: backslash before such letters matches too; the walk then finds nothing.
 _UNSTORABLE_ESCAPE = re.compile(r"\\u(?:0000|d[89a-f])")
-#: An unpaired surrogate in a Python string (what ``json.loads('"\\ud800"')``
-#: or ``surrogateescape`` decoding makes); valid text never holds one.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_NUL = "a NUL character (\\u0000)"
-_LONE_SURROGATE = "a lone surrogate (U+D800-U+DFFF)"
 #: Why each is refused, as the payload's error says it.
 _WHY_REFUSED = {
-    _NUL: "PostgreSQL cannot store it in JSON",
-    _LONE_SURROGATE: "it is not text that UTF-8 can encode",
+    NUL_CHARACTER: "PostgreSQL cannot store it in JSON",
+    LONE_SURROGATE: "it is not text that UTF-8 can encode",
 }
-
-
-def _unstorable(text: str) -> str | None:
-    """What in ``text`` no database can store ("a NUL character ..."), or None.
-
-    PostgreSQL's text and jsonb refuse NUL (SQLite and MySQL would store
-    it); a lone surrogate cannot be encoded as UTF-8 by any driver, and
-    PostgreSQL's jsonb refuses its escape. Both are refused on every
-    database, so a SQLite dev setup fails like PostgreSQL production, and
-    before the database can answer with an error that quotes the row.
-    """
-    if "\x00" in text:
-        return _NUL
-    if not text.isascii() and _SURROGATE.search(text):
-        return _LONE_SURROGATE
-    return None
 
 
 def _unstorable_place(payload: Any) -> tuple[str, str] | None:
@@ -102,13 +85,13 @@ def _unstorable_place(payload: Any) -> tuple[str, str] | None:
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            problem = _unstorable(value)
+            problem = unstorable_text(value)
             if problem is not None:
                 return problem, "a string"
         elif isinstance(value, dict):
             for key, inner in value.items():
                 if isinstance(key, str):
-                    problem = _unstorable(key)
+                    problem = unstorable_text(key)
                     if problem is not None:
                         return problem, "a dict key"
                 stack.append(inner)
@@ -144,54 +127,6 @@ def _check_payload(payload: Any) -> str:
             f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
         )
     return encoded
-
-
-def _check_priority(priority: Any) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise EnqueueError(f"Priority must be an integer, got {priority!r}.")
-    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise EnqueueError(f"Priority {priority} is out of range {PRIORITY_MIN}..{PRIORITY_MAX}.")
-    return priority
-
-
-def _check_queue(queue: Any) -> str:
-    try:
-        return validation.queue_name(queue)
-    except validation.InvalidValue:
-        raise EnqueueError(
-            f"Queue name {queue!r} is invalid: use 1 to 100 characters of [A-Za-z0-9_.:-]."
-        ) from None
-
-
-def _run_after_value(run_after: Any) -> datetime | Expression | None:
-    """None (the column's DB-clock default), an aware datetime, or now() + delta."""
-    if run_after is None:
-        return None
-    if isinstance(run_after, timedelta):
-        # Relative delays are added to the database's clock, not this host's.
-        return Now() + run_after
-    if isinstance(run_after, datetime):
-        if settings.USE_TZ and timezone.is_naive(run_after):
-            raise EnqueueError(
-                f"run_after {run_after!r} is a naive datetime while USE_TZ is on; "
-                "pass an aware datetime or a timedelta."
-            )
-        return run_after
-    raise EnqueueError(
-        f"run_after must be a datetime or a timedelta, got {type(run_after).__name__}."
-    )
-
-
-def _check_unique_key(key: Any) -> str | None:
-    if key is None:
-        return None
-    if not isinstance(key, str) or not 1 <= len(key) <= 255:
-        raise EnqueueError(f"unique_key must be a string of 1 to 255 characters, got {key!r}.")
-    problem = _unstorable(key)
-    if problem is not None:
-        # Refused everywhere, like payloads; the message does not quote the key.
-        raise EnqueueError(f"unique_key contains {problem}, which is not allowed.")
-    return key
 
 
 #: Per concrete field, in order: its attname, and its default as a value to
@@ -252,63 +187,32 @@ def _item_maker() -> Callable[[dict[str, Any]], WorkItem]:
     return _new_item
 
 
-def _check_max_attempts(value: Any) -> int:
-    try:
-        return validation.positive_int(value)
-    except validation.InvalidValue as exc:
-        raise EnqueueError(f"max_attempts {exc}.") from None
-
-
 def _build(
-    cls: type[WorkItemHandler],
-    payload: Any,
-    *,
-    run_after: Any,
-    priority: Any,
-    queue: str | None,
-    unique_key: str | None = None,
-    max_attempts: int | None = None,
-) -> tuple[WorkItem, str]:
-    """A validated, unsaved item and its payload as JSON text."""
+    cls: type[WorkItemHandler], payload: Any, options: EnqueueOptions
+) -> tuple[WorkItem, str, dict[str, Any]]:
+    """A validated, unsaved item, its payload as JSON text, and its values but the payload.
+
+    ``enqueue_many`` builds the other items of a batch from those values
+    (``_sibling``): the options every item shares are validated once.
+    """
     encoded = _check_payload(payload)
-    item = _item_maker()(
-        {
-            "handler": cls.name,
-            "queue": _check_queue(cls.queue if queue is None else queue),
-            "payload": payload,
-            "priority": _check_priority(priority),
-            "max_attempts": (
-                cls.get_max_attempts()
-                if max_attempts is None
-                else _check_max_attempts(max_attempts)
-            ),
-            "unique_key": _check_unique_key(unique_key),
-        }
-    )
-    value = _run_after_value(run_after)
+    values = {"handler": cls.name, **options.columns(cls)}
+    item = _item_maker()({**values, "payload": payload})
+    value = options.run_after_value()
     if value is not None:
         item.run_after = value
-    return item, encoded
+    return item, encoded, values
 
 
 def _sibling(
-    make: Callable[[dict[str, Any]], WorkItem], first: WorkItem, payload: Any, run_after: Any
+    make: Callable[[dict[str, Any]], WorkItem],
+    values: dict[str, Any],
+    payload: Any,
+    options: EnqueueOptions,
 ) -> WorkItem:
-    """What ``_build`` makes for ``payload`` with the options ``first`` was built from.
-
-    ``enqueue_many`` validates the shared options once, with the first item.
-    """
-    item = make(
-        {
-            "handler": first.handler,
-            "queue": first.queue,
-            "payload": payload,
-            "priority": first.priority,
-            "max_attempts": first.max_attempts,
-            "unique_key": None,
-        }
-    )
-    value = _run_after_value(run_after)
+    """What ``_build`` makes for ``payload`` with the ``values`` it returned for the first."""
+    item = make({**values, "payload": payload, "unique_key": None})
+    value = options.run_after_value()
     if value is not None:
         item.run_after = value
     return item
@@ -344,11 +248,10 @@ def enqueue(
 ) -> WorkItem:
     """Insert one work item; returns it (or, for a live ``unique_key``, the existing row).
 
-    ``max_attempts`` overrides the handler's for this item.
+    ``max_attempts`` overrides the handler's for this item. The options are
+    described in ``enqueue_options.EnqueueOptions``.
     """
-    item, _ = insert(
-        handler,
-        payload,
+    options = EnqueueOptions(
         run_after=run_after,
         priority=priority,
         queue=queue,
@@ -356,7 +259,7 @@ def enqueue(
         max_attempts=max_attempts,
         using=using,
     )
-    return item
+    return insert_one(handler, payload, options)[0]
 
 
 def insert(
@@ -371,17 +274,25 @@ def insert(
     using: str | None = None,
 ) -> tuple[WorkItem, bool]:
     """``enqueue``, also saying whether a row was added (False: a live ``unique_key``'s row)."""
-    cls = _handler_class(handler)
-    item, payload_json = _build(
-        cls,
-        payload,
+    options = EnqueueOptions(
         run_after=run_after,
         priority=priority,
         queue=queue,
         unique_key=unique_key,
         max_attempts=max_attempts,
+        using=using,
     )
-    db = work_db_for_write(using)
+    return insert_one(handler, payload, options)
+
+
+def insert_one(
+    handler: str | type[WorkItemHandler], payload: Any, options: EnqueueOptions
+) -> tuple[WorkItem, bool]:
+    """``insert`` with its options in one object: what the layers above pass on."""
+    cls = _handler_class(handler)
+    item, payload_json, _ = _build(cls, payload, options)
+    run_after = options.run_after
+    db = work_db_for_write(options.using)
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
         try:
@@ -489,28 +400,37 @@ def enqueue_many(
     The options every item shares are validated with the first payload, so an
     invalid queue reads "Payload #0: ..." as it always did.
     """
+    options = EnqueueOptions(run_after=run_after, priority=priority, queue=queue, using=using)
+    return insert_many(handler, payloads, options)
+
+
+def insert_many(
+    handler: str | type[WorkItemHandler], payloads: Iterable[Any], options: EnqueueOptions
+) -> list[WorkItem]:
+    """``enqueue_many`` with its options in one object (``unique_key`` and
+    ``max_attempts`` left unset: a batch takes neither)."""
     if isinstance(payloads, (str, bytes, dict)):
         raise EnqueueError("enqueue_many takes an iterable of payloads, not a single payload.")
     cls = _handler_class(handler)
     items: list[WorkItem] = []
     encoded: list[str | None] = []
     make = _item_maker()
+    values: dict[str, Any] = {}
     for index, payload in enumerate(payloads):
         try:
             if items:
                 payload_json = _check_payload(payload)
-                item = _sibling(make, items[0], payload, run_after)
+                item = _sibling(make, values, payload, options)
             else:
-                item, payload_json = _build(
-                    cls, payload, run_after=run_after, priority=priority, queue=queue
-                )
+                item, payload_json, values = _build(cls, payload, options)
         except EnqueueError as exc:
             raise EnqueueError(f"Payload #{index}: {exc}") from None
         items.append(item)
         encoded.append(None if payload is None else payload_json)
     if not items:
         return []
-    db = work_db_for_write(using)
+    run_after = options.run_after
+    db = work_db_for_write(options.using)
     with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
         for item in items:
             item.trace_context = send.context

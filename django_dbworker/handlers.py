@@ -4,9 +4,9 @@ A handler class is declared once and registers itself under ``name``. The
 worker runtime creates one instance per class and process; handlers should
 keep no per-item state on ``self`` since several threads call them at once.
 
-A declaration: imports settings, the registry and the backoff maths, never
-enqueuing, the worker, the admin or commands (import contracts in
-pyproject.toml).
+A declaration: imports settings, the registry, the backoff maths and the
+enqueue options, never enqueuing, the worker, the admin or commands (import
+contracts in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_dbworker.backoff import exponential_backoff
 from django_dbworker.conf import dbworker_settings
+from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.registry import registry
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ T = TypeVar("T")
 
 
 class Handler(Generic[T]):
-    """Claim one item, process it; optionally return stale items to the pool.
+    """Claim one item, process it; optionally recover stale items (make them ready again).
 
     Concrete subclasses register themselves under ``name`` when their class is
     created. Set ``abstract = True`` on a base class to keep it out of the
@@ -59,7 +60,7 @@ class Handler(Generic[T]):
         raise NotImplementedError(f"{type(self).__qualname__} must implement process()")
 
     def recover_stale(self) -> None:
-        """Return items abandoned by crashed workers; called at each cycle start."""
+        """Recover items abandoned by crashed workers; called at each cycle start."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__qualname__} {self.name!r}>"
@@ -162,15 +163,10 @@ class WorkItemHandler(Handler["WorkItem"]):
         using: str | None = None,
     ) -> WorkItem:
         """Insert one item for this handler; see ``django_dbworker.enqueue``."""
-        return _enqueuer().enqueue(
-            cls,
-            payload,
-            run_after=run_after,
-            priority=priority,
-            queue=queue,
-            unique_key=unique_key,
-            using=using,
+        options = EnqueueOptions(
+            run_after=run_after, priority=priority, queue=queue, unique_key=unique_key, using=using
         )
+        return _enqueuer().insert_one(cls, payload, options)[0]
 
     @classmethod
     def enqueue_many(
@@ -183,9 +179,8 @@ class WorkItemHandler(Handler["WorkItem"]):
         using: str | None = None,
     ) -> list[WorkItem]:
         """Insert one item per payload in one bulk write; see ``django_dbworker.enqueue_many``."""
-        return _enqueuer().enqueue_many(
-            cls, payloads, run_after=run_after, priority=priority, queue=queue, using=using
-        )
+        options = EnqueueOptions(run_after=run_after, priority=priority, queue=queue, using=using)
+        return _enqueuer().insert_many(cls, payloads, options)
 
     # -- not driven on its own ----------------------------------------------------
     # WorkItem handlers run in run_workers' shared claim loop (and in
@@ -219,27 +214,12 @@ def unimplemented(cls: type[Handler[Any]]) -> list[str]:
 class Enqueuer(Protocol):
     """What the enqueue class methods need: ``django_dbworker.enqueuing`` provides it."""
 
-    def enqueue(
-        self,
-        handler: type[WorkItemHandler],
-        payload: Any = None,
-        *,
-        run_after: datetime | timedelta | None = None,
-        priority: int = 0,
-        queue: str | None = None,
-        unique_key: str | None = None,
-        using: str | None = None,
-    ) -> WorkItem: ...
+    def insert_one(
+        self, handler: type[WorkItemHandler], payload: Any, options: EnqueueOptions
+    ) -> tuple[WorkItem, bool]: ...
 
-    def enqueue_many(
-        self,
-        handler: type[WorkItemHandler],
-        payloads: Iterable[Any],
-        *,
-        run_after: datetime | timedelta | None = None,
-        priority: int = 0,
-        queue: str | None = None,
-        using: str | None = None,
+    def insert_many(
+        self, handler: type[WorkItemHandler], payloads: Iterable[Any], options: EnqueueOptions
     ) -> list[WorkItem]: ...
 
 

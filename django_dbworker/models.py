@@ -4,7 +4,8 @@ The worker's state changes (claim, heartbeat, outcomes, stale recovery) are
 fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
 retry, run now) are queryset verbs here, each one UPDATE narrowed to the
 eligible states, shared by the model methods and the admin actions; so
-this module imports nothing from the package and ``transitions`` may import it.
+this module imports nothing from the package but ``validation``'s constants,
+and ``transitions`` may import it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 from django.db import IntegrityError, models, router, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
+
+from django_dbworker.validation import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -35,9 +38,6 @@ FINISHED_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
 #: Failed or lost attempts kept in ``error_history`` per row (the newest).
 ERROR_HISTORY_LIMIT = 25
-
-PRIORITY_MIN = -100
-PRIORITY_MAX = 100
 
 
 def handler_match(name: str) -> Q:

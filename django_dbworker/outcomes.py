@@ -26,7 +26,7 @@ class Outcome(StrEnum):
     #: The success was handed to the success writer, which reports it later.
     DEFERRED = "deferred"
     #: No outcome could be written: the row is still claimed by this attempt,
-    #: for its owner to release or stale recovery to return.
+    #: until its owner releases it or stale recovery finds it.
     UNRECORDED = "unrecorded"
 
     @property

@@ -20,6 +20,9 @@ Validator = Callable[[Any], Any]
 
 #: What ``enqueue`` accepts as a queue name (SPEC: ``[A-Za-z0-9_.:-]{1,100}``).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
+#: The priorities ``enqueue`` accepts (SPEC: -100..100; a constraint of the table too).
+PRIORITY_MIN = -100
+PRIORITY_MAX = 100
 
 
 class InvalidValue(ValueError):
@@ -180,3 +183,26 @@ def validate_worker_config(config: Any) -> None:
                 queue_name(queue)
             except InvalidValue as exc:
                 raise InvalidValue(f"WorkerConfig.queues: a queue name {exc}") from None
+
+
+#: An unpaired surrogate in a Python string (what ``json.loads('"\\ud800"')``
+#: or ``surrogateescape`` decoding makes); valid text never holds one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+NUL_CHARACTER = "a NUL character (\\u0000)"
+LONE_SURROGATE = "a lone surrogate (U+D800-U+DFFF)"
+
+
+def unstorable_text(text: str) -> str | None:
+    """What in ``text`` no database can store ("a NUL character ..."), or None.
+
+    PostgreSQL's text and jsonb refuse NUL (SQLite and MySQL would store
+    it); a lone surrogate cannot be encoded as UTF-8 by any driver, and
+    PostgreSQL's jsonb refuses its escape. Both are refused on every
+    database, so a SQLite dev setup fails like PostgreSQL production, and
+    before the database can answer with an error that quotes the row.
+    """
+    if "\x00" in text:
+        return NUL_CHARACTER
+    if not text.isascii() and _SURROGATE.search(text):
+        return LONE_SURROGATE
+    return None

@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dbworker.db.base import (
+    ServerProblem,
     Subscription,
     UnsupportedDatabase,
     VendorOperations,
@@ -24,18 +26,42 @@ from django_dbworker.db.base import (
 )
 
 __all__ = [
+    "ServerProblem",
     "Subscription",
     "UnsupportedDatabase",
     "VendorOperations",
     "add_local_waker",
     "operations",
+    "prepare_session",
     "remove_local_waker",
+    "server_problems",
     "skip_locked_options",
     "supports_skip_locked",
 ]
 
 
 _instances: dict[tuple[str, str], VendorOperations] = {}
+
+
+def _operations_class(vendor: str) -> type[VendorOperations] | None:
+    """The operations class of Django's ``connection.vendor``; None for a vendor we lack.
+
+    Each vendor module is imported on first use: only the drivers a
+    project's databases use are ever imported.
+    """
+    if vendor == "postgresql":
+        from django_dbworker.db.postgresql import PostgresOperations
+
+        return PostgresOperations
+    if vendor == "sqlite":
+        from django_dbworker.db.sqlite import SQLiteOperations
+
+        return SQLiteOperations
+    if vendor == "mysql":
+        from django_dbworker.db.mysql import MySQLOperations
+
+        return MySQLOperations
+    return None
 
 
 def operations(using: str | None = None) -> VendorOperations:
@@ -50,25 +76,39 @@ def operations(using: str | None = None) -> VendorOperations:
     ops = _instances.get((alias, vendor))
     if ops is not None:
         return ops
-    if vendor == "postgresql":
-        from django_dbworker.db.postgresql import PostgresOperations
-
-        ops = PostgresOperations(alias)
-    elif vendor == "sqlite":
-        from django_dbworker.db.sqlite import SQLiteOperations
-
-        ops = SQLiteOperations(alias)
-    elif vendor == "mysql":
-        from django_dbworker.db.mysql import MySQLOperations
-
-        ops = MySQLOperations(alias)
-    else:
+    cls = _operations_class(vendor)
+    if cls is None:
         raise UnsupportedDatabase(
             f"django-dbworker does not support the {vendor!r} database backend yet "
             "(supported: PostgreSQL 13+, SQLite 3.35+, MySQL 8.0.1+, MariaDB 10.6+)."
         )
-    _instances[(alias, vendor)] = ops
+    ops = _instances[(alias, vendor)] = cls(alias)
     return ops
+
+
+def prepare_session(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """``connection_created`` receiver: the connection's vendor sets up the new session.
+
+    MySQL pins the session's time zone to UTC; the other vendors need
+    nothing, and a database of a vendor django-dbworker does not support is
+    left alone (it may hold only the project's other tables).
+    """
+    cls = _operations_class(connection.vendor)
+    if cls is not None:
+        cls.prepare_session(connection)
+
+
+def server_problems(using: str) -> list[ServerProblem]:
+    """What is wrong with the server of the alias ``using`` for django-dbworker; connects.
+
+    Nothing for a database of a vendor django-dbworker does not support
+    (it may hold only the project's other tables).
+    """
+    try:
+        ops = operations(using)
+    except UnsupportedDatabase:
+        return []
+    return ops.server_problems()
 
 
 def supports_skip_locked(using: str | None = None) -> bool:

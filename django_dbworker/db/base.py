@@ -14,11 +14,12 @@ import logging
 import math
 import string
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 from uuid import UUID
 
 from django.db import connections, transaction
@@ -194,28 +195,52 @@ class UnsupportedDatabase(Exception):
     """The configured database cannot run django-dbworker."""
 
 
+@dataclass(frozen=True)
+class ServerProblem:
+    """Something about a database server that matters to django-dbworker (``server_problems``).
+
+    ``check`` names the problem (``"version"``: the worker cannot run there;
+    ``"replication"``: it runs, at a risk), which ``checks.py`` turns into a
+    system check of a stable id; ``message`` and ``hint`` are its text.
+    """
+
+    check: str
+    message: str
+    hint: str
+
+
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 
+#: What every vendor class must say about its database (class attributes).
+CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
 
-class VendorOperations:
+
+class VendorOperations(ABC):
     """Vendor-specific database operations for one connection alias.
 
     The rest of the package calls these and never looks at
     ``connection.vendor`` or ``connection.features`` itself, so a new
-    database (MySQL) is one new subclass with its own statements.
+    database (MySQL) is one new subclass with its own statements. A
+    subclass implements the abstract methods and states every capability
+    (``CAPABILITIES``) itself: none has a default, so a new vendor cannot
+    inherit an answer it never gave.
     """
 
-    vendor = ""
+    #: Django's ``connection.vendor`` of the databases this class runs on.
+    vendor: ClassVar[str]
     #: Whether ``listen`` can deliver wake-ups across processes.
-    supports_notify = False
+    supports_notify: ClassVar[bool]
     #: Whether ``SELECT ... FOR UPDATE SKIP LOCKED`` exists (``claim_next`` asks).
-    supports_skip_locked = False
+    supports_skip_locked: ClassVar[bool]
     #: Whether the idle claim loop should poll often for a while after work
     #: (``worker.wakeup.AdaptivePoll``): only without ``listen`` wake-ups, and
     #: only where a claim that finds nothing is cheap and locks nothing.
-    poll_adaptively = False
+    poll_adaptively: ClassVar[bool]
 
     def __init__(self, using: str) -> None:
+        missing = [name for name in CAPABILITIES if not hasattr(type(self), name)]
+        if missing:
+            raise TypeError(f"{type(self).__qualname__} does not say its {', '.join(missing)}")
         self.using = using
         self._converters: list[tuple[list[Converter], Any]] | None = None
         self._inserted_converters: list[tuple[list[Converter], Any]] | None = None
@@ -225,13 +250,32 @@ class VendorOperations:
         # Looked up on each use: Django's connections are per thread.
         return connections[self.using]
 
-    # -- checks ------------------------------------------------------------------
+    # -- the server and its sessions --------------------------------------------
 
+    @abstractmethod
     def check_version(self) -> None:
         """Raise ``UnsupportedDatabase`` when the server is too old."""
 
+    def server_problems(self) -> list[ServerProblem]:
+        """What is wrong with the server for django-dbworker; connects. None by default.
+
+        For the database system checks (``checks.py``), which Django runs
+        only for the aliases it is asked about.
+        """
+        return []
+
+    @classmethod
+    def prepare_session(cls, connection: BaseDatabaseWrapper) -> None:
+        """Set up a new connection of this vendor (``connection_created``). Nothing by default.
+
+        A class method: Django also opens connections of no alias of its
+        own (test databases being created, ``_nodb_cursor``).
+        """
+        return
+
     # -- claims and outcomes -----------------------------------------------------
 
+    @abstractmethod
     def claim(
         self,
         *,
@@ -250,8 +294,8 @@ class VendorOperations:
         ``claimed_at``/``heartbeat_at``. Rows locked or claimed by another
         worker are skipped, never waited for and never returned twice.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
     ) -> set[tuple[int, UUID]]:
@@ -264,7 +308,6 @@ class VendorOperations:
         not in the answer, and two attempts of one row in one batch (a late,
         superseded one and the current one) are told apart by their tokens.
         """
-        raise NotImplementedError
 
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run the transaction ``fn``, again if a lock conflict ended it.
@@ -348,9 +391,9 @@ class VendorOperations:
 
     # -- statistics for the admin and the stats ----------------------------------
 
+    @abstractmethod
     def distinct_queues(self) -> list[str]:
         """Every queue name in the table, at one index probe per queue."""
-        raise NotImplementedError
 
     def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
         """The planner's estimate of ``queryset``'s row count, or None where there is none.

@@ -13,8 +13,8 @@ the caller's own retry (``is_transient``) takes over.
 The database clock is ``UTC_TIMESTAMP(6)``: Django stores aware datetimes
 as naive UTC in DATETIME(6) columns, and ``UTC_TIMESTAMP`` is UTC whatever
 the session's time zone. (Django's ``Now()`` is ``CURRENT_TIMESTAMP(6)``,
-in the session's zone: ``set_session_time_zone`` pins every MySQL
-connection to UTC so that both agree.) Claim tokens are
+in the session's zone: ``MySQLOperations.prepare_session`` pins every
+MySQL connection to UTC so that both agree.) Claim tokens are
 ``REPLACE(UUID(), '-', '')``: the 32 hex characters Django's UUIDField
 stores on MySQL, which MariaDB's native UUID type (10.7+) also takes;
 unique per row, which is what fencing needs.
@@ -50,6 +50,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 
 from django_dbworker.db.base import (
+    ServerProblem,
     Statement,
     UnsupportedDatabase,
     VendorOperations,
@@ -348,23 +349,6 @@ def insert_chunks(payloads: Sequence[str | None]) -> Iterator[Sequence[str | Non
         yield payloads[start:]
 
 
-def set_session_time_zone(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
-    """``connection_created`` receiver: every MySQL session's time zone is UTC.
-
-    With ``USE_TZ``, Django keeps DATETIME columns in UTC but does not set
-    the session's zone, and its ``Now()`` (``db_default``, the querysets'
-    time comparisons) is ``CURRENT_TIMESTAMP``, which is in that zone. On a
-    server whose zone is not UTC, the worker's heartbeats and the stale
-    scan would be hours apart. UTC is what Django already assumes for
-    stored values; DATETIME columns are not converted by the session's
-    zone, so nothing else changes (only TIMESTAMP columns are, which
-    Django does not create).
-    """
-    if connection.vendor == "mysql":
-        with connection.cursor() as cursor:
-            cursor.execute(SET_TIME_ZONE.sql)
-
-
 def unsupported_version(*, is_mariadb: bool, version: tuple[int, ...]) -> str | None:
     """Why this server version cannot run django-dbworker, or None if it can."""
     shown = ".".join(map(str, version))
@@ -409,6 +393,53 @@ class MySQLOperations(VendorOperations):
         """The binary log's format, or None when the binary log is off."""
         ((log_bin, binlog_format),) = self._fetch(SERVER_SETTINGS.sql)
         return str(binlog_format).upper() if int(log_bin or 0) else None
+
+    def server_problems(self) -> list[ServerProblem]:
+        """A version without ``SKIP LOCKED``; else a binary log that is not row-based.
+
+        With statement-based (or mixed) binary logging, a replica replays
+        ``SELECT ... FOR UPDATE SKIP LOCKED ... LIMIT`` and ``UUID()``
+        differently from the source: MySQL marks them unsafe for
+        statement-based replication
+        (https://dev.mysql.com/doc/refman/8.0/en/replication-rbr-safe-unsafe.html).
+        """
+        try:
+            self.check_version()
+        except UnsupportedDatabase as exc:
+            return [
+                ServerProblem(
+                    "version",
+                    f"Database {self.using!r}: {exc}",
+                    "Upgrade the server, or run django-dbworker on PostgreSQL.",
+                )
+            ]
+        binlog_format = self.binlog_format()
+        if binlog_format is not None and binlog_format != "ROW":
+            return [
+                ServerProblem(
+                    "replication",
+                    f"Database {self.using!r} writes its binary log in {binlog_format} format.",
+                    "Set binlog_format = ROW: the worker's SKIP LOCKED claims and UUID() "
+                    "claim tokens are unsafe for statement-based replication.",
+                )
+            ]
+        return []
+
+    @classmethod
+    def prepare_session(cls, connection: BaseDatabaseWrapper) -> None:
+        """Every MySQL session's time zone is UTC.
+
+        With ``USE_TZ``, Django keeps DATETIME columns in UTC but does not set
+        the session's zone, and its ``Now()`` (``db_default``, the querysets'
+        time comparisons) is ``CURRENT_TIMESTAMP``, which is in that zone. On a
+        server whose zone is not UTC, the worker's heartbeats and the stale
+        scan would be hours apart. UTC is what Django already assumes for
+        stored values; DATETIME columns are not converted by the session's
+        zone, so nothing else changes (only TIMESTAMP columns are, which
+        Django does not create).
+        """
+        with connection.cursor() as cursor:
+            cursor.execute(SET_TIME_ZONE.sql)
 
     # -- claims and outcomes -----------------------------------------------------
 

@@ -344,6 +344,8 @@ class PostgresOperations(VendorOperations):
     vendor = "postgresql"
     supports_notify = True
     supports_skip_locked = True
+    # LISTEN wakes the workers: nothing to poll for.
+    poll_adaptively = False
 
     def check_version(self) -> None:
         self.connection.ensure_connection()

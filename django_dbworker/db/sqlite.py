@@ -170,9 +170,10 @@ class SQLiteOperations(VendorOperations):
     vendor = "sqlite"
     supports_notify = False
     supports_skip_locked = False
-    # Not poll_adaptively: every claim, even one that finds nothing, is an
-    # UPDATE that takes the database's one write lock, which heartbeats and
-    # outcome writes need too; frequent polls would starve them.
+    # Every claim, even one that finds nothing, is an UPDATE that takes the
+    # database's one write lock, which heartbeats and outcome writes need
+    # too; frequent polls would starve them.
+    poll_adaptively = False
 
     def check_version(self) -> None:
         if sqlite3.sqlite_version_info < MIN_VERSION:

@@ -27,7 +27,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django_dbworker import validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.discovery import import_by_path
-from django_dbworker.enqueuing import insert
+from django_dbworker.enqueue_options import EnqueueOptions
+from django_dbworker.enqueuing import insert_one
 from django_dbworker.models import WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read
@@ -218,9 +219,7 @@ class DBWorkerBackend(BaseTaskBackend):
         payload = {"args": normalize_json(list(args)), "kwargs": normalize_json(dict(kwargs))}
         handler = handler_for(task, self)
         max_attempts = self.resolved_options(task).max_attempts
-        item, added = insert(
-            handler,
-            payload,
+        options = EnqueueOptions(
             run_after=task.run_after,
             # Django's validate_task takes any whole number (5.0, True).
             priority=int(task.priority),
@@ -230,6 +229,7 @@ class DBWorkerBackend(BaseTaskBackend):
                 dbworker_settings.MAX_ATTEMPTS if max_attempts is None else max_attempts
             ),
         )
+        item, added = insert_one(handler, payload, options)
         result = build(task, Row.from_item(item), backend=self.alias)
         if added:  # not for the live row of a unique_key: that was enqueued before
             task_enqueued.send(type(self), task_result=result)

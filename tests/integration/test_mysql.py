@@ -291,7 +291,7 @@ def test_a_batch_whose_last_statement_fails_leaves_nothing() -> None:
     payloads: list[Any] = [{"n": n} for n in range(2500)] + ["refuse me"]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"CREATE TRIGGER attack_refuse BEFORE INSERT ON {TABLE} FOR EACH ROW "
+            f"CREATE TRIGGER dbworker_test_refuse BEFORE INSERT ON {TABLE} FOR EACH ROW "
             "IF NEW.payload = '\"refuse me\"' THEN "
             "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF"
         )
@@ -306,7 +306,7 @@ def test_a_batch_whose_last_statement_fails_leaves_nothing() -> None:
         assert len(enqueue_many("noop", payloads[:-1])) == 2500
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER IF EXISTS attack_refuse")
+            cursor.execute("DROP TRIGGER IF EXISTS dbworker_test_refuse")
 
 
 # -- the clock -------------------------------------------------------------------------
@@ -463,7 +463,7 @@ def test_hot_statements_read_their_index_in_order(big_table: None) -> None:
 
 
 def test_the_database_checks_pass_on_this_server() -> None:
-    from django_dbworker.checks import check_mysql_server
+    from django_dbworker.checks import check_database_servers as check_mysql_server
     from django_dbworker.db.mysql import MIN_MARIADB_VERSION
 
     assert tuple(connection.mysql_version) >= MIN_MARIADB_VERSION

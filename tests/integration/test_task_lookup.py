@@ -2,7 +2,7 @@
 
 A row's ``handler`` column names the task by its import path, and anyone
 who can write to the table can write any path there. The backend's lookup
-imports what the worker would (``registry.import_by_path``): modules of
+imports what the worker would (``discovery.import_by_path``): modules of
 the project's own packages, never another module a row names.
 """
 

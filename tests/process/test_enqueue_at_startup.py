@@ -1,4 +1,4 @@
-"""Enqueue from another app's ``ready()``: needs a fresh process (found reviewing issue 9)."""
+"""Enqueue from another app's ``ready()``: needs a fresh process."""
 
 from __future__ import annotations
 

@@ -335,8 +335,7 @@ class LongError(WorkItemHandler):
         raise ValueError("x" * 50_000)
 
 
-# -- handlers for the attack tests (tests/integration/test_attack.py, --------------
-# -- tests/process/test_attack.py) -------------------------------------------------
+# -- handlers for tests/integration/test_faults_outcome_recording.py ----------------
 
 
 def _undecodable_name() -> str:
@@ -347,7 +346,7 @@ def _undecodable_name() -> str:
 class SurrogateErrorTimed(WorkItemHandler):
     """Raises an error whose message holds a lone surrogate; runs under a timeout."""
 
-    name = "attack_surrogate_timed"
+    name = "surrogate_error_timed"
     timeout = 10.0
     max_attempts = 1
 
@@ -359,7 +358,7 @@ class SurrogateErrorTimed(WorkItemHandler):
 class SurrogateErrorNoRetry(WorkItemHandler):
     """Same error, outside retry_on: must fail at once, as a ValueError."""
 
-    name = "attack_surrogate_no_retry"
+    name = "surrogate_error_no_retry"
     max_attempts = 3
     retry_on = (ConnectionError,)
 
@@ -371,7 +370,7 @@ class SurrogateErrorNoRetry(WorkItemHandler):
 class QuietSleep(WorkItemHandler):
     """Records its start, then sleeps and returns without touching the database."""
 
-    name = "attack_quiet_sleep"
+    name = "quiet_sleep"
 
     def handle(self, payload: Any) -> str:
         _record(payload, "start")
@@ -382,7 +381,7 @@ class QuietSleep(WorkItemHandler):
 class HugeResult(WorkItemHandler):
     """Returns valid JSON that PostgreSQL's jsonb cannot hold (a string over 256 MiB)."""
 
-    name = "attack_huge_result"
+    name = "huge_result"
 
     def handle(self, payload: Any) -> Any:
         _record(payload)

@@ -8,7 +8,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from django_dbworker.periodic import (
+from django_dbworker.schedules import (
     CronSchedule,
     IntervalSchedule,
     InvalidSchedule,

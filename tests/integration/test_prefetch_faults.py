@@ -1,4 +1,5 @@
-"""Adversarial tests of prefetch (issue 10): each one failed on the first version.
+"""Prefetched (buffered) rows under faults: heartbeats held up, a give-back refused,
+a ``max_items`` stop, the cap on abandoned threads.
 
 Every test states what it proves. They run a real database and real worker
 threads; waits are bounded (``wait_until``).
@@ -42,7 +43,7 @@ def _prefetch_behind_a_gated_item(background_worker: StartWorker, **kwargs: obje
 
 
 REFUSE_HEARTBEATS = """
-CREATE OR REPLACE FUNCTION attack_refuse_heartbeats() RETURNS trigger AS $$
+CREATE OR REPLACE FUNCTION dbworker_test_refuse_heartbeats() RETURNS trigger AS $$
 BEGIN
     IF NEW.status = 'claimed' AND OLD.status = 'claimed'
        AND NEW.heartbeat_at IS DISTINCT FROM OLD.heartbeat_at THEN
@@ -50,12 +51,12 @@ BEGIN
     END IF;
     RETURN NEW;
 END $$ LANGUAGE plpgsql;
-CREATE TRIGGER attack_refuse_heartbeats BEFORE UPDATE ON django_dbworker_workitem
-    FOR EACH ROW EXECUTE FUNCTION attack_refuse_heartbeats();
+CREATE TRIGGER dbworker_test_refuse_heartbeats BEFORE UPDATE ON django_dbworker_workitem
+    FOR EACH ROW EXECUTE FUNCTION dbworker_test_refuse_heartbeats();
 """
 ALLOW_HEARTBEATS = """
-DROP TRIGGER IF EXISTS attack_refuse_heartbeats ON django_dbworker_workitem;
-DROP FUNCTION IF EXISTS attack_refuse_heartbeats();
+DROP TRIGGER IF EXISTS dbworker_test_refuse_heartbeats ON django_dbworker_workitem;
+DROP FUNCTION IF EXISTS dbworker_test_refuse_heartbeats();
 """
 
 
@@ -108,7 +109,7 @@ def test_a_buffered_row_recovered_before_the_heartbeat_notices_is_not_run(
 
 
 REFUSE_RELEASE = """
-CREATE OR REPLACE FUNCTION attack_refuse_release() RETURNS trigger AS $$
+CREATE OR REPLACE FUNCTION dbworker_test_refuse_release() RETURNS trigger AS $$
 BEGIN
     IF OLD.status = 'claimed' AND NEW.status = 'pending' THEN
         RAISE EXCEPTION 'cannot execute UPDATE in a read-only transaction'
@@ -116,12 +117,12 @@ BEGIN
     END IF;
     RETURN NEW;
 END $$ LANGUAGE plpgsql;
-CREATE TRIGGER attack_refuse_release BEFORE UPDATE ON django_dbworker_workitem
-    FOR EACH ROW EXECUTE FUNCTION attack_refuse_release();
+CREATE TRIGGER dbworker_test_refuse_release BEFORE UPDATE ON django_dbworker_workitem
+    FOR EACH ROW EXECUTE FUNCTION dbworker_test_refuse_release();
 """
 ALLOW_RELEASE = """
-DROP TRIGGER IF EXISTS attack_refuse_release ON django_dbworker_workitem;
-DROP FUNCTION IF EXISTS attack_refuse_release();
+DROP TRIGGER IF EXISTS dbworker_test_refuse_release ON django_dbworker_workitem;
+DROP FUNCTION IF EXISTS dbworker_test_refuse_release();
 """
 
 

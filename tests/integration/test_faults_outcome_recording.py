@@ -1,7 +1,10 @@
-"""Fault paths a review of the fix in test_faults.py found (attack tests).
+"""Fault paths where an attempt's outcome could go unrecorded, or be the wrong one.
 
-Each test describes a fault path where an attempt still ends without its
-outcome (or with the wrong one) after commit 365e2ce.
+More of what test_faults.py proves (every claimed attempt ends in exactly
+one recorded outcome): error text that cannot be encoded, a dropped
+connection in the writer's check of fenced rows, a result the database
+refuses inside a test transaction or by its size, and SIGTERM while the
+database is read-only.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def test_an_error_message_with_a_lone_surrogate_is_recorded_under_a_timeout() ->
     # runner thread dies, and the pool thread reports "failed" without writing:
     # the row stays claimed with no owner until stale recovery re-runs it.
     item = SurrogateErrorTimed.enqueue({"key": "s"})
-    worker, thread = start(["attack_surrogate_timed"], burst=True)
+    worker, thread = start(["surrogate_error_timed"], burst=True)
     assert finish(worker, thread, 30), "the burst worker did not finish"
     row = WorkItem.objects.get(pk=item.pk)
     assert Execution.objects.filter(key="s").count() == 1
@@ -78,7 +81,7 @@ def test_an_error_message_with_a_lone_surrogate_outside_retry_on_fails_at_once()
     # formats that error, whose chained context holds the same surrogate, and
     # raises again out of execute(): the row stays claimed with no owner.
     item = SurrogateErrorNoRetry.enqueue({"key": "r"})
-    worker, thread = start(["attack_surrogate_no_retry"], burst=True)
+    worker, thread = start(["surrogate_error_no_retry"], burst=True)
     assert finish(worker, thread, 30), "the burst worker did not finish"
     row = WorkItem.objects.get(pk=item.pk)
     assert row.status == Status.FAILED, (row.status, row.attempts, row.last_error)
@@ -89,7 +92,7 @@ def test_an_error_message_with_a_lone_surrogate_outside_retry_on_fails_at_once()
 @pytest.mark.django_db(transaction=True)
 def test_run_until_empty_records_a_lone_surrogate_error_as_the_handlers_error() -> None:
     item = SurrogateErrorNoRetry.enqueue({"key": "u"})
-    counts = run_until_empty(["attack_surrogate_no_retry"])
+    counts = run_until_empty(["surrogate_error_no_retry"])
     row = WorkItem.objects.get(pk=item.pk)
     assert counts == {"failed": 1}, (counts, row.status, row.last_error)
     assert row.status == Status.FAILED
@@ -204,7 +207,7 @@ def test_sigterm_during_a_read_only_window_does_not_release_a_finished_job(
     # left), then release every attempt still in flight, the finished one
     # included: it went back to pending and ran again.
     item = QuietSleep.enqueue({"key": "ro", "seconds": 0.5})
-    worker, thread = start(["attack_quiet_sleep"], shutdown_timeout=0.5)
+    worker, thread = start(["quiet_sleep"], shutdown_timeout=0.5)
     wait_until(lambda: Execution.objects.filter(key="ro", kind="start").exists())
     read_only_window(True)
     wait_until(
@@ -242,7 +245,7 @@ def test_a_result_too_large_for_jsonb_fails_that_item_alone() -> None:
     # behind it, and the burst worker never exits.
     bad = HugeResult.enqueue({"key": "huge"})
     good = Echo.enqueue_many([{"n": n} for n in range(5)])
-    worker, thread = start(["attack_huge_result", "echo"], burst=True)
+    worker, thread = start(["huge_result", "echo"], burst=True)
     finished = finish(worker, thread, 60)
     row = WorkItem.objects.get(pk=bad.pk)
     assert finished, f"the burst worker did not finish; huge item is {row.status}"

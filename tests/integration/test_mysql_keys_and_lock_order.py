@@ -1,14 +1,21 @@
-"""Attack tests on the MySQL/MariaDB support (issue 13): each shows a bug."""
+"""MySQL/MariaDB: unique keys compared byte for byte, row locks in an order that cannot deadlock.
+
+Keys that differ only by trailing spaces, concurrent enqueues of one key,
+``retry()``'s SQL, and the lock order of stale recovery, success writes,
+claims and the admin's Cancel against each other.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import DatabaseError, connection, connections, transaction
+from django.db.models.functions import Now
 
-from django_dbworker import transitions
+from django_dbworker import EnqueueError, enqueue, transitions
 from django_dbworker.db import mysql
 from django_dbworker.enqueuing import insert as enqueue_or_get
 from django_dbworker.models import Status, WorkItem
@@ -156,6 +163,64 @@ def test_concurrent_enqueues_of_one_unique_key_all_return_the_same_row() -> None
     assert not errors, errors
     assert len(set(results)) == 1
     assert WorkItem.objects.filter(unique_key="same").count() == 1
+
+
+# -- unique_key against its holder's end ---------------------------------------------
+
+
+@pytest.mark.mysql_only
+def test_enqueues_of_a_live_key_racing_the_end_of_its_holder_do_not_deadlock() -> None:
+    """A second enqueue of a live key returns the holder or inserts; it never fails.
+
+    When the holder's row leaves pending/claimed (its success), the INSERTs
+    waiting on its entry of ``dbworker_my_active_key_uniq`` all get a shared
+    lock, then all want to insert: InnoDB kills all but one of them with
+    error 1213. ``insert()`` retries an IntegrityError, not a deadlock, so
+    the enqueue raises OperationalError. (The spec: "a second enqueue
+    returns the existing row instead of inserting (race-free)".)
+    """
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def enqueuer() -> None:
+        try:
+            for n in range(150):
+                if stop.is_set():
+                    return
+                # "The key kept changing hands; try again" is allowed.
+                with contextlib.suppress(EnqueueError):
+                    enqueue("noop", {"n": n}, unique_key="hot")
+        except DatabaseError as exc:
+            errors.append(exc)
+            stop.set()
+        finally:
+            connections.close_all()
+
+    def finisher() -> None:
+        # A worker's success: the live row by its id, pending/claimed -> succeeded.
+        try:
+            while not stop.is_set():
+                live = WorkItem.objects.filter(unique_key="hot", status="pending")
+                pk = live.values_list("pk", flat=True).first()
+                if pk is not None:
+                    WorkItem.objects.filter(pk=pk, status="pending").update(
+                        status="succeeded", finished_at=Now()
+                    )
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=enqueuer) for _ in range(6)]
+    ender = threading.Thread(target=finisher)
+    ender.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    stop.set()
+    ender.join(30)
+    assert not any(t.is_alive() for t in [*threads, ender]), "a thread did not finish"
+    assert not errors, errors[:3]
+    assert WorkItem.objects.filter(unique_key="hot", status="pending").count() <= 1
 
 
 # -- retry() on MySQL 8: error 1093 ----------------------------------------------------

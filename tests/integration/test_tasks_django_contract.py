@@ -1,4 +1,4 @@
-"""Attacks on ``DBWorkerBackend`` (issue 12): each test here failed when written.
+"""``DBWorkerBackend`` against Django's Tasks contract, one clause per test.
 
 Every test states Django's contract (django/tasks/*, django-tasks-db's worker,
 SPEC.md "Django Tasks backend" or issue 12) and checks our backend against it.
@@ -251,6 +251,27 @@ def test_get_result_on_a_backend_returns_a_task_of_that_backend() -> None:
     assert fetched.task.backend == fetched.backend
 
 
+def test_get_result_on_a_backend_the_task_cannot_use_is_consistent() -> None:
+    """``add`` refuses backend "patient" (its TIMEOUT differs); "patient" returns its results.
+
+    ``_as_enqueued`` tries ``task.using(backend="patient")``, which raises
+    InvalidTask, and then keeps the task as declared: the result says
+    ``backend == "patient"`` while ``result.task.backend == "default"``,
+    the inconsistency 2f1f960 fixed for compatible backends. "patient"
+    cannot have issued this id (``add`` can never be enqueued there): like
+    an id it never issued, it should raise ``TaskResultDoesNotExist``, or
+    at least answer a result whose task is on the backend it names.
+    """
+    result = tasks.add.enqueue(1, 2)
+    with pytest.raises(InvalidTask):
+        tasks.add.using(backend="patient")
+    try:
+        fetched = task_backends["patient"].get_result(result.id)
+    except TaskResultDoesNotExist:
+        return
+    assert fetched.task.backend == fetched.backend, (fetched.backend, fetched.task.backend)
+
+
 # -- TaskContext after an operator retry ---------------------------------------------
 
 
@@ -357,7 +378,7 @@ def test_a_task_timeout_that_validation_accepts_does_not_break_its_runs(
         time.sleep(seconds)
         return "done"
 
-    sleeps.__qualname__ = "attack_sleeps_with_infinite_timeout"
+    sleeps.__qualname__ = "sleeps_with_infinite_timeout"
     try:
         declared = dbtask(timeout=float("inf"), max_attempts=1)(sleeps)
     except InvalidTask:

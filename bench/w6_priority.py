@@ -1,0 +1,93 @@
+"""W6: urgent work behind a backlog, enqueue commit to handler start.
+
+    .venv/bin/python bench/w6_priority.py [--backlog 20000] [--urgent 40] [--rate 10]
+
+Enqueues ``--backlog`` priority-0 items that sleep ``--job-ms`` each (not
+timed), starts one ``run_workers`` at its default settings, and once it is
+draining the backlog enqueues ``--urgent`` priority-10 items one at a time,
+each in its own transaction, ``--rate`` per second (a password-reset e-mail
+during a newsletter). Their handler returns the time it started; latency =
+that minus the time the enqueuing commit returned. The backlog is not
+waited for: the worker is stopped once the urgent items ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+from common import (
+    report,
+    reset_table,
+    setup_django,
+    start_postgres,
+    stop_postgres,
+    worker_command,
+    worker_env,
+)
+from w3_latency import percentile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backlog", type=int, default=20_000)
+    parser.add_argument("--job-ms", type=float, default=10.0)
+    parser.add_argument("--urgent", type=int, default=40)
+    parser.add_argument("--rate", type=float, default=10.0)
+    args = parser.parse_args()
+    url = start_postgres()
+    try:
+        setup_django(url)
+        from bench.benchapp.workers import BenchLatency, BenchSleep
+        from django_dbworker.models import WorkItem
+
+        reset_table()
+        BenchSleep.enqueue_many([{"seconds": args.job_ms / 1000.0}] * args.backlog, priority=0)
+        proc = subprocess.Popen(worker_command("bench_sleep", "bench_latency"), env=worker_env())
+        # Draining: a few hundred backlog items done, the buffer sized from them.
+        deadline = time.monotonic() + 60
+        while WorkItem.objects.filter(status="succeeded").count() < 300:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("the worker did not start draining")
+            time.sleep(0.05)
+        committed: dict[int, float] = {}
+        interval = 1.0 / args.rate
+        next_at = time.monotonic()
+        for _ in range(args.urgent):
+            item = BenchLatency.enqueue(None, priority=10)  # autocommit: its own transaction
+            committed[item.pk] = time.time()
+            next_at += interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        urgent = WorkItem.objects.filter(handler="bench_latency")
+        deadline = time.monotonic() + 120
+        while urgent.filter(status="succeeded").count() < args.urgent:
+            if time.monotonic() > deadline:
+                raise SystemExit("the urgent items did not finish")
+            time.sleep(0.05)
+        left = WorkItem.objects.filter(handler="bench_sleep", status="pending").count()
+        proc.terminate()
+        proc.wait(60)
+        latencies = [
+            (started - committed[pk]) * 1000.0 for pk, started in urgent.values_list("pk", "result")
+        ]
+        report(
+            "w6_priority",
+            {
+                "backlog": args.backlog,
+                "job_ms": args.job_ms,
+                "urgent": args.urgent,
+                "backlog_left_pending": left,
+                "p50_ms": statistics.median(latencies),
+                "p99_ms": percentile(latencies, 0.99),
+                "max_ms": max(latencies),
+                "min_ms": min(latencies),
+            },
+        )
+    finally:
+        stop_postgres()
+
+
+if __name__ == "__main__":
+    main()
