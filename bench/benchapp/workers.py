@@ -22,3 +22,12 @@ class BenchLatency(WorkItemHandler):
 
     def handle(self, payload: Any) -> float:
         return time.time()
+
+
+class BenchSleep(WorkItemHandler):
+    """Sleeps ``payload["seconds"]``: the bulk work an urgent item arrives behind (W6)."""
+
+    name = "bench_sleep"
+
+    def handle(self, payload: Any) -> None:
+        time.sleep(float(payload["seconds"]))

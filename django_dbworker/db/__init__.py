@@ -24,6 +24,7 @@ from django_dbworker.db.base import (
     add_local_waker,
     remove_local_waker,
 )
+from django_dbworker.db.wake_payload import parse_wake_payload, wake_payload
 
 __all__ = [
     "ServerProblem",
@@ -32,11 +33,13 @@ __all__ = [
     "VendorOperations",
     "add_local_waker",
     "operations",
+    "parse_wake_payload",
     "prepare_session",
     "remove_local_waker",
     "server_problems",
     "skip_locked_options",
     "supports_skip_locked",
+    "wake_payload",
 ]
 
 

@@ -13,7 +13,7 @@ runs no user code.
 
 States::
 
-    BUFFERED --start--> RUNNING --handler done--> RECORDING --settled--> retired
+    BUFFERED --taken--> RUNNING --handler done--> RECORDING --settled--> retired
        |                   |                          |
        |withdraw           |heartbeat: token gone     |heartbeat: token gone
        v                   v                          v
@@ -29,9 +29,13 @@ abandoned run ends later is accounted for exactly once.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import Enum
 
 from django_dbworker.handlers import WorkItemHandler
@@ -82,6 +86,11 @@ class Attempt:
         return self._key
 
     @property
+    def order(self) -> tuple[int, datetime, int]:
+        """Claim order: highest priority first, then ``run_after``, then id."""
+        return (-self.item.priority, self.item.run_after, self.item.pk)
+
+    @property
     def lost(self) -> bool:
         return self.state is State.LOST
 
@@ -98,6 +107,14 @@ class Ledger:
         self._attempts: dict[AttemptKey, Attempt] = {}
         #: The newest attempt of each row in flight.
         self._by_row: dict[int, Attempt] = {}
+        #: Buffered attempts in claim order (a heap; entries of attempts that
+        #: started or were withdrawn meanwhile are skipped when popped). Pool
+        #: threads start the best one, not the oldest: a higher-priority row
+        #: claimed after a buffer of bulk work starts next.
+        self._buffer: list[tuple[tuple[int, datetime, int], int, Attempt]] = []
+        self._seq = itertools.count()
+        #: How many buffered attempts there are of each priority.
+        self._buffered: Counter[int] = Counter()
         self._on_retired = on_retired
 
     # -- reading -------------------------------------------------------------
@@ -147,37 +164,62 @@ class Ledger:
                 # recovered as stale meanwhile, whether the heartbeat saw it or not.
                 older = self._by_row.get(attempt.item.pk)
                 if older is not None and older is not attempt:
-                    older.state = State.LOST
+                    self._move(older, State.LOST)
                 self._by_row[attempt.item.pk] = attempt
+                self._buffered[attempt.item.priority] += 1
+                self._push(attempt)
 
-    def start(self, attempt: Attempt, now: float, *, draining: bool) -> State | None:
-        """A pool thread takes ``attempt`` out of the buffer to run it.
+    def _move(self, attempt: Attempt, state: State) -> None:
+        """Change ``attempt``'s state (under the lock), keeping the buffer's priorities."""
+        if attempt.state is State.BUFFERED:
+            priority = attempt.item.priority
+            self._buffered[priority] -= 1
+            if not self._buffered[priority]:
+                del self._buffered[priority]
+        if state is State.BUFFERED:
+            self._buffered[attempt.item.priority] += 1
+        attempt.state = state
 
-        Answers ``RUNNING`` if it may run, ``LOST`` if it was recovered as
-        stale while it waited (the caller drops it), None if it must not
-        run: it started already, was handed back, or the worker is
-        stopping (buffered rows are then released, not run).
+    def _push(self, attempt: Attempt) -> None:
+        heapq.heappush(self._buffer, (attempt.order, next(self._seq), attempt))
+
+    def take_next(self, now: float, *, draining: bool) -> tuple[Attempt | None, State | None]:
+        """A pool thread takes the best buffered attempt to run it.
+
+        Answers ``(attempt, RUNNING)`` to run it, ``(attempt, LOST)`` for one
+        recovered as stale while it waited (the caller drops it), or
+        ``(None, None)``: nothing to start, or the worker is stopping
+        (buffered rows are then released, not run).
         """
         with self._lock:
-            if draining or attempt.started_at is not None:
-                return None
-            if attempt.state is State.LOST:
-                return State.LOST
-            if attempt.state is not State.BUFFERED:
-                return None
-            attempt.state = State.RUNNING
-            attempt.started_at = now
-            return State.RUNNING
+            if draining:
+                return None, None
+            while self._buffer:
+                attempt = heapq.heappop(self._buffer)[2]
+                if attempt.started_at is not None or attempt.state is State.RELEASED:
+                    continue
+                if attempt.state is State.LOST:
+                    return attempt, State.LOST
+                self._move(attempt, State.RUNNING)
+                attempt.started_at = now
+                return attempt, State.RUNNING
+            return None, None
+
+    def lowest_buffered_priority(self) -> int | None:
+        """The lowest priority among buffered attempts (None: nothing buffered)."""
+        with self._lock:
+            priorities = [a.item.priority for _, _, a in self._buffer if a.state is State.BUFFERED]
+        return min(priorities) if priorities else None
 
     def begin_recording(self, attempt: Attempt) -> None:
         """The handler is done; its outcome is being written (a heartbeat miss now raced it)."""
         with self._lock:
             if attempt.state is State.RUNNING:
-                attempt.state = State.RECORDING
+                self._move(attempt, State.RECORDING)
 
     def lose(self, attempt: Attempt) -> None:
         with self._lock:
-            attempt.state = State.LOST
+            self._move(attempt, State.LOST)
 
     def mark_lost(self, keys: Iterable[AttemptKey]) -> list[Attempt]:
         """The heartbeat found these tokens gone; returns the attempts that lost a claim.
@@ -194,7 +236,7 @@ class Ledger:
                     continue
                 if attempt.state is not State.RECORDING:
                     lost.append(attempt)
-                attempt.state = State.LOST
+                self._move(attempt, State.LOST)
         return lost
 
     def mark_held(self, keys: Iterable[AttemptKey], at: float) -> None:
@@ -210,27 +252,40 @@ class Ledger:
         with self._lock:
             unstarted = [a for a in self._attempts.values() if a.state is State.BUFFERED]
             for attempt in unstarted:
-                attempt.state = State.RELEASED
+                self._move(attempt, State.RELEASED)
         return unstarted
 
     def withdraw_excess(self, keep: int, *, older_than: float) -> list[Attempt]:
-        """The buffered attempts beyond the first ``keep``, if the oldest was claimed
-        before ``older_than``; withdrawn (the last claimed are the excess)."""
+        """The buffered attempts beyond the best ``keep``, if the oldest was claimed
+        before ``older_than``; withdrawn (the last in claim order are the excess)."""
         with self._lock:
             unstarted = [a for a in self._attempts.values() if a.state is State.BUFFERED]
             if len(unstarted) <= keep or unstarted[0].claimed_at >= older_than:
                 return []
-            excess = unstarted[keep:]
+            excess = sorted(unstarted, key=lambda a: a.order)[keep:]
             for attempt in excess:
-                attempt.state = State.RELEASED
+                self._move(attempt, State.RELEASED)
         return excess
+
+    def withdraw_below(self, priority: int) -> list[Attempt]:
+        """Withdraw every buffered attempt of lower priority than ``priority``."""
+        with self._lock:
+            below = [
+                a
+                for a in self._attempts.values()
+                if a.state is State.BUFFERED and a.item.priority < priority
+            ]
+            for attempt in below:
+                self._move(attempt, State.RELEASED)
+        return below
 
     def restore(self, attempts: Iterable[Attempt]) -> None:
         """Withdrawn attempts whose release failed: still ours, buffered again."""
         with self._lock:
             for attempt in attempts:
                 if attempt.state is State.RELEASED:
-                    attempt.state = State.BUFFERED
+                    self._move(attempt, State.BUFFERED)
+                    self._push(attempt)
 
     def withdraw_leftovers(self, *, everything: bool) -> list[Attempt]:
         """At the end of a stop: what is left to release.
@@ -245,7 +300,7 @@ class Ledger:
             ]
             for attempt in leaving:
                 if attempt.state is not State.LOST:
-                    attempt.state = State.RELEASED
+                    self._move(attempt, State.RELEASED)
         return leaving
 
     def settle_once(self, attempt: Attempt) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 from django_dbworker.db import VendorOperations
@@ -59,7 +60,7 @@ class ClaimLoop:
         metrics: WorkerMetrics,
         clock: Clock,
         handlers: Callable[[], dict[str, WorkItemHandler]],
-        runner: Callable[[Attempt], Callable[[], None]],
+        run_next: Callable[[], None],
         healthy: Callable[[], bool],
         raise_errors: bool,
     ) -> None:
@@ -76,7 +77,8 @@ class ClaimLoop:
         #: The WorkItem handlers claimed for, by name (replaced, never changed
         #: in place, when tasks are discovered after start).
         self.handlers = handlers
-        self.runner = runner
+        #: What a pool thread runs: the best buffered attempt (``AttemptRunner.run_next``).
+        self.run_next = run_next
         self.healthy = healthy
         #: Inline, a claim error is the caller's (its connection, its transaction).
         self.raise_errors = raise_errors
@@ -94,6 +96,11 @@ class ClaimLoop:
         #: The last claim statement found fewer rows than it asked for.
         self._ran_dry = False
         self._next_shed_check = 0.0
+        #: Wake-ups of rows that outrank something buffered, since the last claim.
+        self._urgent = 0
+        #: The claim being made was sized by such wake-ups.
+        self._urgent_claim = False
+        self._urgent_lock = threading.Lock()
 
     # -- one step --------------------------------------------------------------
 
@@ -130,14 +137,41 @@ class ClaimLoop:
         self.claimed += len(items)
         self.claims += bool(items)
         self._ran_dry = len(items) < limit
+        lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
+        if items and not self._ran_dry and not self._urgent_claim and lowest is not None:
+            # A full claim of rows that outrank buffered ones: more such rows
+            # may be pending, which the buffer would keep this worker (and,
+            # held here, every other worker) from taking.
+            self._give_back_outranked(min(item.priority for item in items), than=lowest)
         return len(items)
+
+    def announce(self, priority: int | None) -> None:
+        """A wake-up: rows of ``priority`` were committed (None: unknown, after a reconnect).
+
+        A row that outranks something in the buffer is claimed at once,
+        ahead of the refill mark, and starts on the next free thread (the
+        buffer starts in claim order); one that does not just wakes the
+        loop, which claims when the buffer runs low as usual.
+        """
+        lowest = self.ledger.lowest_buffered_priority()
+        if lowest is not None and (priority is None or priority > lowest):
+            with self._urgent_lock:
+                self._urgent += 1
+        self.control.wake.set()
+
+    def _take_urgent(self) -> int:
+        with self._urgent_lock:
+            urgent, self._urgent = self._urgent, 0
+        return urgent
 
     def _claim_limit(self) -> int:
         """How many rows to claim now: free threads plus what the buffer lacks.
 
         Nothing while the buffer holds more than its refill mark (a refill of
-        a few rows would cost a commit each). Rows awaiting their success
+        a few rows would cost a commit each), unless a wake-up announced rows
+        that outrank buffered ones: then one row per such wake-up (the claim
+        takes the highest priority first). Rows awaiting their success
         write still count against the process: at most the running and
         buffered rows plus UNRECORDED_EXTRA are claimed and not yet recorded,
         so a slow database applies back-pressure instead of a growing queue
@@ -146,12 +180,17 @@ class ClaimLoop:
         running_for = self._youngest_running_age()
         target = self.prefetch.target(running_for)
         self._refill_at = self.prefetch.refill_at(target, running_for)
+        urgent = self._take_urgent()
+        self._urgent_claim = bool(urgent)
         outstanding = self.pool.busy()
-        if outstanding - self.pool.running() > self._refill_at:
+        if outstanding - self.pool.running() > self._refill_at and not urgent:
             return 0
         unrecorded = len(self.ledger)
         hold = self.pool.size + target  # inline, one at a time
-        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        room = hold + UNRECORDED_EXTRA - unrecorded
+        limit = min(hold - outstanding, room, MAX_CLAIM)
+        if urgent:
+            limit = max(limit, min(urgent, room, MAX_CLAIM))
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
@@ -161,7 +200,7 @@ class ClaimLoop:
         handlers = self.handlers()
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
         self.ledger.add(attempts)
-        self.pool.submit_many([self.runner(attempt) for attempt in attempts])
+        self.pool.submit_many([self.run_next] * len(attempts))
 
     def _shed_hoard(self) -> None:
         """Give back buffered rows this worker cannot start soon.
@@ -183,27 +222,48 @@ class ClaimLoop:
         self._next_shed_check = now + SHED_CHECK_EVERY
         patience = max(1.0, SHED_AFTER_HORIZONS * self.prefetch.horizon)
         keep = self.prefetch.target(self._youngest_running_age())
-        excess = self.ledger.withdraw_excess(keep, older_than=now - patience)
-        if not excess:
-            return
+        given_back = self._give_back(self.ledger.withdraw_excess(keep, older_than=now - patience))
+        if given_back:
+            logger.info(
+                "Gave back %d buffered work item(s) that this worker could not start within "
+                "PREFETCH_HORIZON (%gs): its jobs now take longer.",
+                given_back,
+                self.prefetch.horizon,
+            )
+
+    def _give_back(self, withdrawn: list[Attempt]) -> int:
+        """Release withdrawn buffered attempts to pending; how many rows went back.
+
+        If the release fails they are still this worker's: kept in flight
+        (heartbeated) and run after all; their queued pool calls may be
+        gone, so they are queued anew.
+        """
+        if not withdrawn:
+            return 0
         try:
-            given_back = self.shutdown.release(excess, "giving back buffered work items")
+            given_back = self.shutdown.release(withdrawn, "giving back buffered work items")
         except Exception as exc:
-            # Still this worker's: keep them in flight (heartbeated) and run
-            # them after all; their queued tasks may be gone, so queue them anew.
-            logger.warning("Could not give back %d buffered work item(s): %s", len(excess), exc)
-            self.ledger.restore(excess)
-            self.pool.submit_many([self.runner(attempt) for attempt in excess])
-            return
+            logger.warning("Could not give back %d buffered work item(s): %s", len(withdrawn), exc)
+            self.ledger.restore(withdrawn)
+            self.pool.submit_many([self.run_next] * len(withdrawn))
+            return 0
         self.given_back += given_back
-        logger.info(
-            "Gave back %d buffered work item(s) that this worker could not start within "
-            "PREFETCH_HORIZON (%gs): its jobs now take longer.",
-            given_back,
-            self.prefetch.horizon,
-        )
-        for attempt in excess:
+        for attempt in withdrawn:
             self.ledger.retire(attempt)
+        return given_back
+
+    def _give_back_outranked(self, priority: int, *, than: int) -> None:
+        """Release the buffered rows of lower priority than ``priority`` (the rows just claimed)."""
+        if priority <= than:
+            return
+        given_back = self._give_back(self.ledger.withdraw_below(priority))
+        if given_back:
+            logger.debug(
+                "Gave back %d buffered work item(s) of lower priority than %d: such rows are "
+                "pending.",
+                given_back,
+                priority,
+            )
 
     def _youngest_running_age(self) -> float:
         """Seconds the youngest running attempt has run, when every thread is busy; else 0.

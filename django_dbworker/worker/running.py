@@ -32,7 +32,13 @@ logger = logging.getLogger("django_dbworker.worker")
 
 
 class AttemptRunner:
-    """Builds, for each attempt, the callable a pool thread runs."""
+    """What a pool thread runs: the best buffered attempt, started, executed, handed over.
+
+    The claim loop queues one call of ``run_next`` per claimed row; each call
+    takes whichever buffered attempt comes first in claim order (priority,
+    ``run_after``, id) at that moment, so a higher-priority row claimed
+    behind a buffer of bulk work is the next to start.
+    """
 
     def __init__(
         self,
@@ -65,34 +71,31 @@ class AttemptRunner:
         #: Told when the buffer shrank (the claim loop may refill).
         self.on_started = on_started
 
-    def __call__(self, attempt: Attempt) -> Callable[[], None]:
-        """What a pool thread runs for ``attempt``: start it, execute it, hand it over."""
+    def run_next(self) -> None:
+        """Start the best buffered attempt, execute it, hand its ending over."""
+        attempt = self._start()
+        if attempt is None:
+            return
+        assert attempt.started_at is not None
+        ending = endings.UNRECORDED
+        try:
+            ending = execution.execute(
+                attempt.item,
+                attempt.handler,
+                give_up=self.control.aborting,
+                metrics=self.metrics,
+                record_success=lambda item, result: self._hand_over(attempt, result),
+                abandoned=self.abandoned,
+                on_recording=lambda: self.ledger.begin_recording(attempt),
+                on_late=lambda late: self.settler.settle(attempt, late),
+                enforce_timeout=self.enforce_timeout,
+            )
+        finally:
+            self.settler.settle(attempt, ending)
+            self.prefetch.observe_run(self.clock.now() - attempt.started_at)
 
-        def run() -> None:
-            if not self._start(attempt):
-                return
-            assert attempt.started_at is not None
-            ending = endings.UNRECORDED
-            try:
-                ending = execution.execute(
-                    attempt.item,
-                    attempt.handler,
-                    give_up=self.control.aborting,
-                    metrics=self.metrics,
-                    record_success=lambda item, result: self._hand_over(attempt, result),
-                    abandoned=self.abandoned,
-                    on_recording=lambda: self.ledger.begin_recording(attempt),
-                    on_late=lambda late: self.settler.settle(attempt, late),
-                    enforce_timeout=self.enforce_timeout,
-                )
-            finally:
-                self.settler.settle(attempt, ending)
-                self.prefetch.observe_run(self.clock.now() - attempt.started_at)
-
-        return run
-
-    def _start(self, attempt: Attempt) -> bool:
-        """Take ``attempt`` out of the buffer to run it; False if it must not run.
+    def _start(self) -> Attempt | None:
+        """Take the best buffered attempt out of the buffer to run it; None if none may run.
 
         A worker that is stopping (or whose watchdog just tripped) releases
         buffered rows instead (``shutdown.py``). A row recovered as stale
@@ -103,12 +106,12 @@ class AttemptRunner:
         since its heartbeat, so fresher rows start without a query.
         """
         if not self.healthy():
-            return False
-        state = self.ledger.start(
-            attempt, self.clock.now(), draining=self.control.draining.is_set()
+            return None
+        attempt, state = self.ledger.take_next(
+            self.clock.now(), draining=self.control.draining.is_set()
         )
-        if state is None:
-            return False  # already running, or released by shutdown / shedding
+        if attempt is None:
+            return None  # nothing buffered, or released by shutdown / shedding
         lost = state is State.LOST
         if not lost:
             assert attempt.started_at is not None
@@ -123,9 +126,9 @@ class AttemptRunner:
             )
             self.ledger.lose(attempt)
             self.ledger.retire(attempt)
-            return False
+            return None
         self.on_started()
-        return True
+        return attempt
 
     def _still_held(self, attempt: Attempt) -> bool:
         """Refresh the heartbeat of a buffered row that waited long; False if it is gone.

@@ -266,7 +266,7 @@ class Worker:
             metrics=self.metrics,
             clock=self.clock,
             handlers=lambda: self.work_item_handlers,
-            runner=runner,
+            run_next=runner.run_next,
             healthy=self.watchdog.healthy,
             raise_errors=parts.raise_claim_errors,
         )
@@ -291,7 +291,7 @@ class Worker:
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
             if self.ops.supports_notify:
-                self.listener = Listener(using=cfg.using, queues=cfg.queues, wake=control.wake.set)
+                self.listener = Listener(using=cfg.using, queues=cfg.queues, wake=self._announced)
                 self.listener.start()
                 started.append(self.listener)
             else:
@@ -321,6 +321,13 @@ class Worker:
                 attempt.key[0],
                 attempt.handler.name,
             )
+
+    def _announced(self, priority: int | None) -> None:
+        """A wake-up from another process (``Listener``), with the priority it announced."""
+        if self.claim_loop is None:
+            self.control.wake.set()
+        else:
+            self.claim_loop.announce(priority)
 
     def _maybe_wake(self) -> None:
         """Wake the claim loop if its buffer is down to the refill mark (room to claim)."""

@@ -22,7 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from django_dbworker.db import Subscription, add_local_waker, operations, remove_local_waker
+from django_dbworker.db import (
+    Subscription,
+    add_local_waker,
+    operations,
+    parse_wake_payload,
+    remove_local_waker,
+)
 from django_dbworker.worker.connections import Backoff
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -106,8 +112,15 @@ class LocalWaker:
 
 
 class Listener(threading.Thread):
+    """Wakes the claim loop for each wake-up of a queue it serves, with the row's priority.
+
+    ``wake(priority)``: the priority the wake-up announced (0 when it names
+    none), or None after a reconnect, when wake-ups may have been missed and
+    nothing is known of what is pending.
+    """
+
     def __init__(
-        self, *, using: str, queues: Sequence[str] | None, wake: Callable[[], None]
+        self, *, using: str, queues: Sequence[str] | None, wake: Callable[[int | None], None]
     ) -> None:
         super().__init__(name="dbworker-listener", daemon=True)
         self.using = using
@@ -127,11 +140,12 @@ class Listener(threading.Thread):
                 backoff.reset()
                 # Wake once after (re)connecting: notifications sent while we
                 # were not listening are lost, the rows they announced are not.
-                self.wake()
+                self.wake(None)
                 while not self.stopped.is_set():
-                    for queue in subscription.receive(timeout=1.0):
+                    for payload in subscription.receive(timeout=1.0):
+                        queue, priority = parse_wake_payload(payload)
                         if self.queues is None or queue in self.queues:
-                            self.wake()
+                            self.wake(priority)
             except Exception as exc:
                 self.listening.clear()
                 if self.stopped.is_set():
