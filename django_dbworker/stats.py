@@ -22,7 +22,7 @@ from django.db.models.functions import Left, Now, StrIndex, Substr, TruncMinute
 from django.utils import timezone
 
 from django_dbworker.db import operations
-from django_dbworker.db.base import RunTimes
+from django_dbworker.db.types import RunTimes
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
 from django_dbworker.periodic import PeriodicHandler, periodic_handlers

@@ -4,9 +4,12 @@ Everything vendor-specific (the claim and success statements, inserts with
 wake-ups, LISTEN, planner estimates, SKIP LOCKED support, supported
 versions) sits behind ``VendorOperations``; the rest of the code asks
 ``operations(using)`` and never checks ``connection.vendor`` or
-``connection.features`` itself, nor writes SQL. Each vendor module reads as
-a queries file: named statements first, then the operations that run them
-(see tests/conformance/snapshots/ for every statement as it runs).
+``connection.features`` itself, nor writes SQL. Each vendor has a queries
+file of named statements (``postgresql_sql.py``, ``mysql_sql.py``; the top
+of the short ``sqlite.py``) and an operations class that runs them (see
+tests/conformance/snapshots/ for every statement as it runs). ``base.py``
+holds the interface, ``types.py`` the values it speaks in, ``sql.py`` the
+``Statement`` type, ``wakers.py`` this process's wake-ups.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_dbworker.db.base import (
-    ServerProblem,
-    Subscription,
-    UnsupportedDatabase,
-    VendorOperations,
+from django_dbworker.db.base import VendorOperations
+from django_dbworker.db.types import ServerProblem, Subscription, UnsupportedDatabase
+from django_dbworker.db.wakers import (
     add_local_waker,
+    parse_wake_payload,
     remove_local_waker,
+    wake_payload,
 )
-from django_dbworker.db.wake_payload import parse_wake_payload, wake_payload
 
 __all__ = [
     "ServerProblem",

@@ -1,25 +1,25 @@
-"""The interface every database vendor implements, and what the vendors share.
+"""The interface every database vendor implements, and what the vendors' operations share.
 
-A vendor module (``postgresql.py``, ``sqlite.py``) is a queries file: its
-statements are named ``Statement`` constants, complete SQL read top to
-bottom, and a ``VendorOperations`` subclass that runs them. This module
-holds no SQL; it decodes claimed rows into ``WorkItem`` instances the same
-way for every vendor. It must not import from the worker, the admin or
-enqueuing: they call it.
+A vendor is a statements module (named ``Statement`` constants, complete
+SQL read top to bottom: ``postgresql_sql.py``, ``mysql_sql.py``) and an
+operations module with a ``VendorOperations`` subclass that runs them
+(``postgresql.py``, ``mysql.py``; ``sqlite.py`` holds both, being short).
+This module holds no SQL; it decodes claimed rows into ``WorkItem``
+instances the same way for every vendor, inserts' wake-ups of this
+process's workers included. The types the interface speaks in live in
+``types.py``, the ``Statement`` type in ``sql.py``, the local wake-ups in
+``wakers.py``; their names are importable from here too. It must not
+import from the worker, the admin or enqueuing: they call it.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import string
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
 from django.db import connections, transaction
@@ -28,104 +28,51 @@ from django.db.models import QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
+from django_dbworker.db.sql import (
+    CLAIM_COLUMNS,
+    INSERTED_COLUMNS,
+    Statement,
+    numbered,
+    numbered_params,
+)
+from django_dbworker.db.types import (
+    ColumnStats,
+    RunTimes,
+    ServerProblem,
+    Subscription,
+    TableEstimate,
+    UnsupportedDatabase,
+)
+from django_dbworker.db.wakers import (
+    add_local_waker,
+    has_local_wakers,
+    remove_local_waker,
+    wake_local,
+)
 from django_dbworker.models import Status, WorkItem
 
+__all__ = [
+    "CAPABILITIES",
+    "CLAIM_COLUMNS",
+    "INSERTED_COLUMNS",
+    "ColumnStats",
+    "RunTimes",
+    "ServerProblem",
+    "Statement",
+    "Subscription",
+    "TableEstimate",
+    "UnsupportedDatabase",
+    "VendorOperations",
+    "add_local_waker",
+    "as_uuid",
+    "numbered",
+    "numbered_params",
+    "percentile",
+    "remove_local_waker",
+    "wake_local",
+]
+
 T = TypeVar("T")
-
-#: Columns a claim returns, in this order: everything the executor needs
-#: (and ``run_after``, for the claim order), nothing bulky it doesn't. Every
-#: vendor's claim statement RETURNs exactly these (the snapshot test checks).
-CLAIM_COLUMNS = (
-    "id",
-    "handler",
-    "queue",
-    "payload",
-    "priority",
-    "run_after",
-    "attempts",
-    "max_attempts",
-    "claimed_by",
-    "claim_token",
-    "trace_context",
-)
-
-#: Columns an enqueue statement returns for each inserted row, in this order.
-INSERTED_COLUMNS = ("id", "run_after", "created_at", "updated_at")
-
-
-def numbered(name: str, count: int) -> str:
-    """``%(name_0)s, %(name_1)s, ...``: ``count`` named parameters for an IN list.
-
-    For vendors without array parameters (SQLite, MySQL): a list of N
-    values is N placeholders, filled into a statement's ``{slot}``.
-    """
-    return ", ".join(f"%({name}_{i})s" for i in range(count))
-
-
-def numbered_params(name: str, values: Sequence[Any]) -> dict[str, Any]:
-    """The values for ``numbered(name, len(values))``."""
-    return {f"{name}_{i}": value for i, value in enumerate(values)}
-
-
-@dataclass(frozen=True)
-class Statement:
-    """One named SQL statement of a vendor module: what it is for, and its text.
-
-    ``sql`` takes named parameters (``%(name)s``; Django's cursors accept
-    them on every vendor). Where the text itself must vary (SQLite has no
-    array parameters, so a list of N values needs N placeholders), the
-    varying part is a ``{slot}`` that the vendor module fills through
-    ``render``; everything else is fixed text.
-    """
-
-    name: str
-    purpose: str
-    sql: str
-
-    @property
-    def slots(self) -> tuple[str, ...]:
-        """The names of the ``{slot}`` parts; empty for a fixed statement."""
-        return tuple(f for _, f, _, _ in string.Formatter().parse(self.sql) if f)
-
-    def render(self, **slots: str) -> str:
-        """The statement's text with its slots filled in."""
-        return self.sql.format(**slots) if self.slots else self.sql
-
-
-@dataclass
-class ColumnStats:
-    """Planner statistics of one column: value frequencies and the rest."""
-
-    frequencies: dict[str, float]
-    n_distinct: float
-
-    def frequency(self, value: str) -> float:
-        if value in self.frequencies:
-            return self.frequencies[value]
-        others = self.n_distinct - len(self.frequencies)
-        rest = max(0.0, 1.0 - sum(self.frequencies.values()))
-        return rest / others if others >= 1 else 0.0
-
-
-@dataclass
-class TableEstimate:
-    """The planner's idea of the work table: row count and column statistics."""
-
-    rows: float
-    columns: dict[str, ColumnStats]
-
-
-@dataclass(frozen=True)
-class RunTimes:
-    """How long one handler's succeeded rows ran (``finished_at - claimed_at``), in seconds."""
-
-    handler: str
-    #: Rows the percentiles come from.
-    count: int
-    p50: float
-    p95: float
-    #: True when they come from a sample of the latest rows, not from all of them.
-    sampled: bool = False
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float:
@@ -140,73 +87,9 @@ def percentile(ordered: Sequence[float], fraction: float) -> float:
     return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
-class Subscription(Protocol):
-    """Wake-up notifications received on a connection of their own (``listen``)."""
-
-    def receive(self, timeout: float) -> Iterator[str]:
-        """The queue names notified, each as soon as it arrives, for up to ``timeout`` s.
-
-        Raises the driver's error when the connection is lost; the caller
-        reconnects by calling ``listen`` again.
-        """
-        ...
-
-    def close(self) -> None:
-        """Stop listening and close the connection."""
-        ...
-
-
 def as_uuid(value: Any) -> UUID:
     """A claim token as the driver returns it (a UUID, or hex text on SQLite)."""
     return value if isinstance(value, UUID) else UUID(str(value))
-
-
-#: Callbacks of this process's workers, given the queue names of each enqueue
-#: committed in this process (``VendorOperations.notify``).
-_local_wakers: set[Callable[[Sequence[str]], None]] = set()
-_local_wakers_lock = threading.Lock()
-
-logger = logging.getLogger("django_dbworker.db")
-
-
-def add_local_waker(callback: Callable[[Sequence[str]], None]) -> None:
-    """Call ``callback(queues)`` after each enqueue this process commits."""
-    with _local_wakers_lock:
-        _local_wakers.add(callback)
-
-
-def remove_local_waker(callback: Callable[[Sequence[str]], None]) -> None:
-    with _local_wakers_lock:
-        _local_wakers.discard(callback)
-
-
-def wake_local(queues: Sequence[str]) -> None:
-    """Wake this process's workers for ``queues``; a failing callback only costs latency."""
-    with _local_wakers_lock:
-        callbacks = list(_local_wakers)
-    for callback in callbacks:
-        try:
-            callback(queues)
-        except Exception:
-            logger.debug("Ignoring an error in a local wake-up.", exc_info=True)
-
-
-class UnsupportedDatabase(Exception):
-    """The configured database cannot run django-dbworker."""
-
-
-@dataclass(frozen=True)
-class ServerProblem:
-    """Something about a database server that matters to django-dbworker (``server_problems``).
-
-    ``check`` names the problem (``"version"``: the worker cannot run there;
-    ``"replication"``: it runs, at a risk), which ``checks.py`` turns into a
-    system check of a stable id; ``message`` and ``hint`` are its text.
-    """
-
-    check: str
-    message: str
-    hint: str
 
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
@@ -371,7 +254,7 @@ class VendorOperations(ABC):
         On commit only: before it, a worker could not see the rows, and a
         rolled-back enqueue wakes nobody.
         """
-        if not _local_wakers:
+        if not has_local_wakers():
             return
         names = list(queues)
         connection = self.connection

@@ -3,7 +3,7 @@
 With 100,000 mostly finished rows and fresh statistics, each claim variant
 must read the partial claim index in claim order (so the LIMIT stops the
 scan), never the table; the success statement must find its rows by
-primary key. The statements are db/postgresql.py's, with the parameters
+primary key. The statements are db/postgresql_sql.py's, with the parameters
 the worker passes.
 """
 

@@ -1,0 +1,316 @@
+"""PostgreSQL's statements: every SQL text that ``postgresql.py`` runs, named and explained.
+
+Every statement is fixed text: lists travel as array parameters
+(``= ANY(%(handlers)s)``, ``unnest(%(payloads)s::jsonb[])``), so a reader
+sees exactly what runs and the server parses a handful of distinct texts.
+Django's psycopg backend binds parameters on the client by default, so the
+planner sees the arrays as constants, as it did the IN lists they replace.
+
+The claim statements must keep their plans on a table of millions of
+finished rows: an index scan of the partial claim index
+``dbworker_claim_idx`` (or ``dbworker_claim_queue_idx`` for one queue) in
+claim order, stopped by the LIMIT; the status and handler indexes leave
+pending rows out so that nothing else can be chosen (see models.py).
+
+Text only, read top to bottom (tests/conformance/snapshots/postgresql.sql
+pins each statement as it runs): this module must not import Django, the
+driver or the operations, and runs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django_dbworker.db.sql import Statement
+
+# -- statements ---------------------------------------------------------------------
+#
+# The claim is one UPDATE around a LIMITed subquery: the LIMIT keeps the
+# subquery from being pulled up (it runs once), and SKIP LOCKED lets
+# concurrent claimers take disjoint rows instead of queueing behind each
+# other's locks. Its WHERE and ORDER BY are WorkItem.objects.ready().in_order().
+# The wake-up channel is "django_dbworker"; the payload is the queue name.
+
+CLAIM = Statement(
+    "claim",
+    "Claim the next ready rows of some handlers, in any queue.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+# A plain equality, not "= ANY" of one queue: only an equality on the
+# index's leading column lets dbworker_claim_queue_idx return rows in claim
+# order, so the LIMIT stops the scan instead of a sort reading them all.
+CLAIM_IN_QUEUE = Statement(
+    "claim_in_queue",
+    "Claim the next ready rows of some handlers in one queue.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+      AND queue = %(queue)s
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+CLAIM_IN_QUEUES = Statement(
+    "claim_in_queues",
+    "Claim the next ready rows of some handlers in several queues.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM (
+    SELECT id FROM django_dbworker_workitem
+    WHERE status = 'pending'
+      AND run_after <= statement_timestamp()
+      AND handler = ANY(%(handlers)s::text[])
+      AND queue = ANY(%(queues)s::text[])
+    ORDER BY priority DESC, run_after, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
+# The separate "w.id = ANY(ids)" pins the plan to primary-key lookups,
+# whatever the planner thinks of the join with the unnested arrays.
+SUCCEED_MANY = Statement(
+    "succeed_many",
+    "Record the successes of several attempts, each fenced by its own id, token and status.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    last_error = ''
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = v.id
+  AND w.claim_token = v.token
+  AND w.status = 'claimed'
+RETURNING w.id, w.claim_token
+""",
+)
+
+# NOTIFY is transactional: the wake-up is delivered when (and only if) the
+# insert commits. run_at is an absolute time, or NULL for "delay after now".
+# The pg_notify() call in RETURNING runs once, for the one row; a plain
+# INSERT ... RETURNING costs the server less to parse and plan than the same
+# insert in a WITH around a join to the NOTIFY (Django does not prepare
+# statements by default, so that cost is paid on every call).
+INSERT_ITEM = Statement(
+    "insert_item",
+    "Insert one pending row and notify its queue, in one round trip.",
+    """
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+VALUES (
+    %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+    coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+    0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    statement_timestamp(), statement_timestamp())
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s)
+""",
+)
+
+# All payloads travel as one jsonb[] parameter: one statement whatever the
+# batch size (no 65,535-parameter ceiling). Ids come from the sequence in
+# insertion order, which follows ORDER BY u.n; the outer ORDER BY id lines
+# the returned rows up with the payloads.
+INSERT_ITEMS = Statement(
+    "insert_items",
+    "Insert pending rows sharing all but their payloads, and notify their queue.",
+    """
+WITH ins AS (
+    INSERT INTO django_dbworker_workitem (
+        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+        claimed_by, last_error, trace_context, created_at, updated_at)
+    SELECT
+        %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
+        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        statement_timestamp(), statement_timestamp()
+    FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
+    ORDER BY u.n
+    RETURNING id, run_after, created_at, updated_at
+)
+SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
+FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
+ORDER BY ins.id
+""",
+)
+
+# A large batch goes in by COPY, which skips the per-row work of the
+# executor and of a giant array parameter. COPY cannot return anything, so
+# the ids are taken from the table's own sequence first: nextval() hands
+# every caller distinct values, whoever else inserts meanwhile, and one
+# session's values increase, so the batch's ids follow its payloads. The
+# times every row shares (created_at, updated_at, run_after) are read from
+# the database clock by the same statement and written into the rows, so
+# the returned items hold exactly what is stored.
+RESERVE_IDS = Statement(
+    "reserve_ids",
+    "Take ids for a batch from the table's sequence, and the database times its rows get.",
+    """
+SELECT statement_timestamp(),
+       coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+       array(
+           SELECT nextval(s.seq)
+           FROM (SELECT pg_get_serial_sequence('django_dbworker_workitem', 'id')::regclass
+                 AS seq) AS s,
+                generate_series(1, %(count)s)
+       )
+""",
+)
+
+# Text format; the column order puts the two that vary (id, payload) first.
+COPY_ITEMS = Statement(
+    "copy_items",
+    "Write pending rows with reserved ids, as COPY text (their wake-up is a NOTIFY).",
+    """
+COPY django_dbworker_workitem (
+    id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, created_at, updated_at)
+FROM STDIN
+""",
+)
+
+NOTIFY = Statement(
+    "notify",
+    "Wake idle workers of a queue when the current transaction commits.",
+    """
+SELECT pg_notify('django_dbworker', %(queue)s)
+""",
+)
+
+LISTEN = Statement(
+    "listen",
+    "Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).",
+    """
+LISTEN django_dbworker
+""",
+)
+
+# SELECT DISTINCT queue reads every row (or index entry); this recursive
+# query jumps from one queue to the next through dbworker_queue_idx.
+DISTINCT_QUEUES = Statement(
+    "distinct_queues",
+    "Every queue name in the table, by a loose index scan (one index probe per queue).",
+    """
+WITH RECURSIVE queues(name) AS (
+    SELECT (SELECT queue FROM django_dbworker_workitem ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT queue FROM django_dbworker_workitem
+            WHERE queue > queues.name ORDER BY queue LIMIT 1)
+    FROM queues WHERE queues.name IS NOT NULL
+)
+SELECT name FROM queues WHERE name IS NOT NULL
+""",
+)
+
+# {query} is the ORM's SQL for the queryset being paged (the admin's filters).
+ESTIMATE_COUNT = Statement(
+    "estimate_count",
+    "The planner's row estimate for a query, without running it.",
+    """
+EXPLAIN (FORMAT JSON) {query}
+""",
+)
+
+# reltuples and pg_stats are what ANALYZE (and autovacuum) keep; reading
+# them costs nothing however large the table is.
+TABLE_ESTIMATE = Statement(
+    "table_estimate",
+    "The work table's planner row count and value frequencies of some columns.",
+    """
+SELECT c.reltuples, s.attname, s.most_common_vals::text, s.most_common_freqs, s.n_distinct
+FROM pg_class c
+LEFT JOIN pg_stats s
+  ON s.tablename = c.relname AND s.schemaname = current_schema()
+ AND s.attname = ANY(%(columns)s::text[])
+WHERE c.oid = to_regclass('django_dbworker_workitem')
+""",
+)
+
+
+# Both percentiles from one sort per handler (an array of fractions). The
+# finished_at range is a scan of the partial dbworker_finished_idx; status
+# and claimed_at are checked on the rows it finds (one hour of them).
+RUN_TIMES = Statement(
+    "run_times",
+    "p50 and p95 run time per handler of the rows that succeeded in the last N seconds.",
+    """
+SELECT handler,
+       count(*),
+       percentile_cont(ARRAY[0.5, 0.95]::float8[]) WITHIN GROUP (ORDER BY seconds)
+FROM (
+    SELECT handler, EXTRACT(EPOCH FROM finished_at - claimed_at)::float8 AS seconds
+    FROM django_dbworker_workitem
+    WHERE finished_at >= now() - make_interval(secs => %(seconds)s)
+      AND status = 'succeeded'
+      AND claimed_at IS NOT NULL
+) AS runs
+GROUP BY handler
+ORDER BY handler
+""",
+)
+
+
+def claim_statement(
+    *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
+) -> tuple[str, dict[str, Any]]:
+    """The claim statement for these filters, and its parameters."""
+    params: dict[str, Any] = {"worker": worker, "handlers": list(handlers), "limit": limit}
+    if not queues:
+        return CLAIM.sql, params
+    if len(queues) == 1:
+        return CLAIM_IN_QUEUE.sql, {**params, "queue": queues[0]}
+    return CLAIM_IN_QUEUES.sql, {**params, "queues": list(queues)}

@@ -1,0 +1,85 @@
+"""The values the vendor interface takes, returns and raises, as plain data.
+
+Planner estimates (``TableEstimate``), run-time percentiles (``RunTimes``),
+what is wrong with a server (``ServerProblem``, ``UnsupportedDatabase``)
+and the shape of a wake-up ``Subscription``: what ``VendorOperations``
+(``base.py``) hands to the admin, the stats, the checks and the worker.
+Data only: this module must not run SQL, import Django or import anything
+else of the package, so that every layer may name these types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class UnsupportedDatabase(Exception):
+    """The configured database cannot run django-dbworker."""
+
+
+@dataclass(frozen=True)
+class ServerProblem:
+    """Something about a database server that matters to django-dbworker (``server_problems``).
+
+    ``check`` names the problem (``"version"``: the worker cannot run there;
+    ``"replication"``: it runs, at a risk), which ``checks.py`` turns into a
+    system check of a stable id; ``message`` and ``hint`` are its text.
+    """
+
+    check: str
+    message: str
+    hint: str
+
+
+@dataclass
+class ColumnStats:
+    """Planner statistics of one column: value frequencies and the rest."""
+
+    frequencies: dict[str, float]
+    n_distinct: float
+
+    def frequency(self, value: str) -> float:
+        if value in self.frequencies:
+            return self.frequencies[value]
+        others = self.n_distinct - len(self.frequencies)
+        rest = max(0.0, 1.0 - sum(self.frequencies.values()))
+        return rest / others if others >= 1 else 0.0
+
+
+@dataclass
+class TableEstimate:
+    """The planner's idea of the work table: row count and column statistics."""
+
+    rows: float
+    columns: dict[str, ColumnStats]
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    """How long one handler's succeeded rows ran (``finished_at - claimed_at``), in seconds."""
+
+    handler: str
+    #: Rows the percentiles come from.
+    count: int
+    p50: float
+    p95: float
+    #: True when they come from a sample of the latest rows, not from all of them.
+    sampled: bool = False
+
+
+class Subscription(Protocol):
+    """Wake-up notifications received on a connection of their own (``listen``)."""
+
+    def receive(self, timeout: float) -> Iterator[str]:
+        """The queue names notified, each as soon as it arrives, for up to ``timeout`` s.
+
+        Raises the driver's error when the connection is lost; the caller
+        reconnects by calling ``listen`` again.
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop listening and close the connection."""
+        ...
