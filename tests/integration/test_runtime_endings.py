@@ -1,0 +1,150 @@
+"""Attacks on the runtime reshape of issue 19 ("no change of behaviour").
+
+Each test is a path where the reshaped runtime (``worker/settle.py``,
+``running.py``, ``attempts.py``, ``watchdog.py``...) behaves differently
+from commit 1d9b169, whose ``runtime.py``/``execution.py`` passed it. The
+docstring of each test states the bug. Interleavings are forced with
+events that user code (a handler, its ``backoff``, a log handler) waits
+on, never with sleeps that hope.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
+from django_dbworker.worker import Worker
+from tests.conftest import wait_until
+from tests.factories import worker_config
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER_LOG = logging.getLogger("django_dbworker.worker")
+
+
+def start(names: list[str], **kwargs: Any) -> tuple[Worker, threading.Thread]:
+    worker = Worker([registry[n] for n in names], worker_config(**kwargs))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+def stop(worker: Worker, thread: threading.Thread) -> None:
+    worker.stop(immediate=True)
+    thread.join(15)
+    assert not thread.is_alive(), "worker did not stop"
+
+
+@pytest.fixture
+def no_stray_threads() -> Iterator[None]:
+    yield
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
+        timeout=30,
+        what="worker threads to finish",
+    )
+
+
+# -- a timed-out attempt whose abandoned run records its failure first -----------------
+
+LATE = {
+    "timed_out": threading.Event(),
+    "late_written": threading.Event(),
+    "hooked": threading.Event(),
+}
+LATE_HOOKS: list[tuple[str | None, str | None]] = []
+
+
+class LateFailureWins(WorkItemHandler):
+    """Overruns its timeout, then fails for good (not retryable) in its abandoned run.
+
+    ``backoff`` (called by the thread that records the timeout, before its
+    write) holds that write back until the abandoned run's failure landed.
+    """
+
+    name = "attack_late_failure_wins"
+    timeout = 0.3
+    max_attempts = 3
+    retry_on = (KeyError,)
+
+    def handle(self, payload: Any) -> None:
+        LATE["timed_out"].wait(15)
+        raise ValueError("late and final")
+
+    def backoff(self, attempt: int) -> float:
+        LATE["timed_out"].set()
+        LATE["late_written"].wait(15)
+        return 60.0
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        LATE_HOOKS.append((status, type(error).__name__ if error is not None else None))
+        LATE["hooked"].set()
+
+
+class _AfterLateWrite(logging.Handler):
+    """In the abandoned run's thread: its failure is written (the log line follows the
+    write); hold that thread until some attempt_recorded hook ran (or 5 s)."""
+
+    def __init__(self, pk: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.thread_name = f"dbworker-item-{pk}"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread().name != self.thread_name:
+            return
+        if record.msg.startswith("Work item %s (%s) failed on attempt"):
+            LATE["late_written"].set()
+            LATE["hooked"].wait(5)
+
+
+def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
+    no_stray_threads: None,
+) -> None:
+    """Bug: the hook is told ``None`` (fenced) for an attempt whose failure was recorded.
+
+    A timed-out attempt: its abandoned run ends and writes ``failed`` before
+    the timing-out thread writes the retry (which is then fenced). The row is
+    ``failed`` by this attempt's own write; 1d9b169 called ``attempt_recorded``
+    right after that write (``_record_failure`` -> ``notify_recorded``), so
+    the hook heard ``failed`` (a Tasks backend sends ``task_finished``).
+
+    Now ``failures.record_failure`` only returns an Ending; the late run's
+    ending reaches ``Settler.settle`` via ``on_late`` only after the whole
+    run has returned (log lines, ``tidy``, ``close_thread_connections``,
+    ``tracker.finish``: execution.py ``target``'s ``finally``), and
+    ``Ledger.settle_once`` gives the attempt's one hook call to whichever
+    ending is *settled* first, not to the write that landed: the fenced
+    timeout settles first and the hook hears ``(None, None)``; the failure's
+    own settle is then "late" and says nothing (settle.py ``if not first:
+    return``). A task whose last attempt failed this way never sends
+    ``task_finished``.
+    """
+    for event in LATE.values():
+        event.clear()
+    LATE_HOOKS.clear()
+    item = LateFailureWins.enqueue({})
+    held = _AfterLateWrite(item.pk)
+    WORKER_LOG.addHandler(held)
+    worker, thread = start(
+        [LateFailureWins.name], concurrency=1, burst=True, max_abandoned_threads=10
+    )
+    try:
+        thread.join(30)
+        assert not thread.is_alive(), "burst worker did not finish"
+    finally:
+        WORKER_LOG.removeHandler(held)
+        if thread.is_alive():
+            stop(worker, thread)
+    item.refresh_from_db()
+    assert item.status == Status.FAILED  # the late run's failure landed
+    assert "late and final" in item.last_error
+    assert LATE_HOOKS == [(Status.FAILED, "ValueError")]
