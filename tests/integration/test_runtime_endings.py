@@ -148,3 +148,57 @@ def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
     assert item.status == Status.FAILED  # the late run's failure landed
     assert "late and final" in item.last_error
     assert LATE_HOOKS == [(Status.FAILED, "ValueError")]
+
+
+# -- where the hook of a failure runs ----------------------------------------------------
+
+HOOK_SPANS: list[str | None] = []
+
+
+class FailsWithHook(WorkItemHandler):
+    name = "attack_fails_with_hook"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("no")
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        from opentelemetry import trace
+
+        HOOK_SPANS.append(getattr(trace.get_current_span(), "name", None))
+
+
+@pytest.fixture
+def tracer_provider() -> Iterator[None]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from django_dbworker import tracing
+
+    tracing.use_tracer_provider(TracerProvider())
+    yield
+    tracing.use_tracer_provider(None)
+
+
+def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
+    tracer_provider: None,
+) -> None:
+    """Bug: ``attempt_recorded`` of a failure now runs after the attempt's span closed.
+
+    In 1d9b169 the pool thread called the hook right after writing the
+    failure, inside ``execute``'s ``tracing.processing`` span (and inside
+    ``metrics.running``: the in-flight gauge still counted the attempt), so
+    whatever a hook (a ``task_finished`` receiver) traces or logs is part of
+    the job's ``process {queue}`` span. Now ``record_failure`` returns an
+    Ending and the hook runs from ``Settler.settle``, which
+    ``AttemptRunner.run`` calls in its ``finally`` after ``execute`` has
+    returned (running.py): the current span there is the caller's (none).
+    (Successes handed to an inline writer still run theirs inside the span.)
+    """
+    from django_dbworker.testing import run_until_empty
+
+    HOOK_SPANS.clear()
+    FailsWithHook.enqueue({})
+    assert run_until_empty(handlers=[FailsWithHook.name]) == {"failed": 1}
+    assert HOOK_SPANS == ["process default"]
