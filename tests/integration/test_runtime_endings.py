@@ -265,3 +265,43 @@ def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worke
         assert discovery.is_alive(), "the task discovery thread died"
     finally:
         stop(worker, thread)
+
+
+@pytest.mark.server_db
+def test_the_orphan_watch_resumes_after_its_connection_is_killed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bug (older than issue 19; same code in 1d9b169): a watcher never reconnects.
+
+    ``Watcher.run`` (``warn_about_orphans`` for the orphan watch) catches the
+    ``DatabaseError`` of a look and tries again at the next interval, but
+    never closes the thread's broken connection (the claim loop, heartbeat
+    and pool threads do: ``close_quietly``/``tidy``): with psycopg 3 every
+    later look fails with "the connection is closed" (Django reconnects only
+    when the connection object is closed), forever. After a failover or a
+    server restart, task discovery and the orphan warning silently stop for
+    the life of the process; SPEC: the process "resumes when the database is
+    back".
+    """
+    from django_dbworker.worker.watchers import OrphanWatch
+    from tests.conftest import kill_other_connections
+    from tests.factories import make_item
+
+    stopping = threading.Event()
+    caplog.set_level(logging.WARNING, logger="django_dbworker")
+    watch = OrphanWatch("default", interval=0.1)
+    watch.attach(stopping=stopping, add_handlers=lambda classes: None)
+    watch.start()
+    try:
+        make_item(handler="attack-orphan-before")
+        wait_until(lambda: "attack-orphan-before" in caplog.text, what="the first warning")
+        assert kill_other_connections() >= 1
+        make_item(handler="attack-orphan-after")
+        wait_until(
+            lambda: "attack-orphan-after" in caplog.text,
+            timeout=10,
+            what="the orphan watch to warn again after its connection was killed",
+        )
+    finally:
+        stopping.set()
+        watch.join(5)
