@@ -305,3 +305,123 @@ def test_the_orphan_watch_resumes_after_its_connection_is_killed(
     finally:
         stopping.set()
         watch.join(5)
+
+
+# -- a timed-out attempt whose abandoned run cannot record anything --------------------
+
+REFUSE = {"timed_out": threading.Event()}
+REFUSE_SEEN: dict[str, Any] = {}
+REFUSE_HOOKS: list[tuple[str | None, str | None]] = []
+TABLE = "django_dbworker_workitem"
+REFUSED_TEXT = "late and refused"
+
+
+class LateUnrecorded(WorkItemHandler):
+    """Overruns its timeout; its abandoned run then fails in a way the database refuses.
+
+    ``backoff`` (the timing-out thread, before it writes the retry) waits for
+    the abandoned run's thread to end, then notes whether the attempt is
+    still in flight (heartbeated) while its timeout is not written yet.
+    """
+
+    name = "attack_late_unrecorded"
+    timeout = 0.3
+    max_attempts = 3
+    retry_on = (KeyError,)
+
+    def handle_item(self, item: WorkItem) -> None:
+        REFUSE_SEEN["pk"] = item.pk
+        REFUSE["timed_out"].wait(15)
+        raise ValueError(REFUSED_TEXT)
+
+    def backoff(self, attempt: int) -> float:
+        REFUSE["timed_out"].set()
+        name = f"dbworker-item-{REFUSE_SEEN['pk']}"
+        for thread in threading.enumerate():
+            if thread.name == name:
+                thread.join(15)
+        worker = REFUSE_SEEN["worker"]
+        REFUSE_SEEN["in_flight"] = REFUSE_SEEN["pk"] in [i.pk for i in worker.in_flight()]
+        return 60.0
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        REFUSE_HOOKS.append((status, type(error).__name__ if error is not None else None))
+
+
+@pytest.fixture
+def refuse_late_failures() -> Iterator[None]:
+    """The database refuses to record the abandoned run's failure (and its plain fallback)."""
+    from django.db import connection
+
+    refused = (
+        f"NEW.status = 'failed' AND (NEW.last_error LIKE '%{REFUSED_TEXT}%' "
+        "OR NEW.last_error LIKE 'The outcome could not be recorded%')"
+    )
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "CREATE FUNCTION attack_refuse_late() RETURNS trigger AS $$ BEGIN "
+                f"IF {refused} THEN RAISE EXCEPTION 'attack: refused'; END IF; "
+                "RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
+                "FOR EACH ROW EXECUTE FUNCTION attack_refuse_late()"
+            )
+        elif connection.vendor == "sqlite":
+            cursor.execute(
+                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
+                f"FOR EACH ROW WHEN {refused} BEGIN SELECT RAISE(ABORT, 'attack: refused'); END"
+            )
+        else:
+            pytest.skip("a trigger for this vendor is not written here")
+    yield
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"DROP TRIGGER IF EXISTS attack_refuse_late ON {TABLE}")
+            cursor.execute("DROP FUNCTION IF EXISTS attack_refuse_late()")
+        else:
+            cursor.execute("DROP TRIGGER IF EXISTS attack_refuse_late")
+
+
+def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending(
+    refuse_late_failures: None, no_stray_threads: None
+) -> None:
+    """Bug: a late UNRECORDED ending retires the attempt and takes its one settle.
+
+    A timed-out attempt whose abandoned run then fails in a way the database
+    refuses (the failure and its plain fallback): that run ends
+    ``UNRECORDED``. In 1d9b169 that was nothing: a non-final late outcome
+    was neither counted nor told (execution.py ``target`` only observed
+    final late outcomes), and the attempt stayed in flight until its own
+    thread recorded the timeout, whose hook and count it was.
+
+    Now ``on_late`` hands the UNRECORDED ending to ``Settler.settle``, which
+    (the attempt not settled yet) takes ``Ledger.settle_once`` for it, calls
+    the hook with ``(None, None)`` and retires the attempt (settle.py: only
+    an UNRECORDED *while aborting* keeps it): the row, still claimed by this
+    attempt and its timeout not yet written, is no longer heartbeated; the
+    timeout that is then recorded is a "late" ending: no hook, no count.
+    """
+    REFUSE["timed_out"].clear()
+    REFUSE_SEEN.clear()
+    REFUSE_HOOKS.clear()
+    item = LateUnrecorded.enqueue({})
+    worker = Worker(
+        [LateUnrecorded], worker_config(concurrency=1, burst=True, max_abandoned_threads=10)
+    )
+    REFUSE_SEEN["worker"] = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        stop(worker, thread)
+        pytest.fail("the burst worker did not finish")
+    item.refresh_from_db()
+    assert item.status == Status.PENDING  # the timeout's retry was recorded
+    assert "TimeoutError" in item.last_error
+    assert REFUSE_SEEN["in_flight"], "retired (no heartbeat) before its outcome was written"
+    assert REFUSE_HOOKS == [(Status.PENDING, "TimeoutError")]
+    assert dict(worker.outcomes) == {"timeout": 1}
