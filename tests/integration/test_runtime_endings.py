@@ -425,3 +425,53 @@ def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending
     assert REFUSE_SEEN["in_flight"], "retired (no heartbeat) before its outcome was written"
     assert REFUSE_HOOKS == [(Status.PENDING, "TimeoutError")]
     assert dict(worker.outcomes) == {"timeout": 1}
+
+
+GAUGE: dict[str, Any] = {}
+
+
+class FailsAndReadsGauge(WorkItemHandler):
+    name = "attack_fails_reads_gauge"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("no")
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        GAUGE["seen"] = GAUGE["registry"].get_sample_value(
+            "worker_tasks_in_flight", {"worker": self.name}
+        )
+
+
+def test_the_hook_of_a_recorded_failure_runs_while_the_attempt_counts_in_flight(
+    no_stray_threads: None,
+) -> None:
+    """Bug (same cause as the span test above): the in-flight gauge no longer covers the hook.
+
+    1d9b169 ran a failure's ``attempt_recorded`` inside ``metrics.running``
+    (``worker_tasks_in_flight`` still 1 for the attempt); now
+    ``Settler.settle`` runs it after ``execute`` returned (running.py), so a
+    slow ``task_finished`` receiver holds a pool thread while the gauge says
+    nothing runs.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+
+    reg = CollectorRegistry()
+    GAUGE.clear()
+    GAUGE["registry"] = reg
+    FailsAndReadsGauge.enqueue({})
+    worker = Worker(
+        [FailsAndReadsGauge], worker_config(concurrency=1, burst=True), metrics=WorkerMetrics(reg)
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        stop(worker, thread)
+        pytest.fail("the burst worker did not finish")
+    assert dict(worker.outcomes) == {"failed": 1}
+    assert GAUGE["seen"] == 1.0
