@@ -1,0 +1,487 @@
+"""Attacks on the runtime reshape of issue 19 ("no change of behaviour").
+
+Each test is a path where the reshaped runtime (``worker/settle.py``,
+``running.py``, ``attempts.py``, ``watchdog.py``...) behaves differently
+from commit 1d9b169, whose ``runtime.py``/``execution.py`` passed it. The
+docstring of each test states the bug. Interleavings are forced with
+events that user code (a handler, its ``backoff``, a log handler) waits
+on, never with sleeps that hope.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
+from django_dbworker.worker import Worker
+from tests.conftest import wait_until
+from tests.factories import worker_config
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER_LOG = logging.getLogger("django_dbworker.worker")
+
+
+def start(names: list[str], **kwargs: Any) -> tuple[Worker, threading.Thread]:
+    worker = Worker([registry[n] for n in names], worker_config(**kwargs))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+def stop(worker: Worker, thread: threading.Thread) -> None:
+    worker.stop(immediate=True)
+    thread.join(15)
+    assert not thread.is_alive(), "worker did not stop"
+
+
+@pytest.fixture
+def no_stray_threads() -> Iterator[None]:
+    yield
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
+        timeout=30,
+        what="worker threads to finish",
+    )
+
+
+# -- a timed-out attempt whose abandoned run records its failure first -----------------
+
+LATE = {
+    "timed_out": threading.Event(),
+    "late_written": threading.Event(),
+    "hooked": threading.Event(),
+}
+LATE_HOOKS: list[tuple[str | None, str | None]] = []
+
+
+class LateFailureWins(WorkItemHandler):
+    """Overruns its timeout, then fails for good (not retryable) in its abandoned run.
+
+    ``backoff`` (called by the thread that records the timeout, before its
+    write) holds that write back until the abandoned run's failure landed.
+    """
+
+    name = "attack_late_failure_wins"
+    timeout = 0.3
+    max_attempts = 3
+    retry_on = (KeyError,)
+
+    def handle(self, payload: Any) -> None:
+        LATE["timed_out"].wait(15)
+        raise ValueError("late and final")
+
+    def backoff(self, attempt: int) -> float:
+        LATE["timed_out"].set()
+        LATE["late_written"].wait(15)
+        return 60.0
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        LATE_HOOKS.append((status, type(error).__name__ if error is not None else None))
+        LATE["hooked"].set()
+
+
+class _AfterLateWrite(logging.Handler):
+    """In the abandoned run's thread: its failure is written (the log line follows the
+    write); hold that thread until some attempt_recorded hook ran (or 5 s)."""
+
+    def __init__(self, pk: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.thread_name = f"dbworker-item-{pk}"
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Not emit(): handle() would hold this handler's lock while waiting, and
+        # block every other thread's log line (the fenced one) meanwhile.
+        if threading.current_thread().name != self.thread_name:
+            return False
+        if record.msg.startswith("Work item %s (%s) failed on attempt"):
+            LATE["late_written"].set()
+            LATE["hooked"].wait(5)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
+    no_stray_threads: None,
+) -> None:
+    """Bug: the hook is told ``None`` (fenced) for an attempt whose failure was recorded.
+
+    A timed-out attempt: its abandoned run ends and writes ``failed`` before
+    the timing-out thread writes the retry (which is then fenced). The row is
+    ``failed`` by this attempt's own write; 1d9b169 called ``attempt_recorded``
+    right after that write (``_record_failure`` -> ``notify_recorded``), so
+    the hook heard ``failed`` (a Tasks backend sends ``task_finished``).
+
+    Now ``failures.record_failure`` only returns an Ending; the late run's
+    ending reaches ``Settler.settle`` via ``on_late`` only after the whole
+    run has returned (log lines, ``tidy``, ``close_thread_connections``,
+    ``tracker.finish``: execution.py ``target``'s ``finally``), and
+    ``Ledger.settle_once`` gives the attempt's one hook call to whichever
+    ending is *settled* first, not to the write that landed: the fenced
+    timeout settles first and the hook hears ``(None, None)``; the failure's
+    own settle is then "late" and says nothing (settle.py ``if not first:
+    return``). A task whose last attempt failed this way never sends
+    ``task_finished``.
+    """
+    for event in LATE.values():
+        event.clear()
+    LATE_HOOKS.clear()
+    item = LateFailureWins.enqueue({})
+    held = _AfterLateWrite(item.pk)
+    WORKER_LOG.addHandler(held)
+    worker, thread = start(
+        [LateFailureWins.name], concurrency=1, burst=True, max_abandoned_threads=10
+    )
+    try:
+        thread.join(30)
+        assert not thread.is_alive(), "burst worker did not finish"
+    finally:
+        WORKER_LOG.removeHandler(held)
+        if thread.is_alive():
+            stop(worker, thread)
+    item.refresh_from_db()
+    assert item.status == Status.FAILED  # the late run's failure landed
+    assert "late and final" in item.last_error
+    assert LATE_HOOKS == [(Status.FAILED, "ValueError")]
+
+
+# -- where the hook of a failure runs ----------------------------------------------------
+
+HOOK_SPANS: list[str | None] = []
+
+
+class FailsWithHook(WorkItemHandler):
+    name = "attack_fails_with_hook"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("no")
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        from opentelemetry import trace
+
+        HOOK_SPANS.append(getattr(trace.get_current_span(), "name", None))
+
+
+@pytest.fixture
+def tracer_provider() -> Iterator[None]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from django_dbworker import tracing
+
+    tracing.use_tracer_provider(TracerProvider())
+    yield
+    tracing.use_tracer_provider(None)
+
+
+def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
+    tracer_provider: None,
+) -> None:
+    """Bug: ``attempt_recorded`` of a failure now runs after the attempt's span closed.
+
+    In 1d9b169 the pool thread called the hook right after writing the
+    failure, inside ``execute``'s ``tracing.processing`` span (and inside
+    ``metrics.running``: the in-flight gauge still counted the attempt), so
+    whatever a hook (a ``task_finished`` receiver) traces or logs is part of
+    the job's ``process {queue}`` span. Now ``record_failure`` returns an
+    Ending and the hook runs from ``Settler.settle``, which
+    ``AttemptRunner.run`` calls in its ``finally`` after ``execute`` has
+    returned (running.py): the current span there is the caller's (none).
+    (Successes handed to an inline writer still run theirs inside the span.)
+    """
+    from django_dbworker.testing import run_until_empty
+
+    HOOK_SPANS.clear()
+    FailsWithHook.enqueue({})
+    assert run_until_empty(handlers=[FailsWithHook.name]) == {"failed": 1}
+    assert HOOK_SPANS == ["process default"]
+
+
+# -- the watchdog and the watchers -----------------------------------------------------
+
+
+def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worker(
+    no_stray_threads: None,
+) -> None:
+    """Bug: a race in task discovery now stops the whole worker (watchdog, exit non-zero).
+
+    ``TaskDiscovery.look`` -> ``discovery.new_pending_handlers`` iterates the
+    live registry dict (``registry.items()``) while other threads may
+    register handlers: a job that imports a module with ``@task``
+    functions (a lazy import inside a function, the usual way around an
+    import cycle) registers them from a pool thread. The iteration then
+    raises ``RuntimeError: dictionary changed size during iteration``;
+    ``Watcher.run`` catches only ``DatabaseError``, so the watcher thread
+    dies, and the new watchdog, which watches the watchers
+    (runtime.py ``self.watchdog.watch(watcher.what, watcher, ends_on_stop=True)``),
+    stops the worker: "the task discovery thread died". In 1d9b169 the
+    discovery thread was not watched: the same death cost task discovery,
+    not the process. (The race is amplified here with a tiny switch
+    interval and many registrations; nothing else is faked.)
+    """
+    import sys
+
+    from django_dbworker.worker.watchers import TaskDiscovery
+
+    discovery = TaskDiscovery("default", interval=0.001)
+    worker = Worker([registry["noop"]], worker_config(), watchers=[discovery])
+    thread = threading.Thread(target=worker.run, daemon=True)
+    old_interval = sys.getswitchinterval()
+    # A registry of a few hundred handlers (a big project's tasks): each look
+    # iterates it for longer.
+    ballast = [f"attack_ballast_{n}" for n in range(500)]
+    names = [f"attack_churn_{n}" for n in range(20)]
+    try:
+        for name in ballast:
+            type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
+        thread.start()
+        wait_until(lambda: worker.idle.is_set(), what="the worker to start")
+        sys.setswitchinterval(1e-6)
+        for _ in range(20_000):
+            if not discovery.is_alive():
+                break
+            for name in names:
+                type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
+            for name in names:
+                registry.unregister(name)
+    finally:
+        sys.setswitchinterval(old_interval)
+        for name in names + ballast:
+            registry.unregister(name)
+    try:
+        # Two more steps of the claim loop: each asks the watchdog first.
+        for _ in range(2):
+            worker.idle.clear()
+            worker.wake.set()
+            wait_until(lambda: worker.idle.is_set() or worker.stopping.is_set())
+        assert worker.unhealthy is None
+        assert discovery.is_alive(), "the task discovery thread died"
+    finally:
+        stop(worker, thread)
+
+
+@pytest.mark.server_db
+def test_the_orphan_watch_resumes_after_its_connection_is_killed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bug (older than issue 19; same code in 1d9b169): a watcher never reconnects.
+
+    ``Watcher.run`` (``warn_about_orphans`` for the orphan watch) catches the
+    ``DatabaseError`` of a look and tries again at the next interval, but
+    never closes the thread's broken connection (the claim loop, heartbeat
+    and pool threads do: ``close_quietly``/``tidy``): with psycopg 3 every
+    later look fails with "the connection is closed" (Django reconnects only
+    when the connection object is closed), forever. After a failover or a
+    server restart, task discovery and the orphan warning silently stop for
+    the life of the process; SPEC: the process "resumes when the database is
+    back".
+    """
+    from django_dbworker.worker.watchers import OrphanWatch
+    from tests.conftest import kill_other_connections
+    from tests.factories import make_item
+
+    stopping = threading.Event()
+    caplog.set_level(logging.WARNING, logger="django_dbworker")
+    watch = OrphanWatch("default", interval=0.1)
+    watch.attach(stopping=stopping, add_handlers=lambda classes: None)
+    watch.start()
+    try:
+        make_item(handler="attack-orphan-before")
+        wait_until(lambda: "attack-orphan-before" in caplog.text, what="the first warning")
+        assert kill_other_connections() >= 1
+        make_item(handler="attack-orphan-after")
+        wait_until(
+            lambda: "attack-orphan-after" in caplog.text,
+            timeout=10,
+            what="the orphan watch to warn again after its connection was killed",
+        )
+    finally:
+        stopping.set()
+        watch.join(5)
+
+
+# -- a timed-out attempt whose abandoned run cannot record anything --------------------
+
+REFUSE = {"timed_out": threading.Event()}
+REFUSE_SEEN: dict[str, Any] = {}
+REFUSE_HOOKS: list[tuple[str | None, str | None]] = []
+TABLE = "django_dbworker_workitem"
+REFUSED_TEXT = "late and refused"
+
+
+class LateUnrecorded(WorkItemHandler):
+    """Overruns its timeout; its abandoned run then fails in a way the database refuses.
+
+    ``backoff`` (the timing-out thread, before it writes the retry) waits for
+    the abandoned run's thread to end, then notes whether the attempt is
+    still in flight (heartbeated) while its timeout is not written yet.
+    """
+
+    name = "attack_late_unrecorded"
+    timeout = 0.3
+    max_attempts = 3
+    retry_on = (KeyError,)
+
+    def handle_item(self, item: WorkItem) -> None:
+        REFUSE_SEEN["pk"] = item.pk
+        REFUSE["timed_out"].wait(15)
+        raise ValueError(REFUSED_TEXT)
+
+    def backoff(self, attempt: int) -> float:
+        REFUSE["timed_out"].set()
+        name = f"dbworker-item-{REFUSE_SEEN['pk']}"
+        for thread in threading.enumerate():
+            if thread.name == name:
+                thread.join(15)
+        worker = REFUSE_SEEN["worker"]
+        REFUSE_SEEN["in_flight"] = REFUSE_SEEN["pk"] in [i.pk for i in worker.in_flight()]
+        return 60.0
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        REFUSE_HOOKS.append((status, type(error).__name__ if error is not None else None))
+
+
+@pytest.fixture
+def refuse_late_failures() -> Iterator[None]:
+    """The database refuses to record the abandoned run's failure (and its plain fallback)."""
+    from django.db import connection
+
+    refused = (
+        f"NEW.status = 'failed' AND (NEW.last_error LIKE '%{REFUSED_TEXT}%' "
+        "OR NEW.last_error LIKE 'The outcome could not be recorded%')"
+    )
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "CREATE FUNCTION attack_refuse_late() RETURNS trigger AS $$ BEGIN "
+                f"IF {refused} THEN RAISE EXCEPTION 'attack: refused'; END IF; "
+                "RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+            cursor.execute(
+                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
+                "FOR EACH ROW EXECUTE FUNCTION attack_refuse_late()"
+            )
+        elif connection.vendor == "sqlite":
+            cursor.execute(
+                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
+                f"FOR EACH ROW WHEN {refused} BEGIN SELECT RAISE(ABORT, 'attack: refused'); END"
+            )
+        else:  # MySQL/MariaDB: SIGNAL is error 1644, not a transient one
+            cursor.execute(
+                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} FOR EACH ROW "
+                f"IF {refused} THEN "
+                "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'attack: refused'; END IF"
+            )
+    yield
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"DROP TRIGGER IF EXISTS attack_refuse_late ON {TABLE}")
+            cursor.execute("DROP FUNCTION IF EXISTS attack_refuse_late()")
+        else:
+            cursor.execute("DROP TRIGGER IF EXISTS attack_refuse_late")
+
+
+def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending(
+    refuse_late_failures: None, no_stray_threads: None
+) -> None:
+    """Bug: a late UNRECORDED ending retires the attempt and takes its one settle.
+
+    A timed-out attempt whose abandoned run then fails in a way the database
+    refuses (the failure and its plain fallback): that run ends
+    ``UNRECORDED``. In 1d9b169 that was nothing: a non-final late outcome
+    was neither counted nor told (execution.py ``target`` only observed
+    final late outcomes), and the attempt stayed in flight until its own
+    thread recorded the timeout, whose hook and count it was.
+
+    Now ``on_late`` hands the UNRECORDED ending to ``Settler.settle``, which
+    (the attempt not settled yet) takes ``Ledger.settle_once`` for it, calls
+    the hook with ``(None, None)`` and retires the attempt (settle.py: only
+    an UNRECORDED *while aborting* keeps it): the row, still claimed by this
+    attempt and its timeout not yet written, is no longer heartbeated; the
+    timeout that is then recorded is a "late" ending: no hook, no count.
+    """
+    REFUSE["timed_out"].clear()
+    REFUSE_SEEN.clear()
+    REFUSE_HOOKS.clear()
+    item = LateUnrecorded.enqueue({})
+    worker = Worker(
+        [LateUnrecorded], worker_config(concurrency=1, burst=True, max_abandoned_threads=10)
+    )
+    REFUSE_SEEN["worker"] = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        stop(worker, thread)
+        pytest.fail("the burst worker did not finish")
+    item.refresh_from_db()
+    assert item.status == Status.PENDING  # the timeout's retry was recorded
+    assert "TimeoutError" in item.last_error
+    assert REFUSE_SEEN["in_flight"], "retired (no heartbeat) before its outcome was written"
+    assert REFUSE_HOOKS == [(Status.PENDING, "TimeoutError")]
+    assert dict(worker.outcomes) == {"timeout": 1}
+
+
+GAUGE: dict[str, Any] = {}
+
+
+class FailsAndReadsGauge(WorkItemHandler):
+    name = "attack_fails_reads_gauge"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        raise ValueError("no")
+
+    def attempt_recorded(
+        self, item: WorkItem, status: str | None, error: BaseException | None
+    ) -> None:
+        GAUGE["seen"] = GAUGE["registry"].get_sample_value(
+            "worker_tasks_in_flight", {"worker": self.name}
+        )
+
+
+def test_the_hook_of_a_recorded_failure_runs_while_the_attempt_counts_in_flight(
+    no_stray_threads: None,
+) -> None:
+    """Bug (same cause as the span test above): the in-flight gauge no longer covers the hook.
+
+    1d9b169 ran a failure's ``attempt_recorded`` inside ``metrics.running``
+    (``worker_tasks_in_flight`` still 1 for the attempt); now
+    ``Settler.settle`` runs it after ``execute`` returned (running.py), so a
+    slow ``task_finished`` receiver holds a pool thread while the gauge says
+    nothing runs.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+
+    reg = CollectorRegistry()
+    GAUGE.clear()
+    GAUGE["registry"] = reg
+    FailsAndReadsGauge.enqueue({})
+    worker = Worker(
+        [FailsAndReadsGauge], worker_config(concurrency=1, burst=True), metrics=WorkerMetrics(reg)
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        stop(worker, thread)
+        pytest.fail("the burst worker did not finish")
+    assert dict(worker.outcomes) == {"failed": 1}
+    assert GAUGE["seen"] == 1.0
