@@ -352,7 +352,7 @@ def _save(
     def save() -> None:
         with guard(using=db):
             item.save(using=db, force_insert=True)
-            ops.notify([item.queue])
+            ops.notify([item.queue], item.priority)
 
     for _ in range(UNIQUE_RETRIES):
         try:
@@ -453,7 +453,7 @@ def _save_many(
         return items
     with transaction.atomic(using=db):
         created = WorkItem.objects.using(db).bulk_create(items)
-        operations(db).notify([items[0].queue])
+        operations(db).notify([items[0].queue], items[0].priority)
     for item in created:
         _forget_expressions(item)
     return created

@@ -9,7 +9,7 @@ process, web as well as worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -51,7 +51,12 @@ class Registry(Mapping[str, "type[Handler[Any]]"]):
         return self._handlers[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._handlers)
+        # A snapshot: handlers register from any thread (a job that imports a
+        # module of @task functions) while the worker's watchers iterate.
+        return iter(tuple(self._handlers))
+
+    def items(self) -> ItemsView[str, type[Handler[Any]]]:
+        return self._handlers.copy().items()
 
     def __len__(self) -> int:
         return len(self._handlers)

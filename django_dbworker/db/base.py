@@ -245,8 +245,11 @@ class VendorOperations(ABC):
         """
         return False
 
-    def notify(self, queues: Sequence[str]) -> None:
+    def notify(self, queues: Sequence[str], priority: int = 0) -> None:
         """Wake idle workers for ``queues`` when the current transaction commits.
+
+        ``priority`` is that of the rows enqueued (where the wake-up can say
+        it: a worker then claims an urgent row ahead of its buffer).
 
         Without cross-process wake-ups this wakes only the workers of this
         process (an enqueue from a handler, a periodic slot, a test driving

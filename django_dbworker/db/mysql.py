@@ -264,7 +264,7 @@ class MySQLOperations(VendorOperations):
         with self.connection.cursor() as cursor:
             cursor.execute(insert_items_sql(1), params)
             rows = cursor.fetchall()
-        self.notify([item.queue])
+        self.notify([item.queue], item.priority)
         self._assign(rows, [item])
         return True
 
@@ -294,7 +294,7 @@ class MySQLOperations(VendorOperations):
                     insert_items_sql(len(chunk)), {**shared, **numbered_params("payload", chunk)}
                 )
                 rows.extend(cursor.fetchall())
-            self.notify([first.queue])
+            self.notify([first.queue], first.priority)
         self._assign(rows, items)
         return True
 

@@ -41,6 +41,7 @@ from django_dbworker.db.postgresql_sql import (
     claim_statement,
 )
 from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
+from django_dbworker.db.wakers import wake_payload
 from django_dbworker.models import WorkItem
 
 #: ``server_version_num`` of PostgreSQL 13 (gen_random_uuid() in core).
@@ -206,7 +207,7 @@ class PostgresOperations(VendorOperations):
                             [f"{pk}\t{_copy_payload(payload)}\t{shared}\n" for pk, payload in rows]
                         )
                     )
-            cursor.execute(NOTIFY.sql, {"queue": params["queue"]})
+            cursor.execute(NOTIFY.sql, {"wake": params["wake"]})
         self._assign([(pk, run_after_value, now, now) for pk in ids], items)
 
     def _insert_cursor(self) -> CursorWrapper:
@@ -266,18 +267,19 @@ class PostgresOperations(VendorOperations):
             "handler": first.handler,
             "queue": first.queue,
             "priority": first.priority,
+            "wake": wake_payload(first.queue, first.priority),
             "run_at": run_after if isinstance(run_after, datetime) else None,
             "delay": run_after if isinstance(run_after, timedelta) else timedelta(0),
             "max_attempts": first.max_attempts,
             "trace_context": json.dumps(first.trace_context or {}),
         }
 
-    def notify(self, queues: Sequence[str]) -> None:
+    def notify(self, queues: Sequence[str], priority: int = 0) -> None:
         # Delivered only if (and when) the enclosing transaction commits,
         # savepoint rollbacks included.
         with self.connection.cursor() as cursor:
             for queue in sorted(set(queues)):
-                cursor.execute(NOTIFY.sql, {"queue": queue})
+                cursor.execute(NOTIFY.sql, {"wake": wake_payload(queue, priority)})
 
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)

@@ -30,7 +30,8 @@ from django_dbworker.db.sql import Statement
 # subquery from being pulled up (it runs once), and SKIP LOCKED lets
 # concurrent claimers take disjoint rows instead of queueing behind each
 # other's locks. Its WHERE and ORDER BY are WorkItem.objects.ready().in_order().
-# The wake-up channel is "django_dbworker"; the payload is the queue name.
+# The wake-up channel is "django_dbworker"; the payload names the queue and
+# the rows' priority (``wakers.wake_payload``).
 
 CLAIM = Statement(
     "claim",
@@ -157,7 +158,7 @@ VALUES (
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
     statement_timestamp(), statement_timestamp())
-RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s)
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s)
 """,
 )
 
@@ -183,7 +184,7 @@ WITH ins AS (
     RETURNING id, run_after, created_at, updated_at
 )
 SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
-FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
+FROM ins, (SELECT pg_notify('django_dbworker', %(wake)s)) AS wake
 ORDER BY ins.id
 """,
 )
@@ -227,7 +228,7 @@ NOTIFY = Statement(
     "notify",
     "Wake idle workers of a queue when the current transaction commits.",
     """
-SELECT pg_notify('django_dbworker', %(queue)s)
+SELECT pg_notify('django_dbworker', %(wake)s)
 """,
 )
 

@@ -22,9 +22,10 @@ States::
 
 ``RELEASED`` and ``LOST`` attempts are retired too, once the release is
 written or the lost attempt's run ends. Whether an attempt's ending has
-been *settled* (accounted for once: metrics, the hook, the counters) is
-kept here as well (``settle_once``), so that a timed-out attempt whose
-abandoned run ends later is accounted for exactly once.
+been accounted for is kept here as well: its one ``attempt_recorded`` call
+(``mark_recorded``, taken by the first write that landed, else by its own
+ending) and the accounting of its own ending (``end_once``), so that a
+timed-out attempt whose abandoned run ends later is accounted for once.
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ class Attempt:
     #: Clock time when a pool thread started it; None while buffered.
     started_at: float | None = None
     state: State = State.BUFFERED
-    #: Its ending was accounted for (``Ledger.settle_once``).
+    #: Its ``attempt_recorded`` hook was called or is due (``Ledger.mark_recorded``).
     recorded: bool = False
+    #: Its own ending was accounted for: counted, retired (``Ledger.end_once``).
+    ended: bool = False
+    #: It overran its timeout; its run goes on, abandoned (``Ledger.abandon``).
+    abandoned: bool = False
     _key: AttemptKey = field(init=False)
 
     def __post_init__(self) -> None:
@@ -303,13 +308,30 @@ class Ledger:
                     self._move(attempt, State.RELEASED)
         return leaving
 
-    def settle_once(self, attempt: Attempt) -> bool:
-        """Mark ``attempt``'s ending accounted for; False if it already was."""
+    def mark_recorded(self, attempt: Attempt) -> bool:
+        """Take ``attempt``'s one ``attempt_recorded`` call; False if it was taken."""
         with self._lock:
             if attempt.recorded:
                 return False
             attempt.recorded = True
             return True
+
+    def end_once(self, attempt: Attempt) -> bool:
+        """Take the accounting of ``attempt``'s own ending; False if it was taken."""
+        with self._lock:
+            if attempt.ended:
+                return False
+            attempt.ended = True
+            return True
+
+    def abandon(self, attempt: Attempt) -> None:
+        """``attempt`` timed out: whatever its run reports from now on is late."""
+        with self._lock:
+            attempt.abandoned = True
+
+    def is_abandoned(self, attempt: Attempt) -> bool:
+        with self._lock:
+            return attempt.abandoned
 
     def retire(self, attempt: Attempt) -> None:
         """Forget ``attempt`` (and only it): its outcome is recorded or its row handed back."""

@@ -34,3 +34,31 @@ DEFERRED = Ending(Outcome.DEFERRED)
 UNRECORDED = Ending(Outcome.UNRECORDED)
 #: Discarded: the row is no longer claimed by this attempt.
 FENCED = Ending(Outcome.FENCED)
+
+
+class Observer:
+    """What running an attempt tells the attempt's owner as it happens (no-ops here).
+
+    ``recording``: the handler is done and its outcome is about to be
+    written (a heartbeat that misses the row from now on raced the write).
+    ``landed``: a write of this attempt's outcome committed, with the row's
+    status: its ``attempt_recorded`` hook is due now, from the writing
+    thread, before anything else can speak for the attempt. ``abandoned``:
+    the handler overran its timeout and its run goes on in a thread of its
+    own. ``late``: how that abandoned run ended.
+    """
+
+    def recording(self) -> None:
+        pass
+
+    def landed(self, ending: Ending) -> None:
+        pass
+
+    def abandoned(self) -> None:
+        pass
+
+    def late(self, ending: Ending) -> None:
+        pass
+
+
+SILENT = Observer()

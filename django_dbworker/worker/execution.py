@@ -43,7 +43,7 @@ from django_dbworker.worker.connections import (
     refresh_if_idle,
     tidy,
 )
-from django_dbworker.worker.endings import Ending
+from django_dbworker.worker.endings import SILENT, Ending, Observer
 from django_dbworker.worker.failures import record_failure, record_refused_result
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -52,9 +52,6 @@ logger = logging.getLogger("django_dbworker.worker")
 #: None). The writer records it and its ending is settled from there; it
 #: answers how it ended if it knows at once (inline, or a quick write), else None.
 RecordSuccess = Callable[[WorkItem, "str | None"], "Outcome | None"]
-#: Hears the ending of an abandoned (timed-out) run that finished after its
-#: attempt was recorded as timed out.
-LateEnding = Callable[[Ending], None]
 
 
 class _Recording:
@@ -92,8 +89,7 @@ def execute(
     metrics: WorkerMetrics | None = None,
     record_success: RecordSuccess,
     abandoned: AbandonedThreads | None = None,
-    on_recording: Callable[[], None] | None = None,
-    on_late: LateEnding | None = None,
+    observer: Observer = SILENT,
 ) -> Ending:
     """Run ``item`` and record its outcome; returns how the attempt ended.
 
@@ -103,13 +99,12 @@ def execute(
     worker's success writer; the ending is then ``DEFERRED``); atomic
     handlers write theirs in their own transaction, through the same
     ``transitions.succeed``.
-    ``on_recording`` is told when the handler is done and its outcome is
-    about to be written (a heartbeat that misses the row after that point
-    raced the write; it did not lose the claim). ``on_late`` hears how an
-    abandoned run ended, if it ends after its timeout was recorded.
+    ``observer`` hears what happens as it happens (``endings.Observer``):
+    the outcome about to be written, each write that landed, a timeout
+    and how the abandoned run ended.
     """
     metrics = metrics or default_metrics()
-    ready = _Recording(on_recording)
+    ready = _Recording(observer.recording)
     started = time.perf_counter()
     ending: Ending | None = None
     try:
@@ -122,7 +117,7 @@ def execute(
                 record_success=record_success,
                 abandoned=abandoned,
                 ready=ready,
-                on_late=on_late,
+                observer=observer,
             )
             if ending.outcome == Outcome.DEFERRED:
                 attempt.outcome(ready.reported or Outcome.SUCCEEDED)
@@ -140,7 +135,9 @@ def execute(
         )
         if ending is None:
             ready()
-            ending = record_failure(item, handler, exc, retriable=True, give_up=give_up)
+            ending = record_failure(
+                item, handler, exc, retriable=True, give_up=give_up, landed=observer.landed
+            )
     return ending.took(time.perf_counter() - started)
 
 
@@ -153,11 +150,11 @@ def _execute(
     record_success: RecordSuccess,
     abandoned: AbandonedThreads | None,
     ready: _Recording,
-    on_late: LateEnding | None,
+    observer: Observer,
 ) -> Ending:
     timeout = handler.timeout
     if timeout is None or not enforce_timeout:
-        return _run_and_record(item, handler, give_up, record_success, ready)
+        return _run_and_record(item, handler, give_up, record_success, ready, observer)
 
     box: dict[str, Any] = {}
     tracker = abandoned or AbandonedThreads()
@@ -167,16 +164,18 @@ def _execute(
         started = time.perf_counter()
         ending: Ending | None = None
         try:
-            ending = box["ending"] = _run_and_record(item, handler, give_up, record_success, ready)
+            ending = box["ending"] = _run_and_record(
+                item, handler, give_up, record_success, ready, observer
+            )
         except BaseException as exc:  # our bug: the attempt still needs an outcome
             box["error"] = exc
         finally:
             close_thread_connections()
             late = tracker.finish(finished, gone)
-            if late and ending is not None and on_late is not None:
+            if late and ending is not None:
                 # Abandoned: the caller reported the timeout, and only this
                 # thread knows how the late run ended (usually fenced).
-                on_late(ending.took(time.perf_counter() - started))
+                observer.late(ending.took(time.perf_counter() - started))
 
     # Python cannot stop a thread, so a handler that overruns is abandoned:
     # its attempt is recorded as timed out now, and whatever it records
@@ -194,7 +193,10 @@ def _execute(
             ending: Ending = box["ending"]
             return ending
         ready()
-        return record_failure(item, handler, box["error"], retriable=True, give_up=give_up)
+        return record_failure(
+            item, handler, box["error"], retriable=True, give_up=give_up, landed=observer.landed
+        )
+    observer.abandoned()
     error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
     ready()
     return record_failure(
@@ -205,6 +207,7 @@ def _execute(
         label=Outcome.TIMEOUT,
         give_up=give_up,
         text=errortext.format_error(error, include_traceback=False),
+        landed=observer.landed,
     )
 
 
@@ -214,6 +217,7 @@ def _run_and_record(
     give_up: threading.Event | None,
     record_success: RecordSuccess,
     ready: _Recording,
+    observer: Observer,
 ) -> Ending:
     db = item._state.db or "default"
     conn = connections[db]
@@ -244,7 +248,9 @@ def _run_and_record(
                     ready()
                     if not _succeed_or_refuse(item, encoded):
                         raise _FencedOut
-                return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
+                succeeded = Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
+                observer.landed(succeeded)
+                return succeeded
             encoded = _encode_result(handler.handle_item(item))
             ready()
         except _FencedOut:
@@ -256,7 +262,9 @@ def _run_and_record(
         if refused is not None:
             ready()
             tidy_if_owned()
-            return record_refused_result(item, handler, refused.cause, give_up=give_up)
+            return record_refused_result(
+                item, handler, refused.cause, give_up=give_up, landed=observer.landed
+            )
         if failure is not None:
             ready()
             tidy_if_owned()
@@ -266,6 +274,7 @@ def _run_and_record(
                 failure,
                 retriable=isinstance(failure, handler.retry_on),
                 give_up=give_up,
+                landed=observer.landed,
             )
         tidy_if_owned()
         # The success writer owns the write (and its fallbacks) from here.

@@ -34,6 +34,17 @@ MAX_RETRY_DELAY = 10 * 365 * 86400.0
 RESULT_NOT_STORED = "result could not be stored: "
 
 
+#: Told of each outcome write that landed, at once (``endings.Observer.landed``).
+Landed = Callable[[Ending], None]
+
+
+def _landed(ending: Ending, landed: Landed | None) -> Ending:
+    """Tell ``landed`` before anything else happens (its hook is due from this thread)."""
+    if landed is not None:
+        landed(ending)
+    return ending
+
+
 def _guarded(item: WorkItem, write: Callable[[], bool]) -> bool:
     return guarded(item._state.db or "default", write)
 
@@ -74,6 +85,7 @@ def record_failure(
     give_up: threading.Event | None,
     label: Outcome | None = None,
     text: str | None = None,
+    landed: Landed | None = None,
 ) -> Ending:
     sensitive = handler.sensitive
     error = text if text is not None else errortext.format_error(exc, sensitive=sensitive)
@@ -107,7 +119,10 @@ def record_failure(
         return endings.FENCED
     if status == Status.FAILED and retry:
         # The retry was refused: a plain failure was written.
-        return Ending(label or Outcome.FAILED, status, exc)
+        return _landed(Ending(label or Outcome.FAILED, status, exc), landed)
+    ending = _landed(
+        Ending(label or (Outcome.RETRIED if retry else Outcome.FAILED), status, exc), landed
+    )
     if retry:
         logger.warning(
             "Work item %s (%s) failed attempt %d/%d, retrying in %.1fs: %s",
@@ -118,7 +133,7 @@ def record_failure(
             delay,
             shown,
         )
-        return Ending(label or Outcome.RETRIED, status, exc)
+        return ending
     logger.error(
         "Work item %s (%s) failed on attempt %d/%d%s: %s",
         item.pk,
@@ -128,7 +143,7 @@ def record_failure(
         "" if retriable else " (not retryable)",
         shown,
     )
-    return Ending(label or Outcome.FAILED, status, exc)
+    return ending
 
 
 def record_refused_result(
@@ -137,6 +152,7 @@ def record_refused_result(
     cause: BaseException,
     *,
     give_up: threading.Event | None,
+    landed: Landed | None = None,
 ) -> Ending:
     """The handler finished but its result cannot be stored: record ``failed``.
 
@@ -158,13 +174,14 @@ def record_refused_result(
         return _unrecorded(item, handler, exc_write)
     if status is None:
         return endings.FENCED
+    ending = _landed(Ending(Outcome.FAILED, status, cause), landed)
     logger.error(
         "Work item %s (%s) finished but its result could not be stored, recorded as failed: %s",
         item.pk,
         handler.name,
         reason,
     )
-    return Ending(Outcome.FAILED, status, cause)
+    return ending
 
 
 def _write_outcome(

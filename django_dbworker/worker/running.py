@@ -23,7 +23,7 @@ from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.connections import close_quietly
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.endings import Ending
+from django_dbworker.worker.endings import Ending, Observer
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.settle import Settler
 from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
@@ -86,8 +86,7 @@ class AttemptRunner:
                 metrics=self.metrics,
                 record_success=lambda item, result: self._hand_over(attempt, result),
                 abandoned=self.abandoned,
-                on_recording=lambda: self.ledger.begin_recording(attempt),
-                on_late=lambda late: self.settler.settle(attempt, late),
+                observer=_AttemptObserver(attempt, self.ledger, self.settler),
                 enforce_timeout=self.enforce_timeout,
             )
         finally:
@@ -164,9 +163,12 @@ class AttemptRunner:
         settled: list[Outcome] = []
 
         def written(result: Written) -> None:
+            # The success of a timed-out attempt's abandoned run is late: the
+            # attempt's own ending is the timeout its other thread recorded.
+            late = self.ledger.is_abandoned(attempt)
             ending = self._ending_of(attempt, result).took(took)
             settled.append(ending.outcome)
-            self.settler.settle(attempt, ending, defer_hook=True)
+            self.settler.settle(attempt, ending, late=late, defer_hook=True)
 
         self.writer.submit(attempt.item, result_json, written)
         return settled[0] if settled else None
@@ -176,7 +178,11 @@ class AttemptRunner:
         item, handler = attempt.item, attempt.handler
         if isinstance(result, Refused):
             return failures.record_refused_result(
-                item, handler, result.error, give_up=self.control.aborting
+                item,
+                handler,
+                result.error,
+                give_up=self.control.aborting,
+                landed=lambda ending: self.settler.landed(attempt, ending, defer_hook=True),
             )
         if isinstance(result, BaseException):
             if not self.control.aborting.is_set():
@@ -192,3 +198,24 @@ class AttemptRunner:
         if result:
             return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
         return endings.FENCED
+
+
+class _AttemptObserver(Observer):
+    """What running one attempt reports, routed to the ledger and the settler."""
+
+    def __init__(self, attempt: Attempt, ledger: Ledger, settler: Settler) -> None:
+        self.attempt = attempt
+        self.ledger = ledger
+        self.settler = settler
+
+    def recording(self) -> None:
+        self.ledger.begin_recording(self.attempt)
+
+    def landed(self, ending: Ending) -> None:
+        self.settler.landed(self.attempt, ending)
+
+    def abandoned(self) -> None:
+        self.ledger.abandon(self.attempt)
+
+    def late(self, ending: Ending) -> None:
+        self.settler.settle(self.attempt, ending, late=True)

@@ -9,9 +9,11 @@ metrics, of handlers' ``attempt_recorded`` hook, of the outcome counter
 and of the fenced log line (tests/unit/test_architecture.py keeps it so),
 and it retires the attempt from the ledger.
 
-An attempt is accounted for once (``Ledger.settle_once``): the first
-ending is the attempt's; a later one (the abandoned run of a timed-out
-attempt) adds its own metrics observation and log line, nothing more.
+An attempt is accounted for once: its own ending is counted and retires
+it (``Ledger.end_once``); its hook is called once, by the first write that
+landed (``landed``, from the writing thread) or else by its own ending
+(``Ledger.mark_recorded``); the ending of a timed-out attempt's abandoned
+run adds its own metrics observation and log line, nothing more.
 It writes nothing to the database and never raises for a hook.
 """
 
@@ -54,18 +56,40 @@ class Settler:
         #: How this process's attempts ended (their first, final endings).
         self.outcomes: Counter[Outcome] = Counter()
 
-    def settle(self, attempt: Attempt, ending: Ending, *, defer_hook: bool = False) -> None:
+    def landed(self, attempt: Attempt, ending: Ending, *, defer_hook: bool = False) -> None:
+        """A write of ``attempt``'s outcome committed: its hook, now, if nothing spoke yet.
+
+        Called by the thread that wrote, before its log line, so that the
+        write that landed is what the hook hears, even when the attempt's
+        other run (a timed-out attempt's abandoned one, or the thread that
+        recorded the timeout) ends at the same moment, fenced.
+        """
+        if self.ledger.mark_recorded(attempt):
+            self._hook(attempt.handler, attempt.item, ending.status, ending.error, defer=defer_hook)
+
+    def settle(
+        self,
+        attempt: Attempt,
+        ending: Ending,
+        *,
+        late: bool = False,
+        defer_hook: bool = False,
+    ) -> None:
         """Account for ``ending`` of ``attempt``; ``defer_hook`` runs its hook off this thread.
 
-        The success writer's and the claim loop's threads defer (a hook is
-        user code that may be slow); a pool thread runs the hook itself,
-        before it takes the next item, as a failure's writer always has.
+        ``late``: the ending of a timed-out attempt's abandoned run. It adds
+        its observation and log line (and its hook if its write landed
+        first), never the attempt's count or retirement: those are the
+        attempt's own ending's. The success writer's and the claim loop's
+        threads defer hooks (a hook is user code that may be slow); a pool
+        thread runs the hook itself, before it takes the next item.
         """
         outcome = ending.outcome
         if outcome is Outcome.DEFERRED:
             return  # handed to the success writer, which settles it when written
+        if late and not outcome.final:
+            return  # the abandoned run recorded nothing: the attempt's own ending decides
         handler, item = attempt.handler, attempt.item
-        first = self.ledger.settle_once(attempt)
         if outcome is Outcome.FENCED:
             logger.warning(
                 "Discarded the outcome of work item %s (%s): the row is no longer claimed by "
@@ -75,8 +99,12 @@ class Settler:
             )
         if outcome.final:
             self.metrics.task_done(handler.name, outcome, ending.seconds)
-        if not first:
-            return  # a late ending: the attempt was accounted for already
+        if late:
+            if ending.status is not None:
+                self.landed(attempt, ending, defer_hook=defer_hook)
+            return
+        if not self.ledger.end_once(attempt):
+            return
         if outcome.final:
             with self._lock:
                 self.outcomes[outcome] += 1
@@ -85,7 +113,7 @@ class Settler:
             logger.debug(
                 "Work item %s (%s) attempt %d: %s.", item.pk, handler.name, item.attempts, outcome
             )
-        self._hook(handler, item, ending.status, ending.error, defer=defer_hook)
+        self.landed(attempt, ending, defer_hook=defer_hook)
         if outcome is Outcome.UNRECORDED and self.aborting.is_set():
             return  # still claimed under this attempt: released at shutdown
         self.ledger.retire(attempt)

@@ -4,13 +4,13 @@ Two today: the repeated warning about pending rows that no handler here
 runs (``OrphanWatch``), and the discovery of ``@task`` functions first
 enqueued after start-up (``TaskDiscovery``). The worker starts them with
 its other helper threads and its watchdog sees them: each ends by itself
-when the worker stops claiming. A look that fails is logged and tried
-again at the next interval; it never stops the worker.
+when the worker stops claiming. A look that fails (whatever it raises) is
+logged, its connection closed, and tried again at the next interval; it
+never stops the worker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +21,7 @@ from django_dbworker.discovery import import_by_path, new_pending_handlers
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.registry import registry
 from django_dbworker.stats import orphaned_handlers
-from django_dbworker.worker.connections import close_thread_connections
+from django_dbworker.worker.connections import close_quietly, close_thread_connections
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -57,8 +57,14 @@ class Watcher(threading.Thread):
             while not self._stopping.wait(self.interval):
                 try:
                     self.look()
-                except DatabaseError as exc:
-                    logger.debug("%s: a look failed (%s); trying again later.", self.what, exc)
+                except Exception as exc:
+                    # A look is best effort: the database may be away (its
+                    # connection is closed, so the next look reconnects; the
+                    # claim loop reports the outage), an imported module may
+                    # fail; the worker goes on either way.
+                    level = logging.DEBUG if isinstance(exc, DatabaseError) else logging.WARNING
+                    logger.log(level, "%s: a look failed (%s); trying again later.", self.what, exc)
+                    close_quietly(self.using)
         finally:
             close_thread_connections()
 
@@ -74,7 +80,10 @@ def warn_about_orphans(using: str) -> None:
     try:
         orphans = orphaned_handlers(using)
     except DatabaseError:
-        return  # the claim loop will say what is wrong with the database
+        # The claim loop will say what is wrong with the database; a broken
+        # connection is closed so that the next look reconnects.
+        close_quietly(using)
+        return
     for orphan in orphans:
         logger.warning(
             "%d pending item(s) of handler %r wait for a handler nothing here registers "
@@ -124,8 +133,10 @@ class TaskDiscovery(Watcher):
     def begin(self) -> None:
         # The baseline now, not after the first interval: a row added
         # meanwhile is then found at the first look, not the second.
-        with contextlib.suppress(DatabaseError):
+        try:
             _, self._seen = new_pending_handlers(None, self.using)
+        except Exception:
+            close_quietly(self.using)  # the first look takes the baseline instead
 
     def look(self) -> None:
         names, self._seen = new_pending_handlers(self._seen, self.using)

@@ -97,7 +97,8 @@ def test_an_ending_is_settled_once_whatever_the_threads() -> None:
     assert not attempt_was_recorded(attempt.item)
     wins: list[bool] = []
     threads = [
-        threading.Thread(target=lambda: wins.append(ledger.settle_once(attempt))) for _ in range(8)
+        threading.Thread(target=lambda: wins.append(ledger.mark_recorded(attempt)))
+        for _ in range(8)
     ]
     for thread in threads:
         thread.start()

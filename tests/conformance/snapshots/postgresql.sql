@@ -99,7 +99,7 @@ VALUES (
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
     statement_timestamp(), statement_timestamp())
-RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(queue)s);
+RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s);
 
 -- name: insert_items
 -- Insert pending rows sharing all but their payloads, and notify their queue.
@@ -117,7 +117,7 @@ WITH ins AS (
     RETURNING id, run_after, created_at, updated_at
 )
 SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
-FROM ins, (SELECT pg_notify('django_dbworker', %(queue)s)) AS wake
+FROM ins, (SELECT pg_notify('django_dbworker', %(wake)s)) AS wake
 ORDER BY ins.id;
 
 -- name: reserve_ids
@@ -140,7 +140,7 @@ FROM STDIN;
 
 -- name: notify
 -- Wake idle workers of a queue when the current transaction commits.
-SELECT pg_notify('django_dbworker', %(queue)s);
+SELECT pg_notify('django_dbworker', %(wake)s);
 
 -- name: listen
 -- Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).
