@@ -1,0 +1,69 @@
+"""PostgreSQL: a wake-up that announces an outranking row claims it ahead of the buffer.
+
+The NOTIFY of an enqueue says the row's priority; a worker whose buffer is
+full of lower-priority rows (far above its refill mark, so it would not
+claim at all) claims the urgent row at once and starts it on its next
+free thread, before the rows it buffered earlier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.worker import Worker
+from tests.conftest import wait_until
+from tests.testapp.models import Execution
+from tests.testapp.workers import GATE, Gate
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
+
+
+def test_an_urgent_wake_up_claims_ahead_of_a_full_buffer_and_starts_next(
+    background_worker: Callable[..., Worker], gate: None
+) -> None:
+    # Fast items first: the worker learns the pace and buffers behind the
+    # gated item that then holds its only thread.
+    Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(5)], priority=10)
+    # Once the gated item has held the thread for a while, the buffer's
+    # target (what the thread can start within the horizon) falls to a few
+    # rows: the buffer stays far above its refill mark, and no ordinary
+    # claim comes while the gate is shut.
+    Gate.enqueue_many([{"key": f"gated-{n}", "wait": True} for n in range(300)])
+    worker = background_worker(["gate"], concurrency=1, poll_interval=30.0, prefetch_horizon=5.0)
+    wait_until(
+        lambda: Execution.objects.filter(key="gated-0", kind="start").exists(),
+        what="the first gated item to hold the thread",
+    )
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.CLAIMED).count() >= 100,
+        what="rows buffered behind it",
+    )
+    wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")
+    claims_before = worker.claims
+    urgent = Gate.enqueue({"key": "urgent"}, priority=5)
+    # Nothing drains the buffer (the gate is shut): only the wake-up can claim it.
+    wait_until(
+        lambda: WorkItem.objects.get(pk=urgent.pk).status == Status.CLAIMED,
+        timeout=10,
+        what="the urgent row to be claimed ahead of the buffer",
+    )
+    assert worker.claims == claims_before + 1
+    GATE.set()
+    wait_until(
+        lambda: Execution.objects.filter(key="urgent", kind="start").exists(),
+        timeout=20,
+        what="the urgent item to start",
+    )
+    starts = list(
+        Execution.objects.filter(kind="start", key__startswith="gated")
+        .values_list("key", flat=True)
+        .order_by("pk")
+    )
+    urgent_start = Execution.objects.get(key="urgent", kind="start").pk
+    started_before = Execution.objects.filter(
+        kind="start", key__startswith="gated", pk__lt=urgent_start
+    ).count()
+    assert started_before == 1, f"buffered rows started before the urgent one: {starts}"
