@@ -190,7 +190,10 @@ class ClaimLoop:
         room = hold + UNRECORDED_EXTRA - unrecorded
         limit = min(hold - outstanding, room, MAX_CLAIM)
         if urgent:
-            limit = max(limit, min(urgent, room, MAX_CLAIM))
+            # Past the back-pressure bound too: one row per wake-up, so a
+            # buffer that outgrew its (shrunken) target cannot hold an urgent
+            # row back; shedding gives the excess back.
+            limit = max(limit, min(urgent, MAX_CLAIM))
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
