@@ -24,7 +24,7 @@ States::
 written or the lost attempt's run ends. Whether an attempt's ending has
 been accounted for is kept here as well: its one ``attempt_recorded`` call
 (``mark_recorded``, taken by the first write that landed, else by its own
-ending) and the accounting of its own ending (``end_once``), so that a
+ending) and the accounting of its own ending (``conclude``), so that a
 timed-out attempt whose abandoned run ends later is accounted for once.
 """
 
@@ -74,7 +74,7 @@ class Attempt:
     state: State = State.BUFFERED
     #: Its ``attempt_recorded`` hook was called or is due (``Ledger.mark_recorded``).
     recorded: bool = False
-    #: Its own ending was accounted for: counted, retired (``Ledger.end_once``).
+    #: Its own ending was accounted for: counted, retired (``Ledger.conclude``).
     ended: bool = False
     #: It overran its timeout; its run goes on, abandoned (``Ledger.abandon``).
     abandoned: bool = False
@@ -201,13 +201,19 @@ class Ledger:
                 return None, None
             while self._buffer:
                 attempt = heapq.heappop(self._buffer)[2]
-                if attempt.started_at is not None or attempt.state is State.RELEASED:
-                    continue
-                if attempt.state is State.LOST:
+                state = attempt.state
+                if state is State.BUFFERED:  # the common case, inline: every job passes here
+                    priority = attempt.item.priority
+                    left = self._buffered[priority] - 1
+                    if left:
+                        self._buffered[priority] = left
+                    else:
+                        del self._buffered[priority]
+                    attempt.state = State.RUNNING
+                    attempt.started_at = now
+                    return attempt, State.RUNNING
+                if state is State.LOST and attempt.started_at is None:
                     return attempt, State.LOST
-                self._move(attempt, State.RUNNING)
-                attempt.started_at = now
-                return attempt, State.RUNNING
             return None, None
 
     def lowest_buffered_priority(self) -> int | None:
@@ -316,13 +322,21 @@ class Ledger:
             attempt.recorded = True
             return True
 
-    def end_once(self, attempt: Attempt) -> bool:
-        """Take the accounting of ``attempt``'s own ending; False if it was taken."""
+    def conclude(self, attempt: Attempt, *, hook: bool) -> tuple[bool, bool]:
+        """Take the accounting of ``attempt``'s own ending, and its hook if ``hook``.
+
+        Answers whether the accounting was still to take (False: another
+        ending of the attempt took it) and whether the hook is due (no write
+        of the attempt spoke first). One lock for both: this is every job's path.
+        """
         with self._lock:
             if attempt.ended:
-                return False
+                return False, False
             attempt.ended = True
-            return True
+            due = hook and not attempt.recorded
+            if due:
+                attempt.recorded = True
+            return True, due
 
     def abandon(self, attempt: Attempt) -> None:
         """``attempt`` timed out: whatever its run reports from now on is late."""
@@ -330,8 +344,7 @@ class Ledger:
             attempt.abandoned = True
 
     def is_abandoned(self, attempt: Attempt) -> bool:
-        with self._lock:
-            return attempt.abandoned
+        return attempt.abandoned  # set once, under the lock; a bool read needs none
 
     def retire(self, attempt: Attempt) -> None:
         """Forget ``attempt`` (and only it): its outcome is recorded or its row handed back."""

@@ -7,13 +7,14 @@ Execution and the success writer decide and write an attempt's outcome and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from django_dbworker.outcomes import Outcome
 
 
-@dataclass(frozen=True)
-class Ending:
+class Ending(NamedTuple):
+    """One attempt's ending (a tuple: one is made per job, on the hot path)."""
+
     outcome: Outcome
     #: What the row is now (``succeeded``, ``pending`` for a retry, ``failed``),
     #: or None when this attempt no longer owns it (fenced out, unrecorded)
@@ -47,6 +48,8 @@ class Observer:
     the handler overran its timeout and its run goes on in a thread of its
     own. ``late``: how that abandoned run ended.
     """
+
+    __slots__ = ()
 
     def recording(self) -> None:
         pass

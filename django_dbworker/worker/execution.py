@@ -138,6 +138,8 @@ def execute(
             ending = record_failure(
                 item, handler, exc, retriable=True, give_up=give_up, landed=observer.landed
             )
+    if ending.outcome is Outcome.DEFERRED:
+        return ending  # the writer's answer carries the time
     return ending.took(time.perf_counter() - started)
 
 

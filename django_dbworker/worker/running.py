@@ -166,14 +166,14 @@ class AttemptRunner:
             # The success of a timed-out attempt's abandoned run is late: the
             # attempt's own ending is the timeout its other thread recorded.
             late = self.ledger.is_abandoned(attempt)
-            ending = self._ending_of(attempt, result).took(took)
+            ending = self._ending_of(attempt, result, took)
             settled.append(ending.outcome)
             self.settler.settle(attempt, ending, late=late, defer_hook=True)
 
         self.writer.submit(attempt.item, result_json, written)
         return settled[0] if settled else None
 
-    def _ending_of(self, attempt: Attempt, result: Written) -> Ending:
+    def _ending_of(self, attempt: Attempt, result: Written, took: float) -> Ending:
         """How a success the writer wrote (or could not write) ended."""
         item, handler = attempt.item, attempt.handler
         if isinstance(result, Refused):
@@ -183,7 +183,7 @@ class AttemptRunner:
                 result.error,
                 give_up=self.control.aborting,
                 landed=lambda ending: self.settler.landed(attempt, ending, defer_hook=True),
-            )
+            ).took(took)
         if isinstance(result, BaseException):
             if not self.control.aborting.is_set():
                 # Not a stop: the writer met an error it could not handle.
@@ -196,12 +196,14 @@ class AttemptRunner:
                 )
             return endings.UNRECORDED  # when stopping: still claimed, released at shutdown
         if result:
-            return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
-        return endings.FENCED
+            return Ending(Outcome.SUCCEEDED, Status.SUCCEEDED, seconds=took)
+        return endings.FENCED.took(took)
 
 
 class _AttemptObserver(Observer):
     """What running one attempt reports, routed to the ledger and the settler."""
+
+    __slots__ = ("attempt", "ledger", "settler")
 
     def __init__(self, attempt: Attempt, ledger: Ledger, settler: Settler) -> None:
         self.attempt = attempt

@@ -10,7 +10,7 @@ and of the fenced log line (tests/unit/test_architecture.py keeps it so),
 and it retires the attempt from the ledger.
 
 An attempt is accounted for once: its own ending is counted and retires
-it (``Ledger.end_once``); its hook is called once, by the first write that
+it (``Ledger.conclude``); its hook is called once, by the first write that
 landed (``landed``, from the writing thread) or else by its own ending
 (``Ledger.mark_recorded``); the ending of a timed-out attempt's abandoned
 run adds its own metrics observation and log line, nothing more.
@@ -64,7 +64,7 @@ class Settler:
         other run (a timed-out attempt's abandoned one, or the thread that
         recorded the timeout) ends at the same moment, fenced.
         """
-        if self.ledger.mark_recorded(attempt):
+        if listens(attempt.handler) and self.ledger.mark_recorded(attempt):
             self._hook(attempt.handler, attempt.item, ending.status, ending.error, defer=defer_hook)
 
     def settle(
@@ -103,7 +103,8 @@ class Settler:
             if ending.status is not None:
                 self.landed(attempt, ending, defer_hook=defer_hook)
             return
-        if not self.ledger.end_once(attempt):
+        first, hook_due = self.ledger.conclude(attempt, hook=listens(handler))
+        if not first:
             return
         if outcome.final:
             with self._lock:
@@ -113,7 +114,8 @@ class Settler:
             logger.debug(
                 "Work item %s (%s) attempt %d: %s.", item.pk, handler.name, item.attempts, outcome
             )
-        self.landed(attempt, ending, defer_hook=defer_hook)
+        if hook_due:
+            self._hook(handler, item, ending.status, ending.error, defer=defer_hook)
         if outcome is Outcome.UNRECORDED and self.aborting.is_set():
             return  # still claimed under this attempt: released at shutdown
         self.ledger.retire(attempt)
@@ -124,7 +126,8 @@ class Settler:
         The attempt's own worker is gone; the recovering worker speaks for
         it, once the failure committed, with the row as it is now.
         """
-        self._hook(handler, item, Status.FAILED, WorkerLost(item.last_error), defer=True)
+        if listens(handler):
+            self._hook(handler, item, Status.FAILED, WorkerLost(item.last_error), defer=True)
 
     def _hook(
         self,
@@ -135,8 +138,6 @@ class Settler:
         *,
         defer: bool,
     ) -> None:
-        if not listens(handler):
-            return
         call = functools.partial(_run_hook, handler, item, status, error)
         if defer:
             self.hooks.submit(call)
