@@ -267,7 +267,7 @@ class Worker:
             clock=self.clock,
             handlers=lambda: self.work_item_handlers,
             run_next=runner.run_next,
-            healthy=self.watchdog.healthy,
+            healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
 

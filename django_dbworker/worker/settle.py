@@ -87,7 +87,8 @@ class Settler:
         outcome = ending.outcome
         if outcome is Outcome.DEFERRED:
             return  # handed to the success writer, which settles it when written
-        if late and not outcome.final:
+        final = outcome is not Outcome.UNRECORDED
+        if late and not final:
             return  # the abandoned run recorded nothing: the attempt's own ending decides
         handler, item = attempt.handler, attempt.item
         if outcome is Outcome.FENCED:
@@ -97,7 +98,7 @@ class Settler:
                 item.pk,
                 handler.name,
             )
-        if outcome.final:
+        if final:
             self.metrics.task_done(handler.name, outcome, ending.seconds)
         if late:
             if ending.status is not None:
@@ -106,7 +107,7 @@ class Settler:
         first, hook_due = self.ledger.conclude(attempt, hook=listens(handler))
         if not first:
             return
-        if outcome.final:
+        if final:
             with self._lock:
                 self.outcomes[outcome] += 1
             # One line per item at DEBUG (run_workers -v 2); failures are

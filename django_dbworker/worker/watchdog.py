@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.control import Control
 
 logger = logging.getLogger("django_dbworker.worker")
+
+#: Seconds a "healthy" answer holds: every job start asks, and a look at every
+#: watched thread costs a lock each; a death is acted on within this time.
+CHECK_EVERY = 0.05
 
 
 class Watchdog:
@@ -28,6 +33,7 @@ class Watchdog:
         self._threads: list[tuple[str, threading.Thread, bool]] = []
         #: Why the process stopped itself, or None; exit non-zero if set.
         self.unhealthy: str | None = None
+        self._healthy_until = 0.0
 
     def watch(self, what: str, thread: threading.Thread, *, ends_on_stop: bool = False) -> None:
         """``thread`` must stay alive while the worker runs; ``what`` names it in the log.
@@ -38,6 +44,16 @@ class Watchdog:
         self._threads.append((what, thread, ends_on_stop))
 
     def healthy(self) -> bool:
+        """``check()``, or its answer of the last ``CHECK_EVERY`` seconds if that was healthy.
+
+        What pool threads ask before each job starts; the claim loop asks
+        ``check()`` itself before every claim.
+        """
+        if self.unhealthy is None and time.monotonic() < self._healthy_until:
+            return True
+        return self.check()
+
+    def check(self) -> bool:
         """False (and the worker stopping) if a watched thread died or the cap is reached."""
         reason = None
         stopping = self.control.stopping.is_set()
@@ -51,6 +67,7 @@ class Watchdog:
                 f"running (abandoned threads), the cap is {self.cap} (MAX_ABANDONED_THREADS)"
             )
         if reason is None:
+            self._healthy_until = time.monotonic() + CHECK_EVERY
             return True
         self.control.draining.set()
         if self.unhealthy is None:
