@@ -1,13 +1,15 @@
 """The peers through W1, W2 and W3 (and W6, start-up), each in its own virtual environment.
 
-    .venv/bin/python bench/peers.py [--items 10000] [--only pgqueuer] [--modes w1,w6]
+    .venv/bin/python bench/peers.py [--items 10000] [--only pgqueuer]
+        [--modes w1,w2,w3,w1_large,w6,startup]
 
 Installs each peer from PyPI into bench/.peers/NAME (once), gives it a
 fresh database in the same durable PostgreSQL cluster as our benchmarks,
 and runs its harness (bench/peer_harness/NAME_bench.py) with the same sizes and
 the same concurrency (8) as ours. Prints one JSON line per peer, its
-results under the mode names (w1, w2, w3; and, for the peers whose harness
-has them, w1_large at --items-large, w6 and startup).
+results under the mode names: w1, w2 and w3 by default; with ``--modes``
+also w1_large (W1 at --items-large), w6 and startup, for the peers whose
+harness has them (EXTRA_MODES; bench/run_all.py asks for all).
 
     .venv/bin/python bench/peers.py --mysql [--only django-tasks-db]
 
@@ -172,8 +174,8 @@ def main() -> None:
     parser.add_argument("--only", action="append")
     parser.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated, of {','.join(MODES)} (default: all a harness has)",
+        default="w1,w2,w3",
+        help=f"comma-separated, of {','.join(MODES)}; each peer runs those its harness has",
     )
     parser.add_argument(
         "--mysql",

@@ -96,6 +96,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         peers = [
             *("--items", items, "--items-large", str(args.items_large)),
             *("--backlog", str(args.backlog)),
+            *("--modes", "w1,w2,w3,w1_large,w6,startup"),
         ]
         for name in args.peers or []:
             peers += ["--only", name]
