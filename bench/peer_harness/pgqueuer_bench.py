@@ -61,7 +61,7 @@ from pgqueuer.queries import Queries
 SPAN = STAMPS.with_name(STAMPS.name + ".span.json")
 #: The worker command line: pgqueuer's own CLI (``pgq run``) on a factory of this module.
 CLI = [sys.executable, "-m", "pgqueuer", "run"]
-#: Drain-mode W6/start-up runs check the backlog is being worked on by this many done.
+#: W6 enqueues its urgent jobs once this many backlog jobs are done (the worker is draining).
 DRAINING = 300
 
 
