@@ -1,11 +1,15 @@
-"""The peers through W1, W2 and W3, each in its own virtual environment.
+"""The peers through W1, W2 and W3 (and W6, start-up), each in its own virtual environment.
 
     .venv/bin/python bench/peers.py [--items 10000] [--only pgqueuer]
+        [--modes w1,w2,w3,w1_large,w6,startup]
 
 Installs each peer from PyPI into bench/.peers/NAME (once), gives it a
 fresh database in the same durable PostgreSQL cluster as our benchmarks,
 and runs its harness (bench/peer_harness/NAME_bench.py) with the same sizes and
-the same concurrency (8) as ours. Prints one JSON line per result.
+the same concurrency (8) as ours. Prints one JSON line per peer, its
+results under the mode names: w1, w2 and w3 by default; with ``--modes``
+also w1_large (W1 at --items-large), w6 and startup, for the peers whose
+harness has them (EXTRA_MODES; bench/run_all.py asks for all).
 
     .venv/bin/python bench/peers.py --mysql [--only django-tasks-db]
 
@@ -32,7 +36,10 @@ VENVS = BENCH / ".peers"
 HARNESS = BENCH / "peer_harness"
 
 PEERS = {
-    "pgqueuer": (["pgqueuer==1.6.0", "psycopg[binary]>=3.2"], "pgqueuer_bench.py"),
+    # asyncpg: the driver pgqueuer's README and CLI lead with (see its harness).
+    # typer 0.29 breaks pgqueuer 1.6's CLI (`pgq run` fails in setup_fancy_logger:
+    # its --log-level arrives as a str), so the last typer it runs with.
+    "pgqueuer": (["pgqueuer==1.6.0", "asyncpg>=0.30.0", "typer<0.29"], "pgqueuer_bench.py"),
     "procrastinate": (["procrastinate==3.10.0", "psycopg[binary]>=3.2"], "procrastinate_bench.py"),
     "django-tasks-db": (
         ["django-tasks-db==0.13.0", "django-tasks", "Django>=5.2,<6", "psycopg[binary]>=3.2"],
@@ -41,6 +48,9 @@ PEERS = {
 }
 #: The peers that run on MySQL/MariaDB, and what their venv needs on top.
 MYSQL_PEERS = {"django-tasks-db": ["mysqlclient"]}
+#: Every peer's harness has w1, w2 and w3; these have the issue-20 modes too.
+EXTRA_MODES = {"pgqueuer": ("w1_large", "w6", "startup")}
+MODES = ("w1", "w2", "w3", "w1_large", "w6", "startup")
 
 
 def venv_python(name: str, packages: list[str]) -> Path:
@@ -151,17 +161,39 @@ def run(python: Path, script: str, url: str, *args: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--items", type=int, default=10_000)
+    parser.add_argument("--items-large", type=int, default=100_000)
     parser.add_argument("--single", type=int, default=5_000)
     parser.add_argument("--many", type=int, default=10_000)
     parser.add_argument("--latency-items", type=int, default=200)
     parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--backlog", type=int, default=20_000, help="W6")
+    parser.add_argument("--urgent", type=int, default=40, help="W6")
+    parser.add_argument("--urgent-rate", type=float, default=10.0, help="W6")
+    parser.add_argument("--job-ms", type=float, default=10.0, help="W6")
+    parser.add_argument("--startup-runs", type=int, default=5)
     parser.add_argument("--only", action="append")
+    parser.add_argument(
+        "--modes",
+        default="w1,w2,w3",
+        help=f"comma-separated, of {','.join(MODES)}; each peer runs those its harness has",
+    )
     parser.add_argument(
         "--mysql",
         action="store_true",
         help="on MariaDB (the peers that support it), not PostgreSQL",
     )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        parser.error(f"--modes: of {', '.join(MODES)}")
+    plan = {
+        "w1": ["w1", str(args.items)],
+        "w2": ["w2", str(args.single), str(args.many)],
+        "w3": ["w3", str(args.latency_items), str(args.rate)],
+        "w1_large": ["w1", str(args.items_large)],
+        "w6": ["w6", str(args.backlog), str(args.urgent), str(args.urgent_rate), str(args.job_ms)],
+        "startup": ["startup", str(args.startup_runs)],
+    }
     if args.mysql:
         if args.only and set(args.only) - set(MYSQL_PEERS):
             parser.error(f"on MySQL only: {', '.join(MYSQL_PEERS)}")
@@ -176,25 +208,12 @@ def main() -> None:
                 if name not in MYSQL_PEERS:
                     continue
                 packages = [*packages, *MYSQL_PEERS[name]]
+            has = ("w1", "w2", "w3", *EXTRA_MODES.get(name, ()))
             python = venv_python(name, packages)
             results = {
-                "w1": run(python, script, fresh_database(url, name), "w1", str(args.items)),
-                "w2": run(
-                    python,
-                    script,
-                    fresh_database(url, name),
-                    "w2",
-                    str(args.single),
-                    str(args.many),
-                ),
-                "w3": run(
-                    python,
-                    script,
-                    fresh_database(url, name),
-                    "w3",
-                    str(args.latency_items),
-                    str(args.rate),
-                ),
+                mode: run(python, script, fresh_database(url, name), *plan[mode])
+                for mode in modes
+                if mode in has
             }
             print(
                 json.dumps(
