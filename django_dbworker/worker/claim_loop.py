@@ -182,18 +182,19 @@ class ClaimLoop:
         self._refill_at = self.prefetch.refill_at(target, running_for)
         urgent = self._take_urgent()
         self._urgent_claim = bool(urgent)
+        if urgent:
+            # One row per such wake-up, and only those: a small claim is a
+            # quick one (a refill of hundreds takes several milliseconds),
+            # and the refill, if due, follows at once. Past the back-pressure
+            # bound too, so a buffer that outgrew its (shrunken) target
+            # cannot hold an urgent row back; shedding gives the excess back.
+            return min(urgent, MAX_CLAIM)
         outstanding = self.pool.busy()
-        if outstanding - self.pool.running() > self._refill_at and not urgent:
+        if outstanding - self.pool.running() > self._refill_at:
             return 0
         unrecorded = len(self.ledger)
         hold = self.pool.size + target  # inline, one at a time
-        room = hold + UNRECORDED_EXTRA - unrecorded
-        limit = min(hold - outstanding, room, MAX_CLAIM)
-        if urgent:
-            # Past the back-pressure bound too: one row per wake-up, so a
-            # buffer that outgrew its (shrunken) target cannot hold an urgent
-            # row back; shedding gives the excess back.
-            limit = max(limit, min(urgent, MAX_CLAIM))
+        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
