@@ -213,14 +213,21 @@ class Ledger:
                     attempt.started_at = now
                     return attempt, State.RUNNING
                 if state is State.LOST and attempt.started_at is None:
+                    # Handed out once to be dropped (a restored attempt has a
+                    # second heap entry: that one is skipped).
+                    attempt.started_at = now
                     return attempt, State.LOST
             return None, None
 
     def lowest_buffered_priority(self) -> int | None:
         """The lowest priority among buffered attempts (None: nothing buffered)."""
         with self._lock:
-            priorities = [a.item.priority for _, _, a in self._buffer if a.state is State.BUFFERED]
-        return min(priorities) if priorities else None
+            return min(self._buffered, default=None)
+
+    def buffered(self) -> int:
+        """How many attempts wait in the buffer (pool calls of withdrawn ones do not count)."""
+        with self._lock:
+            return sum(self._buffered.values())
 
     def begin_recording(self, attempt: Attempt) -> None:
         """The handler is done; its outcome is being written (a heartbeat miss now raced it)."""
@@ -229,6 +236,7 @@ class Ledger:
                 self._move(attempt, State.RECORDING)
 
     def lose(self, attempt: Attempt) -> None:
+        """A started attempt's claim turned out gone (the start-time fence check)."""
         with self._lock:
             self._move(attempt, State.LOST)
 

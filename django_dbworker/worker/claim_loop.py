@@ -124,12 +124,18 @@ class ClaimLoop:
             return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
-        items = self.ops.claim(
-            limit=limit,
-            handlers=list(self.handlers()),
-            queues=self.config.queues,
-            worker=worker_id(),
-        )
+        try:
+            items = self.ops.claim(
+                limit=limit,
+                handlers=list(self.handlers()),
+                queues=self.config.queues,
+                worker=worker_id(),
+            )
+        except Exception:
+            if self._urgent_claim:
+                with self._urgent_lock:
+                    self._urgent += limit  # the retry after the backoff is urgent still
+            raise
         took = self.clock.now() - started
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
@@ -139,11 +145,21 @@ class ClaimLoop:
         self._ran_dry = len(items) < limit
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
-        if items and not self._ran_dry and not self._urgent_claim and lowest is not None:
-            # A full claim of rows that outrank buffered ones: more such rows
-            # may be pending, which the buffer would keep this worker (and,
-            # held here, every other worker) from taking.
-            self._give_back_outranked(min(item.priority for item in items), than=lowest)
+        if items and not self._ran_dry and lowest is not None:
+            top = min(item.priority for item in items)
+            if self._urgent_claim:
+                if top > lowest:
+                    # One wake-up may stand for a batch (enqueue_many sends
+                    # one): while urgent claims come back full of outranking
+                    # rows, claim twice as many of them next.
+                    with self._urgent_lock:
+                        self._urgent += min(2 * len(items), MAX_CLAIM)
+                    self.control.wake.set()
+            else:
+                # A full claim of rows that outrank buffered ones: more such
+                # rows may be pending, which the buffer would keep this worker
+                # (and, held here, every other worker) from taking.
+                self._give_back_outranked(top, than=lowest)
         return len(items)
 
     def announce(self, priority: int | None) -> None:
@@ -189,8 +205,11 @@ class ClaimLoop:
             # bound too, so a buffer that outgrew its (shrunken) target
             # cannot hold an urgent row back; shedding gives the excess back.
             return min(urgent, MAX_CLAIM)
-        outstanding = self.pool.busy()
-        if outstanding - self.pool.running() > self._refill_at:
+        # The buffer as the ledger counts it: pool calls queued for rows
+        # given back meanwhile would otherwise hold the next claim back.
+        buffered = self.ledger.buffered()
+        outstanding = self.pool.running() + buffered
+        if buffered > self._refill_at:
             return 0
         unrecorded = len(self.ledger)
         hold = self.pool.size + target  # inline, one at a time
@@ -281,7 +300,7 @@ class ClaimLoop:
 
     def maybe_wake(self) -> None:
         """Wake the loop if the buffer is down to its refill mark."""
-        if self.pool.queued() <= self._refill_at:
+        if self.ledger.buffered() <= self._refill_at:
             self.control.wake.set()
 
     # -- the loop --------------------------------------------------------------

@@ -77,7 +77,7 @@ def _lock_waits() -> int:
 
 
 def test_stale_recovery_and_a_success_write_of_the_same_rows_cannot_deadlock() -> None:
-    # The worker runs recover_stale in ONE transaction (Worker._maybe_recover:
+    # The worker runs recover_stale in ONE transaction (Recovery.maybe_recover:
     # transaction.atomic around it). Inside it, each UPDATE's rows are locked
     # in id order (locked_in_id_order), but one after the other: first the
     # rows whose attempts are used up, then each handler's requeued rows, then
@@ -101,7 +101,7 @@ def test_stale_recovery_and_a_success_write_of_the_same_rows_cannot_deadlock() -
 
     def recover() -> None:
         try:
-            with transaction.atomic():  # as Worker._maybe_recover runs it
+            with transaction.atomic():  # as Recovery.maybe_recover runs it
                 recovered.append(transitions.recover_stale(stale_after=60, log=False))
         except BaseException as exc:
             errors.append(exc)

@@ -154,8 +154,8 @@ def test_a_give_back_that_fails_keeps_the_buffered_rows(
 
     ``_shed_hoard`` marks the rows withdrawn (no thread will start them) and,
     when ``transitions.release`` fails (a read-only window longer than the 5 s
-    ``persist`` allows), still ``_forget``s them: nobody heartbeats, runs or
-    releases them. (``_release_buffered`` handles the same failure by keeping
+    ``persist`` allows), still retired them: nobody heartbeats, runs or
+    releases them. (``Shutdown.release_buffered`` handles the same failure by keeping
     them in flight.)
     """
     Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(20)], priority=10)

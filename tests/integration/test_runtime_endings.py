@@ -115,7 +115,7 @@ class _AfterLateWrite(logging.Handler):
 def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
     no_stray_threads: None,
 ) -> None:
-    """Bug: the hook is told ``None`` (fenced) for an attempt whose failure was recorded.
+    """Fixed: the hook is told ``None`` (fenced) for an attempt whose failure was recorded.
 
     A timed-out attempt: its abandoned run ends and writes ``failed`` before
     the timing-out thread writes the retry (which is then fenced). The row is
@@ -123,7 +123,7 @@ def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
     right after that write (``_record_failure`` -> ``notify_recorded``), so
     the hook heard ``failed`` (a Tasks backend sends ``task_finished``).
 
-    Now ``failures.record_failure`` only returns an Ending; the late run's
+    Before the fix, ``failures.record_failure`` only returned an Ending; the late run's
     ending reaches ``Settler.settle`` via ``on_late`` only after the whole
     run has returned (log lines, ``tidy``, ``close_thread_connections``,
     ``tracker.finish``: execution.py ``target``'s ``finally``), and
@@ -190,7 +190,7 @@ def tracer_provider() -> Iterator[None]:
 def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
     tracer_provider: None,
 ) -> None:
-    """Bug: ``attempt_recorded`` of a failure now runs after the attempt's span closed.
+    """Fixed: ``attempt_recorded`` of a failure now runs after the attempt's span closed.
 
     In 1d9b169 the pool thread called the hook right after writing the
     failure, inside ``execute``'s ``tracing.processing`` span (and inside
@@ -216,7 +216,7 @@ def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
 def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worker(
     no_stray_threads: None,
 ) -> None:
-    """Bug: a race in task discovery now stops the whole worker (watchdog, exit non-zero).
+    """Fixed: a race in task discovery now stops the whole worker (watchdog, exit non-zero).
 
     ``TaskDiscovery.look`` -> ``discovery.new_pending_handlers`` iterates the
     live registry dict (``registry.items()``) while other threads may
@@ -399,7 +399,7 @@ def refuse_late_failures() -> Iterator[None]:
 def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending(
     refuse_late_failures: None, no_stray_threads: None
 ) -> None:
-    """Bug: a late UNRECORDED ending retires the attempt and takes its one settle.
+    """Fixed: a late UNRECORDED ending retires the attempt and takes its one settle.
 
     A timed-out attempt whose abandoned run then fails in a way the database
     refuses (the failure and its plain fallback): that run ends
@@ -408,7 +408,7 @@ def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending
     final late outcomes), and the attempt stayed in flight until its own
     thread recorded the timeout, whose hook and count it was.
 
-    Now ``on_late`` hands the UNRECORDED ending to ``Settler.settle``, which
+    Before the fix, ``on_late`` handed the UNRECORDED ending to ``Settler.settle``, which
     (the attempt not settled yet) takes ``Ledger.settle_once`` for it, calls
     the hook with ``(None, None)`` and retires the attempt (settle.py: only
     an UNRECORDED *while aborting* keeps it): the row, still claimed by this

@@ -374,7 +374,7 @@ def test_recovering_a_mass_crash_fits_in_one_pass_of_the_worker() -> None:
 def test_a_hook_that_raises_a_base_exception_does_not_kill_the_success_writer(
     background_worker: Callable[..., Worker], request: pytest.FixtureRequest
 ) -> None:
-    """``notify_recorded`` catches ``Exception`` only; handle() may raise anything, the hook not.
+    """The hook runner (``settle._run_hook``) catches more than ``Exception``.
 
     execution.py promises that nothing a handler does (``BaseException``
     included: tests/testapp/workers.py SystemExiter) changes how the worker
