@@ -3,9 +3,9 @@
 A worker busy with a backlog of low-priority items holds some of them
 claimed (its prefetch buffer). A higher-priority item enqueued meanwhile
 must start before every low-priority item claimed after it was enqueued,
-and a buffer of low-priority rows is given back when a full claim shows
-that rows outranking them are pending. Order comes from the handlers' own
-start records; no timing is asserted.
+and, on the databases that poll, a buffer of low-priority rows is given
+back when a full claim shows that rows outranking them are pending. Order
+comes from the handlers' own start records; no timing is asserted.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import time
 
+from django.db import connection
 from django.db.models import Min
 
 from django_dbworker.models import Status, WorkItem
@@ -69,5 +70,10 @@ def test_urgent_items_start_before_bulk_claimed_after_them_and_outranked_rows_go
         k for k, at in starts.items() if k.startswith("bulk-") and first_claim < at < first_start
     ]
     assert len(overtaking) <= 1, f"the wave waited behind buffered bulk work: {overtaking}"
-    # A full claim of outranking rows gave back the bulk rows the buffer held.
-    assert "of lower priority than 10: such rows are pending" in worker.log(), worker.log()[-3000:]
+    if connection.vendor != "postgresql":
+        # Polled: a full refill of outranking rows gave back the bulk rows
+        # the buffer held. (PostgreSQL's wake-up says the priority: the
+        # worker claims the wave ahead of its buffer instead.)
+        assert "of lower priority than 10: such rows are pending" in worker.log(), worker.log()[
+            -3000:
+        ]
