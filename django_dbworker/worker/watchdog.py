@@ -20,8 +20,8 @@ from django_dbworker.worker.control import Control
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Seconds a "healthy" answer holds: every job start asks, and a look at every
-#: watched thread costs a lock each; a death is acted on within this time.
+#: Seconds a look at the watched threads holds: every job start asks, and a
+#: look at every thread costs a lock each; a death is acted on within this time.
 CHECK_EVERY = 0.05
 
 
@@ -44,12 +44,18 @@ class Watchdog:
         self._threads.append((what, thread, ends_on_stop))
 
     def healthy(self) -> bool:
-        """``check()``, or its answer of the last ``CHECK_EVERY`` seconds if that was healthy.
+        """``check()``, reusing the watched threads' liveness of the last ``CHECK_EVERY`` s.
 
         What pool threads ask before each job starts; the claim loop asks
-        ``check()`` itself before every claim.
+        ``check()`` itself before every claim. The cap of abandoned threads
+        is read every time (a counter under a lock): the next overrunning
+        handler must not start in the window.
         """
-        if self.unhealthy is None and time.monotonic() < self._healthy_until:
+        if (
+            self.unhealthy is None
+            and time.monotonic() < self._healthy_until
+            and self.abandoned.count < self.cap
+        ):
             return True
         return self.check()
 
