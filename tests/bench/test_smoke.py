@@ -26,6 +26,12 @@ SCRIPTS = [
     ("w1_throughput.py", ["--items", "300", "--processes", "2"], "w1_throughput"),
     ("w2_enqueue.py", ["--single", "30", "--many", "100"], "w2_enqueue"),
     ("w3_latency.py", ["--items", "5", "--rate", "50"], "w3_latency"),
+    (
+        "w6_priority.py",
+        ["--backlog", "600", "--job-ms", "1", "--urgent", "3", "--rate", "50"],
+        "w6_priority",
+    ),
+    ("startup.py", ["--runs", "1"], "startup"),
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
     ("w5_memory.py", ["--items", "4000"], "w5_memory"),
     ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),
