@@ -225,7 +225,7 @@ class Enqueuer(Protocol):
 
 #: The attribute of an attempt's ``WorkItem`` instance that points to the
 #: worker's record of the attempt (``worker/attempts.py``).
-_ATTEMPT = "_dbworker_attempt"
+ATTEMPT_ATTR = "_dbworker_attempt"
 
 
 def attempt_was_recorded(item: WorkItem) -> bool:
@@ -237,7 +237,7 @@ def attempt_was_recorded(item: WorkItem) -> bool:
     abandoned run may still go on (``attempt_started`` of the Tasks backend
     asks, after a slow read). False for an item no worker runs.
     """
-    return bool(getattr(item.__dict__.get(_ATTEMPT), "recorded", False))
+    return bool(getattr(item.__dict__.get(ATTEMPT_ATTR), "recorded", False))
 
 
 _port: list[Enqueuer] = []

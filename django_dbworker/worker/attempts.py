@@ -39,14 +39,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import ATTEMPT_ATTR, WorkItemHandler
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import AttemptKey
-
-#: The attribute of an attempt's ``WorkItem`` that points to its ``Attempt``
-#: (``handlers.attempt_was_recorded`` reads it: the Tasks layer cannot
-#: import the worker).
-ATTEMPT_ATTR = "_dbworker_attempt"  # handlers._ATTEMPT
 
 
 class State(Enum):
