@@ -163,6 +163,16 @@ class WorkItem(models.Model):
     # NULL (not "") means "no key", so the partial unique constraint ignores it.
     unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     trace_context = models.JSONField(default=dict, blank=True)
+    #: Flow control (SPEC "Flow control"): at most ``concurrency_limit`` rows
+    #: of one (handler, concurrency_key) are claimed at once. Both are copied
+    #: at enqueue, the limit from the handler as ``max_attempts`` is; NULL
+    #: means no limit, and the claim's fast path never looks further.
+    concurrency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
+    #: Times the handler raised ``Snooze``: pending again without using an attempt.
+    snoozes = models.PositiveIntegerField(default=0, db_default=0)
+    #: Set by ``cancel()`` on a claimed row; the heartbeat tells the handler.
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
 
@@ -239,6 +249,12 @@ class WorkItem(models.Model):
                 condition=Q(unique_key__isnull=False),
                 name="dbworker_unique_key_idx",
             ),
+            # The slots a key holds: its claimed rows, counted inside the claim.
+            models.Index(
+                fields=["handler", "concurrency_key"],
+                condition=Q(status="claimed") & Q(concurrency_key__isnull=False),
+                name="dbworker_key_slots_idx",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -290,6 +306,31 @@ class QueueSummary(WorkItem):
         proxy = True
         verbose_name = "queue summary"
         verbose_name_plural = "queue summary"
+
+
+class QueueState(models.Model):
+    """One row per queue an operator paused (or paused and resumed): the durable pause.
+
+    The claim statements skip the queues whose row says ``paused``, so a
+    pause holds on every worker from the moment it commits, and across
+    restarts. A queue without a row is running.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused = models.BooleanField(default=False)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    #: Who paused it: the admin user, or the command's / caller's ``by``.
+    paused_by = models.CharField(max_length=255, blank=True, default="")
+    updated_at = models.DateTimeField(db_default=Now())
+
+    objects: models.Manager[QueueState] = models.Manager()
+
+    class Meta:
+        verbose_name = "queue"
+        verbose_name_plural = "queues"
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class PeriodicSchedule(models.Model):

@@ -1,0 +1,60 @@
+"""Flow control: concurrency keys and limits, snoozes, cancel requests, paused queues.
+
+Every new WorkItem column is NULL or has a database default, so the
+enqueue statements that name their columns (COPY, multi-row INSERT) need
+no change, and PostgreSQL adds them without rewriting a large table. The
+slot index is partial (claimed rows with a key) where the database has
+partial indexes; on MySQL it covers every row, and stays small in use
+because the key is NULL for unlimited work.
+"""
+
+import django.db.models.functions.datetime
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('django_dbworker', '0005_mysql_support'),
+    ]
+
+    operations = [
+        migrations.CreateModel(
+            name='QueueState',
+            fields=[
+                ('name', models.CharField(max_length=100, primary_key=True, serialize=False)),
+                ('paused', models.BooleanField(default=False)),
+                ('paused_at', models.DateTimeField(blank=True, null=True)),
+                ('paused_by', models.CharField(blank=True, default='', max_length=255)),
+                ('updated_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
+            ],
+            options={
+                'verbose_name': 'queue',
+                'verbose_name_plural': 'queues',
+            },
+        ),
+        migrations.AddField(
+            model_name='workitem',
+            name='cancel_requested_at',
+            field=models.DateTimeField(blank=True, null=True),
+        ),
+        migrations.AddField(
+            model_name='workitem',
+            name='concurrency_key',
+            field=models.CharField(blank=True, max_length=200, null=True),
+        ),
+        migrations.AddField(
+            model_name='workitem',
+            name='concurrency_limit',
+            field=models.PositiveIntegerField(blank=True, null=True),
+        ),
+        migrations.AddField(
+            model_name='workitem',
+            name='snoozes',
+            field=models.PositiveIntegerField(db_default=0, default=0),
+        ),
+        migrations.AddIndex(
+            model_name='workitem',
+            index=models.Index(condition=models.Q(('status', 'claimed'), ('concurrency_key__isnull', False)), fields=['handler', 'concurrency_key'], name='dbworker_key_slots_idx'),
+        ),
+    ]
