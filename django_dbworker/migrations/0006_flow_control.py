@@ -5,7 +5,8 @@ enqueue statements that name their columns (COPY, multi-row INSERT) need
 no change, and PostgreSQL adds them without rewriting a large table. The
 slot index is partial (claimed rows with a key) where the database has
 partial indexes; on MySQL it covers every row, and stays small in use
-because the key is NULL for unlimited work.
+because the key is NULL for unlimited work. ``FlowLock`` and ``RateStart``
+serialise the claims of one key or rate-limited handler (models.py).
 """
 
 import django.db.models.functions.datetime
@@ -20,6 +21,16 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
+            name='FlowLock',
+            fields=[
+                ('name', models.CharField(max_length=255, primary_key=True, serialize=False)),
+            ],
+            options={
+                'verbose_name': 'flow lock',
+                'verbose_name_plural': 'flow locks',
+            },
+        ),
+        migrations.CreateModel(
             name='QueueState',
             fields=[
                 ('name', models.CharField(max_length=100, primary_key=True, serialize=False)),
@@ -31,6 +42,18 @@ class Migration(migrations.Migration):
             options={
                 'verbose_name': 'queue',
                 'verbose_name_plural': 'queues',
+            },
+        ),
+        migrations.CreateModel(
+            name='RateStart',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('handler', models.CharField(max_length=200)),
+                ('started_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
+            ],
+            options={
+                'verbose_name': 'rate-limited start',
+                'verbose_name_plural': 'rate-limited starts',
             },
         ),
         migrations.AddField(
@@ -56,5 +79,9 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name='workitem',
             index=models.Index(condition=models.Q(('status', 'claimed'), ('concurrency_key__isnull', False)), fields=['handler', 'concurrency_key'], name='dbworker_key_slots_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='ratestart',
+            index=models.Index(fields=['handler', 'started_at'], name='dbworker_rate_start_idx'),
         ),
     ]
