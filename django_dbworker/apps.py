@@ -28,7 +28,10 @@ class DBWorkerConfig(AppConfig):
     def ready(self) -> None:
         from django.db.backends.signals import connection_created
 
-        from django_dbworker import checks  # noqa: F401 - checks register on import
+        from django_dbworker import (
+            checks,  # noqa: F401 - checks register on import
+            retention,  # noqa: F401 - its handler registers on import
+        )
         from django_dbworker.db import prepare_session
         from django_dbworker.discovery import autodiscover
 

@@ -101,6 +101,11 @@ class PeriodicHandler(WorkItemHandler):
         ) or any(p.name == "slot" for p in params)
 
     @classmethod
+    def scheduled(cls) -> bool:
+        """Whether workers create this handler's slots (a setting may turn one off)."""
+        return True
+
+    @classmethod
     def get_schedule(cls) -> IntervalSchedule | CronSchedule:
         """The schedule this class declares; raises ``ImproperlyConfigured`` if it is invalid."""
         try:
@@ -157,10 +162,10 @@ class PeriodicHandler(WorkItemHandler):
 
 
 def periodic_handlers(classes: Any) -> list[type[PeriodicHandler]]:
-    """The periodic handler classes among ``classes`` (handler classes or instances)."""
+    """The scheduled periodic handler classes among ``classes`` (classes or instances)."""
     found = []
     for entry in classes:
         cls = entry if isinstance(entry, type) else type(entry)
-        if issubclass(cls, PeriodicHandler):
+        if issubclass(cls, PeriodicHandler) and cls.scheduled():
             found.append(cls)
     return found

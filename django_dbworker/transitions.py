@@ -342,16 +342,24 @@ def prune(
     statuses: Sequence[str],
     batch_size: int = 1000,
     using: str | None = None,
+    queues: Sequence[str] | None = None,
+    dry_run: bool = False,
 ) -> int:
     """Delete finished rows whose ``finished_at`` is older than ``older_than`` (DB clock).
 
     Batched so that no single statement locks or logs millions of rows;
     pending and claimed rows are never touched, whatever ``statuses`` says.
+    ``queues`` narrows it to those queues; ``dry_run`` counts the rows it
+    would delete and deletes none.
     """
     allowed = [s for s in statuses if s in FINISHED_STATUSES]
     base = WorkItem.objects.using(using).filter(
         status__in=allowed, finished_at__lt=Now() - older_than
     )
+    if queues is not None:
+        base = base.filter(queue__in=list(queues))
+    if dry_run:
+        return base.count()
     deleted = 0
     while True:
         ids = list(base.order_by("pk").values_list("pk", flat=True)[:batch_size])

@@ -13,6 +13,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
 V = TypeVar("V")
@@ -124,6 +125,57 @@ def optional(validator: Callable[[Any], V]) -> Callable[[Any], V | None]:
     return check
 
 
+#: The statuses ``RETENTION`` may name (``models.FINISHED_STATUSES``, spelled
+#: here because this module imports nothing of the package's).
+RETAINED_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+def retention(value: Any) -> dict[str, float | None] | None:
+    """``RETENTION``: None (keep every row), or ages in seconds per finished status.
+
+    A dict names some of ``succeeded``, ``failed`` and ``cancelled``; each
+    value is a positive number of seconds or a ``timedelta``, or None to keep
+    that status forever. Statuses it leaves out keep their default age
+    (``conf.RETENTION``). Returns the ages in seconds, merged over the defaults.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidValue(
+            f"must be None or a dict of ages by status, got {value!r}", wrong_type=True
+        )
+    unknown = sorted(str(k) for k in value if k not in RETAINED_STATUSES)
+    if unknown:
+        raise InvalidValue(
+            f"names {', '.join(unknown)}: the statuses are {', '.join(RETAINED_STATUSES)}"
+        )
+    ages: dict[str, float | None] = dict.fromkeys(RETAINED_STATUSES, None)
+    ages.update(DEFAULT_RETENTION)
+    for status, age in value.items():
+        if isinstance(age, timedelta):
+            age = age.total_seconds()
+        if age is None:
+            ages[status] = None
+            continue
+        try:
+            ages[status] = positive_number(age)
+        except InvalidValue as exc:
+            raise InvalidValue(
+                f"[{status!r}] {exc} (seconds, a timedelta, or None to keep them)",
+                wrong_type=exc.wrong_type,
+            ) from None
+    return ages
+
+
+#: Seconds a finished row is kept by default, per status: a week of history
+#: for succeeded and cancelled rows, a month for failed ones (the rows an
+#: operator comes back to). ``conf.RETENTION`` is this.
+DEFAULT_RETENTION: Mapping[str, float | None] = {
+    "succeeded": 7 * 86400.0,
+    "cancelled": 7 * 86400.0,
+    "failed": 30 * 86400.0,
+}
+
 #: ``DBWORKER`` keys and their validators (relations between keys: ``checks.py``).
 SETTINGS: Mapping[str, Validator] = {
     "CONCURRENCY": positive_int,
@@ -140,6 +192,7 @@ SETTINGS: Mapping[str, Validator] = {
     "MAX_ABANDONED_THREADS": optional(positive_int),
     "METRICS_PORT": optional(port),
     "METRICS_ADDR": non_empty_str,
+    "RETENTION": retention,
 }
 
 #: Options of a Django task (``DBWorkerTask`` fields, lower case) and the
