@@ -26,9 +26,7 @@ def test_a_worker_prunes_old_finished_rows_on_its_schedule(start_worker) -> None
     pending = finished(Status.PENDING, 30)
     # The schedule's last slot was two hours ago: the worker owes it a run now
     # (a new schedule would wait for its first slot, an hour from now).
-    PeriodicSchedule.objects.create(
-        name="dbworker.retention", last_slot=Now() - timedelta(hours=2)
-    )
+    PeriodicSchedule.objects.create(name="dbworker.retention", last_slot=Now() - timedelta(hours=2))
     worker = start_worker("dbworker.retention", "noop")
     worker.wait_for_log("Schedule dbworker.retention: every hour")
     run = wait_until(
