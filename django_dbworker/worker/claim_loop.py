@@ -88,6 +88,8 @@ class ClaimLoop:
         #: Buffered rows handed back because jobs got too long to start them soon.
         self.given_back = 0
         self._backoff = Backoff(first=0.2, cap=10.0)
+        #: When the loop last began a cycle (the health file's sign of life).
+        self.cycled_at = clock.now()
         self._poll = AdaptivePoll(
             config.poll_interval, enabled=ops.poll_adaptively, clock=clock.now
         )
@@ -317,6 +319,7 @@ class ClaimLoop:
         """Claim until stopped (or, in burst mode, until nothing is left to claim or run)."""
         control, clock = self.control, self.clock
         while not control.stopping.is_set():
+            self.cycled_at = clock.now()
             control.wake.clear()
             try:
                 claimed = self.run_once()

@@ -113,6 +113,12 @@ class Command(BaseCommand):
             help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).",
         )
         parser.add_argument(
+            "--health-file",
+            metavar="PATH",
+            help="Keep this file fresh while the worker is healthy; probe it with "
+            "`manage.py dbworker_health --file PATH`.",
+        )
+        parser.add_argument(
             "--database",
             help="Database alias holding the work (default: the routers' "
             "db_for_write(WorkItem), 'default' without routers).",
@@ -163,6 +169,7 @@ class Command(BaseCommand):
             using=using,
             burst=options["burst"],
             queues=options["queues"],
+            health_file=options["health_file"],
             **{field: value for field, value in flags.items() if value is not None},
         )
         watchers: list[Watcher] = [OrphanWatch(using)]
