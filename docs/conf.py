@@ -34,7 +34,7 @@ from django_dbworker.version import __version__  # noqa: E402
 
 project = "django-dbworker"
 author = "django-dbworker developers"
-copyright = "django-dbworker developers"  # noqa: A001
+copyright = "django-dbworker developers"
 version = release = __version__
 
 extensions = [
