@@ -113,7 +113,9 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--items-large", type=int, default=ITEMS_LARGE)
     parser.add_argument("--backlog", type=int, default=20_000, help="W6's backlog")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "internals" / "benchmarks-results.md")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs" / "internals" / "benchmarks-results.md"
+    )
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument(
         "--only",
