@@ -110,7 +110,12 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
     blocks = readme_blocks()
     if not blocks:
         pytest.skip("README.md is the long one (its Guide moved to docs/) and no README.new.md")
-    with scratch_project(tmp_path_factory.mktemp("quickstart"), blocks) as p:
+    # "One of your apps": the reader's project has it installed already.
+    with scratch_project(
+        tmp_path_factory.mktemp("quickstart"),
+        blocks,
+        settings_tail='\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n',
+    ) as p:
         yield p
 
 
