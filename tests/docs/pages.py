@@ -169,12 +169,6 @@ def toctree_pages(index: Path | None = None) -> list[Path]:
     return pages
 
 
-def all_pages() -> list[Path]:
-    """Every page with examples: the site's pages, then the README."""
-    readme = README_NEW if README_NEW.exists() else README
-    return [*toctree_pages(), readme]
-
-
 def readme_blocks() -> list[Block]:
     """The README's blocks: all of the short README, the old README's quick start."""
     if README_NEW.exists():
