@@ -196,3 +196,27 @@ def test_alternative_settings_pass_the_system_checks(project: Project) -> None:
             "check", "--fail-level", "WARNING", "--settings", f"mysite.{module}"
         ).stdout
         assert "System check identified no issues" in out, (block.where, out)
+
+
+def test_periodic_and_retry_examples_run_their_handlers(project: Project) -> None:
+    # After the tests above (they count rows): a manual run of each periodic
+    # example (enqueue() without a slot runs with now as its slot), and the
+    # retry example's handler, through the worker's own path.
+    outcome = project.query(
+        "import json\n"
+        "from django_dbworker.testing import run_until_empty\n"
+        "from django_dbworker.models import WorkItem\n"
+        "from myapp.workers import CallPartnerApi, ClearExpiredSessions, NightlyDigest\n"
+        "items = [NightlyDigest.enqueue(), ClearExpiredSessions.enqueue(),\n"
+        "         CallPartnerApi.enqueue({'url': 'https://partner.example/'})]\n"
+        "counts = run_until_empty(['nightly_digest', 'clear_expired_sessions', "
+        "'call_partner_api'])\n"
+        "rows = WorkItem.objects.filter(pk__in=[i.pk for i in items]).order_by('pk')\n"
+        "print(json.dumps([counts, [[r.handler, r.status, r.result] for r in rows]]))"
+    )
+    counts, rows = outcome
+    assert counts == {"succeeded": 3}, outcome
+    assert rows[0][:2] == ["nightly_digest", "succeeded"]
+    assert set(rows[0][2]) == {"digest_for"}, rows[0]
+    assert rows[1][:2] == ["clear_expired_sessions", "succeeded"]
+    assert rows[2] == ["call_partner_api", "succeeded", {"called": "https://partner.example/"}]
