@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ab.py --base /path/to/old/checkout [--runs 5]
         [--bench "w1_throughput.py --items 10000" --bench "w3_latency.py"]
-        [--out docs/benchmarks-ab.md]
+        [--out docs/internals/benchmarks-ab.md]
 
 "Within noise of today's medians" is a claim about two commits, and two
 commits measured hours apart on a shared 2-core machine differ by more

@@ -276,7 +276,7 @@ class MySQLOperations(VendorOperations):
         payloads_json: Sequence[str | None],
     ) -> bool:
         # Django's bulk_create spends about 80% of a 10,000-row batch
-        # compiling every value of every row (docs/benchmarks.md, W2).
+        # compiling every value of every row (docs/internals/benchmarks.md, W2).
         if not self._returns_inserted_rows():
             return False  # no INSERT ... RETURNING: Django's bulk_create
         connection: Any = self.connection

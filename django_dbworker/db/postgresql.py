@@ -51,7 +51,7 @@ MIN_VERSION = 130000
 #: COPY path costs four more round trips (a transaction, the id reservation,
 #: the NOTIFY); measured, it breaks even at 20 to 50 rows, takes about 80% of
 #: the one-statement insert's time at 100 to 200 rows and 55% at 1,000 and
-#: more (docs/benchmarks.md, W2).
+#: more (docs/internals/benchmarks.md, W2).
 COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
@@ -217,7 +217,7 @@ class PostgresOperations(VendorOperations):
         parameters are quoted into the text, the server parses and plans it
         on every call, and such a cursor is never prepared. Parsing and
         planning are a good part of a single enqueue's cost (about 80 µs of
-        450 on the development machine, docs/benchmarks.md, W2). Where the
+        450 on the development machine, docs/internals/benchmarks.md, W2). Where the
         database's OPTIONS set ``prepare_threshold`` (Django leaves it off by
         default, for poolers such as PgBouncer before 1.21; we follow that
         setting rather than override it), the statements run on a plain
