@@ -45,7 +45,7 @@ MAX_SNOOZES = 100
 MAX_SNOOZE_SECONDS = 10 * 365 * 86400.0
 
 
-class Snooze(Exception):  # noqa: N818 (a request, not an error: the name says what it does)
+class Snooze(Exception):
     """Raise in ``handle`` to run the item again ``seconds`` from now, without using an attempt.
 
     ``raise Snooze(600)`` or ``raise Snooze(timedelta(minutes=10))``: the

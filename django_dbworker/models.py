@@ -70,12 +70,37 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
 
     # -- operator transitions: one UPDATE each, narrowed to eligible states ------
 
+    def cancel_requested(self) -> WorkItemQuerySet:
+        """Claimed rows whose cancellation was requested (their handlers are told)."""
+        return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=False)
+
     def cancel(self) -> int:
+        """Cancel: pending rows end ``cancelled``, claimed rows are asked to stop.
+
+        Returns how many rows changed (both kinds); ``cancel_pending`` and
+        ``request_cancel`` are the two halves, for callers that report them
+        apart (the admin). Pending rows go first: a row claimed between the
+        two statements is still asked to stop.
+        """
+        return self.cancel_pending() + self.request_cancel()
+
+    def cancel_pending(self) -> int:
         """pending -> cancelled. Rows in other states are left alone."""
         return self.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
 
+    def request_cancel(self) -> int:
+        """Claimed rows not asked yet get ``cancel_requested_at`` (DB clock); they stay claimed.
+
+        The worker running one learns it with its next heartbeat and sets
+        the handler's ``cancel_requested`` for that attempt; the row ends
+        ``cancelled`` if the handler then raises (SPEC "Flow control").
+        """
+        return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).update(
+            cancel_requested_at=Now(), updated_at=Now()
+        )
+
     def retry(self) -> int:
-        """failed | cancelled -> pending, attempts reset to 0, due now.
+        """failed | cancelled -> pending, attempts and snoozes reset to 0, due now.
 
         A row whose ``unique_key`` is live again (another row of its handler
         with that key is pending or claimed) is skipped: retrying it would
@@ -116,6 +141,9 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
             "run_after": Now(),
             "finished_at": None,
             "claim_token": None,
+            # A fresh start: no cancel request, no snoozes counted.
+            "cancel_requested_at": None,
+            "snoozes": 0,
             "updated_at": Now(),
         }
         try:
@@ -261,7 +289,12 @@ class WorkItem(models.Model):
         return f"{self.handler}#{self.pk} ({self.status})"
 
     def cancel(self) -> bool:
-        """Pending -> cancelled. Returns whether this row changed."""
+        """Pending -> cancelled; claimed: asked to stop. Returns whether this row changed.
+
+        A claimed row stays claimed with ``cancel_requested_at`` set; its
+        handler sees ``self.cancel_requested`` within about one heartbeat
+        interval. Asking again changes nothing (False).
+        """
         return self._change(WorkItemQuerySet.cancel)
 
     def retry(self) -> bool:

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 from django.db.models import Case, F, Value, When
@@ -27,6 +27,7 @@ from django.db.models.functions import Concat, JSONObject, Now
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.expressions import AppendCapped
+from django_dbworker.errors import MAX_SNOOZES
 from django_dbworker.models import (
     ERROR_HISTORY_LIMIT,
     FINISHED_STATUSES,
@@ -45,6 +46,12 @@ RECOVERY_BATCH = 500
 #: The exception class path that ``error_history`` gives an attempt whose
 #: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
 WORKER_LOST = "django_dbworker.errors.WorkerLost"
+#: The class path ``error_history`` gives an attempt that ended ``cancelled``
+#: by raising something else after a cancel request.
+CANCELLED = "django_dbworker.errors.Cancelled"
+
+#: A claim's attempt handed back (a release, a snooze): the claim counted it.
+_ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
 
 
 def _fenced(item: WorkItem) -> WorkItemQuerySet:
@@ -70,27 +77,41 @@ def _with_history(error: Any, class_path: Any) -> AppendCapped:
 # -- worker transitions (fenced) ----------------------------------------------------
 
 
-def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[AttemptKey]:
-    """Refresh ``heartbeat_at`` of every attempt still held; return those still held.
+class Beat(NamedTuple):
+    """What one heartbeat found: the attempts still held, and those asked to stop."""
 
-    ``claims`` are attempts, ``(id, claim_token)``: one UPDATE for all
-    in-flight rows of a process. Claim tokens are random UUIDs, so ``id IN
-    ids AND claim_token IN tokens`` only matches a row under its own token.
-    A second query runs only when some attempt was lost.
+    held: set[AttemptKey]
+    #: Held attempts whose row has ``cancel_requested_at`` set.
+    cancel_requested: set[AttemptKey]
+
+
+def beat(claims: Collection[AttemptKey], using: str | None = None) -> Beat:
+    """Refresh ``heartbeat_at`` of every attempt still held; say which are held, which asked.
+
+    ``claims`` are attempts, ``(id, claim_token)``: one statement for all
+    in-flight rows of a process (``VendorOperations.heartbeat``), which
+    also answers which of them have a cancel request. Claim tokens are
+    random UUIDs, so ``id IN ids AND claim_token IN tokens`` only matches a
+    row under its own token; an older attempt of a row is neither held nor
+    asked.
     """
     if not claims:
-        return set()
+        return Beat(set(), set())
     wanted = set(claims)
-    qs = WorkItem.objects.using(using).filter(
-        pk__in={pk for pk, _ in wanted},
-        claim_token__in={token for _, token in wanted},
-        status=Status.CLAIMED,
-    )
-    with operations(using).locked_in_id_order({pk for pk, _ in wanted}):
-        changed = qs.update(heartbeat_at=Now())
-    if changed == len(wanted):
-        return wanted
-    return wanted & set(qs.values_list("pk", "claim_token"))
+    held: set[AttemptKey] = set()
+    asked: set[AttemptKey] = set()
+    for pk, token, requested in operations(using).heartbeat(wanted):
+        key = (pk, token)
+        if key in wanted:
+            held.add(key)
+            if requested:
+                asked.add(key)
+    return Beat(held, asked)
+
+
+def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[AttemptKey]:
+    """``beat(claims).held``: the attempts still held, their heartbeats refreshed."""
+    return beat(claims, using).held
 
 
 def succeed(
@@ -127,24 +148,55 @@ def already_succeeded(
     return set(attempts) & set(rows.values_list("pk", "claim_token"))
 
 
+def _back_to_pending(rows: WorkItemQuerySet, *, delay: float, **changes: Any) -> bool:
+    """The fenced ``rows`` (one attempt's row) -> pending, due ``delay`` seconds from now.
+
+    What a retry and a snooze share: the claim fields cleared, the DB
+    clock's due time. Never a row whose cancellation was requested: its
+    ending is ``cancel_running``'s.
+    """
+    return (
+        rows.filter(cancel_requested_at__isnull=True).update(
+            status=Status.PENDING,
+            run_after=Now() + timedelta(seconds=max(0.0, delay)),
+            claim_token=None,
+            updated_at=Now(),
+            **changes,
+        )
+        == 1
+    )
+
+
 def retry_later(
     item: WorkItem, *, delay: float, error: str, error_class: str = "builtins.Exception"
 ) -> bool:
     """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out.
 
     The attempt joins ``error_history`` (``error_class``: the exception's
-    class path) in the same UPDATE.
+    class path) in the same UPDATE. False too when a cancel was requested
+    (``cancel_running`` then records the ending).
     """
-    return (
-        _fenced(item).update(
-            status=Status.PENDING,
-            run_after=Now() + timedelta(seconds=max(0.0, delay)),
-            last_error=error,
-            error_history=_with_history(Value(error), Value(error_class)),
-            claim_token=None,
-            updated_at=Now(),
-        )
-        == 1
+    return _back_to_pending(
+        _fenced(item),
+        delay=delay,
+        last_error=error,
+        error_history=_with_history(Value(error), Value(error_class)),
+    )
+
+
+def snooze(item: WorkItem, *, delay: float, limit: int = MAX_SNOOZES) -> bool:
+    """claimed -> pending, due ``delay`` seconds from now, without using an attempt.
+
+    ``attempts`` goes back to what it was before the claim and ``snoozes``
+    grows by one; ``last_error`` and ``error_history`` stay (a snooze is
+    not an error). False if fenced out, if a cancel was requested, or if
+    the row has snoozed ``limit`` times already (the caller then fails it).
+    """
+    return _back_to_pending(
+        _fenced(item).filter(snoozes__lt=limit),
+        delay=delay,
+        attempts=_ATTEMPT_HANDED_BACK,
+        snoozes=F("snoozes") + 1,
     )
 
 
@@ -154,22 +206,53 @@ def fail(
     error: str,
     error_class: str = "builtins.Exception",
     history: bool = True,
+    unless_cancel_requested: bool = False,
 ) -> bool:
     """claimed -> failed, the attempt joining ``error_history``. False if fenced out.
 
     ``history=False`` leaves ``error_history`` alone: the last-resort
     failure record, written when the database refused the full one.
+    ``unless_cancel_requested``: not a row asked to stop (False then too).
     """
     changes: dict[str, Any] = {"last_error": error}
     if history:
         changes["error_history"] = _with_history(Value(error), Value(error_class))
+    rows = _fenced(item)
+    if unless_cancel_requested:
+        rows = rows.filter(cancel_requested_at__isnull=True)
     return (
-        _fenced(item).update(
+        rows.update(
             status=Status.FAILED,
             finished_at=Now(),
             claim_token=None,
             updated_at=Now(),
             **changes,
+        )
+        == 1
+    )
+
+
+def cancel_running(
+    item: WorkItem, *, error: str, error_class: str = CANCELLED, requested: bool = False
+) -> bool:
+    """claimed -> cancelled: the attempt ended after a cancel request (or raised ``Cancelled``).
+
+    Not retried, whatever attempts remain; the attempt joins
+    ``error_history``. ``requested``: only if the row has a cancel request
+    (the fallback of a retry or failure write that a request refused).
+    False if fenced out (or, with ``requested``, not asked).
+    """
+    rows = _fenced(item)
+    if requested:
+        rows = rows.filter(cancel_requested_at__isnull=False)
+    return (
+        rows.update(
+            status=Status.CANCELLED,
+            finished_at=Now(),
+            claim_token=None,
+            last_error=error,
+            error_history=_with_history(Value(error), Value(error_class)),
+            updated_at=Now(),
         )
         == 1
     )
@@ -191,7 +274,7 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
             )
             .update(
                 status=Status.PENDING,
-                attempts=Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0)),
+                attempts=_ATTEMPT_HANDED_BACK,
                 run_after=Now(),
                 claim_token=None,
                 updated_at=Now(),
