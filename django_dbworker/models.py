@@ -77,12 +77,15 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
     def cancel(self) -> int:
         """Cancel: pending rows end ``cancelled``, claimed rows are asked to stop.
 
-        Returns how many rows changed (both kinds); ``cancel_pending`` and
-        ``request_cancel`` are the two halves, for callers that report them
-        apart (the admin). Pending rows go first: a row claimed between the
-        two statements is still asked to stop.
+        Returns how many rows were cancelled now (as it always has); the
+        claimed rows asked to stop are not in that count. ``cancel_pending``
+        and ``request_cancel`` are the two halves, each returning its own
+        count, for callers that report both (the admin). Pending rows go
+        first: a row claimed between the two statements is still asked.
         """
-        return self.cancel_pending() + self.request_cancel()
+        cancelled = self.cancel_pending()
+        self.request_cancel()
+        return cancelled
 
     def cancel_pending(self) -> int:
         """pending -> cancelled. Rows in other states are left alone."""
@@ -295,7 +298,7 @@ class WorkItem(models.Model):
         handler sees ``self.cancel_requested`` within about one heartbeat
         interval. Asking again changes nothing (False).
         """
-        return self._change(WorkItemQuerySet.cancel)
+        return self._change(lambda rows: rows.cancel_pending() + rows.request_cancel())
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""

@@ -102,7 +102,7 @@ class CancelledFromInside(WorkItemHandler):
     max_attempts = 3
 
     def handle(self, payload: Any) -> Any:
-        assert WorkItem.objects.filter(handler=self.name, status=Status.CLAIMED).cancel() == 1
+        assert WorkItem.objects.filter(handler=self.name, status=Status.CLAIMED).request_cancel()
         raise ValueError("failed after the request")
 
 
