@@ -376,3 +376,56 @@ def test_the_snooze_write_leaves_a_cancel_requested_row_alone() -> None:
     WorkItem.objects.filter(pk=item.pk).request_cancel()
     assert transitions.snooze(item, delay=10) is False  # the write leaves it alone
     assert row(item.pk).status == Status.CLAIMED
+
+
+# -- visible: stats ---------------------------------------------------------------------
+
+
+def test_stats_count_cancel_requests_and_snoozed_rows() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from django_dbworker.stats import flow_stats
+
+    make_item()
+    make_item()
+    (running, idle) = claim(handlers=["noop"])
+    running.cancel()
+    make_item(snoozes=3)
+    make_item(status=Status.SUCCEEDED, snoozes=2)  # finished: not counted
+    assert flow_stats() == {"cancel_requested": 1, "snoozed": 1}
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    assert "Running items asked to cancel: 1; pending items that snoozed: 1." in out.getvalue()
+    assert idle.cancel_requested_at is None
+
+
+# -- visible: metrics --------------------------------------------------------------------
+
+
+def test_metrics_count_cancelled_and_snoozed_attempts() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+    from django_dbworker.registry import registry
+    from django_dbworker.worker import Worker
+    from django_dbworker.worker.runtime import WorkerConfig
+
+    reg = CollectorRegistry()
+    CancelsItself.enqueue({})
+    Snoozer.enqueue({"times": 1, "seconds": 60})
+    worker = Worker(
+        [registry["cs_self_cancel"], registry["cs_snooze"]],
+        WorkerConfig(burst=True, inline=True, concurrency=1, batch_size=1),
+        metrics=WorkerMetrics(reg),
+    )
+    worker.run()
+
+    def count(name: str, status: str) -> float:
+        labels = {"worker": name, "status": status}
+        return reg.get_sample_value("worker_tasks_total", labels) or 0.0
+
+    assert count("cs_self_cancel", "cancelled") == 1
+    assert count("cs_snooze", "snoozed") == 1
+    assert count("cs_snooze", "retried") == 0
