@@ -474,3 +474,35 @@ if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
 
         def process(self, invoice: Invoice) -> None:
             pass
+
+
+class StopWhenCancelled(WorkItemHandler):
+    """Loops until its cancel request arrives (Execution kinds "run", then "saw-cancel")."""
+
+    name = "stop_when_cancelled"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        deadline = time.monotonic() + float(payload.get("seconds", 60))
+        while not self.cancel_requested:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        _record(payload, kind="saw-cancel")
+        raise RuntimeError("stopped: cancel requested")
+
+
+class SnoozeOnce(WorkItemHandler):
+    """Snoozes its first run for ``seconds``, succeeds on the next one."""
+
+    name = "snooze_once"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> int:
+        runs = _record(payload)
+        if runs == 1:
+            from django_dbworker import Snooze
+
+            raise Snooze(float(payload.get("seconds", 1.0)))
+        return runs
