@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 from uuid import UUID
 
-from django.db.models import Case, F, Value, When
+from django.db.models import Case, CharField, F, Q, TextField, Value, When
 from django.db.models.functions import Concat, JSONObject, Now
 
 from django_dbworker.conf import dbworker_settings
@@ -49,6 +49,10 @@ WORKER_LOST = "django_dbworker.errors.WorkerLost"
 #: The class path ``error_history`` gives an attempt that ended ``cancelled``
 #: by raising something else after a cancel request.
 CANCELLED = "django_dbworker.errors.Cancelled"
+
+#: ``last_error`` of a row asked to stop that a stopping worker gave back unstarted
+#: or unfinished: it ends ``cancelled``.
+RELEASED_CANCELLED = "cancelled by request: released unfinished by a stopping worker"
 
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
@@ -262,10 +266,13 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     """claimed -> pending for rows a stopping worker gives back unfinished.
 
     The attempt the claim counted is handed back: a release is not a failure.
+    A row whose cancellation was requested ends ``cancelled`` instead (in
+    the same UPDATE): given back, it would run work an operator cancelled.
     """
     claims = {item.pk: item.claim_token for item in items}
     if not claims:
         return 0
+    asked = Q(cancel_requested_at__isnull=False)
     with operations(using).locked_in_id_order(claims):
         return (
             WorkItem.objects.using(using)
@@ -273,7 +280,17 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                 pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
             )
             .update(
-                status=Status.PENDING,
+                status=Case(
+                    When(asked, then=Value(Status.CANCELLED)),
+                    default=Value(Status.PENDING),
+                    output_field=CharField(),
+                ),
+                finished_at=Case(When(asked, then=Now()), default=None),
+                last_error=Case(
+                    When(asked, then=Value(RELEASED_CANCELLED)),
+                    default=F("last_error"),
+                    output_field=TextField(),
+                ),
                 attempts=_ATTEMPT_HANDED_BACK,
                 run_after=Now(),
                 claim_token=None,
@@ -288,21 +305,24 @@ class Recovered:
 
     requeued: int = 0
     failed: int = 0
+    #: Rows whose cancellation was requested: ended ``cancelled`` instead.
+    cancelled: int = 0
     by_handler: dict[str, int] = field(default_factory=dict)
     #: (id, handler) of the rows this pass failed (attempts used up).
     failed_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
-        return self.requeued + self.failed
+        return self.requeued + self.failed + self.cancelled
 
     def log(self) -> None:
         if self.total:
             logger.warning(
-                "Recovered %d stale work item(s): %d back to pending, %d failed.",
+                "Recovered %d stale work item(s): %d back to pending, %d failed%s.",
                 self.total,
                 self.requeued,
                 self.failed,
+                f", {self.cancelled} cancelled (by request)" if self.cancelled else "",
             )
 
 
@@ -340,24 +360,59 @@ def recover_stale(
         batch = list(
             base.filter(pk__gt=after)
             .order_by("pk")
-            .values_list("pk", "handler", "attempts", "max_attempts")[:batch_size]
+            .values_list("pk", "handler", "attempts", "max_attempts", "cancel_requested_at")[
+                :batch_size
+            ]
         )
         if not batch:
             break
         after = batch[-1][0]
         by_handler: dict[str, list[int]] = {}
         last: list[tuple[int, str]] = []
-        for pk, handler, attempts, max_attempts in batch:
+        asked: list[tuple[int, str]] = []
+        for pk, handler, attempts, max_attempts, requested in batch:
+            if requested is not None:
+                asked.append((pk, handler))
+                continue
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
         with ops.locked_in_id_order([pk for pk, *_ in batch]):
+            if asked:
+                _cancel_asked(base, asked, message, result)
             _recover_batch(base, last, by_handler, message, using, result)
         if len(batch) < batch_size:
             break
     if log:
         result.log()
     return result
+
+
+def _cancel_asked(
+    base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
+) -> None:
+    """Stale rows whose cancellation was requested end ``cancelled``, not back in the queue.
+
+    Their worker died while asked to stop: running them again would run
+    work an operator cancelled. One more statement, only when such rows exist.
+    """
+    lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
+    handlers = dict(asked)
+    rows = base.filter(pk__in=list(handlers), cancel_requested_at__isnull=False)
+    ids = list(rows.values_list("pk", flat=True))
+    cancelled = rows.filter(pk__in=ids).update(
+        status=Status.CANCELLED,
+        finished_at=Now(),
+        claim_token=None,
+        updated_at=Now(),
+        last_error=lost,
+        error_history=_with_history(lost, Value(WORKER_LOST)),
+    )
+    result.cancelled += cancelled
+    if cancelled:
+        for pk in ids:
+            handler = handlers[pk]
+            result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
 
 
 def _recover_batch(

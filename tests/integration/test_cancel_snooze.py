@@ -429,3 +429,42 @@ def test_metrics_count_cancelled_and_snoozed_attempts() -> None:
     assert count("cs_self_cancel", "cancelled") == 1
     assert count("cs_snooze", "snoozed") == 1
     assert count("cs_snooze", "retried") == 0
+
+
+# -- rows asked to stop that their worker gives back or loses ----------------------------
+
+
+def test_a_released_row_asked_to_stop_ends_cancelled() -> None:
+    make_item()
+    make_item()
+    asked, other = claim(handlers=["noop"])
+    asked.cancel()
+    assert transitions.release([asked, other]) == 2
+    cancelled, released = row(asked.pk), row(other.pk)
+    assert cancelled.status == Status.CANCELLED
+    assert cancelled.finished_at is not None
+    assert "cancelled by request" in cancelled.last_error
+    assert (released.status, released.finished_at, released.attempts) == (
+        Status.PENDING,
+        None,
+        0,
+    )
+
+
+def test_stale_recovery_cancels_a_row_asked_to_stop() -> None:
+    from tests.factories import age_heartbeat
+
+    make_item()
+    make_item()
+    asked, other = claim(handlers=["noop"])
+    asked.cancel()
+    for item in (asked, other):
+        age_heartbeat(item, 120)
+    result = transitions.recover_stale(stale_after=60)
+    assert (result.requeued, result.failed, result.cancelled) == (1, 0, 1)
+    assert result.by_handler == {"noop": 2}
+    cancelled = row(asked.pk)
+    assert cancelled.status == Status.CANCELLED
+    assert "cancelled by request" in cancelled.last_error
+    assert cancelled.claim_token is None
+    assert row(other.pk).status == Status.PENDING
