@@ -25,6 +25,7 @@ from django_dbworker import Cancelled, Snooze, transitions
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
+from django_dbworker.tasks import task as dbtask
 from django_dbworker.testing import run_until_empty
 from tests.conftest import wait_until
 from tests.factories import claim, make_due, make_item
@@ -468,3 +469,46 @@ def test_stale_recovery_cancels_a_row_asked_to_stop() -> None:
     assert "cancelled by request" in cancelled.last_error
     assert cancelled.claim_token is None
     assert row(other.pk).status == Status.PENDING
+
+
+# -- the Django Tasks backend ------------------------------------------------------------
+
+
+@dbtask(max_attempts=3)
+def cs_gives_up(key: str) -> None:
+    raise Cancelled(f"nothing to do for {key}")
+
+
+@dbtask(max_attempts=1)
+def cs_later(key: str) -> str:
+    if not Execution.objects.filter(key=key).exists():
+        Execution.objects.create(key=key)
+        raise Snooze(60)
+    return key
+
+
+def test_tasks_that_cancel_or_snooze_read_as_django_expects() -> None:
+    """A cancelled task reads FAILED (Django has no "cancelled") and finishes once;
+    a snoozed one is still READY and has not finished."""
+    from django_dbworker.tasks.compat import TaskResultStatus, task_finished
+
+    sent: list[tuple[str, str]] = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        sent.append((task_result.id, str(task_result.status)))
+
+    task_finished.connect(receiver)
+    try:
+        cancelled = cs_gives_up.enqueue("k")
+        snoozed = cs_later.enqueue("s")
+        outcomes = run_until_empty([cancelled.task.module_path, snoozed.task.module_path])
+    finally:
+        task_finished.disconnect(receiver)
+    assert outcomes == {"cancelled": 1, "snoozed": 1}
+    cancelled.refresh()
+    assert cancelled.status == TaskResultStatus.FAILED
+    assert cancelled.errors[-1].exception_class_path == "django_dbworker.errors.Cancelled"
+    snoozed.refresh()
+    assert snoozed.status == TaskResultStatus.READY
+    assert row(int(snoozed.id)).attempts == 0
+    assert sent == [(cancelled.id, str(TaskResultStatus.FAILED))]
