@@ -71,3 +71,33 @@ def test_a_snoozing_item_runs_again_without_using_an_attempt(start_worker) -> No
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0
     assert "1 succeeded, 0 failed, 0 retried, 0 released, 1 snoozed" in worker.log()
+
+
+def test_a_cancelled_attempt_that_overruns_ends_cancelled_and_its_late_success_is_discarded(
+    start_worker,
+) -> None:
+    from tests.testapp.workers import OverrunAfterCancel
+
+    item = OverrunAfterCancel.enqueue({"key": "slow-export"})
+    worker = start_worker("overrun_after_cancel")
+    wait_until(
+        lambda: Execution.objects.filter(key="slow-export", kind="run").exists(),
+        timeout=60,
+        what="the handler to start",
+    )
+    WorkItem.objects.get(pk=item.pk).cancel()
+    wait_until(
+        lambda: Execution.objects.filter(key="slow-export", kind="late").exists(),
+        timeout=30,
+        what="the abandoned run to end",
+    )
+    worker.wait_for_log("Discarded the outcome of work item", timeout=20)
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.CANCELLED
+    assert row.result is None
+    assert row.attempts == 1
+    assert "cancelled by request" in row.last_error and "TimeoutError" in row.last_error
+    assert Execution.objects.filter(key="slow-export", kind="saw-cancel").count() == 1
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert Execution.objects.filter(key="slow-export", kind="run").count() == 1

@@ -506,3 +506,21 @@ class SnoozeOnce(WorkItemHandler):
 
             raise Snooze(float(payload.get("seconds", 1.0)))
         return runs
+
+
+class OverrunAfterCancel(WorkItemHandler):
+    """Sees its cancel request, carries on past its timeout, then returns (too late)."""
+
+    name = "overrun_after_cancel"
+    timeout = 1.0
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        _record(payload)
+        deadline = time.monotonic() + 30
+        while not self.cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _record(payload, kind="saw-cancel" if self.cancel_requested else "no-cancel")
+        time.sleep(1.5)  # past the timeout: the attempt is abandoned meanwhile
+        _record(payload, kind="late")
+        return "too late"
