@@ -269,12 +269,12 @@ def cancel_was_requested(item: WorkItem) -> bool:
     return bool(getattr(item.__dict__.get(ATTEMPT_ATTR), "cancel_requested", False))
 
 
-#: The attempt each thread is running (``running``), for ``cancel_requested``.
+#: The attempt each thread is running (``running_attempt``), for ``cancel_requested``.
 _running = threading.local()
 
 
 @contextmanager
-def running(item: WorkItem) -> Iterator[None]:
+def running_attempt(item: WorkItem) -> Iterator[None]:
     """The calling thread runs the attempt ``item`` holds (the worker wraps ``handle`` in it)."""
     previous = getattr(_running, "item", None)
     _running.item = item

@@ -31,7 +31,7 @@ from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import errortext, tracing, transitions
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler, running
+from django_dbworker.handlers import WorkItemHandler, running_attempt
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
@@ -243,7 +243,7 @@ def _run_and_record(
     try:
         # ``handler.cancel_requested`` reads the attempt of the thread that
         # runs it: one handler instance serves every thread of the process.
-        with running(item):
+        with running_attempt(item):
             try:
                 handler.attempt_started(item)
                 if handler.atomic:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from django_dbworker.handlers import WorkItemHandler, cancel_was_requested, running
+from django_dbworker.handlers import WorkItemHandler, cancel_was_requested, running_attempt
 from django_dbworker.models import WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.worker.attempts import Attempt, Ledger
@@ -34,9 +34,9 @@ def test_cancel_requested_reads_the_attempt_of_the_calling_thread() -> None:
     asked, calm = _attempt(1, handler), _attempt(2, handler)
     asked.cancel_requested = True
     assert handler.cancel_requested is False  # no attempt: handle() called directly
-    with running(asked.item):
+    with running_attempt(asked.item):
         assert handler.cancel_requested is True
-        with running(calm.item):
+        with running_attempt(calm.item):
             assert handler.cancel_requested is False
         assert handler.cancel_requested is True
     assert handler.cancel_requested is False
