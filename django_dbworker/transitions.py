@@ -46,14 +46,6 @@ RECOVERY_BATCH = 500
 #: The exception class path that ``error_history`` gives an attempt whose
 #: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
 WORKER_LOST = "django_dbworker.errors.WorkerLost"
-#: The class path ``error_history`` gives an attempt that ended ``cancelled``
-#: by raising something else after a cancel request.
-CANCELLED = "django_dbworker.errors.Cancelled"
-
-#: ``last_error`` of a row asked to stop that a stopping worker gave back unstarted
-#: or unfinished: it ends ``cancelled``.
-RELEASED_CANCELLED = "cancelled by request: released unfinished by a stopping worker"
-
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
 
@@ -90,14 +82,9 @@ class Beat(NamedTuple):
 
 
 def beat(claims: Collection[AttemptKey], using: str | None = None) -> Beat:
-    """Refresh ``heartbeat_at`` of every attempt still held; say which are held, which asked.
-
-    ``claims`` are attempts, ``(id, claim_token)``: one statement for all
-    in-flight rows of a process (``VendorOperations.heartbeat``), which
-    also answers which of them have a cancel request. Claim tokens are
-    random UUIDs, so ``id IN ids AND claim_token IN tokens`` only matches a
-    row under its own token; an older attempt of a row is neither held nor
-    asked.
+    """Refresh ``heartbeat_at`` of the attempts ``(id, claim_token)`` still held, in one
+    statement for a process (``VendorOperations.heartbeat``) that also says which have a
+    cancel request; an older attempt of a row (another token) is neither held nor asked.
     """
     if not claims:
         return Beat(set(), set())
@@ -153,12 +140,8 @@ def already_succeeded(
 
 
 def _back_to_pending(rows: WorkItemQuerySet, *, delay: float, **changes: Any) -> bool:
-    """The fenced ``rows`` (one attempt's row) -> pending, due ``delay`` seconds from now.
-
-    What a retry and a snooze share: the claim fields cleared, the DB
-    clock's due time. Never a row whose cancellation was requested: its
-    ending is ``cancel_running``'s.
-    """
+    """The fenced ``rows`` -> pending, due ``delay`` s from now (DB clock), claim cleared:
+    a retry's and a snooze's write. Never a row asked to stop (``cancel_running``'s)."""
     return (
         rows.filter(cancel_requested_at__isnull=True).update(
             status=Status.PENDING,
@@ -177,8 +160,7 @@ def retry_later(
     """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out.
 
     The attempt joins ``error_history`` (``error_class``: the exception's
-    class path) in the same UPDATE. False too when a cancel was requested
-    (``cancel_running`` then records the ending).
+    class path) in the same UPDATE. False too for a row asked to stop.
     """
     return _back_to_pending(
         _fenced(item),
@@ -189,12 +171,9 @@ def retry_later(
 
 
 def snooze(item: WorkItem, *, delay: float, limit: int = MAX_SNOOZES) -> bool:
-    """claimed -> pending, due ``delay`` seconds from now, without using an attempt.
-
-    ``attempts`` goes back to what it was before the claim and ``snoozes``
-    grows by one; ``last_error`` and ``error_history`` stay (a snooze is
-    not an error). False if fenced out, if a cancel was requested, or if
-    the row has snoozed ``limit`` times already (the caller then fails it).
+    """claimed -> pending, due ``delay`` s from now, ``attempts`` as before the claim,
+    ``snoozes`` + 1, no error recorded. False if fenced out, asked to stop, or if the row
+    snoozed ``limit`` times already (the caller then fails it).
     """
     return _back_to_pending(
         _fenced(item).filter(snoozes__lt=limit),
@@ -237,14 +216,10 @@ def fail(
 
 
 def cancel_running(
-    item: WorkItem, *, error: str, error_class: str = CANCELLED, requested: bool = False
+    item: WorkItem, *, error: str, error_class: str, requested: bool = False
 ) -> bool:
-    """claimed -> cancelled: the attempt ended after a cancel request (or raised ``Cancelled``).
-
-    Not retried, whatever attempts remain; the attempt joins
-    ``error_history``. ``requested``: only if the row has a cancel request
-    (the fallback of a retry or failure write that a request refused).
-    False if fenced out (or, with ``requested``, not asked).
+    """claimed -> cancelled (not retried), the attempt joining ``error_history``. False if
+    fenced out; ``requested``: only a row asked to stop (a refused retry's fallback).
     """
     rows = _fenced(item)
     if requested:
@@ -287,7 +262,7 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                 ),
                 finished_at=Case(When(asked, then=Now()), default=None),
                 last_error=Case(
-                    When(asked, then=Value(RELEASED_CANCELLED)),
+                    When(asked, then=Value("cancelled by request: released by a stopping worker")),
                     default=F("last_error"),
                     output_field=TextField(),
                 ),
@@ -391,11 +366,8 @@ def recover_stale(
 def _cancel_asked(
     base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
 ) -> None:
-    """Stale rows whose cancellation was requested end ``cancelled``, not back in the queue.
-
-    Their worker died while asked to stop: running them again would run
-    work an operator cancelled. One more statement, only when such rows exist.
-    """
+    """Stale rows asked to stop end ``cancelled``: running them again would run work an
+    operator cancelled. Only when such rows exist."""
     lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
     handlers = dict(asked)
     rows = base.filter(pk__in=list(handlers), cancel_requested_at__isnull=False)

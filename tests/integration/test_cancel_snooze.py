@@ -33,6 +33,8 @@ from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+CANCELLED = "django_dbworker.errors.Cancelled"
+
 
 # -- handlers ---------------------------------------------------------------------
 
@@ -273,7 +275,10 @@ def test_a_late_outcome_of_a_cancelled_attempt_is_discarded() -> None:
     token = item.claim_token
     assert token is not None
     WorkItem.objects.filter(pk=item.pk).request_cancel()
-    assert transitions.cancel_running(item, error="cancelled by request") is True
+    assert (
+        transitions.cancel_running(item, error="cancelled by request", error_class=CANCELLED)
+        is True
+    )
     assert row(item.pk).status == Status.CANCELLED
     # The same attempt's late success and failure: fenced, nothing changes.
     assert transitions.succeed([(item.pk, token, '"late"')]) == set()
@@ -308,7 +313,7 @@ def test_retry_of_a_cancelled_row_clears_its_request() -> None:
     make_item()
     (claimed,) = claim(handlers=["noop"])
     claimed.cancel()
-    assert transitions.cancel_running(claimed, error="cancelled by request")
+    assert transitions.cancel_running(claimed, error="cancelled by request", error_class=CANCELLED)
     assert row(claimed.pk).retry() is True
     again = row(claimed.pk)
     assert again.status == Status.PENDING
