@@ -20,3 +20,12 @@ def fail_when_told(key: str) -> str:
     while time.monotonic() < deadline and not flag(key, "go"):
         time.sleep(0.05)
     raise ValueError("the task failed after its cancel request")
+
+
+@task
+def cancels_itself(key: str) -> str:
+    """Cancels its own item (SPEC: a handler may raise ``Cancelled`` unasked)."""
+    from django_dbworker import Cancelled
+
+    record(key)
+    raise Cancelled("nothing to do")

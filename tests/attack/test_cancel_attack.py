@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from django_dbworker.errors import MAX_SNOOZE_SECONDS, Snooze
 from django_dbworker.models import Status, WorkItem
-from tests.attack.tasks import fail_when_told
+from tests.attack.tasks import cancels_itself, fail_when_told
 from tests.attack.workers import IgnoresCancelOnFirstRun, PassesCheckToLongCall
 from tests.conftest import ROOT, WorkerProcess, wait_until
 from tests.testapp.models import Execution
@@ -196,3 +197,39 @@ def test_task_cancelled_while_running_sends_task_finished(attack_worker) -> None
     status = WorkItem.objects.get(pk=int(result.id)).status
     assert status == Status.CANCELLED
     assert runs(key, "finished") == 1, f"task_finished sent {runs(key, 'finished')} times"
+
+
+def test_task_that_cancels_itself_has_one_error_for_its_one_attempt(attack_worker) -> None:
+    """A ``@task`` that raises ``Cancelled`` on its first attempt: ``get_result`` shows two
+    ``Cancelled`` errors for one attempt. ``cancel_running`` now writes the attempt into
+    ``error_history`` (class ``django_dbworker.errors.Cancelled``), and
+    ``tasks/results.build`` still appends its own ``Cancelled`` marker for every cancelled
+    row, which was right only while a cancelled row had never run.
+
+    Expected (SPEC "Django Tasks backend": errors, one per failed attempt): one error.
+    Fix: in ``build``, append the marker only when the last history entry is not the
+    cancelled attempt's own (e.g. ``row.attempts > len(entries)``-style check, or when
+    ``entries[-1]["exception_class_path"] != CANCELLED``).
+    """
+    result = cancels_itself.enqueue("self")
+    worker = attack_worker("--burst")
+    assert worker.wait(60) == 0
+    assert WorkItem.objects.get(pk=int(result.id)).status == Status.CANCELLED
+    fetched = cancels_itself.get_backend().get_result(result.id)
+    classes = [error.exception_class_path for error in fetched.errors]
+    assert (len(fetched.worker_ids), classes) == (1, ["django_dbworker.errors.Cancelled"])
+
+
+# -- Snooze arguments ------------------------------------------------------------------
+
+
+def test_snooze_of_an_int_too_big_for_a_float_is_cut_to_ten_years() -> None:
+    """``Snooze(seconds)``: "more than MAX_SNOOZE_SECONDS (ten years) is cut to that", and
+    anything else is a TypeError or ValueError. ``Snooze(2**1024)`` raises
+    ``OverflowError`` from ``float(value)`` (errors.snooze_seconds) instead.
+
+    Fix: ``snooze_seconds``: for an ``int`` compare before converting
+    (``if isinstance(value, int) and value > MAX_SNOOZE_SECONDS: return MAX_SNOOZE_SECONDS``)
+    or catch ``OverflowError`` and cut.
+    """
+    assert Snooze(2**1024).seconds == MAX_SNOOZE_SECONDS
