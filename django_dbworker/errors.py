@@ -77,6 +77,9 @@ def snooze_seconds(value: object) -> float:
         raise TypeError(
             f"Snooze(seconds): seconds must be a number or a timedelta, not {type(value).__name__}"
         )
+    elif isinstance(value, int):
+        # Compared as an int: one too big for a float is cut (or refused), not an OverflowError.
+        seconds = float(max(-1, min(value, int(MAX_SNOOZE_SECONDS))))
     else:
         seconds = float(value)
     if math.isnan(seconds) or seconds < 0:

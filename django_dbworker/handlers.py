@@ -12,7 +12,7 @@ contracts in pyproject.toml).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -100,15 +100,36 @@ class WorkItemHandler(Handler["WorkItem"]):
         within about one heartbeat interval, for that attempt only: the
         worker runs one instance of a handler class for all its threads, so
         this reads the attempt of the calling thread, never another's (an
-        abandoned, timed-out run keeps its own). Check it in loops and
-        between steps, and pass it to long calls (``lambda:
-        self.cancel_requested``); then raise (``django_dbworker.Cancelled``
-        or any exception) to end the item ``cancelled``, not retried, or
-        return to end it ``succeeded`` anyway. Always False outside a
-        worker's attempt (``handle`` called directly, an own-table handler).
+        abandoned, timed-out run keeps its own). Check it in ``handle``'s
+        own thread, in loops and between steps; then raise
+        (``django_dbworker.Cancelled`` or any exception) to end the item
+        ``cancelled``, not retried, or return to end it ``succeeded``
+        anyway. On any other thread (a thread pool, a library's callbacks,
+        ``async_to_sync``) it is always False: give long calls
+        ``self.cancel_check`` instead. Always False outside a worker's
+        attempt (``handle`` called directly, an own-table handler).
         """
         item = getattr(_running, "item", None)
         return item is not None and cancel_was_requested(item)
+
+    @property
+    def cancel_check(self) -> Callable[[], bool]:
+        """A callable answering ``cancel_requested`` for this thread's attempt, from any thread.
+
+        Read it in ``handle``'s thread, where it binds the attempt being run
+        there, then pass it to long calls: ``upload(path,
+        should_stop=self.cancel_check)``. Called from any thread (a
+        ``ThreadPoolExecutor``, a transfer manager's progress callback,
+        ``async_to_sync``), it returns True once the worker heard of that
+        attempt's cancel request, and only that attempt's (a later attempt
+        of the same row has its own). Outside a worker's attempt it always
+        returns False.
+        """
+        item = getattr(_running, "item", None)
+        attempt = None if item is None else item.__dict__.get(ATTEMPT_ATTR)
+        if attempt is None:
+            return _never
+        return lambda: bool(getattr(attempt, "cancel_requested", False))
 
     def handle(self, payload: Any) -> Any:
         """Do the work; the JSON-serialisable return value becomes ``result``."""
@@ -267,6 +288,11 @@ def cancel_was_requested(item: WorkItem) -> bool:
     and claim token, ``worker/attempts.py``); False for an item no worker runs.
     """
     return bool(getattr(item.__dict__.get(ATTEMPT_ATTR), "cancel_requested", False))
+
+
+def _never() -> bool:
+    """``cancel_check`` outside a worker's attempt: no request can reach it."""
+    return False
 
 
 #: The attempt each thread is running (``running_attempt``), for ``cancel_requested``.

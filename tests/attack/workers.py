@@ -62,10 +62,12 @@ def long_call(should_stop: Any, seconds: float) -> bool:
 
 
 class PassesCheckToLongCall(WorkItemHandler):
-    """The README's pattern: ``upload(path, should_stop=lambda: self.cancel_requested)``.
+    """The README's pattern: ``upload(path, should_stop=self.cancel_check)``.
 
     The long call runs its work (and so its stop checks) on a thread of its
     own, as transfer managers and client libraries with progress callbacks do.
+    (The attack passed ``lambda: self.cancel_requested``, the README's former
+    pattern, which reads the calling thread's attempt: always False there.)
     """
 
     name = "atk_long_call"
@@ -76,7 +78,7 @@ class PassesCheckToLongCall(WorkItemHandler):
         record(key)
         with ThreadPoolExecutor(max_workers=1) as pool:
             stopped = pool.submit(
-                long_call, lambda: self.cancel_requested, float(payload.get("seconds", 8))
+                long_call, self.cancel_check, float(payload.get("seconds", 8))
             ).result()
         if stopped:
             raise Cancelled("the long call stopped as asked")
