@@ -5,8 +5,9 @@ The row is the result: no second table. Statuses map as pending -> READY
 failed and cancelled -> FAILED (a cancelled row gets an error that says
 so, unless the attempt that ended it has its own). ``errors`` and
 ``worker_ids`` come from ``error_history``, one entry per attempt that
-ended without success, plus the worker of the current or successful attempt (``claimed_by``); so ``attempts`` counts every run,
-including one lost with its worker.
+ended without success, plus the worker of the current or successful
+attempt (``claimed_by``); so ``attempts`` counts every run, including one
+lost with its worker.
 """
 
 from __future__ import annotations
