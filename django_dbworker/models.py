@@ -5,11 +5,14 @@ fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
 retry, run now) are queryset verbs here, each one UPDATE narrowed to the
 eligible states, shared by the model methods and the admin actions; so
 this module imports nothing from the package but ``validation``'s constants,
-and ``transitions`` may import it.
+and ``transitions`` may import it (the vendor's row locking that
+``cancel`` needs is plugged in at start, ``connect_row_locker``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from django.db import IntegrityError, models, router, transaction
@@ -19,8 +22,18 @@ from django.db.models.functions import Now
 from django_dbworker.validation import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from datetime import timedelta
+
+
+#: Locks rows of ``ids`` on alias ``using`` in ascending id order, for the
+#: length of a ``with`` block (``connect_row_locker``; no-op until connected).
+RowLocker = Callable[[str, Collection[int]], AbstractContextManager[None]]
+_row_locker: list[RowLocker] = [lambda using, ids: nullcontext()]
+
+
+def connect_row_locker(locker: RowLocker) -> None:
+    """Plug in the vendor's ``locked_in_id_order`` (``DBWorkerConfig.ready`` does)."""
+    _row_locker[:] = [locker]
 
 
 class Status(models.TextChoices):
@@ -83,8 +96,22 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         count, for callers that report both (the admin). Pending rows go
         first: a row claimed between the two statements is still asked.
         """
-        cancelled = self.cancel_pending()
-        self.request_cancel()
+        # One transaction on the write alias. The claimed rows, which
+        # heartbeats and outcome writes lock in ascending id order, are
+        # locked first in that order too (``lock_rows_in_id_order``: MySQL
+        # would otherwise lock them in the plan's order, and deadlock).
+        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        rows = self.using(db)
+        with transaction.atomic(using=db):
+            cancelled = rows.cancel_pending()
+            claimed = sorted(
+                rows.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).values_list(
+                    "pk", flat=True
+                )
+            )
+            if claimed:
+                with _row_locker[0](db, claimed):
+                    WorkItem.objects.using(db).filter(pk__in=claimed).request_cancel()
         return cancelled
 
     def cancel_pending(self) -> int:
@@ -298,7 +325,7 @@ class WorkItem(models.Model):
         handler sees ``self.cancel_requested`` within about one heartbeat
         interval. Asking again changes nothing (False).
         """
-        return self._change(lambda rows: rows.cancel_pending() + rows.request_cancel())
+        return self._change(lambda rows: rows.cancel_pending() + rows.request_cancel(), atomic=True)
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
@@ -308,11 +335,13 @@ class WorkItem(models.Model):
         """Pending: make it due now. Returns whether this row changed."""
         return self._change(WorkItemQuerySet.run_now)
 
-    def _change(self, verb: Callable[[WorkItemQuerySet], int]) -> bool:
+    def _change(self, verb: Callable[[WorkItemQuerySet], int], *, atomic: bool = False) -> bool:
         # The database alias rule (routing.py): the routers' choice for writes,
-        # with this row as the hint, as Model.save() does.
+        # with this row as the hint, as Model.save() does. ``atomic``: a verb
+        # of several statements runs them in one transaction there.
         using = router.db_for_write(type(self), instance=self)
-        changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
+        with transaction.atomic(using=using) if atomic else nullcontext():
+            changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
         self.refresh_from_db(using=using)
         return changed
 

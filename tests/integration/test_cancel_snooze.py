@@ -517,3 +517,59 @@ def test_tasks_that_cancel_or_snooze_read_as_django_expects() -> None:
     assert snoozed.status == TaskResultStatus.READY
     assert row(int(snoozed.id)).attempts == 0
     assert sent == [(cancelled.id, str(TaskResultStatus.FAILED))]
+
+
+# -- cancel: one transaction, claimed rows locked in id order -------------------------
+
+
+def _statements(action: Any) -> list[tuple[str, bool]]:
+    """Each statement ``action()`` runs on the default alias, and whether in a transaction."""
+    from django.db import connection
+
+    seen: list[tuple[str, bool]] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append((sql, connection.in_atomic_block))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        action()
+    return seen
+
+
+def test_item_cancel_runs_its_statements_in_one_transaction() -> None:
+    """The pending and the claimed halves of ``item.cancel()`` share one transaction."""
+    make_item()
+    (claimed,) = claim(handlers=["noop"])
+    changed: list[bool] = []
+    statements = _statements(lambda: changed.append(claimed.cancel()))
+    assert changed == [True]
+    updates = [
+        (sql, atomic) for sql, atomic in statements if sql.lstrip().upper().startswith("UPDATE")
+    ]
+    assert len(updates) == 2, statements
+    assert all(atomic for _, atomic in updates), updates
+
+
+def test_queryset_cancel_asks_claimed_rows_in_one_transaction_locked_in_id_order() -> None:
+    """``QuerySet.cancel()``: one transaction; on MySQL the claimed rows it asks are locked
+    first by primary key in ascending order, as the heartbeat locks them (no deadlock)."""
+    from django.db import connection
+
+    for _ in range(3):
+        make_item()
+    running = claim(limit=2, handlers=["noop"])
+    statements = _statements(lambda: WorkItem.objects.all().cancel())
+    writes = [
+        (sql, atomic)
+        for sql, atomic in statements
+        if sql.lstrip().upper().startswith("UPDATE") or "FOR UPDATE" in sql.upper()
+    ]
+    assert writes and all(atomic for _, atomic in writes), statements
+    if connection.vendor == "mysql":
+        upper = [sql.upper() for sql, _ in writes]
+        lock = next(i for i, sql in enumerate(upper) if "FOR UPDATE" in sql)
+        ask = next(i for i, sql in enumerate(upper) if "SET `CANCEL_REQUESTED_AT`" in sql)
+        assert lock < ask, writes
+    assert {item.pk for item in WorkItem.objects.cancel_requested()} == {r.pk for r in running}
+    assert WorkItem.objects.filter(status=Status.CANCELLED).count() == 1
