@@ -46,3 +46,11 @@ def test_cancelled_can_be_raised_with_a_message() -> None:
     with pytest.raises(Cancelled, match="no longer needed"):
         raise Cancelled("no longer needed")
     assert str(Snooze(3)) == "snoozed for 3s"
+
+
+def test_snooze_of_an_int_too_big_for_a_float_is_cut_to_ten_years() -> None:
+    """``Snooze(2**1024)``: ``float()`` of it would raise ``OverflowError``; it is cut, as
+    documented, and a negative one of that size is the usual ``ValueError``."""
+    assert Snooze(2**1024).seconds == MAX_SNOOZE_SECONDS
+    with pytest.raises(ValueError, match="seconds must be 0 or more"):
+        Snooze(-(2**1024))
