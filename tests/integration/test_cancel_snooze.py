@@ -573,3 +573,41 @@ def test_queryset_cancel_asks_claimed_rows_in_one_transaction_locked_in_id_order
         assert lock < ask, writes
     assert {item.pk for item in WorkItem.objects.cancel_requested()} == {r.pk for r in running}
     assert WorkItem.objects.filter(status=Status.CANCELLED).count() == 1
+
+
+# -- Django tasks: one error per attempt ---------------------------------------------
+
+
+@dbtask(max_attempts=3)
+def cs_fails_once(key: str) -> None:
+    raise ValueError(f"first attempt of {key}")
+
+
+def test_a_task_cancelled_by_its_attempt_shows_that_attempts_error_once() -> None:
+    """An attempt that raised something else after a request ends ``cancelled`` with
+    its own class in the history: its one error, no ``Cancelled`` marker added."""
+    from django_dbworker.tasks.compat import TaskResultStatus
+
+    result = cs_fails_once.enqueue("asked")
+    (item,) = claim(handlers=[result.task.module_path])
+    assert item.cancel() is True
+    assert transitions.cancel_running(
+        item, error="cancelled by request: ValueError: stopped", error_class="builtins.ValueError"
+    )
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
+
+
+def test_a_task_cancelled_while_pending_after_a_failed_attempt_gets_the_marker() -> None:
+    """The failed attempt's error, then the marker of the cancel (no attempt of its own)."""
+    result = cs_fails_once.enqueue("retried")
+    assert run_until_empty([result.task.module_path]) == {"retried": 1}
+    assert WorkItem.objects.filter(pk=int(result.id)).cancel() == 1
+    result.refresh()
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError", CANCELLED]
+
+
+def test_cancel_check_outside_a_workers_attempt_is_always_false() -> None:
+    check = LoopUntilCancelled().cancel_check
+    assert check() is False
