@@ -95,6 +95,7 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         and ``request_cancel`` are the two halves, each returning its own
         count, for callers that report both (the admin). Pending rows go
         first: a row claimed between the two statements is still asked.
+        Both run in one transaction on the write alias.
         """
         # One transaction on the write alias. The claimed rows, which
         # heartbeats and outcome writes lock in ascending id order, are
