@@ -13,7 +13,7 @@ imports it (``operations()`` is the way in).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -30,6 +30,7 @@ from django_dbworker.db.postgresql_sql import (
     COPY_ITEMS,
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
+    HEARTBEAT,
     INSERT_ITEM,
     INSERT_ITEMS,
     LISTEN,
@@ -103,6 +104,13 @@ class PostgresOperations(VendorOperations):
         }
         rows = self._fetch_bound(SUCCEED_MANY.sql, params)
         return {(pk, as_uuid(token)) for pk, token in rows}
+
+    def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
+        params = {"ids": [pk for pk, _ in claims], "tokens": [token for _, token in claims]}
+        return [
+            (pk, as_uuid(token), bool(requested))
+            for pk, token, requested in self._fetch_bound(HEARTBEAT.sql, params)
+        ]
 
     def _fetch_bound(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """``_fetch`` with server-side binding, for the hot statements.

@@ -158,13 +158,15 @@ class TaskHandler(WorkItemHandler):
     ) -> None:
         """Send ``task_finished`` if the attempt ended the task (SUCCESSFUL or FAILED).
 
-        A retried attempt has not finished the task; a fenced one is not
-        this attempt's to report. Sent after the write committed, outside
+        A retried or snoozed attempt has not finished the task; a fenced one
+        is not this attempt's to report. One that ended ``cancelled`` (the
+        task raised ``Cancelled``, or raised after a cancel request) finished
+        it FAILED, as a cancelled row reads. Sent after the write committed, outside
         the task's transaction, so a receiver that reads the result sees it.
         """
         with self._lock:
             result = self._running.pop((item.pk, item.claim_token), None)
-        if status not in (Status.SUCCEEDED, Status.FAILED):
+        if status not in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
             return
         if result is None:
             # No result of this attempt here: a row stale recovery failed (its

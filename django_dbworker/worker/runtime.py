@@ -282,6 +282,7 @@ class Worker:
             snapshot=self.ledger.to_heartbeat,
             on_lost=self._lost,
             on_held=self.ledger.mark_held,
+            on_cancel_requested=self.ledger.mark_cancel_requested,
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,

@@ -220,3 +220,27 @@ def test_periodic_and_retry_examples_run_their_handlers(project: Project) -> Non
     assert set(rows[0][2]) == {"digest_for"}, rows[0]
     assert rows[1][:2] == ["clear_expired_sessions", "succeeded"]
     assert rows[2] == ["call_partner_api", "succeeded", {"called": "https://partner.example/"}]
+
+
+def test_cancel_and_snooze_examples_run_in_run_workers(project: Project) -> None:
+    """*Cancelling running work* and *Snooze*: their handlers, run by ``run_workers``."""
+    project.shell(
+        "from django.contrib.auth.models import User\n"
+        "from myapp.workers import ExportUsers, NudgeNewUser\n"
+        "grace = User.objects.create(username='grace', email='grace@example.com')\n"
+        "ExportUsers.enqueue({})\n"
+        "NudgeNewUser.enqueue({'user_id': grace.pk})\n"
+    )
+    worker = project.manage("run_workers", "--burst", "export_users", "nudge_new_user")
+    assert "1 snoozed" in worker.stdout + worker.stderr, worker.stdout + worker.stderr
+    rows = project.query(
+        "import json\n"
+        "from django.contrib.auth.models import User\n"
+        "from django_dbworker.models import WorkItem\n"
+        "items = WorkItem.objects.filter(handler__in=['export_users', 'nudge_new_user'])\n"
+        "print(json.dumps({'users': User.objects.count(), 'items': {i.handler: "
+        "[i.status, i.result, i.attempts, i.snoozes] for i in items}}))"
+    )
+    assert rows["items"]["export_users"] == ["succeeded", {"rows": rows["users"]}, 1, 0]
+    # Grace never logged in: looked at again tomorrow, no attempt used.
+    assert rows["items"]["nudge_new_user"] == ["pending", None, 0, 1]

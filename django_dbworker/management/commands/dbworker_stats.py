@@ -1,4 +1,5 @@
-"""``manage.py dbworker_stats``: counts by queue and status, queue lag, orphans, schedules."""
+"""``manage.py dbworker_stats``: counts by queue and status, queue lag, cancel requests and
+snoozes, orphans, schedules."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_dbworker.stats import orphaned_handlers, queue_stats, schedule_stats, status_columns
+from django_dbworker.stats import (
+    flow_stats,
+    orphaned_handlers,
+    queue_stats,
+    schedule_stats,
+    status_columns,
+)
 
 
 class Command(BaseCommand):
@@ -44,6 +51,13 @@ class Command(BaseCommand):
                 ]
             )
         self._table(header, rows)
+        flow = flow_stats(using=options["database"])
+        if flow["cancel_requested"] or flow["snoozed"]:
+            self.stdout.write("")
+            self.stdout.write(
+                f"Running items asked to cancel: {flow['cancel_requested']}; "
+                f"pending items that snoozed: {flow['snoozed']}."
+            )
         orphans = orphaned_handlers(using=options["database"])
         if orphans:
             self.stdout.write("")

@@ -295,7 +295,8 @@ def _unreachable(using: str, exc: BaseException) -> str:
 
 
 def _summary(worker: Worker) -> str:
-    """``3 succeeded, 1 failed, 0 retried, 0 released`` (+ timeouts and fenced if any)."""
+    """``3 succeeded, 1 failed, 0 retried, 0 released`` (+ snoozed, cancelled, timeouts and
+    fenced if any)."""
     counts = worker.outcomes
     parts = [
         f"{counts[Outcome.SUCCEEDED]} succeeded",
@@ -303,6 +304,9 @@ def _summary(worker: Worker) -> str:
         f"{counts[Outcome.RETRIED]} retried",
         f"{worker.released} released",
     ]
+    for outcome in (Outcome.SNOOZED, Outcome.CANCELLED):
+        if counts[outcome]:
+            parts.append(f"{counts[outcome]} {outcome}")
     if counts[Outcome.TIMEOUT]:
         parts.append(f"{counts[Outcome.TIMEOUT]} timed out")
     if counts[Outcome.FENCED]:
