@@ -55,8 +55,8 @@ def _flag(parse: Callable[[str], Any], validator: Callable[[Any], V]) -> Callabl
 
 
 _positive_int = _flag(int, validation.positive_int)
-_positive_float = _flag(float, validation.positive_number)
-_non_negative_float = _flag(float, validation.non_negative_number)
+_wait_seconds = _flag(float, validation.timeout_seconds)
+_wait_or_zero_seconds = _flag(float, validation.wait_or_zero_seconds)
 _port = _flag(int, validation.port)
 _queue = _flag(str, validation.queue_name)
 
@@ -88,7 +88,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--interval",
-            type=_positive_float,
+            type=_wait_seconds,
             metavar="SECONDS",
             help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).",
         )
@@ -108,7 +108,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--shutdown-timeout",
-            type=_non_negative_float,
+            type=_wait_or_zero_seconds,
             metavar="SECONDS",
             help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).",
         )
