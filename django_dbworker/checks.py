@@ -209,7 +209,8 @@ _PERIODIC_HINTS = {
     "every_or_cron": "Set `every = <seconds>` or `cron = '<minute> <hour> <day> <month> "
     "<weekday>'`, not both.",
     "cron": "Five fields: minute (0-59), hour (0-23), day of month (1-31), month (1-12 or "
-    "JAN-DEC), day of week (0-7 or SUN-SAT).",
+    "JAN-DEC), day of week (0-7 or SUN-SAT); or one of @yearly, @annually, @monthly, "
+    "@weekly, @daily, @midnight, @hourly.",
     "every": "`every` is a number of seconds, at least 1.",
     "timezone": "An IANA name from the tz database, such as 'Europe/Paris' or 'UTC'.",
     "jitter": "`jitter` is a number of seconds, 0 or more.",
