@@ -30,9 +30,9 @@ from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
 from django_dbworker import tracing
-from django_dbworker.db import operations
+from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
-from django_dbworker.errors import EnqueueError
+from django_dbworker.errors import DatabaseNotReady, EnqueueError
 from django_dbworker.errortext import exception_class_path
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, WorkItem
@@ -230,9 +230,21 @@ def insert_one(
         try:
             return _save(cls, item, send, db, run_after, None if payload is None else payload_json)
         except DatabaseError as exc:
+            _raise_setup_problem(db, exc)
             if cls.sensitive:
                 raise _withheld(exc, cls) from None
             raise
+
+
+def _raise_setup_problem(db: str, exc: DatabaseError) -> None:
+    """Raise ``DatabaseNotReady`` (chained) if ``exc`` is a setup mistake: not migrated, no folder.
+
+    One line that says the fix, where the database's words ("no such table")
+    would end a long traceback. They quote no row, so sensitive or not.
+    """
+    problem = setup_problem(db, exc)
+    if problem is not None:
+        raise DatabaseNotReady(problem) from exc
 
 
 def _withheld(exc: DatabaseError, cls: type[WorkItemHandler]) -> DatabaseError:
@@ -369,6 +381,7 @@ def insert_many(
         try:
             return _save_many(items, db, run_after, encoded)
         except DatabaseError as exc:
+            _raise_setup_problem(db, exc)
             if cls.sensitive:
                 raise _withheld(exc, cls) from None
             raise

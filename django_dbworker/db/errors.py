@@ -1,5 +1,7 @@
 """Which database errors are worth retrying: the one place that reads vendor error codes.
 
+(And which one says a table is missing: ``migrate`` has not run.)
+
 Outcome writes, heartbeats and claims retry an error that says "not now"
 (the connection dropped, the server is read-only during a failover, a
 deadlock or lock timeout picked us) and give up on one that says "never"
@@ -65,6 +67,26 @@ def mysql_error_code(exc: BaseException) -> int | None:
         return None
     args = getattr(cause, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
+
+
+#: "The table does not exist": PostgreSQL's undefined_table SQLSTATE and
+#: MySQL's ER_NO_SUCH_TABLE; SQLite says it in words only.
+MISSING_TABLE_SQLSTATE = "42P01"
+MISSING_TABLE_MYSQL_ERROR = 1146
+MISSING_TABLE_SQLITE_TEXT = "no such table"
+
+
+def is_missing_table(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a table does not exist (``migrate`` has not run)."""
+    if not isinstance(exc, DatabaseError):
+        return False
+    code = getattr(exc.__cause__, "sqlstate", None)
+    if isinstance(code, str) and len(code) == 5:
+        return code == MISSING_TABLE_SQLSTATE
+    errno = mysql_error_code(exc)
+    if errno:
+        return errno == MISSING_TABLE_MYSQL_ERROR
+    return isinstance(exc, OperationalError) and str(exc).startswith(MISSING_TABLE_SQLITE_TEXT)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -16,7 +16,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
-from django_dbworker.db import UnsupportedDatabase, operations
+from django_dbworker.db import UnsupportedDatabase, operations, setup_problem
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
@@ -274,6 +274,9 @@ class Command(BaseCommand):
 
 def _unreachable(using: str, exc: BaseException) -> str:
     """One line: which database, where, what the driver said, what to check."""
+    problem = setup_problem(using, exc)
+    if problem is not None:
+        return problem
     conf = connections[using].settings_dict
     where = (
         f"{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 'default port'}"
