@@ -89,6 +89,42 @@ def is_missing_table(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) and str(exc).startswith(MISSING_TABLE_SQLITE_TEXT)
 
 
+#: SQLSTATEs of "the server went away" outside class 08 (connection
+#: exception): admin_shutdown, crash_shutdown, cannot_connect_now.
+CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+#: MySQL/MariaDB server errors of the same meaning (the client library's
+#: own, 2000-2999, all are).
+CONNECTION_MYSQL_ERRORS = frozenset({1053, 1152, 1158, 1159, 1160, 1161, 1927, 4031})
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached (not: refused this statement).
+
+    The connection failed, broke or was closed by the server (a restart, a
+    failover, a network cut). Django's wrapped errors and the drivers' own
+    (the PostgreSQL wake-up listener uses psycopg directly) both count. A
+    deadlock or a lock timeout is transient but not this: the server answered.
+    """
+    if isinstance(exc, InterfaceError):
+        return True
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    module = type(cause).__module__.split(".")[0]
+    code = getattr(cause, "sqlstate", None)
+    if isinstance(code, str) and len(code) == 5:
+        return code[:2] == "08" or code in CONNECTION_SQLSTATES
+    errno = mysql_error_code(exc)
+    if errno:
+        return 2000 <= errno < 3000 or errno in CONNECTION_MYSQL_ERRORS
+    if module == "psycopg":
+        # No SQLSTATE: the client library's own error (connection refused,
+        # server closed the connection, the connection is closed).
+        import psycopg
+
+        return isinstance(cause, (psycopg.OperationalError, psycopg.InterfaceError))
+    # SQLite has no server; only a file that cannot be opened is "unreachable".
+    return isinstance(exc, OperationalError) and "unable to open database file" in str(exc)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a database error that may go away if the write is retried."""
     if not isinstance(exc, DatabaseError):
