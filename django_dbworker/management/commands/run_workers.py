@@ -181,12 +181,22 @@ class Command(BaseCommand):
         _log_schedules([registry[n] for n in names], config.queues)
         warn_about_orphans(using)
         self._start_metrics_server(options)
-        self._install_signal_handlers(worker)
+        signals = self._install_signal_handlers(worker)
         try:
             worker.run()
         finally:
             metrics.mark_process_dead()
-        logger.info("Worker stopped: %s.", _summary(worker))
+        if config.burst and not signals["count"] and worker.unhealthy is None:
+            # The expected end of a burst run: a summary, not a shutdown notice.
+            logger.info(
+                "Burst done, the queue is drained (nothing left to claim for handlers=%s, "
+                "queues=%s). Worker stopped: %s.",
+                ",".join(names),
+                ",".join(config.queues) if config.queues else "all",
+                _summary(worker),
+            )
+        else:
+            logger.info("Worker stopped: %s.", _summary(worker))
         if worker.unhealthy is not None:
             # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process.
             raise CommandError(
@@ -251,7 +261,8 @@ class Command(BaseCommand):
         if found:
             logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
-    def _install_signal_handlers(self, worker: Worker) -> None:
+    def _install_signal_handlers(self, worker: Worker) -> dict[str, int]:
+        """SIGTERM and SIGINT stop ``worker``; returns the count of signals received."""
         received = {"count": 0}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -270,6 +281,7 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        return received
 
 
 def _unreachable(using: str, exc: BaseException) -> str:
