@@ -16,15 +16,18 @@ outage, and each would otherwise log every retry.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
+from django.dispatch import receiver
 
 from django_dbworker.db.errors import is_connection_error, is_transient
 
@@ -138,6 +141,8 @@ def _first_line(exc: BaseException) -> str:
 @dataclass
 class _Outage:
     began: float
+    #: The number of the last connection opened before it began.
+    opened: int = 0
     #: When it was last said at WARNING; None while it may still be a blip.
     reported: float | None = None
 
@@ -171,7 +176,7 @@ class DatabaseOutage:
         with self._lock:
             down = self._down.get(using)
             if down is None:
-                down = self._down[using] = _Outage(began=now)
+                down = self._down[using] = _Outage(began=now, opened=_last_opened)
                 say = "blip"
             elif down.reported is None:
                 down.reported = now
@@ -201,14 +206,17 @@ class DatabaseOutage:
     def back(self, using: str, *, reached: bool = False) -> None:
         """A step succeeded: ends the outage, if there was one, if it reached the database.
 
-        It did if this thread holds an open connection (after an error each
-        component closes its connection, and a step with nothing to do, a
-        heartbeat with no running items, opens none), or if the caller says
-        so (``reached``: the wake-up listener has a connection of its own).
+        It did if this thread opened a connection since the outage began
+        (after an error each component closes its connection; a step with
+        nothing to do, a heartbeat with no running items, a claim loop with
+        no free thread, succeeds on an old connection without a query), or
+        if the caller says so (``reached``: the wake-up listener has a
+        connection of its own).
         """
-        if using not in self._down:  # the common case: no lock, no clock
+        down = self._down.get(using)
+        if down is None:  # the common case: no lock, no clock
             return
-        if not reached and connections[using].connection is None:
+        if not reached and getattr(_opened_here, using, -1) <= down.opened:
             return
         with self._lock:
             down = self._down.pop(using, None)
@@ -223,6 +231,19 @@ class DatabaseOutage:
 
 #: The process's outage reporter (a worker process runs one worker).
 outage = DatabaseOutage()
+#: Connections opened by this process, numbered in order (itertools.count
+#: is atomic under the GIL); per thread and alias, the number of the last.
+_numbers = itertools.count(1)
+_last_opened = 0
+_opened_here = threading.local()
+
+
+@receiver(connection_created, dispatch_uid="django_dbworker.worker.connections")
+def _note_connection(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    # Sent in the thread that opened it (Django's connections are per thread).
+    global _last_opened
+    number = _last_opened = next(_numbers)
+    setattr(_opened_here, connection.alias, number)
 
 
 def report_error(using: str, what: str, exc: BaseException) -> bool:

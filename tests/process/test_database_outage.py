@@ -117,9 +117,9 @@ def test_an_outage_is_one_warning_reminders_and_one_line_when_back(
     during = lines[: next(i for i, line in enumerate(lines) if "reachable again" in line) + 1]
     # One line per message: no driver text continued on tab-indented lines.
     assert not [line for line in during if line.startswith(("\t", " "))], "\n".join(during)
-    lost = [line for line in during if "unreachable" in line and "still" not in line]
-    reminders = [line for line in during if "still unreachable" in line]
-    back = [line for line in during if "reachable again" in line]
+    lost = [line for line in during if "Database 'default' is unreachable" in line]
+    reminders = [line for line in during if "Database 'default' is still unreachable" in line]
+    back = [line for line in during if "Database 'default' is reachable again" in line]
     assert len(lost) == 1, "\n".join(during)
     assert lost[0].startswith("WARNING ")
     assert 1 <= len(reminders) <= 3, "\n".join(during)
