@@ -107,3 +107,13 @@ def test_a_sqlite_file_in_a_missing_folder_is_named_by_enqueue_and_run_workers(
     assert f"the folder {folder} does not exist" in lines[0]
     assert "server is running" not in lines[0]
     assert not folder.exists()
+
+
+def test_dbworker_stats_before_migrate_exits_non_zero_with_one_line(
+    worker_env: dict[str, str], empty_database: str
+) -> None:
+    done = _run([sys.executable, "-m", "django", "dbworker_stats"], worker_env, empty_database)
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, done.stdout + done.stderr
+    assert lines[0].startswith("CommandError: ") and "manage.py migrate" in lines[0]
