@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django_dbworker.errors import Cancelled, EnqueueError, NoTask, Snooze
+from django_dbworker.errors import Cancelled, DatabaseNotReady, EnqueueError, NoTask, Snooze
 from django_dbworker.registry import registry
 from django_dbworker.version import __version__ as __version__
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Cancelled",
+    "DatabaseNotReady",
     "EnqueueError",
     "Handler",
     "NoTask",

@@ -5,9 +5,22 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError
+
 
 class EnqueueError(ValueError):
     """Raised by enqueue when its input is invalid; nothing has been written."""
+
+
+class DatabaseNotReady(ImproperlyConfigured, DatabaseError):
+    """The work table cannot be used yet: not migrated, or a SQLite file that cannot be.
+
+    Raised from the database's own error (chained), with a message that
+    says the fix (``run manage.py migrate``, the missing folder). A
+    ``DatabaseError`` too, so code that already catches those still does;
+    never transient: retrying does not create a table.
+    """
 
 
 class NoTask(Exception):

@@ -79,7 +79,9 @@ class PeriodicHandler(WorkItemHandler):
     abstract = True
     #: Seconds between slots (epoch-aligned); or set ``cron``.
     every: ClassVar[float | None] = None
-    #: A 5-field cron expression (minute hour day-of-month month day-of-week).
+    #: A 5-field cron expression (minute hour day-of-month month day-of-week),
+    #: or a shortcut of crontab(5): ``@yearly`` (``@annually``), ``@monthly``,
+    #: ``@weekly``, ``@daily`` (``@midnight``), ``@hourly``.
     cron: ClassVar[str | None] = None
     #: The IANA time zone of ``cron``'s wall clock.
     timezone: ClassVar[str] = "UTC"

@@ -30,12 +30,14 @@ class InvalidValue(ValueError):
     """A value outside its domain; the message reads after the value's name.
 
     ``wrong_type`` tells a value of the wrong type (``"8"`` for an integer)
-    from one of the right type out of range, so the checks can keep their ids.
+    from one of the right type out of range, so the checks can keep their ids;
+    ``too_long`` marks a number of seconds no thread can wait for (its own id).
     """
 
-    def __init__(self, message: str, *, wrong_type: bool = False) -> None:
+    def __init__(self, message: str, *, wrong_type: bool = False, too_long: bool = False) -> None:
         super().__init__(message)
         self.wrong_type = wrong_type
+        self.too_long = too_long
 
 
 def _is_int(value: Any) -> bool:
@@ -70,12 +72,26 @@ def positive_number(value: Any) -> float:
     return float(value)
 
 
+def _waitable(number: float, value: Any) -> float:
+    # Condition.wait and Lock.acquire raise OverflowError above TIMEOUT_MAX
+    # (and for inf): a worker would crash at its first idle wait.
+    if not math.isfinite(number) or number > threading.TIMEOUT_MAX:
+        raise InvalidValue(
+            "must be a finite number of seconds, at most threading.TIMEOUT_MAX "
+            f"({threading.TIMEOUT_MAX:.0f}), got {value!r}",
+            too_long=True,
+        )
+    return number
+
+
 def timeout_seconds(value: Any) -> float:
     """A positive, finite number of seconds that a thread can wait for."""
-    number = positive_number(value)
-    if not math.isfinite(number) or number > threading.TIMEOUT_MAX:
-        raise InvalidValue(f"must be a finite number of seconds, got {value!r}")
-    return number
+    return _waitable(positive_number(value), value)
+
+
+def wait_or_zero_seconds(value: Any) -> float:
+    """0 or a positive, finite number of seconds that a thread can wait for."""
+    return _waitable(non_negative_number(value), value)
 
 
 def non_negative_number(value: Any) -> float:
@@ -179,12 +195,13 @@ DEFAULT_RETENTION: Mapping[str, float | None] = {
 #: ``DBWORKER`` keys and their validators (relations between keys: ``checks.py``).
 SETTINGS: Mapping[str, Validator] = {
     "CONCURRENCY": positive_int,
-    "POLL_INTERVAL": positive_number,
+    # Seconds that reach a thread's wait (Condition.wait, Event.wait).
+    "POLL_INTERVAL": timeout_seconds,
     "BATCH_SIZE": non_negative_int,
     "PREFETCH_HORIZON": non_negative_number,
-    "HEARTBEAT_INTERVAL": positive_number,
-    "STALE_AFTER": positive_number,
-    "SHUTDOWN_TIMEOUT": non_negative_number,
+    "HEARTBEAT_INTERVAL": timeout_seconds,
+    "STALE_AFTER": timeout_seconds,
+    "SHUTDOWN_TIMEOUT": wait_or_zero_seconds,
     "MAX_ATTEMPTS": positive_int,
     "RETRY_BACKOFF": positive_number,
     "RETRY_BACKOFF_MAX": positive_number,

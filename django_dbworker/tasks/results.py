@@ -20,6 +20,7 @@ from typing import Any
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from django_dbworker import errortext
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks.compat import Task, TaskError, TaskResult, TaskResultStatus
 
@@ -161,7 +162,7 @@ def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResu
     errors = [
         TaskError(
             exception_class_path=str(entry.get("exception_class_path") or "builtins.Exception"),
-            traceback=str(entry.get("error") or ""),
+            traceback=errortext.traceback_text(str(entry.get("error") or "")),
         )
         for entry in entries
     ]

@@ -30,7 +30,7 @@ from django_dbworker.worker.config import (
     UNRECORDED_EXTRA,
     WorkerConfig,
 )
-from django_dbworker.worker.connections import Backoff, close_quietly
+from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
 from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.pool import Pool
@@ -329,7 +329,9 @@ class ClaimLoop:
                 self.metrics.claim_error(WORK_ITEM_LOOP)
                 self.recovery.observe_write(math.inf)  # a claim that failed was held up too
                 delay = self._backoff.next()
-                if is_transient(exc):
+                if report_error(self.config.using, "claiming", exc):
+                    pass  # one line per outage (connections.DatabaseOutage)
+                elif is_transient(exc):
                     logger.error(
                         "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
                     )
@@ -341,6 +343,7 @@ class ClaimLoop:
                 clock.wait(control.stopping, delay)
                 continue
             self._backoff.reset()
+            outage.back(self.config.using)
             if control.stopping.is_set():
                 return
             if claimed:

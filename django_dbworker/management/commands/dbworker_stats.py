@@ -6,8 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
+from django_dbworker.db import setup_problem
+from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
     flow_stats,
     orphaned_handlers,
@@ -30,6 +33,16 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self._stats(options)
+        except DatabaseError as exc:
+            # Not migrated, or a SQLite file in a missing folder: one line.
+            problem = setup_problem(work_db_for_read(options["database"]), exc)
+            if problem is None:
+                raise
+            raise CommandError(problem) from exc
+
+    def _stats(self, options: dict[str, Any]) -> None:
         stats = queue_stats(using=options["database"])
         if not stats:
             self.stdout.write("No work items.")
