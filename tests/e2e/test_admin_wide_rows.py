@@ -1,0 +1,134 @@
+"""The admin lists at 1280x800 with long handler names and errors, in a real Chromium.
+
+Every list's key column (the Failed list's error, the Claimed list's stale
+marker, the Work items list's error and where each row stands) must be on
+screen without the horizontal scrollbar of the results table. Screenshots
+go to ``$DBWORKER_SCREENSHOT_DIR`` when it is set (the issue's closing note).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.db.models.functions import Now
+
+from django_dbworker.models import Status, WorkItem
+from tests.e2e.test_admin_browser import browser_page  # noqa: F401  (the fixture)
+from tests.factories import age_heartbeat, make_item
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WIDTH, HEIGHT = 1280, 800
+LONG_HANDLER = "billing.reconciliation.reconcile_customer_invoices_for_period_{}"
+LONG_QUEUE = "billing-reconciliation-eu-west"
+LONG_ERROR = (
+    "psycopg.errors.UniqueViolation: duplicate key value violates unique constraint "
+    '"billing_invoice_customer_id_period_key" DETAIL: Key (customer_id, period)=({}, 2026-11) '
+    "already exists.\n\nTraceback (most recent call last):\n  ..."
+)
+LONG_WORKER = "ip-10-20-30-40.eu-west-1.compute.internal:1234567:ThreadPoolExecutor-3_{}"
+
+
+def _seed() -> None:
+    for i in range(12):
+        item = make_item(
+            handler=LONG_HANDLER.format(i),
+            queue=LONG_QUEUE,
+            status=Status.FAILED,
+            attempts=10,
+            max_attempts=10,
+            last_error=LONG_ERROR.format(100_000 + i),
+        )
+        WorkItem.objects.filter(pk=item.pk).update(claimed_at=Now(), finished_at=Now())
+    for i in range(12):
+        item = make_item(
+            handler=LONG_HANDLER.format(i),
+            queue=LONG_QUEUE,
+            status=Status.CLAIMED,
+            attempts=1,
+            claimed_by=LONG_WORKER.format(i),
+        )
+        WorkItem.objects.filter(pk=item.pk).update(claimed_at=item.created_at)
+        age_heartbeat(item, 600 if i % 2 else 5)
+    for i in range(6):
+        make_item(handler=LONG_HANDLER.format(i), queue=LONG_QUEUE, priority=100)
+
+
+def _log_in(page, url: str) -> None:  # type: ignore[no-untyped-def]
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
+    page.goto(url)
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#result_list")
+
+
+def _outside(page, selector: str) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    """The cells of ``selector`` whose right edge is past the window's (none may be)."""
+    result: list[dict[str, float]] = page.evaluate(
+        """(selector) => {
+            const cells = Array.from(document.querySelectorAll(selector));
+            if (!cells.length) { return [{missing: selector}]; }
+            return cells
+                .map((cell) => ({
+                    right: cell.getBoundingClientRect().right, width: window.innerWidth,
+                }))
+                .filter((box) => box.right > box.width);
+        }""",
+        selector,
+    )
+    return result
+
+
+def _screenshot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+    folder = os.environ.get("DBWORKER_SCREENSHOT_DIR")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"))
+
+
+@pytest.mark.parametrize(
+    ("page_name", "selectors"),
+    [
+        ("failedworkitem", ["td.field-error_summary", "td.field-attempts_display"]),
+        ("claimedworkitem", ["td.field-stale_marker", "td.field-heartbeat_age"]),
+        (
+            "workitem",
+            [
+                "td.field-handler_and_error",
+                "td.field-status_badge",
+                "td.field-progress",
+                "td.field-progress .dbw-stale",
+            ],
+        ),
+    ],
+)
+def test_every_lists_key_column_is_on_screen_at_1280_px(  # type: ignore[no-untyped-def]
+    browser_page,  # noqa: F811
+    live_server,
+    page_name: str,
+    selectors: list[str],
+) -> None:
+    _seed()
+    page = browser_page
+    _log_in(page, f"{live_server.url}/admin/django_dbworker/{page_name}/")
+    assert page.evaluate("window.innerWidth") == WIDTH
+    _screenshot(page, f"{page_name}-1280x800")
+    for selector in selectors:
+        assert _outside(page, selector) == [], selector
+    # No horizontal scrollbar: the results table fits its box.
+    overflow = page.evaluate(
+        "(() => { const r = document.querySelector('.results');"
+        " return r.scrollWidth - r.clientWidth; })()"
+    )
+    assert overflow <= 0
+    # Cut text keeps the whole value on hover.
+    if page_name == "failedworkitem":
+        cell = page.locator("td.field-error_summary [title]").first
+        assert (cell.get_attribute("title") or "").startswith("psycopg.errors.UniqueViolation")
+    if page_name == "claimedworkitem":
+        assert page.locator("td.field-stale_marker", has_text="stale").count() == 6
