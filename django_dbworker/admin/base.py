@@ -31,6 +31,7 @@ from django_dbworker.admin import actions, display
 from django_dbworker.admin.columns import WorkItemColumns
 from django_dbworker.admin.filters import HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
+from django_dbworker.admin.row_buttons import RowButtons
 from django_dbworker.models import WorkItem, handler_match
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class _LightChangeList(ChangeList):
         )
 
 
-class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
+class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
     list_filter = ("status", QueueFilter, HandlerFilter)
     # Exact matches only: each is served by an index (pk, handler, unique_key).
     search_fields = ["=id", "=handler", "=unique_key"]
