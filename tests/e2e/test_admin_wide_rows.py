@@ -132,3 +132,65 @@ def test_every_lists_key_column_is_on_screen_at_1280_px(  # type: ignore[no-unty
         assert (cell.get_attribute("title") or "").startswith("psycopg.errors.UniqueViolation")
     if page_name == "claimedworkitem":
         assert page.locator("td.field-stale_marker", has_text="stale").count() == 6
+
+
+def test_select_all_matching_rows_confirms_then_retries_them_all(  # type: ignore[no-untyped-def]
+    browser_page,  # noqa: F811
+    live_server,
+) -> None:
+    """More rows than a page: "Select all", Go, a confirmation page with the count, Yes."""
+    WorkItem.objects.bulk_create(
+        WorkItem(
+            handler="echo",
+            queue="emails",
+            payload={},
+            status=Status.FAILED,
+            attempts=3,
+            max_attempts=3,
+            last_error=f"SMTPRecipientsRefused: user{i}@example.com",
+        )
+        for i in range(60)
+    )
+    other = make_item(handler="echo", queue="default", status=Status.FAILED, attempts=3)
+    page = browser_page
+    _log_in(page, f"{live_server.url}/admin/django_dbworker/failedworkitem/?queue=emails")
+    page.check("#action-toggle")
+    page.click(".actions .question a")
+    assert "All matching failed work items selected (60)" in page.inner_text(".actions")
+    page.select_option("select[name=action]", "retry")
+    page.click("button[name=index]")
+    page.wait_for_selector("#dbw-confirm")
+    assert page.inner_text("#dbw-confirm-filters") == "queue = emails"
+    assert page.inner_text("#dbw-confirm-eligible") == "60"
+    assert WorkItem.objects.filter(status=Status.FAILED).count() == 61  # nothing yet
+    _screenshot(page, "select-all-confirmation-1280x800")
+    page.click("#dbw-confirm-yes")
+    page.wait_for_selector("ul.messagelist")
+    assert "60 work item(s) set to pending" in page.inner_text("ul.messagelist")
+    assert WorkItem.objects.filter(queue="emails", status=Status.PENDING).count() == 60
+    assert WorkItem.objects.get(pk=other.pk).status == Status.FAILED
+
+
+def test_the_retry_button_of_a_rows_page(  # type: ignore[no-untyped-def]
+    browser_page,  # noqa: F811
+    live_server,
+) -> None:
+    item = make_item(
+        handler="echo",
+        status=Status.FAILED,
+        attempts=3,
+        claimed_by="old-host:1:MainThread",
+        last_error="ValueError: the report broke",
+    )
+    page = browser_page
+    _log_in(page, f"{live_server.url}/admin/django_dbworker/failedworkitem/")
+    page.goto(f"{live_server.url}/admin/django_dbworker/failedworkitem/{item.pk}/change/")
+    assert page.locator("button.dbw-row-action").all_inner_texts() == ["RETRY"]
+    assert "old-host" not in page.content()
+    _screenshot(page, "failed-row-page-1280x800")
+    page.click("button.dbw-row-action[value=retry]")
+    page.wait_for_selector("ul.messagelist")
+    assert "1 work item(s) set to pending for a new run." in page.inner_text("ul.messagelist")
+    assert page.url.endswith(f"/admin/django_dbworker/workitem/{item.pk}/change/")
+    assert page.locator("button.dbw-row-action").all_inner_texts() == ["CANCEL", "RUN NOW"]
+    assert WorkItem.objects.get(pk=item.pk).status == Status.PENDING
