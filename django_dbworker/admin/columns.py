@@ -40,7 +40,7 @@ class WorkItemColumns:
     def worker_display(self, obj: WorkItem) -> SafeString | str:
         return display.worker(obj.claimed_by)
 
-    @admin.display(description="claimed by / since", ordering="claimed_at")
+    @admin.display(description="claimed by", ordering="claimed_at")
     def worker_and_claimed(self, obj: WorkItem) -> SafeString:
         """Who holds the claim, and under it since when: one column (cut, whole on hover)."""
         return format_html(

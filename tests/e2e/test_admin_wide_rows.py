@@ -194,3 +194,21 @@ def test_the_retry_button_of_a_rows_page(  # type: ignore[no-untyped-def]
     assert page.url.endswith(f"/admin/django_dbworker/workitem/{item.pk}/change/")
     assert page.locator("button.dbw-row-action").all_inner_texts() == ["CANCEL", "RUN NOW"]
     assert WorkItem.objects.get(pk=item.pk).status == Status.PENDING
+
+
+def test_a_pending_rows_page_offers_cancel_and_run_now(  # type: ignore[no-untyped-def]
+    browser_page,  # noqa: F811
+    live_server,
+) -> None:
+    item = make_item(handler="echo", claimed_by="old-host:1:MainThread")
+    page = browser_page
+    _log_in(page, f"{live_server.url}/admin/django_dbworker/workitem/")
+    page.goto(f"{live_server.url}/admin/django_dbworker/workitem/{item.pk}/change/")
+    _screenshot(page, "pending-row-page-1280x800")
+    boxes = [b.bounding_box() for b in page.locator(".object-tools li").all()]
+    # The buttons sit in one row with Django's own History link, at its height.
+    assert len(boxes) == 3 and all(b is not None for b in boxes)
+    assert len({round(b["y"]) for b in boxes if b}) == 1
+    page.click("button.dbw-row-action[value=run_now]")
+    page.wait_for_selector("ul.messagelist")
+    assert "1 work item(s) made due now." in page.inner_text("ul.messagelist")
