@@ -175,3 +175,63 @@ def test_a_selection_without_select_all_still_applies_at_once(superuser_client: 
     )
     assert response.status_code == 302
     assert WorkItem.objects.filter(status=Status.FAILED).count() == 1
+
+
+@pytest.mark.server_db
+@pytest.mark.django_db(transaction=True)
+def test_each_batch_commits_on_its_own_while_a_locked_row_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row a worker holds locked stalls only its own batch; the batches before it are done.
+
+    Batches go newest first; the oldest row is locked by another connection
+    (as a claim or a heartbeat holds it), so the last batch waits for it
+    while the two before it are already committed and visible.
+    """
+    import threading
+
+    from django.db import connection, transaction
+
+    from tests.conftest import wait_until
+
+    monkeypatch.setattr(actions, "BATCH_SIZE", 2)
+    _bulk(6, status=Status.FAILED, attempts=3)
+    ids = sorted(WorkItem.objects.values_list("pk", flat=True))
+    locked, release = threading.Event(), threading.Event()
+    outcome: list[actions.BatchRun] = []
+
+    def hold_the_oldest_row() -> None:
+        try:
+            with transaction.atomic():
+                list(WorkItem.objects.select_for_update().filter(pk=ids[0]))
+                locked.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    def retry_all() -> None:
+        try:
+            outcome.append(
+                actions.run_in_batches(actions.RETRY, WorkItem.objects.filter(status=Status.FAILED))
+            )
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_oldest_row)
+    holder.start()
+    assert locked.wait(10)
+    runner = threading.Thread(target=retry_all)
+    runner.start()
+    try:
+        wait_until(
+            lambda: WorkItem.objects.filter(pk__in=ids[2:], status=Status.PENDING).count() == 4,
+            what="the first two batches to commit",
+        )
+        assert runner.is_alive()  # the last batch waits for the locked row
+        assert WorkItem.objects.filter(pk__in=ids[:2], status=Status.FAILED).count() == 2
+    finally:
+        release.set()
+        holder.join(10)
+        runner.join(30)
+    assert outcome == [actions.BatchRun(changed=6, read=6, before=None)]
+    assert WorkItem.objects.filter(status=Status.PENDING).count() == 6
