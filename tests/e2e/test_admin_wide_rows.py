@@ -212,3 +212,34 @@ def test_a_pending_rows_page_offers_cancel_and_run_now(  # type: ignore[no-untyp
     page.click("button.dbw-row-action[value=run_now]")
     page.wait_for_selector("ul.messagelist")
     assert "1 work item(s) made due now." in page.inner_text("ul.messagelist")
+
+
+def test_the_dashboard_groups_failures_whose_messages_carry_ids(  # type: ignore[no-untyped-def]
+    browser_page,  # noqa: F811
+    live_server,
+) -> None:
+    for order in (1234, 99, 500_001, 7):
+        item = make_item(
+            handler="echo",
+            status=Status.FAILED,
+            attempts=3,
+            last_error=f"LookupError: Order {order} not found\n\nTraceback ...",
+        )
+        WorkItem.objects.filter(pk=item.pk).update(claimed_at=Now(), finished_at=Now())
+    page = browser_page
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
+    page.goto(f"{live_server.url}/admin/django_dbworker/queuesummary/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#dbw-failures")
+    rows = page.locator("#dbw-failures tbody tr")
+    assert rows.count() == 1
+    assert rows.first.inner_text().split("\t")[:3] == [
+        "LookupError: Order <n> not found",
+        "echo",
+        "4",
+    ]
+    page.locator("#dbw-failures").scroll_into_view_if_needed()
+    _screenshot(page, "dashboard-failures-1280x800")
