@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from django_dbworker.db import operations
 from django_dbworker.db.types import RunTimes
+from django_dbworker.errortext import error_pattern
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
 from django_dbworker.periodic import PeriodicHandler, periodic_handlers
@@ -250,6 +251,10 @@ RECENT = timedelta(hours=1)
 RUN_TIME_SAMPLE = 5_000
 #: Error groups listed, most frequent first.
 FAILURE_GROUPS = 20
+#: Distinct (handler, first line) pairs read to make them: the most frequent
+#: first, then the latest. Messages that carry ids are each their own pair,
+#: so the groups are folded from these in Python (``error_pattern``).
+FAILURE_SAMPLE = 2_000
 #: Characters of an error's first line that tell one error from another.
 ERROR_HEAD = 200
 
@@ -316,18 +321,27 @@ def run_times(using: str | None = None) -> list[RunTimes]:
 
 class FailureGroup(TypedDict):
     handler: str
-    #: The first line of ``last_error`` (the exception type and message).
+    #: The first line of ``last_error`` (the exception type and message), or
+    #: its pattern (``error_pattern``) when different messages fold into it.
     error: str
     count: int
     last_seen: datetime
+    #: How many different first lines the group holds, and its latest one.
+    messages: int
+    example: str
+    #: True when the read stopped at ``FAILURE_SAMPLE`` pairs: counts may be low.
+    sampled: bool
 
 
 def failure_groups(using: str | None = None) -> list[FailureGroup]:
-    """Rows that failed in the last hour, grouped by handler and first line of error.
+    """Rows that failed in the last hour, grouped by handler and normalised first line of error.
 
     The first line is cut in the database (``last_error`` holds up to 10 kB
-    of traceback each), and grouped there: one query, the
-    ``FAILURE_GROUPS`` most frequent groups.
+    of traceback each), and grouped there by its exact text: one query,
+    reading at most ``FAILURE_SAMPLE`` groups. Those fold here into groups
+    of one pattern (``error_pattern``: ids, numbers and quoted values
+    replaced), so "Order 12 not found" and "Order 99 not found" are one
+    failure; the ``FAILURE_GROUPS`` most frequent are returned.
     """
     db = work_db_for_read(using)
     first_line = Case(
@@ -335,7 +349,7 @@ def failure_groups(using: str | None = None) -> list[FailureGroup]:
         default=F("last_error"),
         output_field=TextField(),
     )
-    rows: Any = (
+    rows: Any = list(
         WorkItem.objects.using(db)
         .filter(finished_at__gte=Now() - RECENT, status=Status.FAILED)
         .order_by()
@@ -343,14 +357,31 @@ def failure_groups(using: str | None = None) -> list[FailureGroup]:
         .annotate(error=Left(first_line, ERROR_HEAD))
         .values("handler", "error")
         .annotate(n=Count("id"), last_seen=Max("finished_at"))
-        .order_by("-n", "-last_seen", "handler")[:FAILURE_GROUPS]
+        .order_by("-n", "-last_seen", "handler")[:FAILURE_SAMPLE]
     )
-    return [
-        {
-            "handler": row["handler"],
-            "error": row["error"],
-            "count": row["n"],
-            "last_seen": row["last_seen"],
-        }
-        for row in rows
-    ]
+    sampled = len(rows) >= FAILURE_SAMPLE
+    groups: dict[tuple[str, str], FailureGroup] = {}
+    for row in rows:
+        error = row["error"] or ""
+        key = (row["handler"], error_pattern(error))
+        group = groups.get(key)
+        if group is None:
+            groups[key] = {
+                "handler": row["handler"],
+                "error": row["error"],
+                "count": row["n"],
+                "last_seen": row["last_seen"],
+                "messages": 1,
+                "example": row["error"],
+                "sampled": sampled,
+            }
+            continue
+        group["count"] += row["n"]
+        group["messages"] += 1
+        group["error"] = key[1]
+        if row["last_seen"] > group["last_seen"]:
+            group["last_seen"], group["example"] = row["last_seen"], row["error"]
+    ordered = sorted(
+        groups.values(), key=lambda g: (-g["count"], -g["last_seen"].timestamp(), g["handler"])
+    )
+    return ordered[:FAILURE_GROUPS]

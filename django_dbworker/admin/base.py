@@ -31,6 +31,7 @@ from django_dbworker.admin import actions, display
 from django_dbworker.admin.columns import WorkItemColumns
 from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
+from django_dbworker.admin.row_buttons import RowButtons
 from django_dbworker.models import WorkItem, handler_match
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class _LightChangeList(ChangeList):
         )
 
 
-class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
+class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
     list_filter = ("status", QueueFilter, HandlerFilter, CancelRequestedFilter)
     # Exact matches only: each is served by an index (pk, handler, unique_key).
     search_fields = ["=id", "=handler", "=unique_key"]
@@ -61,6 +62,11 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
     # Facet counts would run one COUNT per filter choice over the whole table.
     show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
+
+    class Media:
+        # Lists that fit 1,280 px; the change page's row buttons.
+        css = {"all": ("django_dbworker/admin.css",)}
+
     actions = [actions.retry, actions.cancel, actions.run_now]
     fieldsets = (
         (None, {"fields": ("id", "handler", "queue", "status_badge", "priority", "unique_key")}),

@@ -18,15 +18,15 @@ from django_dbworker.models import Status, WorkItem
 
 
 class ClaimedWorkItemAdmin(_OneStatusAdmin):
+    # Whether the claim is alive first (stale marker, heartbeat age): the
+    # long handler and worker names are cut to fit 1,280 px (admin.css).
     list_display = [
         "id",
-        "handler_display",
-        "queue",
-        "worker_display",
-        "claimed",
-        "heartbeat_age",
         "stale_marker",
         "status_badge",
+        "heartbeat_age",
+        "handler_and_queue",
+        "worker_and_claimed",
         "attempts_display",
     ]
 

@@ -12,6 +12,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from django_dbworker.admin import display
+from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 
@@ -41,6 +42,15 @@ class WorkItemColumns:
     def worker_display(self, obj: WorkItem) -> SafeString | str:
         return display.worker(obj.claimed_by)
 
+    @admin.display(description="claimed by", ordering="claimed_at")
+    def worker_and_claimed(self, obj: WorkItem) -> SafeString:
+        """Who holds the claim, and under it since when: one column (cut, whole on hover)."""
+        return format_html(
+            '{}<br><small class="dbw-quiet">since {}</small>',
+            display.worker(obj.claimed_by),
+            display.timestamp(obj.claimed_at),
+        )
+
     @admin.display(description="handler / last error", ordering="handler")
     def handler_and_error(self, obj: WorkItem) -> SafeString | str:
         """The handler, and under it the first line of the last error (whole on hover).
@@ -53,9 +63,21 @@ class WorkItemColumns:
         if not line:
             return self.handler_display(obj)
         return format_html(
-            '{}<br><small style="color:var(--body-quiet-color)">{}</small>',
+            '<span title="{}">{}</span><br><small style="color:var(--body-quiet-color)">{}</small>',
+            obj.handler,
             self.handler_display(obj),
             display.one_line(line, width="20em"),
+        )
+
+    @admin.display(description="handler / queue", ordering="handler")
+    def handler_and_queue(self, obj: WorkItem) -> SafeString:
+        """The handler, and under it the queue: one narrow column (cut, whole on hover)."""
+        return format_html(
+            '<span title="{}">{}</span><br><small class="dbw-quiet" title="queue {}">{}</small>',
+            obj.handler,
+            self.handler_display(obj),
+            obj.queue,
+            obj.queue,
         )
 
     @admin.display(description="progress")
@@ -64,8 +86,16 @@ class WorkItemColumns:
         if obj.status == Status.PENDING:
             return self.next_run(obj)
         if obj.status == Status.CLAIMED:
+            # The heartbeat (and whether it is stale) first: the worker's
+            # name is long and may be cut at 1,280 px.
+            stale = display.is_stale(
+                obj.heartbeat_at, display.db_now(obj), float(dbworker_settings.STALE_AFTER)
+            )
             return format_html(
-                "{}, heartbeat {}", display.worker(obj.claimed_by), self.heartbeat_age(obj)
+                '{}heartbeat {}<br><small class="dbw-quiet">{}</small>',
+                format_html('<span class="dbw-stale">{}</span> ', "stale") if stale else "",
+                self.heartbeat_age(obj),
+                display.worker(obj.claimed_by),
             )
         if obj.finished_at is not None:
             return format_html("ended {}", display.timestamp(obj.finished_at))

@@ -166,12 +166,19 @@ def first_line(text: str | None, limit: int = 160) -> str:
 def one_line(text: str, width: str = "26em") -> SafeString:
     """Text kept on one line (at most ``width`` wide) in a list column, whole in its tooltip."""
     return format_html(
-        '<span title="{}" style="display:inline-block;max-width:{};overflow:hidden;'
+        '<span class="dbw-cut" title="{}" style="display:inline-block;max-width:{};overflow:hidden;'
         'text-overflow:ellipsis;white-space:nowrap;vertical-align:bottom">{}</span>',
         text,
         width,
         text,
     )
+
+
+def is_stale(heartbeat_at: datetime | None, now: datetime | None, stale_after: float) -> bool:
+    """Whether a claim's heartbeat is older than ``stale_after`` seconds by the database clock."""
+    if heartbeat_at is None or now is None:
+        return False
+    return (now - heartbeat_at).total_seconds() > stale_after
 
 
 def trace_id(trace_context: Any) -> str | None:

@@ -37,3 +37,9 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
         self.estimated = True
         estimate = operations(qs.db).estimate_count(qs)
         return max(estimate or 0, CAP + 1)
+
+    @property
+    def count_label(self) -> str:
+        """The count as the lists say it: exact, or "at least 10,000" past the cap."""
+        count = self.count  # sets ``estimated``
+        return f"at least {CAP:,}" if self.estimated else f"{count:,}"

@@ -17,6 +17,7 @@ from django_dbworker.admin import charts, display
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import WorkItem
 from django_dbworker.stats import (
+    FAILURE_SAMPLE,
     RECENT,
     RUN_TIME_SAMPLE,
     failure_groups,
@@ -101,6 +102,7 @@ def summary_context() -> dict[str, Any]:
         {
             **group,
             "error": display.first_line(group["error"]) or "(no error recorded)",
+            "example_display": display.first_line(group["example"]),
             "last_seen_display": display.age(group["last_seen"], now),
         }
         for group in failure_groups()
@@ -121,6 +123,8 @@ def summary_context() -> dict[str, Any]:
         "run_time_sampled": any(t.sampled for t in times),
         "run_time_sample": RUN_TIME_SAMPLE,
         "failures": failures,
+        "failures_sampled": any(group["sampled"] for group in failures),
+        "failure_sample": FAILURE_SAMPLE,
         "orphans": orphans,
         "statuses": statuses,
         "rows": rows,

@@ -129,3 +129,31 @@ def test_dashboard_reads_only_the_last_hour(
         report.append(f"{label:12} {elapsed * 1000:7.1f} ms, {kept} rows kept by the index scan")
     with capsys.disabled():
         print(f"\ndashboard queries on {ROWS:,} rows:\n  " + "\n  ".join(report))
+
+
+def test_the_select_all_confirmation_counts_without_a_scan(
+    big_table: None, superuser_client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "Select all" on a filter of 1,000,000 rows: the confirmation page counts as the lists do."""
+    url = reverse("admin:django_dbworker_workitem_changelist") + "?status__exact=failed"
+    one = WorkItem.objects.filter(status=Status.FAILED).values_list("pk", flat=True)[0]
+    data = {"action": "retry", "select_across": "1", "index": "0", "_selected_action": [one]}
+    superuser_client.post(url, data)  # warm
+    with CaptureQueriesContext(connection) as ctx:
+        started = time.perf_counter()
+        response = superuser_client.post(url, data)
+        elapsed = time.perf_counter() - started
+    assert response.status_code == 200 and 'id="dbw-confirm"' in response.content.decode()
+    assert elapsed < SECONDS, elapsed
+    for query in ctx.captured_queries:
+        sql = query["sql"]
+        if TABLE not in sql or sql.lstrip().upper().startswith("EXPLAIN"):
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute("EXPLAIN " + sql.replace("%", "%%"))
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert f"Seq Scan on {TABLE}" not in plan, (sql, plan)
+    html = response.content.decode()
+    assert 'id="dbw-confirm-matching">at least 10,000<' in html
+    with capsys.disabled():
+        print(f"\nselect-all confirmation on {ROWS:,} rows: {elapsed * 1000:.1f} ms")
