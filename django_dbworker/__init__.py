@@ -18,17 +18,21 @@ if TYPE_CHECKING:
     from django_dbworker.enqueuing import enqueue, enqueue_many
     from django_dbworker.handlers import Handler, WorkItemHandler
     from django_dbworker.periodic import PeriodicHandler
+    from django_dbworker.queues import UnknownQueue, pause_queue, resume_queue
 
 __all__ = [
     "EnqueueError",
     "Handler",
     "NoTask",
     "PeriodicHandler",
+    "UnknownQueue",
     "WorkItemHandler",
     "claim_next",
     "enqueue",
     "enqueue_many",
+    "pause_queue",
     "registry",
+    "resume_queue",
 ]
 
 
@@ -39,6 +43,9 @@ _LAZY = {
     "claim_next": "django_dbworker.claiming",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",
+    "pause_queue": "django_dbworker.queues",
+    "resume_queue": "django_dbworker.queues",
+    "UnknownQueue": "django_dbworker.queues",
 }
 
 
