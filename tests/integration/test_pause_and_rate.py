@@ -295,3 +295,34 @@ def test_burst_mode_waits_when_the_window_is_full(background_worker) -> None:
         what="all 25 rated items to run despite a 5 s poll interval",
     )
     assert worker.claimed == 25
+
+
+def test_a_pause_gives_back_rows_a_worker_buffered_and_lets_the_running_one_finish(
+    background_worker, gate: None
+) -> None:
+    from tests.conftest import wait_until
+    from tests.testapp.workers import GATE, Gate
+
+    Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(5)], priority=10, queue="held")
+    Gate.enqueue_many([{"key": f"gated-{n}", "wait": True} for n in range(30)], queue="held")
+    worker = background_worker(["gate"], concurrency=1, prefetch_horizon=5.0, poll_interval=0.2)
+    wait_until(
+        lambda: Execution.objects.filter(key__startswith="gated", kind="start").exists(),
+        what="a gated item to start",
+    )
+    claimed = WorkItem.objects.filter(status=Status.CLAIMED)
+    wait_until(lambda: claimed.count() >= 10, what="rows prefetched behind the running item")
+    pause_queue("held")
+    wait_until(
+        lambda: claimed.count() == 1, timeout=5, what="the buffered rows of the paused queue"
+    )
+    wait_until(lambda: worker.given_back >= 9, what="the worker to count the give-back")
+    GATE.set()
+    wait_until(lambda: not claimed.exists(), what="the running item to finish")
+    assert Execution.objects.filter(key__startswith="gated").count() == 1
+    assert not WorkItem.objects.filter(status=Status.PENDING).exclude(attempts=0).exists()
+    resume_queue("held")
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 35,
+        what="the rest to run after the resume",
+    )
