@@ -326,3 +326,47 @@ def test_a_pause_gives_back_rows_a_worker_buffered_and_lets_the_running_one_fini
         lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 35,
         what="the rest to run after the resume",
     )
+
+
+def test_the_paused_gauge_and_the_stats_show_paused_queues() -> None:
+    from io import StringIO
+
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.contrib.prometheus.collector import register, unregister
+
+    make_item(queue="mail")
+    make_item(queue="other")
+    pause_queue("mail", by="ops")
+    reg = CollectorRegistry()
+    register(reg)
+    try:
+        assert reg.get_sample_value("dbworker_queue_paused", {"queue": "mail"}) == 1.0
+        assert reg.get_sample_value("dbworker_queue_paused", {"queue": "other"}) == 0.0
+    finally:
+        unregister(reg)
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    assert "Paused queues" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("mail ")][-1:]
+    assert line.split()[:2] == ["mail", "1"] and line.split()[-1] == "ops"
+
+
+def test_throttled_claims_are_counted(background_worker) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+    from django_dbworker.worker import Worker
+    from tests.factories import worker_config
+    from tests.testapp.workers import RatedSlowly
+
+    RatedSlowly.enqueue_many([{"key": str(i)} for i in range(5)])
+    reg = CollectorRegistry()
+    worker = Worker([RatedSlowly], worker_config(burst=True), metrics=WorkerMetrics(reg))
+    worker.run()
+    assert worker.claimed == 2
+    held = reg.get_sample_value(
+        "worker_throttled_total", {"worker": "rated_slowly", "reason": "rate"}
+    )
+    assert held is not None and held >= 1
