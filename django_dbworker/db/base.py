@@ -18,17 +18,17 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Count, Min, QuerySet
+from django.db.models import QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
+from django_dbworker.db.flow import RatedClaim, claim_rated
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -50,7 +50,7 @@ from django_dbworker.db.wakers import (
     remove_local_waker,
     wake_local,
 )
-from django_dbworker.models import FlowLock, RateStart, Status, WorkItem
+from django_dbworker.models import Status, WorkItem
 
 __all__ = [
     "CAPABILITIES",
@@ -96,27 +96,6 @@ def as_uuid(value: Any) -> UUID:
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 
-
-@dataclass
-class RatedClaim:
-    """What ``claim_rated`` claimed for a rate-limited handler, and whether its window is full."""
-
-    items: list[WorkItem] = field(default_factory=list)
-    #: Seconds (by the database clock) until the earliest start in the window
-    #: leaves it, when the window is full; None while starts are left.
-    full_for: float | None = None
-    #: Rows asked for that the limit held back (0 when the limit allowed them all).
-    held_back: int = 0
-
-
-#: Seconds added to a rate limit's period when its window is counted at a
-#: claim. A claim counts as the row's start, but the handler starts a few
-#: milliseconds later (dispatch to a thread), and claims that follow a full
-#: window come in bursts as the window's earliest starts leave it: without
-#: an allowance, two bursts one period apart at the claim could start less
-#: than one period apart in the handlers. 20 ms costs 2% of a "N/s" limit's
-#: throughput and nothing measurable of "N/m" or "N/h".
-RATE_ALLOWANCE = 0.02
 
 #: What every vendor class must say about its database (class attributes).
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
@@ -214,82 +193,28 @@ class VendorOperations(ABC):
     ) -> RatedClaim:
         """Claim up to ``limit`` rows of a handler allowed ``starts`` starts per ``period`` seconds.
 
-        A sliding window, exact in any window of one period, cluster-wide:
-        in one transaction of its own, lock the handler's ``FlowLock`` row
-        ``rate:<handler>`` (a row lock, released at commit: nothing holds a
-        session, so PgBouncer's transaction mode keeps working), read the
-        database clock, count the handler's ``RateStart`` rows of the last
-        period, claim at most what is left (``claim``, restricted to the
-        handler), write one ``RateStart`` per row claimed and delete the
-        handler's starts that left the window. Claimers of one handler
-        decide one after the other, so two of them never both take the
-        window's last start. The window counted is one period plus
-        ``RATE_ALLOWANCE``, so that the handlers' own start times keep the
-        limit too. Rows beyond the limit stay pending and use no
-        attempt. Every vendor runs the same ORM statements here; the claim
-        is the vendor's own statement.
+        A sliding window, exact and cluster-wide, under the handler's
+        ``FlowLock`` row, in a transaction of its own (``flow.claim_rated``);
+        the claim is this vendor's own ``claim``, restricted to the handler.
         """
-        if limit <= 0:
-            return RatedClaim()
-        window = timedelta(seconds=period + RATE_ALLOWANCE)
-        db = self.using
-
-        def attempt() -> RatedClaim:
-            with self._flow_transaction():
-                now = self._lock_flow(f"rate:{handler}")
-                since = now - window
-                counted = (
-                    RateStart.objects.using(db)
-                    .filter(handler=handler, started_at__gt=since)
-                    .aggregate(n=Count("id"), first=Min("started_at"))
-                )
-                used, first = int(counted["n"]), counted["first"]
-                room = max(0, starts - used)
-                items = (
-                    self.claim(
-                        limit=min(limit, room), handlers=[handler], queues=queues, worker=worker
-                    )
-                    if room
-                    else []
-                )
-                if items:
-                    RateStart.objects.using(db).bulk_create(
-                        [RateStart(handler=handler, started_at=now) for _ in items]
-                    )
-                RateStart.objects.using(db).filter(handler=handler, started_at__lte=since).delete()
-            full_for = None
-            if used + len(items) >= starts:
-                leaves = (first if first is not None else now) + window
-                full_for = max(0.0, (leaves - now).total_seconds())
-            # Asked for more than the window allowed, and took all it allowed:
-            # rows were (probably) left pending by the limit.
-            capped = room < limit and len(items) == room
-            return RatedClaim(items, full_for, limit - len(items) if capped else 0)
-
-        return self.retrying(attempt, "claiming")
+        return self.retrying(
+            lambda: claim_rated(
+                using=self.using,
+                transaction=self._flow_transaction,
+                claim=lambda n: self.claim(
+                    limit=n, handlers=[handler], queues=queues, worker=worker
+                ),
+                handler=handler,
+                starts=starts,
+                period=period,
+                limit=limit,
+            ),
+            "claiming",
+        )
 
     def _flow_transaction(self) -> AbstractContextManager[Any]:
         """The transaction of a flow-controlled claim (MySQL: at READ COMMITTED)."""
         return transaction.atomic(using=self.using)
-
-    def _lock_flow(self, name: str) -> datetime:
-        """Lock the ``FlowLock`` row ``name`` (made on first use) until commit; the DB time after.
-
-        Insert-or-ignore, then ``SELECT ... FOR UPDATE``, only when the
-        row is missing: the row exists after the first claim, and a lock
-        taken straight away never meets MySQL's shared lock of a duplicate
-        insert (two such would deadlock on the upgrade). The clock is read
-        after the lock is held, so the times of successive holders follow
-        the order in which they held it. (SQLite has no row locks: its
-        transaction holds the database's write lock with ``transaction_mode
-        = "IMMEDIATE"``, which the system check W003 asks for.)
-        """
-        locks = FlowLock.objects.using(self.using)
-        if not list(locks.select_for_update().filter(name=name).values_list("name", flat=True)):
-            locks.bulk_create([FlowLock(name=name)], ignore_conflicts=True)
-            list(locks.select_for_update().filter(name=name).values_list("name", flat=True))
-        now: datetime = locks.filter(name=name).annotate(now=Now()).values_list("now", flat=True)[0]
-        return now
 
     @abstractmethod
     def succeed_many(

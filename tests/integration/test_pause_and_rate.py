@@ -23,7 +23,7 @@ from django.db import connection
 from django_dbworker import UnknownQueue, pause_queue, resume_queue
 from django_dbworker.checks import rate_limit_errors
 from django_dbworker.db import operations
-from django_dbworker.db.base import RATE_ALLOWANCE
+from django_dbworker.db.flow import RATE_ALLOWANCE
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import QueueState, RateStart, Status, WorkItem
 from django_dbworker.queues import known_queues, paused_queues, queue_list
