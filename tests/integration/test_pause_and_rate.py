@@ -370,3 +370,21 @@ def test_throttled_claims_are_counted(background_worker) -> None:
         "worker_throttled_total", {"worker": "rated_slowly", "reason": "rate"}
     )
     assert held is not None and held >= 1
+
+
+def test_a_resume_wakes_an_idle_worker_at_once(background_worker) -> None:
+    # A poll interval far longer than the wait: only the resume's wake-up
+    # (NOTIFY on PostgreSQL, this process's waker elsewhere) can start it.
+    from tests.conftest import wait_until
+    from tests.testapp.workers import Paused
+
+    worker = background_worker(["pausable"], poll_interval=60.0)
+    wait_until(lambda: worker.idle.is_set(), what="the worker to go idle")
+    pause_queue("pausable")
+    Paused.enqueue({"key": "woken"})
+    resume_queue("pausable")
+    wait_until(
+        lambda: Execution.objects.filter(kind="pausable").exists(),
+        timeout=10,
+        what="the resumed queue's item to run without waiting for a poll",
+    )
