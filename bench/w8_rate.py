@@ -14,6 +14,9 @@ every item ran. The handler returns the time it started. Reported:
 - ``max_in_1s``: the most starts in any one-second window (the limit: at
   most ``rate``);
 - ``rate_error_pct``: how far the long-run rate is from ``rate``;
+- ``claim_to_start_ms_p50`` / ``_max``: from the row's claim (the
+  database's clock; the same host) to its handler's start: rate-limited
+  rows are claimed for free threads only, so a claim is a start;
 - ``per_process``: how the starts split between the processes.
 """
 
@@ -70,11 +73,14 @@ def main() -> None:
             proc.terminate()
         for proc in procs:
             proc.wait(60)
-        rows = list(done.values_list("result", "claimed_by"))
-        starts = sorted(float(t) for t, _ in rows)
+        rows = list(done.values_list("result", "claimed_by", "claimed_at"))
+        starts = sorted(float(t) for t, _, _ in rows)
+        delays = sorted(
+            (float(t) - claimed_at.timestamp()) * 1000.0 for t, _, claimed_at in rows if claimed_at
+        )
         steady = (n - args.rate) / (starts[-1] - starts[args.rate - 1])
         by_process: dict[str, int] = {}
-        for _, claimed_by in rows:
+        for _, claimed_by, _ in rows:
             pid = str(claimed_by).split(":")[1] if claimed_by else "?"
             by_process[pid] = by_process.get(pid, 0) + 1
         report(
@@ -89,6 +95,8 @@ def main() -> None:
                 "max_in_1s": most_in_window(starts, 1.0),
                 "max_in_1s_over_limit": max(0, most_in_window(starts, 1.0) - args.rate),
                 "span_s": starts[-1] - starts[0],
+                "claim_to_start_ms_p50": delays[len(delays) // 2],
+                "claim_to_start_ms_max": delays[-1],
                 "per_process": ",".join(str(c) for _, c in sorted(by_process.items())),
             },
         )

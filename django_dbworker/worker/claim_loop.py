@@ -136,10 +136,8 @@ class ClaimLoop:
         started = self.clock.now()
         handlers = self.handlers()
         rates = self.rate_holds.rates(handlers)
-        rated = self._claim_rated(rates, limit=min(limit, self._free_threads())) if rates else []
-        if rated:
-            self._dispatch(rated, claimed_at=started)
-            limit -= len(rated)
+        rated = self._claim_rated(rates, limit=min(limit, self._free_threads()), at=started)
+        limit -= rated
         plain = [name for name in handlers if name not in rates]
         try:
             items = (
@@ -158,7 +156,7 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        self.claimed += len(items) + len(rated)
+        self.claimed += len(items) + rated
         self.claims += bool(items or rated)
         self._ran_dry = len(items) < limit or not plain
         lowest = self.ledger.lowest_buffered_priority()
@@ -178,7 +176,7 @@ class ClaimLoop:
                 # rows may be pending, which the buffer would keep this worker
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
-        return len(items) + len(rated)
+        return len(items) + rated
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -188,16 +186,18 @@ class ClaimLoop:
         """
         return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
 
-    def _claim_rated(self, rates: dict[str, tuple[int, float]], *, limit: int) -> list[WorkItem]:
-        """Claim rows of the rate-limited handlers whose window has room, each in its own claim.
+    def _claim_rated(self, rates: dict[str, tuple[int, float]], *, limit: int, at: float) -> int:
+        """Claim and dispatch rows of the rate-limited handlers whose window has room.
 
-        A handler whose window is full is left out until the window's
-        earliest start leaves it (the database says when), so its rows never
-        hold back other handlers' rows behind them.
+        Each handler in a claim of its own (``claim_rated``), dispatched at
+        once, so that an error in a later one leaves no claimed row without
+        an owner. A handler whose window is full is left out until the
+        window's earliest start leaves it (the database says when), so its
+        rows never hold back other handlers' rows behind them.
         """
-        claimed: list[WorkItem] = []
+        claimed = 0
         for name, (starts, period) in rates.items():
-            left = limit - len(claimed)
+            left = limit - claimed
             if left <= 0:
                 break
             if self.rate_holds.held(name, self.clock.now()):
@@ -211,7 +211,8 @@ class ClaimLoop:
                 queues=self.config.queues,
                 worker=worker_id(),
             )
-            claimed.extend(result.items)
+            self._dispatch(result.items, claimed_at=at)
+            claimed += len(result.items)
             if result.full_for is not None:
                 self.rate_holds.hold(name, self.clock.now() + result.full_for)
             self.metrics.throttle(name, "rate", result.held_back)
