@@ -228,7 +228,13 @@ class ClaimLoop:
         return wait <= max(1.0, self.config.poll_interval)
 
     def _give_back_paused(self) -> None:
-        """Give back buffered rows of queues paused since they were claimed (once per poll)."""
+        """Give back buffered rows of queues paused since they were claimed (once per poll).
+
+        Nothing buffered, nothing to give back: no read (the claims skip
+        paused queues themselves).
+        """
+        if not self.ledger.buffered():
+            return
         paused = self.paused.poll()
         if not paused or self.control.draining.is_set():
             return
