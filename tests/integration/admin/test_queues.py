@@ -66,3 +66,13 @@ def test_pausing_needs_the_change_permission_on_queues(viewer_client: Client) ->
 
 def test_staff_without_permission_is_forbidden(staff_client: Client) -> None:
     assert staff_client.get(URL).status_code == 403
+
+
+def test_the_queue_summary_marks_paused_queues(superuser_client: Client) -> None:
+    make_item(queue="emails")
+    make_item(queue="other")
+    pause_queue("emails")
+    page = superuser_client.get("/admin/django_dbworker/queuesummary/")
+    rows = {row["queue"]: row for row in page.context["rows"]}
+    assert rows["emails"]["paused"] and not rows["other"]["paused"]
+    assert 'class="dbw-paused"' in page.content.decode()
