@@ -28,7 +28,7 @@ from django.db.models import QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
-from django_dbworker.db.flow import RatedClaim, claim_rated
+from django_dbworker.db.flow import RATE_ALLOWANCE, RatedClaim, claim_rated
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -122,6 +122,9 @@ class VendorOperations(ABC):
     #: (``worker.wakeup.AdaptivePoll``): only without ``listen`` wake-ups, and
     #: only where a claim that finds nothing is cheap and locks nothing.
     poll_adaptively: ClassVar[bool]
+    #: Seconds a rate window is counted beyond its period, for the time from
+    #: a claim to its handler's start (``flow.RATE_ALLOWANCE``).
+    rate_allowance: ClassVar[float] = RATE_ALLOWANCE
 
     def __init__(self, using: str) -> None:
         missing = [name for name in CAPABILITIES if not hasattr(type(self), name)]
@@ -208,6 +211,7 @@ class VendorOperations(ABC):
                 starts=starts,
                 period=period,
                 limit=limit,
+                allowance=self.rate_allowance,
             ),
             "claiming",
         )

@@ -30,12 +30,13 @@ from django.db.models.functions import Now
 from django_dbworker.models import FlowLock, RateStart, WorkItem
 
 #: Seconds added to a rate limit's period when its window is counted at a
-#: claim. A claim counts as the row's start, but the handler starts a few
-#: milliseconds later (dispatch to a thread), and the claims that follow a
-#: full window come in bursts as the window's earliest starts leave it:
-#: without an allowance, two bursts one period apart at the claim could
-#: start less than one period apart in the handlers. 20 ms costs 2% of a
-#: "N/s" limit's throughput and nothing measurable of "N/m" or "N/h".
+#: claim (the default of ``VendorOperations.rate_allowance``). A claim
+#: counts as the row's start, but the handler starts a few milliseconds
+#: later (the claim's commit, dispatch to a thread), and the claims that
+#: follow a full window come in bursts as the window's earliest starts
+#: leave it: without an allowance, two bursts one period apart at the claim
+#: could start less than one period apart in the handlers. 20 ms costs 2%
+#: of a "N/s" limit's throughput and nothing measurable of "N/m" or "N/h".
 RATE_ALLOWANCE = 0.02
 
 
@@ -80,17 +81,18 @@ def claim_rated(
     starts: int,
     period: float,
     limit: int,
+    allowance: float = RATE_ALLOWANCE,
 ) -> RatedClaim:
     """Claim up to ``limit`` rows of ``handler``, allowed ``starts`` starts per ``period`` seconds.
 
-    The window counted is one period plus ``RATE_ALLOWANCE``. Rows beyond
+    The window counted is one period plus ``allowance`` seconds. Rows beyond
     the limit stay pending and use no attempt. ``full_for`` says when the
     window frees up, so that the worker can leave the handler out of its
     claims until then (and claim other handlers' rows meanwhile).
     """
     if limit <= 0:
         return RatedClaim()
-    window = timedelta(seconds=period + RATE_ALLOWANCE)
+    window = timedelta(seconds=period + allowance)
     with transaction():
         now = lock_flow(using, f"rate:{handler}")
         since = now - window
