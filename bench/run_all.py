@@ -1,7 +1,7 @@
 """Run every benchmark N times side by side; write the medians table.
 
     .venv/bin/python bench/run_all.py [--runs 3] [--out docs/internals/benchmarks-results.md]
-        [--only raw,w1_p1,w1_100k,w2,w3,w6,startup,peers] [--peers pgqueuer]
+        [--only raw,w1_p1,w1_100k,w2,w3,w6,w8,startup,peers] [--peers pgqueuer]
 
 One durable PostgreSQL cluster serves every run (ours, the raw ceiling and
 the peers), so ratios compare like with like. Raw JSON lines go to
@@ -68,6 +68,7 @@ PLAN_KEYS = (
     "w4",
     "w5",
     "w6",
+    "w8",
     "startup",
     "peers",
 )
@@ -90,6 +91,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         ("w4", "w4_big_table.py", ["--items", items]),
         ("w5", "w5_memory.py", []),
         ("w6", "w6_priority.py", ["--backlog", str(args.backlog)]),
+        ("w8", "w8_rate.py", []),
         ("startup", "startup.py", []),
     ]
     if not args.skip_peers:
@@ -207,6 +209,8 @@ def render(
     w5 = col(rows, "w5", "growth")
     w5s = col(rows, "w5", "rss_start_mib")
     w5e = col(rows, "w5", "rss_end_mib")
+    w8 = col(rows, "w8", "start_rate_per_s")
+    w8max = col(rows, "w8", "max_in_1s")
     ceiling = mid(raw100)
     lines = [
         # A title: the docs site (docs/internals/) lists this page by it.
@@ -240,6 +244,8 @@ def render(
         f"| W4 W1 with 1,000,000 finished rows, ratio to empty table | {cell(w4, 2)} | | |",
         f"| W5 RSS over 100,000 items: start / end MiB, growth | {cell(w5s, 1)} / "
         f"{cell(w5e, 1)}, {cell([g * 100 for g in w5], 1)} % | | |",
+        f"| W8 rate limit 200/s, 2 processes: start rate/s, most starts in 1 s | {cell(w8, 1)}, "
+        f"{cell(w8max)} | | |",
         "",
     ]
     # Rows of the measures this run left out (--only) say nothing: drop them.

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from django_dbworker.enqueuing import enqueue, enqueue_many
     from django_dbworker.handlers import Handler, WorkItemHandler
     from django_dbworker.periodic import PeriodicHandler
+    from django_dbworker.queues import UnknownQueue, pause_queue, resume_queue
 
 __all__ = [
     "Cancelled",
@@ -27,11 +28,14 @@ __all__ = [
     "NoTask",
     "PeriodicHandler",
     "Snooze",
+    "UnknownQueue",
     "WorkItemHandler",
     "claim_next",
     "enqueue",
     "enqueue_many",
+    "pause_queue",
     "registry",
+    "resume_queue",
 ]
 
 
@@ -42,6 +46,9 @@ _LAZY = {
     "claim_next": "django_dbworker.claiming",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",
+    "pause_queue": "django_dbworker.queues",
+    "resume_queue": "django_dbworker.queues",
+    "UnknownQueue": "django_dbworker.queues",
 }
 
 

@@ -5,7 +5,8 @@ for periodic handler declarations (the schedule, its time zone, its jitter),
 E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
 Django's tasks checks), E018 for a database server too old to run the worker
 (MySQL/MariaDB), E019 for a number of seconds no thread can wait for
-(infinite, or above ``threading.TIMEOUT_MAX``), W001-W009 for risky but
+(infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
+``rate_limit`` that is not "N/s", "N/m" or "N/h", W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based).
 Checks read settings only and never connect, except the database checks
 (``Tags.database``), which Django runs only when asked (``migrate``,
@@ -24,6 +25,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems
+from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import registry
 
@@ -235,6 +237,37 @@ def periodic_errors(classes: Any) -> list[CheckMessage]:
                     hint=_PERIODIC_HINTS[problem.field],
                     obj=cls,
                     id=PERIODIC_IDS[problem.field],
+                )
+            )
+    return errors
+
+
+@register(Tags.compatibility)
+def check_rate_limits(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse a ``rate_limit`` the claim cannot keep ("0/s", "fast", "5/d", a number)."""
+    return rate_limit_errors(registry.values())
+
+
+def rate_limit_errors(classes: Any) -> list[CheckMessage]:
+    """One error per WorkItem handler class among ``classes`` whose ``rate_limit`` is invalid."""
+    errors: list[CheckMessage] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+            continue
+        value = getattr(cls, "rate_limit", None)
+        if value is None:
+            continue
+        try:
+            validation.rate_limit(value)
+        except validation.InvalidValue as exc:
+            errors.append(
+                Error(
+                    f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}): "
+                    f"rate_limit {exc}.",
+                    hint='At most N starts per second, minute or hour: rate_limit = "50/s", '
+                    '"100/m" or "1000/h", N at least 1 (None: no limit).',
+                    obj=cls,
+                    id="django_dbworker.E020",
                 )
             )
     return errors

@@ -91,6 +91,10 @@ class WorkItemHandler(Handler["WorkItem"]):
     sensitive: ClassVar[bool] = False
     #: Exceptions that schedule a retry; any other one fails the item at once.
     retry_on: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
+    #: At most N starts in any window of one period, cluster-wide: "N/s",
+    #: "N/m" or "N/h" (None: no limit). Items beyond it wait pending; waiting
+    #: is not an attempt (``worker/claim_loop.py``, ``VendorOperations.claim_rated``).
+    rate_limit: ClassVar[str | None] = None
 
     @property
     def cancel_requested(self) -> bool:

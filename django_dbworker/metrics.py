@@ -167,6 +167,12 @@ class WorkerMetrics:
             ["status"],
             **kw,
         )
+        self.throttled = pc.Counter(
+            "worker_throttled_total",
+            "Claims of a handler's rows held back by a flow limit, by reason (rate).",
+            ["worker", "reason"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -226,6 +232,11 @@ class WorkerMetrics:
     def pruned_rows(self, status: str, count: int) -> None:
         if self.enabled and count:
             self.pruned.labels(status).inc(count)
+
+    def throttle(self, worker: str, reason: str, count: int = 1) -> None:
+        """``count`` claims (or rows) of handler ``worker`` held back by its ``reason`` limit."""
+        if self.enabled and count:
+            self.throttled.labels(worker, reason).inc(count)
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:

@@ -131,6 +131,30 @@ def queue_name(value: Any) -> str:
     return value
 
 
+#: A handler's ``rate_limit``: "N/s", "N/m" or "N/h", N a positive integer.
+RATE_LIMIT = re.compile(r"(?P<count>[0-9]+)/(?P<unit>[smh])")
+#: Seconds in each unit of a ``rate_limit``.
+RATE_PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def rate_limit(value: Any) -> tuple[int, float]:
+    """``(starts, period in seconds)`` of a ``rate_limit`` such as ``"50/s"``."""
+    if not isinstance(value, str):
+        raise InvalidValue(
+            f'must be a string such as "50/s", "100/m" or "1000/h", got {value!r}',
+            wrong_type=True,
+        )
+    match = RATE_LIMIT.fullmatch(value)
+    if match is None:
+        raise InvalidValue(
+            f'must read "N/s", "N/m" or "N/h" (N starts per second, minute or hour), got {value!r}'
+        )
+    count = int(match["count"])
+    if count < 1:
+        raise InvalidValue(f"must allow at least 1 start per period, got {value!r}")
+    return count, RATE_PERIODS[match["unit"]]
+
+
 def optional(validator: Callable[[Any], V]) -> Callable[[Any], V | None]:
     """``validator`` that also accepts None ("not set")."""
 

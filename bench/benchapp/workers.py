@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -31,3 +32,13 @@ class BenchSleep(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         time.sleep(float(payload["seconds"]))
+
+
+class BenchRated(WorkItemHandler):
+    """Rate-limited (``BENCH_RATE_LIMIT``, default 200/s); returns the time it started (W8)."""
+
+    name = "bench_rated"
+    rate_limit = os.environ.get("BENCH_RATE_LIMIT", "200/s")
+
+    def handle(self, payload: Any) -> float:
+        return time.time()

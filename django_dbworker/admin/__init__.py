@@ -1,9 +1,9 @@
 """Django admin for work items: what is stuck, what failed, why, and fix it.
 
 Pages: all work items (``workitems``), claimed ones (``claimed``), failed
-ones (``failed``), a queue summary (``queue_summary``), and the schedules of
-periodic handlers (``schedules``); what they share is in ``base`` and
-``columns``. This module only registers them.
+ones (``failed``), a queue summary (``queue_summary``), the schedules of
+periodic handlers (``schedules``) and the queues with Pause/Resume
+(``queues``); what they share is in ``base`` and ``columns``. This module only registers them.
 Detail pages are read-only (a form save would race the workers); state
 changes happen only through the actions, which need the change permission.
 List pages defer payload, result and traceback columns, count with an
@@ -19,12 +19,14 @@ from django_dbworker.admin.base import BaseWorkItemAdmin, _LightChangeList, _One
 from django_dbworker.admin.claimed import ClaimedWorkItemAdmin
 from django_dbworker.admin.failed import FailedWorkItemAdmin
 from django_dbworker.admin.queue_summary import QueueSummaryAdmin
+from django_dbworker.admin.queues import QueueAdmin
 from django_dbworker.admin.schedules import ScheduleAdmin
 from django_dbworker.admin.workitems import WorkItemAdmin
 from django_dbworker.models import (
     ClaimedWorkItem,
     FailedWorkItem,
     PeriodicSchedule,
+    QueueState,
     QueueSummary,
     WorkItem,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "BaseWorkItemAdmin",
     "ClaimedWorkItemAdmin",
     "FailedWorkItemAdmin",
+    "QueueAdmin",
     "QueueSummaryAdmin",
     "ScheduleAdmin",
     "WorkItemAdmin",
@@ -45,3 +48,4 @@ admin.site.register(ClaimedWorkItem, ClaimedWorkItemAdmin)
 admin.site.register(FailedWorkItem, FailedWorkItemAdmin)
 admin.site.register(QueueSummary, QueueSummaryAdmin)
 admin.site.register(PeriodicSchedule, ScheduleAdmin)
+admin.site.register(QueueState, QueueAdmin)

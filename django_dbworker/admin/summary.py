@@ -16,6 +16,7 @@ from django.db.models.functions import Now
 from django_dbworker.admin import charts, display
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import WorkItem
+from django_dbworker.queues import paused_queues
 from django_dbworker.stats import (
     FAILURE_SAMPLE,
     RECENT,
@@ -40,11 +41,13 @@ def summary_context() -> dict[str, Any]:
     stale_after = float(dbworker_settings.STALE_AFTER)
     stats = queue_stats()
     statuses = status_columns(stats)
+    paused = set(paused_queues())
     rows = []
     for queue, entry in sorted(stats.items()):
         rows.append(
             {
                 "queue": queue,
+                "paused": queue in paused,
                 "cells": [(s, entry["counts"].get(s, 0)) for s in statuses],
                 "estimated": entry["estimated"],
                 "oldest_pending_age_display": (

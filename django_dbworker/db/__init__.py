@@ -9,7 +9,8 @@ file of named statements (``postgresql_sql.py``, ``mysql_sql.py``; the top
 of the short ``sqlite.py``) and an operations class that runs them (see
 tests/conformance/snapshots/ for every statement as it runs). ``base.py``
 holds the interface, ``types.py`` the values it speaks in, ``sql.py`` the
-``Statement`` type, ``wakers.py`` this process's wake-ups.
+``Statement`` type, ``wakers.py`` this process's wake-ups, ``flow.py`` the
+flow-controlled claims every vendor shares (rate limits).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from django.db.models import QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
+from django_dbworker.db.flow import RATE_ALLOWANCE, RatedClaim, claim_rated
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -56,6 +57,7 @@ __all__ = [
     "CLAIM_COLUMNS",
     "INSERTED_COLUMNS",
     "ColumnStats",
+    "RatedClaim",
     "RunTimes",
     "ServerProblem",
     "Statement",
@@ -94,6 +96,7 @@ def as_uuid(value: Any) -> UUID:
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 
+
 #: What every vendor class must say about its database (class attributes).
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
 
@@ -119,6 +122,9 @@ class VendorOperations(ABC):
     #: (``worker.wakeup.AdaptivePoll``): only without ``listen`` wake-ups, and
     #: only where a claim that finds nothing is cheap and locks nothing.
     poll_adaptively: ClassVar[bool]
+    #: Seconds a rate window is counted beyond its period, for the time from
+    #: a claim to its handler's start (``flow.RATE_ALLOWANCE``).
+    rate_allowance: ClassVar[float] = RATE_ALLOWANCE
 
     def __init__(self, using: str) -> None:
         missing = [name for name in CAPABILITIES if not hasattr(type(self), name)]
@@ -177,6 +183,42 @@ class VendorOperations(ABC):
         ``claimed_at``/``heartbeat_at``. Rows locked or claimed by another
         worker are skipped, never waited for and never returned twice.
         """
+
+    def claim_rated(
+        self,
+        *,
+        handler: str,
+        starts: int,
+        period: float,
+        limit: int,
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> RatedClaim:
+        """Claim up to ``limit`` rows of a handler allowed ``starts`` starts per ``period`` seconds.
+
+        A sliding window, exact and cluster-wide, under the handler's
+        ``FlowLock`` row, in a transaction of its own (``flow.claim_rated``);
+        the claim is this vendor's own ``claim``, restricted to the handler.
+        """
+        return self.retrying(
+            lambda: claim_rated(
+                using=self.using,
+                transaction=self._flow_transaction,
+                claim=lambda n: self.claim(
+                    limit=n, handlers=[handler], queues=queues, worker=worker
+                ),
+                handler=handler,
+                starts=starts,
+                period=period,
+                limit=limit,
+                allowance=self.rate_allowance,
+            ),
+            "claiming",
+        )
+
+    def _flow_transaction(self) -> AbstractContextManager[Any]:
+        """The transaction of a flow-controlled claim (MySQL: at READ COMMITTED)."""
+        return transaction.atomic(using=self.using)
 
     @abstractmethod
     def succeed_many(

@@ -350,6 +350,11 @@ class MySQLOperations(VendorOperations):
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         return self._retrying(fn, what)
 
+    def _flow_transaction(self) -> Any:
+        # The window is counted by a plain read after the lock: at READ
+        # COMMITTED it sees the starts the lock's previous holder committed.
+        return self._read_committed()
+
     def _retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run the transaction ``fn`` again when a deadlock or lock wait timeout ended it.
 

@@ -47,6 +47,9 @@ INSERT_ROW_BYTES = 400
 #
 # Lists are N placeholders (no array parameters): a ``{slot}`` filled by
 # ``numbered``. The claim's SELECT is WorkItem.objects.ready().in_order().
+# Rows of a paused queue (a QueueState row with ``paused``) are not
+# claimable; the subquery takes no locks (a locking read does not lock the
+# rows of a nested subquery that has no locking clause of its own).
 
 SET_TIME_ZONE = Statement(
     "set_time_zone",
@@ -74,6 +77,7 @@ SELECT id FROM django_dbworker_workitem FORCE INDEX (dbworker_my_claim_idx)
 WHERE status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN ({handlers})
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -91,6 +95,7 @@ WHERE queue = %(queue)s
   AND status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN ({handlers})
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -107,6 +112,7 @@ WHERE status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN ({handlers})
   AND queue IN ({queues})
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED

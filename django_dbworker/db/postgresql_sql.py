@@ -32,6 +32,11 @@ from django_dbworker.db.sql import Statement
 # other's locks. Its WHERE and ORDER BY are WorkItem.objects.ready().in_order().
 # The wake-up channel is "django_dbworker"; the payload names the queue and
 # the rows' priority (``wakers.wake_payload``).
+# Rows of a paused queue (a QueueState row with ``paused``) are not
+# claimable: the NOT IN runs once per statement as a hashed subplan over the
+# few QueueState rows, checked per candidate row read from the claim index,
+# so a pause holds on every worker from its commit and the plan keeps its
+# index path (tests/integration/test_claim_plans.py).
 
 CLAIM = Statement(
     "claim",
@@ -50,6 +55,7 @@ FROM (
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -81,6 +87,7 @@ FROM (
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
       AND queue = %(queue)s
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -109,6 +116,7 @@ FROM (
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
       AND queue = ANY(%(queues)s::text[])
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

@@ -42,6 +42,7 @@ MIN_VERSION = (3, 35, 0)
 # The outer status test repeats the subquery's condition so that the
 # statement stays a conditional UPDATE whatever the plan. Its WHERE and
 # ORDER BY are WorkItem.objects.ready().in_order().
+# Rows of a paused queue (a QueueState row with ``paused``) are not claimable.
 
 CLAIM = Statement(
     "claim",
@@ -60,6 +61,7 @@ WHERE id IN (
     WHERE status = 'pending'
       AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
       AND handler IN ({handlers})
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
 )
@@ -87,6 +89,7 @@ WHERE id IN (
       AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
       AND handler IN ({handlers})
       AND queue IN ({queues})
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
 )
@@ -197,6 +200,11 @@ class SQLiteOperations(VendorOperations):
     # database's one write lock, which heartbeats and outcome writes need
     # too; frequent polls would starve them.
     poll_adaptively = False
+    # A claim commits behind the database's one write lock, which the other
+    # workers' claims, heartbeats and outcome writes queue for: from a
+    # claim to its handler's start takes up to about 50 ms here (measured
+    # with two workers), against a few on PostgreSQL and MariaDB.
+    rate_allowance = 0.05
 
     def check_version(self) -> None:
         if sqlite3.sqlite_version_info < MIN_VERSION:

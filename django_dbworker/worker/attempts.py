@@ -34,7 +34,7 @@ import heapq
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
@@ -304,6 +304,18 @@ class Ledger:
             for attempt in below:
                 self._move(attempt, State.RELEASED)
         return below
+
+    def withdraw_in_queues(self, queues: Collection[str]) -> list[Attempt]:
+        """Withdraw every buffered attempt of a row in one of ``queues`` (paused ones)."""
+        with self._lock:
+            found = [
+                a
+                for a in self._attempts.values()
+                if a.state is State.BUFFERED and a.item.queue in queues
+            ]
+            for attempt in found:
+                self._move(attempt, State.RELEASED)
+        return found
 
     def restore(self, attempts: Iterable[Attempt]) -> None:
         """Withdrawn attempts whose release failed: still ours, buffered again."""

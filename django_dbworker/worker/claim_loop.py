@@ -22,6 +22,7 @@ from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
+from django_dbworker.queues import paused_queues
 from django_dbworker.worker.attempts import Attempt, Ledger
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import (
@@ -32,6 +33,7 @@ from django_dbworker.worker.config import (
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.flow import PausedQueues, RateHolds
 from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
@@ -103,6 +105,13 @@ class ClaimLoop:
         #: The claim being made was sized by such wake-ups.
         self._urgent_claim = False
         self._urgent_lock = threading.Lock()
+        #: Rate-limited handlers whose window is full (``flow.py``).
+        self.rate_holds = RateHolds()
+        #: Paused queues, re-read once per poll interval, to give back
+        #: buffered rows of a queue paused after they were claimed.
+        self.paused = PausedQueues(
+            lambda: paused_queues(config.using), every=config.poll_interval, clock=clock.now
+        )
 
     # -- one step --------------------------------------------------------------
 
@@ -115,6 +124,7 @@ class ClaimLoop:
             return 0
         self.recovery.maybe_recover()
         self._shed_hoard()
+        self._give_back_paused()
         limit = self._claim_limit()
         max_items = self.config.max_items
         if max_items is not None:
@@ -126,12 +136,18 @@ class ClaimLoop:
             return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
+        handlers = self.handlers()
+        rates = self.rate_holds.rates(handlers)
+        rated = self._claim_rated(rates, limit=min(limit, self._free_threads()), at=started)
+        limit -= rated
+        plain = [name for name in handlers if name not in rates]
         try:
-            items = self.ops.claim(
-                limit=limit,
-                handlers=list(self.handlers()),
-                queues=self.config.queues,
-                worker=worker_id(),
+            items = (
+                self.ops.claim(
+                    limit=limit, handlers=plain, queues=self.config.queues, worker=worker_id()
+                )
+                if plain and limit > 0
+                else []
             )
         except Exception:
             if self._urgent_claim:
@@ -142,9 +158,9 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        self.claimed += len(items)
-        self.claims += bool(items)
-        self._ran_dry = len(items) < limit
+        self.claimed += len(items) + rated
+        self.claims += bool(items or rated)
+        self._ran_dry = len(items) < limit or not plain
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:
@@ -162,7 +178,75 @@ class ClaimLoop:
                 # rows may be pending, which the buffer would keep this worker
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
-        return len(items)
+        return len(items) + rated
+
+    def _free_threads(self) -> int:
+        """Threads with nothing to start: rate-limited rows are claimed for these only.
+
+        Not prefetched, so that a rate-limited row starts about when it is
+        claimed (its start was counted in the window at the claim).
+        """
+        return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
+
+    def _claim_rated(self, rates: dict[str, tuple[int, float]], *, limit: int, at: float) -> int:
+        """Claim and dispatch rows of the rate-limited handlers whose window has room.
+
+        Each handler in a claim of its own (``claim_rated``), dispatched at
+        once, so that an error in a later one leaves no claimed row without
+        an owner. A handler whose window is full is left out until the
+        window's earliest start leaves it (the database says when), so its
+        rows never hold back other handlers' rows behind them.
+        """
+        claimed = 0
+        for name, (starts, period) in rates.items():
+            left = limit - claimed
+            if left <= 0:
+                break
+            if self.rate_holds.held(name, self.clock.now()):
+                self.metrics.throttle(name, "rate")
+                continue
+            result = self.ops.claim_rated(
+                handler=name,
+                starts=starts,
+                period=period,
+                limit=left,
+                queues=self.config.queues,
+                worker=worker_id(),
+            )
+            self._dispatch(result.items, claimed_at=at)
+            claimed += len(result.items)
+            if result.full_for is not None:
+                self.rate_holds.hold(name, self.clock.now() + result.full_for)
+            self.metrics.throttle(name, "rate", result.held_back)
+        return claimed
+
+    def _window_soon(self) -> bool:
+        """A full rate window frees up within a second or a poll interval (burst mode waits).
+
+        Longer waits ("N/m", "N/h") leave the rows pending, as burst mode
+        leaves retries that are due later.
+        """
+        wait = self.rate_holds.next_release(self.clock.now())
+        return wait <= max(1.0, self.config.poll_interval)
+
+    def _give_back_paused(self) -> None:
+        """Give back buffered rows of queues paused since they were claimed (once per poll).
+
+        Nothing buffered, nothing to give back: no read (the claims skip
+        paused queues themselves).
+        """
+        if not self.ledger.buffered():
+            return
+        paused = self.paused.poll()
+        if not paused or self.control.draining.is_set():
+            return
+        given_back = self._give_back(self.ledger.withdraw_in_queues(paused))
+        if given_back:
+            logger.info(
+                "Gave back %d buffered work item(s) of paused queue(s) %s.",
+                given_back,
+                ", ".join(sorted(paused)),
+            )
 
     def announce(self, priority: int | None) -> None:
         """A wake-up: rows of ``priority`` were committed (None: unknown, after a reconnect).
@@ -350,9 +434,11 @@ class ClaimLoop:
                 self._poll.found_work()
             if claimed and not self._ran_dry:
                 continue  # a full batch: more rows may be ready right now
-            if self.config.burst and not claimed and not self.ledger:
+            if self.config.burst and not claimed and not self.ledger and not self._window_soon():
                 return
             if not claimed and self._ran_dry:
                 control.idle.set()
-            clock.wait(control.wake, self._poll.next())
+            # A full rate window ends by itself: claim when it does.
+            wait = min(self._poll.next(), self.rate_holds.next_release(clock.now()))
+            clock.wait(control.wake, wait)
             control.idle.clear()

@@ -32,6 +32,7 @@ SCRIPTS = [
         "w6_priority",
     ),
     ("startup.py", ["--runs", "1"], "startup"),
+    ("w8_rate.py", ["--rate", "30", "--seconds", "1"], "w8_rate"),
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
     ("w5_memory.py", ["--items", "4000"], "w5_memory"),
     ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),

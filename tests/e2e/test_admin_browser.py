@@ -261,3 +261,36 @@ def test_the_work_items_list_shows_each_error_at_1280_px(browser_page, live_serv
     title = page.get_by_text("ValueError: the export").first.get_attribute("title")
     assert title == "ValueError: the export references a column that does not exist any more"
     assert claimed.pk
+
+
+def test_queues_page_pauses_and_resumes_a_queue(browser_page, live_server) -> None:  # type: ignore[no-untyped-def]
+    from django_dbworker import pause_queue
+    from django_dbworker.models import QueueState
+
+    User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
+    for queue, pending in (("default", 12), ("emails", 40), ("reports", 3)):
+        for _ in range(pending):
+            make_item(handler="noop", queue=queue)
+    make_item(handler="noop", queue="emails", status=Status.CLAIMED)
+    pause_queue("reports", by="ops@example.com")
+    page = browser_page
+    page.goto(f"{live_server.url}/admin/django_dbworker/queuestate/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#dbw-queues")
+    assert "paused" in page.inner_text("tr[data-name=reports]")
+    assert "ops@example.com" in page.inner_text("tr[data-name=reports]")
+    page.click("tr[data-name=emails] input[type=submit]")
+    page.wait_for_selector("ul.messagelist")
+    assert "Paused queue 'emails'" in page.inner_text("ul.messagelist")
+    assert QueueState.objects.get(name="emails").paused_by == "admin"
+    emails = page.inner_text("tr[data-name=emails]")
+    assert "paused" in emails and "40" in emails and "admin" in emails
+    if os.environ.get("DBWORKER_SCREENSHOTS"):
+        # The picture: DBWORKER_SCREENSHOTS=1 pytest tests/e2e -k queues
+        page.screenshot(path=str(Path(__file__).resolve().parents[2] / "docs/img/queues-page.png"))
+    page.click("tr[data-name=reports] input[type=submit]")
+    page.wait_for_selector("ul.messagelist")
+    assert "Resumed queue 'reports'" in page.inner_text("ul.messagelist")
+    assert not QueueState.objects.get(name="reports").paused

@@ -71,3 +71,23 @@ def test_success_writes_are_primary_key_lookups(big_table: None) -> None:
     plan = _plan(postgresql.SUCCEED_MANY.sql, params)
     assert f"Seq Scan on {TABLE}" not in plan, plan
     assert f"Index Scan using {TABLE}_pkey" in plan, plan
+
+
+@pytest.mark.parametrize("queues", [None, ["urgent"], ["urgent", "emails"]])
+def test_the_pause_filter_is_one_hashed_subplan_on_the_claim_index_path(
+    big_table: None, queues: list[str] | None
+) -> None:
+    # Paused queues are a hashed set, read once per statement and probed per
+    # candidate row: the claim index still drives the scan.
+    from django_dbworker.models import QueueState
+
+    QueueState.objects.bulk_create([QueueState(name=f"q{i}", paused=i % 2 == 0) for i in range(20)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_queuestate")
+    sql, params = postgresql.claim_statement(
+        limit=8, handlers=["noop"], queues=queues, worker="host:1:Main"
+    )
+    plan = _plan(sql, params)
+    assert f"Seq Scan on {TABLE}" not in plan, plan
+    assert "using dbworker_claim" in plan, plan
+    assert "hashed SubPlan" in plan, plan

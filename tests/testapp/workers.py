@@ -464,6 +464,39 @@ class Nightly(PeriodicHandler):
         return {"report_for": slot_key(self.slot)}
 
 
+class Rated(WorkItemHandler):
+    """Rate-limited: at most 20 starts in any second, cluster-wide; records each start."""
+
+    name = "rated"
+    queue = "rated"
+    rate_limit = "20/s"
+
+    def handle(self, payload: Any) -> float:
+        started = time.time()  # the start, before anything waits for the database
+        _record(payload, "rated")
+        return started
+
+
+class RatedSlowly(WorkItemHandler):
+    """Rate-limited to 2 starts a minute: after two, the rest wait (integration tests)."""
+
+    name = "rated_slowly"
+    rate_limit = "2/m"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "rated_slowly")
+
+
+class Paused(WorkItemHandler):
+    """Runs in its own queue, ``pausable``; records each run (pause tests)."""
+
+    name = "pausable"
+    queue = "pausable"
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "pausable")
+
+
 if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
     # Only in the subprocess of the start-up test: every other run_workers
     # without names would refuse to start because of it.

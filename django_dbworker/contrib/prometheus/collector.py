@@ -10,18 +10,24 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from django_dbworker.models import Status
+from django_dbworker.models import QueueState, Status
+from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import queue_stats
 
 logger = logging.getLogger("django_dbworker.metrics")
 
 
 class QueueCollector(Collector):
-    """``dbworker_queue_items`` and ``dbworker_queue_oldest_pending_age_seconds``.
+    """The queue gauges: items by status, the oldest pending age, and whether paused.
+
+    ``dbworker_queue_items``, ``dbworker_queue_oldest_pending_age_seconds``
+    and ``dbworker_queue_paused``.
 
     Two grouped queries per scrape (see ``stats.queue_stats``): exact counts
     of live and failed rows, planner estimates for finished rows of large
-    PostgreSQL tables. A database error yields no samples, not a failed scrape.
+    PostgreSQL tables; and a read of the few ``QueueState`` rows (1 for a
+    paused queue, 0 for the others of the table or with a row). A database
+    error yields no samples, not a failed scrape.
     """
 
     def __init__(self, using: str | None = None) -> None:
@@ -41,12 +47,20 @@ class QueueCollector(Collector):
                 "Age of the oldest claimable item per queue (queue lag).",
                 labels=["queue"],
             ),
+            GaugeMetricFamily(
+                "dbworker_queue_paused",
+                "1 while a queue is paused (no worker claims its items), else 0.",
+                labels=["queue"],
+            ),
         ]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        items, lag = self.describe()
+        items, lag, paused = self.describe()
         try:
             stats = queue_stats(using=self.using)
+            states = dict(
+                QueueState.objects.using(work_db_for_read(self.using)).values_list("name", "paused")
+            )
         except Exception:
             logger.exception("Could not read queue sizes for /metrics.")
             return
@@ -54,8 +68,11 @@ class QueueCollector(Collector):
             for status in Status:
                 items.add_metric([queue, status.value], entry["counts"].get(status.value, 0))
             lag.add_metric([queue], entry["oldest_pending_age"] or 0.0)
+        for queue in sorted(set(stats) | set(states)):
+            paused.add_metric([queue], 1.0 if states.get(queue) else 0.0)
         yield items
         yield lag
+        yield paused
 
 
 _registered: dict[int, QueueCollector] = {}

@@ -1,5 +1,5 @@
-"""``manage.py dbworker_stats``: counts by queue and status, queue lag, cancel requests and
-snoozes, orphans, schedules."""
+"""``manage.py dbworker_stats``: counts by queue and status, queue lag, paused queues,
+cancel requests and snoozes, orphans, schedules."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
 from django_dbworker.db import setup_problem
+from django_dbworker.queues import queue_list
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
     flow_stats,
@@ -48,6 +49,7 @@ class Command(BaseCommand):
             self.stdout.write("No work items.")
         else:
             self._queues(stats, options)
+        self._paused(options)
         self._schedules(options)
 
     def _queues(self, stats: Any, options: dict[str, Any]) -> None:
@@ -82,6 +84,25 @@ class Command(BaseCommand):
                 ["handler", "pending", "oldest enqueued"],
                 [[o["handler"], str(o["pending"]), f"{o['oldest_age']:.1f}s ago"] for o in orphans],
             )
+
+    def _paused(self, options: dict[str, Any]) -> None:
+        paused = [q for q in queue_list(using=options["database"]) if q.paused]
+        if not paused:
+            return
+        self.stdout.write("")
+        self.stdout.write("Paused queues (no worker claims their items; dbworker_queue resume Q):")
+        self._table(
+            ["queue", "pending", "paused at (UTC)", "paused by"],
+            [
+                [
+                    q.name,
+                    str(q.pending),
+                    _when(q.paused_at),
+                    q.paused_by or "-",
+                ]
+                for q in paused
+            ],
+        )
 
     def _schedules(self, options: dict[str, Any]) -> None:
         schedules = schedule_stats(using=options["database"])

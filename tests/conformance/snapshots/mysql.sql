@@ -17,6 +17,7 @@ SELECT id FROM django_dbworker_workitem FORCE INDEX (dbworker_my_claim_idx)
 WHERE status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN (%(handler_0)s, %(handler_1)s)
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -28,6 +29,7 @@ WHERE queue = %(queue)s
   AND status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN (%(handler_0)s, %(handler_1)s)
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -39,6 +41,7 @@ WHERE status = 'pending'
   AND run_after <= UTC_TIMESTAMP(6)
   AND handler IN (%(handler_0)s, %(handler_1)s)
   AND queue IN (%(queue_0)s, %(queue_1)s)
+  AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
 ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;

@@ -18,6 +18,7 @@ FROM (
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -42,6 +43,7 @@ FROM (
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
       AND queue = %(queue)s
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -66,6 +68,7 @@ FROM (
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])
       AND queue = ANY(%(queues)s::text[])
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

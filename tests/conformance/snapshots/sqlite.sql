@@ -18,6 +18,7 @@ WHERE id IN (
     WHERE status = 'pending'
       AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
       AND handler IN (%(handler_0)s, %(handler_1)s)
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
 )
@@ -41,6 +42,7 @@ WHERE id IN (
       AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
       AND handler IN (%(handler_0)s, %(handler_1)s)
       AND queue IN (%(queue_0)s, %(queue_1)s)
+      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
 )

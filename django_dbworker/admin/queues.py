@@ -1,0 +1,114 @@
+"""The Queues page: every known queue, its live rows, paused or not (who, when), Pause/Resume.
+
+``QueueAdmin`` serves the page in place of a change list for ``QueueState``;
+the figures come from ``queues.queue_list`` (the queue names by a loose
+index scan, one grouped count of the pending and claimed rows, the few
+QueueState rows), whatever the table's size. Pause and Resume go through
+``queues.pause_queue`` / ``resume_queue``, as the command does, and need
+the change permission on queues (``django_dbworker.change_queuestate``);
+each is recorded in the admin's log. Seeing the page needs the view (or
+change) permission on queues or the view permission on work items.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+
+from django_dbworker.admin.base import may, refuse_parameters
+from django_dbworker.models import QueueState
+from django_dbworker.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+
+if TYPE_CHECKING:
+    _QueueModelAdmin = admin.ModelAdmin[QueueState]
+else:  # ModelAdmin is generic only in django-stubs
+    _QueueModelAdmin = admin.ModelAdmin
+
+
+def queues_context() -> dict[str, Any]:
+    rows = [
+        {
+            "name": q.name,
+            "paused": q.paused,
+            "paused_at": (
+                f"{q.paused_at.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC" if q.paused_at else ""
+            ),
+            "paused_by": q.paused_by,
+            "pending": q.pending,
+            "claimed": q.claimed,
+        }
+        for q in queue_list()
+    ]
+    return {"rows": rows, "paused_count": sum(r["paused"] for r in rows)}
+
+
+class QueueAdmin(_QueueModelAdmin):
+    """One page: the queues, their pending and claimed rows, and Pause/Resume."""
+
+    def _may(self, request: HttpRequest, action: str) -> bool:
+        opts = QueueState._meta
+        return bool(request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}"))
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._may(request, "view") or self._may(request, "change") or may(request, "view")
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self._may(request, "change")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
+        return redirect("admin:django_dbworker_queuestate_changelist")
+
+    def changelist_view(  # the queues page replaces the list
+        self, request: HttpRequest, extra_context: Any = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        refuse_parameters(request)
+        if request.method == "POST":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            self._pause_or_resume(request)
+            return redirect(request.path)
+        context = {
+            **self.admin_site.each_context(request),
+            **queues_context(),
+            "title": "Queues",
+            "opts": self.model._meta,
+            "can_change": self.has_change_permission(request),
+        }
+        return TemplateResponse(request, "admin/django_dbworker/queues.html", context)
+
+    def _pause_or_resume(self, request: HttpRequest) -> None:
+        action, name = request.POST.get("action", ""), request.POST.get("queue", "")
+        if action not in ("pause", "resume"):
+            self.message_user(request, "Nothing done: unknown action.", messages.ERROR)
+            return
+        user = request.user.get_username()
+        try:
+            change = pause_queue if action == "pause" else resume_queue
+            state = change(name, by=user)
+        except (UnknownQueue, ValueError) as exc:
+            self.message_user(request, f"Nothing done: {exc}", messages.ERROR)
+            return
+        if state.pk is not None and QueueState.objects.filter(pk=state.pk).exists():
+            self.log_change(request, state, f"{action.capitalize()}d queue {name}")
+        if action == "pause":
+            text = f"Paused queue {name!r}: no worker claims its items until it is resumed."
+        else:
+            text = f"Resumed queue {name!r}: workers claim its items again."
+        self.message_user(request, text, messages.SUCCESS)

@@ -1,0 +1,80 @@
+"""``manage.py dbworker_queue pause|resume QUEUE [--by WHO]`` and ``dbworker_queue list``.
+
+Parses flags and calls ``django_dbworker.queues``; nothing else. A bad or
+unknown queue name is one line on stderr and exit status 1 (CommandError),
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import getpass
+from datetime import UTC
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_dbworker.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+
+
+def _default_by() -> str:
+    """Who runs the command: the login name, so a pause always says who made it."""
+    try:
+        return f"{getpass.getuser()} (dbworker_queue)"
+    except Exception:  # no login name (a container without passwd entry)
+        return "dbworker_queue"
+
+
+class Command(BaseCommand):
+    help = (
+        "Pause or resume a queue on every worker (stored in the database, so it holds across "
+        "restarts), or list the queues with their pause and live counts."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--database",
+            help="Database alias holding the work (default: the routers' choice for WorkItem).",
+        )
+        actions = parser.add_subparsers(dest="action", required=True, metavar="pause|resume|list")
+        for name, text in (
+            ("pause", "Stop every worker from claiming the queue's items (running ones finish)."),
+            ("resume", "Let workers claim the queue's items again."),
+        ):
+            sub = actions.add_parser(name, help=text)
+            sub.add_argument("queue", help="The queue's name.")
+            sub.add_argument("--by", default=None, help="Who does it (default: your login name).")
+        actions.add_parser("list", help="Every known queue: paused or not, pending and claimed.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        action, using = options["action"], options["database"]
+        if action == "list":
+            self._list(using)
+            return
+        by = options["by"] if options["by"] is not None else _default_by()
+        change = pause_queue if action == "pause" else resume_queue
+        try:
+            state = change(options["queue"], by=by, using=using)
+        except (UnknownQueue, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        if state.paused:
+            self.stdout.write(f"Queue {state.name!r} is paused (by {state.paused_by or '-'}).")
+        else:
+            self.stdout.write(f"Queue {state.name!r} is running.")
+
+    def _list(self, using: str | None) -> None:
+        header = ["queue", "state", "pending", "claimed", "paused at (UTC)", "paused by"]
+        rows = [
+            [
+                q.name,
+                "paused" if q.paused else "running",
+                str(q.pending),
+                str(q.claimed),
+                q.paused_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if q.paused_at else "-",
+                q.paused_by or "-",
+            ]
+            for q in queue_list(using)
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+            self.stdout.write(line.rstrip())

@@ -1,0 +1,99 @@
+"""What the claim loop remembers about flow control: full rate windows, paused queues.
+
+``RateHolds``: the rate-limited handlers of this worker and, for each whose
+window was full at its last claim, until when (this process's monotonic
+clock) it is left out of claims: the database said when the window's
+earliest start leaves it (``VendorOperations.claim_rated``). Rows of other
+handlers flow meanwhile.
+
+``PausedQueues``: the paused queue names, read at most once per poll
+interval (a read of the few ``QueueState`` rows), so that the claim loop can
+give back buffered rows of a queue paused since they were claimed. The
+claim statements skip paused queues themselves; this is only about rows
+claimed before the pause. Neither holds a lock or a connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+
+from django_dbworker import validation
+from django_dbworker.handlers import WorkItemHandler
+
+logger = logging.getLogger("django_dbworker.worker")
+
+
+class RateHolds:
+    """Rate-limited handlers, and until when each is left out of claims."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+        self._rates: dict[str, tuple[int, float]] = {}
+        self._seen: Mapping[str, WorkItemHandler] | None = None
+
+    def rates(self, handlers: Mapping[str, WorkItemHandler]) -> dict[str, tuple[int, float]]:
+        """``{name: (starts, period seconds)}`` of the rate-limited ones among ``handlers``.
+
+        Parsed once per handler mapping (it is replaced, never changed, when
+        handlers are added); a declaration the system check refuses is
+        treated as no limit here, with a log line.
+        """
+        if handlers is not self._seen:
+            rates = {}
+            for name, handler in handlers.items():
+                value = getattr(handler, "rate_limit", None)
+                if value is None:
+                    continue
+                try:
+                    rates[name] = validation.rate_limit(value)
+                except validation.InvalidValue as exc:
+                    logger.error("Handler %r: rate_limit %s; running it without one.", name, exc)
+            self._rates, self._seen = rates, handlers
+        return self._rates
+
+    def held(self, name: str, now: float) -> bool:
+        until = self._until.get(name)
+        if until is None:
+            return False
+        if now >= until:
+            del self._until[name]
+            return False
+        return True
+
+    def hold(self, name: str, until: float) -> None:
+        self._until[name] = until
+
+    def next_release(self, now: float) -> float:
+        """Seconds until the first hold ends (``inf`` without holds)."""
+        if not self._until:
+            return math.inf
+        return max(0.0, min(self._until.values()) - now)
+
+
+class PausedQueues:
+    """The paused queue names, re-read when ``every`` seconds have passed."""
+
+    def __init__(
+        self, read: Callable[[], list[str]], *, every: float, clock: Callable[[], float]
+    ) -> None:
+        self._read = read
+        self._every = every
+        self._clock = clock
+        self._next = 0.0
+        self.names: frozenset[str] = frozenset()
+
+    def poll(self) -> frozenset[str] | None:
+        """The paused names if it was time to read them (None: not yet, or the read failed)."""
+        now = self._clock()
+        if now < self._next:
+            return None
+        self._next = now + self._every
+        try:
+            self.names = frozenset(self._read())
+        except Exception as exc:
+            # The claim that follows meets the same database and says so.
+            logger.debug("Could not read the paused queues: %s", exc)
+            return None
+        return self.names

@@ -1,0 +1,390 @@
+"""Pausing queues and rate limits, on the real database of the leg.
+
+Pause: the claim statements themselves skip paused queues, so a pause
+holds from its commit for every claimer; unknown names are refused (API
+and command). Rate limits: concurrent claimers, each a thread with its own
+connection, never take more than N starts in any window of one period;
+a handler at its limit holds back no other handler's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from django_dbworker import UnknownQueue, pause_queue, resume_queue
+from django_dbworker.checks import rate_limit_errors
+from django_dbworker.db import operations
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import QueueState, RateStart, Status, WorkItem
+from django_dbworker.queues import known_queues, paused_queues, queue_list
+from django_dbworker.registry import registry
+from django_dbworker.testing import run_until_empty
+from django_dbworker.validation import InvalidValue, rate_limit
+from tests.conftest import ROOT
+from tests.factories import claim, make_item
+from tests.testapp.models import Execution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+# -- pause / resume -------------------------------------------------------------------
+
+
+def test_a_pause_hides_the_queue_from_every_claim_until_resumed() -> None:
+    emails = [make_item(queue="emails") for _ in range(3)]
+    other = make_item(queue="other")
+    pause_queue("emails", by="ops")
+    assert [i.pk for i in claim(queues=None)] == [other.pk]
+    assert claim(queues=["emails"]) == []
+    assert claim(queues=["emails", "other"]) == []
+    state = QueueState.objects.get(name="emails")
+    assert state.paused and state.paused_by == "ops" and state.paused_at is not None
+    assert paused_queues() == ["emails"]
+
+    resume_queue("emails")
+    assert sorted(i.pk for i in claim(queues=["emails"])) == sorted(i.pk for i in emails)
+    assert paused_queues() == []
+
+
+def test_pausing_twice_keeps_the_first_pause() -> None:
+    make_item(queue="emails")
+    first = pause_queue("emails", by="alice")
+    again = pause_queue("emails", by="bob")
+    assert again.paused_by == "alice" and again.paused_at == first.paused_at
+    resumed = resume_queue("emails")
+    assert not resumed.paused and resumed.paused_at is None
+    assert not resume_queue("emails").paused  # resuming a running queue is fine
+
+
+def test_known_queues_are_the_tables_the_handlers_and_default() -> None:
+    make_item(queue="from-a-row")
+    known = known_queues()
+    assert {"from-a-row", "default", "echoes", "rated", "pausable"} <= known
+    # A handler's default queue is known without any row.
+    assert pause_queue("echoes").paused
+    assert "echoes" in {q.name for q in queue_list() if q.paused}
+
+
+def test_an_unknown_queue_is_refused_and_nothing_is_stored() -> None:
+    with pytest.raises(UnknownQueue, match="'nope'"):
+        pause_queue("nope")
+    with pytest.raises(UnknownQueue, match="'nope'"):
+        resume_queue("nope")
+    with pytest.raises(ValueError, match="not a valid queue name"):
+        pause_queue("bad name")
+    assert not QueueState.objects.exists()
+
+
+def test_queue_list_counts_pending_and_claimed() -> None:
+    for _ in range(3):
+        make_item(queue="emails")
+    make_item(queue="emails", status=Status.SUCCEEDED)
+    claim(limit=1, queues=["emails"])
+    pause_queue("emails", by="ops")
+    (emails,) = [q for q in queue_list() if q.name == "emails"]
+    assert (emails.pending, emails.claimed, emails.paused, emails.paused_by) == (2, 1, True, "ops")
+
+
+def test_the_command_pauses_lists_and_resumes(capsys: pytest.CaptureFixture[str]) -> None:
+    make_item(queue="emails")
+    call_command("dbworker_queue", "pause", "emails", "--by", "ops")
+    assert "Queue 'emails' is paused (by ops)." in capsys.readouterr().out
+    call_command("dbworker_queue", "list")
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert lines["emails"][:4] == ["emails", "paused", "1", "0"]
+    assert lines["emails"][-1] == "ops"
+    assert lines["default"][:2] == ["default", "running"]
+    call_command("dbworker_queue", "resume", "emails")
+    assert "Queue 'emails' is running." in capsys.readouterr().out
+
+
+def test_the_command_refuses_an_unknown_queue_with_one_line() -> None:
+    with pytest.raises(CommandError, match="Unknown queue 'nope'"):
+        call_command("dbworker_queue", "pause", "nope")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DBWORKER_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
+        "PYTHONPATH": str(ROOT),
+    }
+    for action in ("pause", "resume"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "django", "dbworker_queue", action, "nope"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 1, proc
+        assert "Traceback" not in proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("CommandError: Unknown queue 'nope'"), line
+
+
+def test_run_until_empty_leaves_a_paused_queue_alone() -> None:
+    from tests.testapp.workers import Paused
+
+    Paused.enqueue({"key": "a"})
+    pause_queue("pausable")
+    assert run_until_empty(["pausable"]).get("succeeded", 0) == 0
+    assert WorkItem.objects.get().status == Status.PENDING
+    resume_queue("pausable")
+    assert run_until_empty(["pausable"])["succeeded"] == 1
+
+
+# -- rate limits ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0/s", "fast", "5/d", "-1/s", "1.5/s", " 5/s", 5])
+def test_bad_rate_limits_are_check_errors(value: object) -> None:
+    cls = type(
+        "BadRate", (WorkItemHandler,), {"name": "bad_rate", "rate_limit": value, "abstract": True}
+    )
+    (error,) = rate_limit_errors([cls])
+    assert error.id == "django_dbworker.E020"
+    assert "'bad_rate'" in error.msg and repr(value) in error.msg
+    with pytest.raises(InvalidValue):
+        rate_limit(value)
+
+
+def test_good_rate_limits_parse_and_pass_the_checks() -> None:
+    assert rate_limit("50/s") == (50, 1.0)
+    assert rate_limit("100/m") == (100, 60.0)
+    assert rate_limit("1000/h") == (1000, 3600.0)
+    assert rate_limit_errors(registry.values()) == []
+
+
+def _windows_ok(times: list[datetime], limit: int, period: float) -> int:
+    """The most starts in any half-open window of ``period`` seconds."""
+    times = sorted(times)
+    most = start = 0
+    for end, t in enumerate(times):
+        while (t - times[start]).total_seconds() >= period:
+            start += 1
+        most = max(most, end - start + 1)
+    return most
+
+
+def test_concurrent_claimers_never_take_more_than_n_starts_in_a_window() -> None:
+    n, period = 5, 0.5
+    for i in range(200):
+        make_item("rated", queue="rated", payload={"key": str(i)})
+    ops = operations()
+    claimed: list[tuple[int, datetime]] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + 2.2
+    errors: list[BaseException] = []
+
+    def claimer(index: int) -> None:
+        try:
+            while time.monotonic() < deadline:
+                got = ops.claim_rated(
+                    handler="rated",
+                    starts=n,
+                    period=period,
+                    limit=2,
+                    queues=None,
+                    worker=f"test:{index}:t",
+                )
+                with lock:
+                    claimed.extend((item.pk, item.claimed_at) for item in got.items)
+                if got.full_for is not None:
+                    time.sleep(min(got.full_for, 0.05))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert len({pk for pk, _ in claimed}) == len(claimed)  # never one row twice
+    times = [t for _, t in claimed]
+    # About 2.2 s of claiming: 4 or 5 full windows of 5 starts.
+    assert 15 <= len(times) <= 25, len(times)
+    assert _windows_ok(times, n, period) <= n
+    assert WorkItem.objects.filter(status=Status.CLAIMED).count() == len(times)
+    # Claims took no attempt from the rows left pending.
+    assert set(
+        WorkItem.objects.filter(status=Status.PENDING).values_list("attempts", flat=True)
+    ) == {0}
+    # The window keeps only its own starts.
+    assert RateStart.objects.filter(handler="rated").count() <= n
+
+
+def test_a_full_window_says_when_it_frees_up() -> None:
+    for i in range(5):
+        make_item("rated_slowly", payload={"key": str(i)})
+    ops = operations()
+    got = ops.claim_rated(
+        handler="rated_slowly", starts=2, period=60.0, limit=5, queues=None, worker="t:1:a"
+    )
+    assert len(got.items) == 2
+    allowance = operations().rate_allowance
+    assert got.full_for is not None and 59.0 < got.full_for <= 60.0 + allowance
+    assert got.held_back == 3
+    again = ops.claim_rated(
+        handler="rated_slowly", starts=2, period=60.0, limit=5, queues=None, worker="t:1:a"
+    )
+    assert again.items == [] and again.full_for is not None
+    assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 3
+
+
+def test_a_throttled_handler_does_not_hold_back_other_handlers() -> None:
+    from tests.testapp.workers import RatedSlowly, Record
+
+    RatedSlowly.enqueue_many([{"key": f"r{i}"} for i in range(6)], priority=10)
+    Record.enqueue_many([{"key": f"p{i}"} for i in range(20)])
+    counts = run_until_empty(["rated_slowly", "record"])
+    assert counts["succeeded"] == 22
+    assert Execution.objects.filter(kind="rated_slowly").count() == 2
+    assert Execution.objects.filter(kind="run").count() == 20
+    waiting = WorkItem.objects.filter(handler="rated_slowly", status=Status.PENDING)
+    assert waiting.count() == 4
+    assert set(waiting.values_list("attempts", flat=True)) == {0}
+
+
+def test_a_rate_limited_worker_waits_for_its_window_then_runs_the_rest(
+    background_worker,
+) -> None:
+    from tests.testapp.workers import Rated
+
+    Rated.enqueue_many([{"key": str(i)} for i in range(30)])
+    started = time.monotonic()
+    background_worker(["rated"], concurrency=4)
+    from tests.conftest import wait_until
+
+    wait_until(
+        lambda: Execution.objects.filter(kind="rated").count() == 30,
+        timeout=20,
+        what="all 30 rated items to run",
+    )
+    # 20 per second: the last 10 waited for the first second's window.
+    assert time.monotonic() - started >= 1.0
+    times = list(Execution.objects.filter(kind="rated").values_list("created_at", flat=True))
+    assert _windows_ok(times, 20, 1.0) <= 20
+    assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
+
+
+def test_burst_mode_waits_when_the_window_is_full(background_worker) -> None:
+    # The worker's own bookkeeping: a handler at its limit is skipped, and the
+    # loop wakes when the window frees up (not at the next poll only).
+    from tests.testapp.workers import Rated
+
+    Rated.enqueue_many([{"key": str(i)} for i in range(25)])
+    worker = background_worker(["rated"], concurrency=2, poll_interval=5.0, burst=True)
+    from tests.conftest import wait_until
+
+    wait_until(
+        lambda: Execution.objects.filter(kind="rated").count() == 25,
+        timeout=10,
+        what="all 25 rated items to run despite a 5 s poll interval",
+    )
+    assert worker.claimed == 25
+
+
+def test_a_pause_gives_back_rows_a_worker_buffered_and_lets_the_running_one_finish(
+    background_worker, gate: None
+) -> None:
+    from tests.conftest import wait_until
+    from tests.testapp.workers import GATE, Gate
+
+    Gate.enqueue_many([{"key": f"fast-{n}"} for n in range(5)], priority=10, queue="held")
+    Gate.enqueue_many([{"key": f"gated-{n}", "wait": True} for n in range(30)], queue="held")
+    worker = background_worker(["gate"], concurrency=1, prefetch_horizon=5.0, poll_interval=0.2)
+    wait_until(
+        lambda: Execution.objects.filter(key__startswith="gated", kind="start").exists(),
+        what="a gated item to start",
+    )
+    claimed = WorkItem.objects.filter(status=Status.CLAIMED)
+    wait_until(lambda: claimed.count() >= 10, what="rows prefetched behind the running item")
+    pause_queue("held")
+    wait_until(
+        lambda: claimed.count() == 1, timeout=5, what="the buffered rows of the paused queue"
+    )
+    wait_until(lambda: worker.given_back >= 9, what="the worker to count the give-back")
+    GATE.set()
+    wait_until(lambda: not claimed.exists(), what="the running item to finish")
+    assert Execution.objects.filter(key__startswith="gated").count() == 1
+    assert not WorkItem.objects.filter(status=Status.PENDING).exclude(attempts=0).exists()
+    resume_queue("held")
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 35,
+        what="the rest to run after the resume",
+    )
+
+
+def test_the_paused_gauge_and_the_stats_show_paused_queues() -> None:
+    from io import StringIO
+
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.contrib.prometheus.collector import register, unregister
+
+    make_item(queue="mail")
+    make_item(queue="other")
+    pause_queue("mail", by="ops")
+    reg = CollectorRegistry()
+    register(reg)
+    try:
+        assert reg.get_sample_value("dbworker_queue_paused", {"queue": "mail"}) == 1.0
+        assert reg.get_sample_value("dbworker_queue_paused", {"queue": "other"}) == 0.0
+    finally:
+        unregister(reg)
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    assert "Paused queues" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("mail ")][-1:]
+    assert line.split()[:2] == ["mail", "1"] and line.split()[-1] == "ops"
+
+
+def test_throttled_claims_are_counted(background_worker) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+    from django_dbworker.worker import Worker
+    from tests.factories import worker_config
+    from tests.testapp.workers import RatedSlowly
+
+    RatedSlowly.enqueue_many([{"key": str(i)} for i in range(5)])
+    reg = CollectorRegistry()
+    worker = Worker([RatedSlowly], worker_config(burst=True), metrics=WorkerMetrics(reg))
+    worker.run()
+    assert worker.claimed == 2
+    held = reg.get_sample_value(
+        "worker_throttled_total", {"worker": "rated_slowly", "reason": "rate"}
+    )
+    assert held is not None and held >= 1
+
+
+def test_a_resume_wakes_an_idle_worker_at_once(background_worker) -> None:
+    # A poll interval far longer than the wait: only the resume's wake-up
+    # (NOTIFY on PostgreSQL, this process's waker elsewhere) can start it.
+    from tests.conftest import wait_until
+    from tests.testapp.workers import Paused
+
+    worker = background_worker(["pausable"], poll_interval=60.0)
+    wait_until(lambda: worker.idle.is_set(), what="the worker to go idle")
+    pause_queue("pausable")
+    Paused.enqueue({"key": "woken"})
+    resume_queue("pausable")
+    wait_until(
+        lambda: Execution.objects.filter(kind="pausable").exists(),
+        timeout=10,
+        what="the resumed queue's item to run without waiting for a poll",
+    )

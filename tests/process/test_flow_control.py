@@ -1,0 +1,107 @@
+"""Pause and rate limits across real ``run_workers`` processes, on every database.
+
+A pause is in the database: it stops claims on every worker, holds across
+a restart, and a resume lets them claim again. A rate limit is
+cluster-wide: two workers together start at most N items in any window of
+one period, by the handlers' own start records.
+"""
+
+from __future__ import annotations
+
+import signal
+from datetime import UTC, datetime
+
+import pytest
+
+from django_dbworker import pause_queue, resume_queue
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
+from tests.testapp.models import Execution
+from tests.testapp.workers import Paused, Rated, Sleep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _most_in_a_window(times: list[datetime], seconds: float) -> int:
+    times = sorted(times)
+    most = start = 0
+    for end, t in enumerate(times):
+        while (t - times[start]).total_seconds() >= seconds:
+            start += 1
+        most = max(most, end - start + 1)
+    return most
+
+
+def _both_claim_other_work(batch: str, pids: set[int]) -> None:
+    """Sleep items, one thread per worker: both workers take some (their claims ran)."""
+    Sleep.enqueue_many([{"key": f"{batch}{i}", "seconds": 0.4} for i in range(6)])
+    wait_until(
+        lambda: Execution.objects.filter(kind="end", key__startswith=batch).count() == 6,
+        timeout=60,
+        what=f"the {batch} sleep items to finish",
+    )
+    ran_on = set(
+        Execution.objects.filter(kind="start", key__startswith=batch).values_list("pid", flat=True)
+    )
+    assert ran_on == pids, (ran_on, pids)
+
+
+def test_a_pause_stops_every_worker_survives_a_restart_and_resume_restarts_them(
+    start_worker,
+) -> None:
+    def start_two() -> list:
+        workers = [start_worker("pausable", "sleep", "--concurrency", "1") for _ in range(2)]
+        for worker in workers:
+            worker.wait_for_log("Starting worker", timeout=60)
+        return workers
+
+    workers = start_two()
+    pause_queue("pausable", by="test")
+    Paused.enqueue_many([{"key": f"p{i}"} for i in range(10)])
+    # Both workers claim after the pause (their other work runs on each), and
+    # neither takes a row of the paused queue.
+    _both_claim_other_work("a", {w.pid for w in workers})
+    assert WorkItem.objects.filter(handler="pausable", status=Status.PENDING, attempts=0).count()
+    assert not Execution.objects.filter(kind="pausable").exists()
+
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        assert worker.wait(60) == 0
+    workers = start_two()
+    _both_claim_other_work("b", {w.pid for w in workers})
+    assert WorkItem.objects.filter(handler="pausable", status=Status.PENDING).count() == 10
+    assert not Execution.objects.filter(kind="pausable").exists()
+
+    resume_queue("pausable")
+    wait_until(
+        lambda: WorkItem.objects.filter(handler="pausable", status=Status.SUCCEEDED).count() == 10,
+        timeout=60,
+        what="the paused items to run after the resume",
+    )
+    assert Execution.objects.filter(kind="pausable").count() == 10
+
+
+def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
+    n, items = 20, 70
+    workers = [start_worker("rated", "--concurrency", "4") for _ in range(2)]
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    Rated.enqueue_many([{"key": str(i)} for i in range(items)])
+    wait_until(
+        lambda: Execution.objects.filter(kind="rated").count() == items,
+        timeout=60,
+        what=f"all {items} rated items to run",
+    )
+    rows = WorkItem.objects.filter(handler="rated")
+    # The claims (the database's clock) never took more than 20 in one second,
+    claims = list(rows.values_list("claimed_at", flat=True))
+    assert _most_in_a_window(claims, 1.0) <= n
+    # nor did the handlers start more, by their own records of their starts.
+    starts = [datetime.fromtimestamp(float(t), UTC) for t in rows.values_list("result", flat=True)]
+    assert _most_in_a_window(starts, 1.0) <= n
+    # 70 items at 20 a second: at least three windows were waited for.
+    assert (max(starts) - min(starts)).total_seconds() >= 3.0
+    # Both workers started some: the limit is shared, not per process.
+    assert len(set(Execution.objects.filter(kind="rated").values_list("pid", flat=True))) == 2
+    assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
