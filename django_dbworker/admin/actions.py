@@ -233,7 +233,9 @@ def run_in_batches(
 
 def _select_across(request: HttpRequest) -> bool:
     """Whether the user chose "Select all" (Django's hidden ``select_across`` field)."""
-    return bool(forms.BooleanField(required=False).clean(request.POST.get("select_across")))
+    # A call from code (a request-less call of the action) selects no more than given.
+    post = getattr(request, "POST", None) or {}
+    return bool(forms.BooleanField(required=False).clean(post.get("select_across")))
 
 
 def _make(verb: Verb) -> Action:
