@@ -4,8 +4,9 @@ Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
 for periodic handler declarations (the schedule, its time zone, its jitter),
 E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
 Django's tasks checks), E018 for a database server too old to run the worker
-(MySQL/MariaDB), W001-W009 for risky but working configurations (W004: a
-MySQL binary log that is not row-based). Checks read settings only and
+(MySQL/MariaDB), E019 for a handler's ``concurrency_limit``, W001-W009
+for risky but working configurations (W004: a MySQL binary log that is
+not row-based). Checks read settings only and
 never connect, except the database checks (``Tags.database``), which Django
 runs only when asked (``migrate``, ``check --database``). Each value is
 validated by ``validation.SETTINGS``, the
@@ -23,6 +24,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems
+from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import registry
 
@@ -225,4 +227,32 @@ def periodic_errors(classes: Any) -> list[CheckMessage]:
                     id=PERIODIC_IDS[problem.field],
                 )
             )
+    return errors
+
+
+@register(Tags.compatibility)
+def check_concurrency_limits(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse a ``concurrency_limit`` that is not an integer of at least 1 (or None)."""
+    return concurrency_limit_errors(registry.values())
+
+
+def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
+    """One error per WorkItem handler class among ``classes`` whose limit is bad."""
+    errors: list[CheckMessage] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+            continue
+        problem = validation.concurrency_limit_problem(cls.concurrency_limit)
+        if problem is None:
+            continue
+        errors.append(
+            Error(
+                f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) has a bad "
+                f"concurrency_limit: {problem}.",
+                hint="Set concurrency_limit to the number of items of one concurrency_key "
+                "that may be claimed at once (1 or more), or None for no limit.",
+                obj=cls,
+                id="django_dbworker.E019",
+            )
+        )
     return errors

@@ -89,6 +89,10 @@ class WorkItemHandler(Handler["WorkItem"]):
     sensitive: ClassVar[bool] = False
     #: Exceptions that schedule a retry; any other one fails the item at once.
     retry_on: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
+    #: At most this many items of one ``concurrency_key`` claimed at once,
+    #: across all workers (items enqueued without a key are not limited);
+    #: None: no limit. Copied onto each keyed row at enqueue.
+    concurrency_limit: ClassVar[int | None] = None
 
     def handle(self, payload: Any) -> Any:
         """Do the work; the JSON-serialisable return value becomes ``result``."""
@@ -160,11 +164,17 @@ class WorkItemHandler(Handler["WorkItem"]):
         priority: int = 0,
         queue: str | None = None,
         unique_key: str | None = None,
+        concurrency_key: str | None = None,
         using: str | None = None,
     ) -> WorkItem:
         """Insert one item for this handler; see ``django_dbworker.enqueue``."""
         options = EnqueueOptions(
-            run_after=run_after, priority=priority, queue=queue, unique_key=unique_key, using=using
+            run_after=run_after,
+            priority=priority,
+            queue=queue,
+            unique_key=unique_key,
+            concurrency_key=concurrency_key,
+            using=using,
         )
         return _enqueuer().insert_one(cls, payload, options)[0]
 
@@ -176,10 +186,17 @@ class WorkItemHandler(Handler["WorkItem"]):
         run_after: datetime | timedelta | None = None,
         priority: int = 0,
         queue: str | None = None,
+        concurrency_key: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
         """Insert one item per payload in one bulk write; see ``django_dbworker.enqueue_many``."""
-        options = EnqueueOptions(run_after=run_after, priority=priority, queue=queue, using=using)
+        options = EnqueueOptions(
+            run_after=run_after,
+            priority=priority,
+            queue=queue,
+            concurrency_key=concurrency_key,
+            using=using,
+        )
         return _enqueuer().insert_many(cls, payloads, options)
 
     # -- not driven on its own ----------------------------------------------------

@@ -161,6 +161,15 @@ class WorkerMetrics:
             ["worker"],
             **kw,
         )
+        # Flow control: ready rows a claim held back (reason "concurrency": no
+        # free slot for their concurrency_key; "rate": over a rate limit).
+        # Not attempts: the rows stay pending, untouched.
+        self.throttled = pc.Counter(
+            "worker_throttled_total",
+            "Claim candidates held back by flow control, by reason (concurrency, rate).",
+            ["worker", "reason"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -177,6 +186,11 @@ class WorkerMetrics:
     def claim_error(self, worker: str) -> None:
         if self.enabled:
             self.claim_errors.labels(worker).inc()
+
+    def throttled_claims(self, worker: str, reason: str, count: int) -> None:
+        """``count`` ready rows a claim held back for ``reason`` ("concurrency", "rate")."""
+        if self.enabled and count:
+            self.throttled.labels(worker, reason).inc(count)
 
     def claim_took(self, worker: str, seconds: float) -> None:
         if self.enabled:

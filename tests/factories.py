@@ -25,9 +25,14 @@ def claim(
     handlers: list[str] | None = None,
     queues: list[str] | None = None,
     worker: str = "test:1:main",
+    limited: bool = False,
 ) -> list[WorkItem]:
     return operations().claim(
-        limit=limit, handlers=handlers or ["noop", "echo", "urgent"], queues=queues, worker=worker
+        limit=limit,
+        handlers=handlers or ["noop", "echo", "urgent"],
+        queues=queues,
+        worker=worker,
+        limited=limited,
     )
 
 

@@ -14,6 +14,7 @@ import from the worker, the admin or enqueuing: they call it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
@@ -36,6 +37,7 @@ from django_dbworker.db.sql import (
     numbered_params,
 )
 from django_dbworker.db.types import (
+    Claimed,
     ColumnStats,
     RunTimes,
     ServerProblem,
@@ -55,6 +57,8 @@ __all__ = [
     "CAPABILITIES",
     "CLAIM_COLUMNS",
     "INSERTED_COLUMNS",
+    "Candidate",
+    "Claimed",
     "ColumnStats",
     "RunTimes",
     "ServerProblem",
@@ -65,11 +69,13 @@ __all__ = [
     "VendorOperations",
     "add_local_waker",
     "as_uuid",
+    "flow_lock_name",
     "numbered",
     "numbered_params",
     "percentile",
     "remove_local_waker",
     "wake_local",
+    "within_limits",
 ]
 
 T = TypeVar("T")
@@ -93,6 +99,56 @@ def as_uuid(value: Any) -> UUID:
 
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
+
+#: A claim candidate of the keyed claim: ``(id, handler, concurrency_key,
+#: concurrency_limit)``, as the vendors' candidate statements return it.
+Candidate = tuple[int, str, str | None, int | None]
+
+#: ``FlowLock.name``'s width.
+FLOW_LOCK_NAME_MAX = 255
+
+
+def flow_lock_name(handler: str, key: str) -> str:
+    """The ``FlowLock`` row that serialises the claims of one (handler, concurrency_key).
+
+    Readable when it fits the column, a digest otherwise. Two pairs that
+    share a name (``"a:b"``/``"c"`` and ``"a"``/``"b:c"``) only share a
+    lock: claims of both wait for each other, the counts stay per pair.
+    """
+    name = f"key:{handler}:{key}"
+    if len(name) <= FLOW_LOCK_NAME_MAX:
+        return name
+    digest = hashlib.sha256(f"{handler}\0{key}".encode()).hexdigest()
+    return f"key#{digest}"
+
+
+def within_limits(
+    candidates: Sequence[Candidate], held: dict[tuple[str, str], int]
+) -> tuple[list[int], int]:
+    """The ids to claim of ``candidates`` (in claim order), and how many are held back.
+
+    ``held`` is the claimed rows per (handler, key), counted under the keys'
+    ``FlowLock`` rows. A candidate without a limit is always taken; one with
+    a limit while its key holds fewer claimed rows than that limit (its
+    own row's limit: rows enqueued before a deploy keep theirs), counting
+    the candidates taken before it.
+    """
+    taken: dict[tuple[str, str], int] = {}
+    ids: list[int] = []
+    throttled = 0
+    for pk, handler, key, limit in candidates:
+        if key is None or limit is None:
+            ids.append(pk)
+            continue
+        slot = (handler, key)
+        used = held.get(slot, 0) + taken.get(slot, 0)
+        if used < limit:
+            taken[slot] = taken.get(slot, 0) + 1
+            ids.append(pk)
+        else:
+            throttled += 1
+    return ids, throttled
+
 
 #: What every vendor class must say about its database (class attributes).
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
@@ -166,6 +222,7 @@ class VendorOperations(ABC):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limited: bool = False,
     ) -> list[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
 

@@ -25,19 +25,31 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import VendorOperations, as_uuid
+from django_dbworker.db.base import (
+    Candidate,
+    Claimed,
+    VendorOperations,
+    as_uuid,
+    flow_lock_name,
+    within_limits,
+)
 from django_dbworker.db.postgresql_sql import (
+    CLAIM_IDS,
     COPY_ITEMS,
+    COUNT_KEY_SLOTS,
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
+    INSERT_FLOW_LOCKS,
     INSERT_ITEM,
     INSERT_ITEMS,
     LISTEN,
+    LOCK_FLOW_LOCKS,
     NOTIFY,
     RESERVE_IDS,
     RUN_TIMES,
     SUCCEED_MANY,
     TABLE_ESTIMATE,
+    candidates_statement,
     claim_statement,
 )
 from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
@@ -85,11 +97,48 @@ class PostgresOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limited: bool = False,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
+        if limited:
+            return self._claim_keyed(limit=limit, handlers=handlers, queues=queues, worker=worker)
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
         return self._rows_to_items(self._fetch_bound(sql, params))
+
+    def _claim_keyed(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+    ) -> Claimed[WorkItem]:
+        """The claim that honours concurrency keys (``postgresql_sql``, "the keyed claim")."""
+        sql, params = candidates_statement(limit=limit, handlers=handlers, queues=queues)
+        # Inside a caller's transaction (run_until_empty in a test) no
+        # savepoint, as the one-statement claim has none.
+        with transaction.atomic(using=self.using, savepoint=False):
+            candidates: list[Candidate] = [
+                (pk, handler, key, lim) for pk, handler, key, lim in self._fetch_bound(sql, params)
+            ]
+            if not candidates:
+                return Claimed()
+            slots = sorted({(h, k) for _, h, k, lim in candidates if k is not None and lim})
+            held: dict[tuple[str, str], int] = {}
+            if slots:
+                names = sorted({flow_lock_name(h, k) for h, k in slots})
+                with self._binding_cursor() as cursor:
+                    cursor.execute(INSERT_FLOW_LOCKS.sql, {"names": names})
+                self._fetch_bound(LOCK_FLOW_LOCKS.sql, {"names": names})
+                rows = self._fetch_bound(
+                    COUNT_KEY_SLOTS.sql,
+                    {"handlers": [h for h, _ in slots], "keys": [k for _, k in slots]},
+                )
+                held = {(h, k): int(n) for h, k, n in rows}
+            ids, throttled = within_limits(candidates, held)
+            rows = self._fetch_bound(CLAIM_IDS.sql, {"worker": worker, "ids": ids}) if ids else []
+        return Claimed(self._rows_to_items(rows), throttled=throttled)
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
@@ -191,6 +240,8 @@ class PostgresOperations(VendorOperations):
                     "",
                     "",
                     _copy_text(params["trace_context"]),
+                    _copy_nullable(params["concurrency_key"]),
+                    _copy_nullable(params["concurrency_limit"]),
                     now.isoformat(),
                     now.isoformat(),
                 ]
@@ -272,6 +323,8 @@ class PostgresOperations(VendorOperations):
             "delay": run_after if isinstance(run_after, timedelta) else timedelta(0),
             "max_attempts": first.max_attempts,
             "trace_context": json.dumps(first.trace_context or {}),
+            "concurrency_key": first.concurrency_key,
+            "concurrency_limit": first.concurrency_limit,
         }
 
     def notify(self, queues: Sequence[str], priority: int = 0) -> None:
@@ -354,6 +407,11 @@ def _copy_text(value: str) -> str:
     return (
         value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
     )
+
+
+def _copy_nullable(value: str | int | None) -> str:
+    """A text or integer value as a COPY field; None is SQL NULL."""
+    return "\\N" if value is None else _copy_text(str(value))
 
 
 def _copy_payload(payload_json: str | None) -> str:

@@ -119,6 +119,141 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 """,
 )
 
+# -- the keyed claim (per-key concurrency limits) --------------------------------
+#
+# Only for workers whose handlers declare a concurrency_limit; the others
+# run the one-statement claims above, unchanged. One transaction:
+#
+# 1. the candidates, locked (SKIP LOCKED) in claim order. A row with a limit
+#    whose key already holds that many claimed rows is skipped by the
+#    filter (a probe of the partial dbworker_key_slots_idx per such row),
+#    so a key at its limit does not stop the scan and rows behind it are
+#    claimed; rows without a limit pass at the first test of the OR.
+# 2. the FlowLock rows of the candidates' keys: inserted if new, then
+#    locked in name order (two claimers never wait for each other in a
+#    cycle). Claimers of one key decide one after the other.
+# 3. the claimed rows per key, counted by a statement of its own: it runs
+#    after the locks are granted, so under READ COMMITTED it sees the
+#    claims the previous holder committed.
+# 4. the candidates that fit (``base.within_limits``) claimed by id; the
+#    rest stay pending, untouched, and unlocked at commit.
+#
+# A slot is a claimed row: nothing is counted up or down, so a late or
+# zombie finisher (its fenced write matches nothing) holds nothing, and
+# stale recovery (claimed -> pending) frees its slot by itself.
+
+_KEY_FILTER = """
+      AND (p.concurrency_limit IS NULL
+           OR (SELECT count(*) FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.handler = p.handler
+                 AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)"""
+
+CLAIM_CANDIDATES = Statement(
+    "claim_candidates",
+    "Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[]){_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED
+""",
+)
+
+CLAIM_CANDIDATES_IN_QUEUE = Statement(
+    "claim_candidates_in_queue",
+    "Lock the next ready rows of some handlers in one queue, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[])
+  AND p.queue = %(queue)s{_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED
+""",
+)
+
+CLAIM_CANDIDATES_IN_QUEUES = Statement(
+    "claim_candidates_in_queues",
+    "Lock the next ready rows of some handlers in several queues, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[])
+  AND p.queue = ANY(%(queues)s::text[]){_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED
+""",
+)
+
+# Existing rows are left alone (no new row version per claim); a name
+# another claimer is inserting waits for its transaction, in name order.
+INSERT_FLOW_LOCKS = Statement(
+    "insert_flow_locks",
+    "Create the FlowLock rows of some keys that have none yet (names in sorted order).",
+    """
+INSERT INTO django_dbworker_flowlock (name)
+SELECT unnest(%(names)s::text[])
+ON CONFLICT (name) DO NOTHING
+""",
+)
+
+# The sort runs below the row locking: rows are locked in name order.
+LOCK_FLOW_LOCKS = Statement(
+    "lock_flow_locks",
+    "Lock the FlowLock rows of some keys, in name order, until the transaction ends.",
+    """
+SELECT name FROM django_dbworker_flowlock
+WHERE name = ANY(%(names)s::text[])
+ORDER BY name
+FOR UPDATE
+""",
+)
+
+COUNT_KEY_SLOTS = Statement(
+    "count_key_slots",
+    "The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.",
+    """
+SELECT w.handler, w.concurrency_key, count(*)
+FROM django_dbworker_workitem AS w
+JOIN unnest(%(handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
+  ON w.handler = k.handler AND w.concurrency_key = k.concurrency_key
+WHERE w.status = 'claimed'
+GROUP BY w.handler, w.concurrency_key
+""",
+)
+
+# The rows are locked by this transaction (the candidates' FOR UPDATE):
+# the status test only restates it.
+CLAIM_IDS = Statement(
+    "claim_ids",
+    "Claim the locked candidates that fit their keys' limits.",
+    """
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.status = 'pending'
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+""",
+)
+
 # The separate "w.id = ANY(ids)" pins the plan to primary-key lookups,
 # whatever the planner thinks of the join with the unnested arrays.
 SUCCEED_MANY = Statement(
@@ -152,11 +287,13 @@ INSERT_ITEM = Statement(
     """
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
 VALUES (
     %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
     statement_timestamp(), statement_timestamp())
 RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s)
 """,
@@ -173,11 +310,13 @@ INSERT_ITEMS = Statement(
 WITH ins AS (
     INSERT INTO django_dbworker_workitem (
         handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, created_at, updated_at)
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        created_at, updated_at)
     SELECT
         %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
         coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
         0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
         statement_timestamp(), statement_timestamp()
     FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
     ORDER BY u.n
@@ -219,7 +358,8 @@ COPY_ITEMS = Statement(
     """
 COPY django_dbworker_workitem (
     id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
 FROM STDIN
 """,
 )
@@ -303,6 +443,18 @@ GROUP BY handler
 ORDER BY handler
 """,
 )
+
+
+def candidates_statement(
+    *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
+) -> tuple[str, dict[str, Any]]:
+    """The keyed claim's candidate statement for these filters, and its parameters."""
+    params: dict[str, Any] = {"handlers": list(handlers), "limit": limit}
+    if not queues:
+        return CLAIM_CANDIDATES.sql, params
+    if len(queues) == 1:
+        return CLAIM_CANDIDATES_IN_QUEUE.sql, {**params, "queue": queues[0]}
+    return CLAIM_CANDIDATES_IN_QUEUES.sql, {**params, "queues": list(queues)}
 
 
 def claim_statement(

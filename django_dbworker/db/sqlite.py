@@ -96,6 +96,60 @@ RETURNING id, handler, queue, payload, priority, run_after, attempts,
 """,
 )
 
+# The keyed claim (per-key concurrency limits), for workers whose handlers
+# declare a concurrency_limit; the others run the claims above, unchanged.
+# SQLite runs one writing statement at a time (the database write lock is
+# held for the whole UPDATE), so the counts read inside it are exact: no
+# FlowLock is needed. The candidates skip rows whose key already holds its
+# limit of claimed rows (a probe of dbworker_key_slots_idx per such row, so
+# rows behind a key at its limit are claimed); among the candidates, a
+# key's rows are ranked in claim order and only those that fit the slots
+# left are claimed, the rest stay pending untouched.
+CLAIM_KEYED = Statement(
+    "claim_keyed",
+    "Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    claimed_by = %(worker)s,
+    claim_token = lower(hex(randomblob(16)))
+WHERE id IN (
+    SELECT r.id FROM (
+        SELECT c.id, c.concurrency_limit,
+               row_number() OVER (
+                   PARTITION BY c.handler, c.concurrency_key
+                   ORDER BY c.priority DESC, c.run_after, c.id) AS n,
+               (SELECT count(*) FROM django_dbworker_workitem AS h
+                WHERE h.status = 'claimed'
+                  AND h.handler = c.handler
+                  AND h.concurrency_key = c.concurrency_key) AS held
+        FROM (
+            SELECT id, handler, concurrency_key, concurrency_limit, priority, run_after
+            FROM django_dbworker_workitem AS p
+            WHERE status = 'pending'
+              AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+              AND handler IN ({handlers}){queues}
+              AND (concurrency_limit IS NULL
+                   OR (SELECT count(*) FROM django_dbworker_workitem AS h
+                       WHERE h.status = 'claimed'
+                         AND h.handler = p.handler
+                         AND h.concurrency_key = p.concurrency_key) < concurrency_limit)
+            ORDER BY priority DESC, run_after, id
+            LIMIT %(limit)s
+        ) AS c
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.held + r.n <= r.concurrency_limit
+)
+AND status = 'pending'
+RETURNING id, handler, queue, payload, priority, run_after, attempts,
+          max_attempts, claimed_by, claim_token, trace_context
+""",
+)
+
 # The separate "id IN (...)" pins the plan to primary-key lookups, whatever
 # the planner thinks of the join with the VALUES rows.
 SUCCEED_MANY = Statement(
@@ -156,6 +210,13 @@ def claim_sql(handlers: int, queues: int) -> str:
 
 
 @lru_cache(maxsize=256)
+def claim_keyed_sql(handlers: int, queues: int) -> str:
+    """The keyed claim for ``handlers`` handler names and ``queues`` queue names (0: any)."""
+    in_queues = f"\n              AND queue IN ({numbered('queue', queues)})" if queues else ""
+    return CLAIM_KEYED.render(handlers=numbered("handler", handlers), queues=in_queues)
+
+
+@lru_cache(maxsize=256)
 def succeed_many_sql(rows: int) -> str:
     """The success statement for ``rows`` outcomes."""
     return SUCCEED_MANY.render(
@@ -189,6 +250,7 @@ class SQLiteOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limited: bool = False,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
@@ -199,7 +261,9 @@ class SQLiteOperations(VendorOperations):
             **numbered_params("handler", handlers),
             **numbered_params("queue", queues),
         }
-        rows = self._fetch(claim_sql(len(handlers), len(queues)), params)
+        render = claim_keyed_sql if limited else claim_sql
+        rows = self._fetch(render(len(handlers), len(queues)), params)
+        # The statement does not say how many candidates it held back.
         return self._rows_to_items(rows)
 
     def succeed_many(

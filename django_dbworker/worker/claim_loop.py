@@ -124,12 +124,14 @@ class ClaimLoop:
             return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
+        handlers = self.handlers()
         try:
             items = self.ops.claim(
                 limit=limit,
-                handlers=list(self.handlers()),
+                handlers=list(handlers),
                 queues=self.config.queues,
                 worker=worker_id(),
+                limited=any(h.concurrency_limit is not None for h in handlers.values()),
             )
         except Exception:
             if self._urgent_claim:
@@ -142,7 +144,11 @@ class ClaimLoop:
         self.recovery.observe_write(took)
         self.claimed += len(items)
         self.claims += bool(items)
-        self._ran_dry = len(items) < limit
+        # Rows held back for their concurrency keys were there: a batch cut
+        # short by them is not an empty queue (the next claim skips those keys).
+        throttled = getattr(items, "throttled", 0)
+        self.metrics.throttled_claims(WORK_ITEM_LOOP, "concurrency", throttled)
+        self._ran_dry = len(items) + throttled < limit
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:

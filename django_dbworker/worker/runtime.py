@@ -89,6 +89,7 @@ class Worker:
             metrics=self.metrics,
             hooks=self.parts.make_hooks(),
             aborting=control.aborting,
+            slot_freed=control.wake.set,
         )
         self.recovery = Recovery(
             config=cfg,

@@ -474,3 +474,30 @@ if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
 
         def process(self, invoice: Invoice) -> None:
             pass
+
+
+class Keyed(WorkItemHandler):
+    """At most one item per concurrency key at once: records its start and end, then sleeps.
+
+    The records carry the item's ``key`` (its concurrency key, by the tests'
+    convention), so that a key's records read start, end, start, end, ...
+    in time order exactly when no two of its runs overlapped.
+    """
+
+    name = "keyed"
+    concurrency_limit = 1
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        _record(payload, "end")
+
+
+class KeyedPair(WorkItemHandler):
+    """Two items per concurrency key at once; does nothing."""
+
+    name = "keyed_pair"
+    concurrency_limit = 2
+
+    def handle(self, payload: Any) -> None:
+        return None
