@@ -76,3 +76,26 @@ def run_retries(rounds: int = 10) -> None:
         if not WorkItem.objects.filter(status="pending").exists():
             return
         make_due()
+
+
+def assert_no_key_overlaps() -> int:
+    """Assert no two runs of one key overlapped, from the ``keyed`` handler's own records.
+
+    Each key's start and end records, in time order, must read start, end,
+    start, end, ...; returns the most runs of different keys that were
+    running at one moment (more than 1: keys ran side by side).
+    """
+    from tests.testapp.models import Execution
+
+    records = list(Execution.objects.filter(kind__in=["start", "end"]).order_by("created_at", "id"))
+    by_key: dict[str, list[str]] = {}
+    for record in records:
+        by_key.setdefault(record.key, []).append(record.kind)
+    for key, kinds in by_key.items():
+        expected = ["start", "end"] * (len(kinds) // 2)
+        assert kinds == expected, f"runs of key {key!r} overlapped: {kinds}"
+    running = widest = 0
+    for record in records:
+        running += 1 if record.kind == "start" else -1
+        widest = max(widest, running)
+    return widest

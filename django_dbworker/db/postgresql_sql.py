@@ -143,11 +143,11 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 # stale recovery (claimed -> pending) frees its slot by itself.
 
 _KEY_FILTER = """
-      AND (p.concurrency_limit IS NULL
-           OR (SELECT count(*) FROM django_dbworker_workitem AS h
-               WHERE h.status = 'claimed'
-                 AND h.handler = p.handler
-                 AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)"""
+  AND (p.concurrency_limit IS NULL
+       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.handler = p.handler
+             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)"""
 
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",

@@ -49,11 +49,18 @@ EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
         "succeed_update": lambda: mysql.succeed_update_sql(rows=2),
         "lock_rows": lambda: mysql.lock_rows_sql(rows=2),
         "insert_items": lambda: mysql.insert_items_sql(rows=2),
+        "claim_candidates": lambda: mysql.claim_candidates_sql(handlers=2, queues=0),
+        "claim_candidates_in_queue": lambda: mysql.claim_candidates_sql(handlers=2, queues=1),
+        "claim_candidates_in_queues": lambda: mysql.claim_candidates_sql(handlers=2, queues=2),
+        "lock_flow_locks": lambda: mysql.lock_flow_locks_sql(names=2),
+        "insert_flow_locks": lambda: mysql.insert_flow_locks_sql(names=2),
+        "count_key_slots": lambda: mysql.count_key_slots_sql(pairs=2),
         "estimate_count": lambda: mysql.ESTIMATE_COUNT.render(query=EXAMPLE_QUERY),
     },
     "sqlite": {
         "claim": lambda: sqlite.claim_sql(handlers=2, queues=0),
         "claim_in_queues": lambda: sqlite.claim_sql(handlers=2, queues=2),
+        "claim_keyed": lambda: sqlite.claim_keyed_sql(handlers=2, queues=2),
         "succeed_many": lambda: sqlite.succeed_many_sql(rows=2),
     },
 }

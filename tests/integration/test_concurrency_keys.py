@@ -280,3 +280,28 @@ def test_concurrent_claimers_never_both_take_the_last_slot(
         ).count()
         assert claimed == limit, f"round {n}: {claimed} claimed rows of a key limited to {limit}"
         assert sum(len(got) for got in out) == 1
+
+
+# -- a worker ---------------------------------------------------------------------------
+
+
+def test_a_worker_runs_keys_side_by_side_and_one_key_at_a_time(background_worker) -> None:
+    from tests.conftest import wait_until
+    from tests.factories import assert_no_key_overlaps
+
+    keys, per_key = 6, 5
+    for n in range(per_key):
+        for k in range(keys):
+            Keyed.enqueue({"key": f"k{k}", "seconds": 0.02}, concurrency_key=f"k{k}")
+    # A long poll interval: only the wake-up that each retired attempt
+    # gives the claim loop (the ledger's, when its buffer runs low) makes
+    # the next item of a key start soon after its slot is freed.
+    worker = background_worker(["keyed"], concurrency=4, poll_interval=30.0)
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == keys * per_key,
+        timeout=30,
+        what="every keyed item to succeed",
+    )
+    assert assert_no_key_overlaps() > 1
+    assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
+    assert worker is not None

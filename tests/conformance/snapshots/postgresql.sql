@@ -74,6 +74,93 @@ WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
 
+-- name: claim_candidates
+-- Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[])
+  AND (p.concurrency_limit IS NULL
+       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.handler = p.handler
+             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED;
+
+-- name: claim_candidates_in_queue
+-- Lock the next ready rows of some handlers in one queue, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[])
+  AND p.queue = %(queue)s
+  AND (p.concurrency_limit IS NULL
+       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.handler = p.handler
+             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED;
+
+-- name: claim_candidates_in_queues
+-- Lock the next ready rows of some handlers in several queues, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p
+WHERE p.status = 'pending'
+  AND p.run_after <= statement_timestamp()
+  AND p.handler = ANY(%(handlers)s::text[])
+  AND p.queue = ANY(%(queues)s::text[])
+  AND (p.concurrency_limit IS NULL
+       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.handler = p.handler
+             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED;
+
+-- name: insert_flow_locks
+-- Create the FlowLock rows of some keys that have none yet (names in sorted order).
+INSERT INTO django_dbworker_flowlock (name)
+SELECT unnest(%(names)s::text[])
+ON CONFLICT (name) DO NOTHING;
+
+-- name: lock_flow_locks
+-- Lock the FlowLock rows of some keys, in name order, until the transaction ends.
+SELECT name FROM django_dbworker_flowlock
+WHERE name = ANY(%(names)s::text[])
+ORDER BY name
+FOR UPDATE;
+
+-- name: count_key_slots
+-- The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.
+SELECT w.handler, w.concurrency_key, count(*)
+FROM django_dbworker_workitem AS w
+JOIN unnest(%(handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
+  ON w.handler = k.handler AND w.concurrency_key = k.concurrency_key
+WHERE w.status = 'claimed'
+GROUP BY w.handler, w.concurrency_key;
+
+-- name: claim_ids
+-- Claim the locked candidates that fit their keys' limits.
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.status = 'pending'
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
+
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
 UPDATE django_dbworker_workitem AS w
@@ -93,11 +180,13 @@ RETURNING w.id, w.claim_token;
 -- Insert one pending row and notify its queue, in one round trip.
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
 VALUES (
     %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
     statement_timestamp(), statement_timestamp())
 RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s);
 
@@ -106,11 +195,13 @@ RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(
 WITH ins AS (
     INSERT INTO django_dbworker_workitem (
         handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, created_at, updated_at)
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        created_at, updated_at)
     SELECT
         %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
         coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
         0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
         statement_timestamp(), statement_timestamp()
     FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
     ORDER BY u.n
@@ -135,7 +226,8 @@ SELECT statement_timestamp(),
 -- Write pending rows with reserved ids, as COPY text (their wake-up is a NOTIFY).
 COPY django_dbworker_workitem (
     id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
 FROM STDIN;
 
 -- name: notify
