@@ -89,7 +89,6 @@ class Worker:
             metrics=self.metrics,
             hooks=self.parts.make_hooks(),
             aborting=control.aborting,
-            slot_freed=control.wake.set,
         )
         self.recovery = Recovery(
             config=cfg,

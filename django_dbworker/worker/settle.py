@@ -23,7 +23,6 @@ import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
 
 from django_dbworker import errortext
 from django_dbworker.errors import WorkerLost
@@ -48,14 +47,8 @@ class Settler:
         metrics: WorkerMetrics,
         hooks: HookRunner,
         aborting: threading.Event,
-        slot_freed: Callable[[], None] | None = None,
     ) -> None:
         self.ledger = ledger
-        #: Called when an attempt of a handler with a ``concurrency_limit``
-        #: has its final ending recorded: its row left ``claimed``, so its
-        #: key has a free slot, and the claim loop should look again now
-        #: rather than a poll interval later (rows of that key were skipped).
-        self.slot_freed = slot_freed
         self.metrics = metrics
         self.hooks = hooks
         self.aborting = aborting
@@ -127,8 +120,6 @@ class Settler:
         if outcome is Outcome.UNRECORDED and self.aborting.is_set():
             return  # still claimed under this attempt: released at shutdown
         self.ledger.retire(attempt)
-        if final and self.slot_freed is not None and handler.concurrency_limit is not None:
-            self.slot_freed()
 
     def settle_recovered(self, handler: WorkItemHandler, item: WorkItem) -> None:
         """A row stale recovery failed (its attempts ran out): its hook, from the recoverer.
