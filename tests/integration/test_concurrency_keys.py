@@ -290,7 +290,7 @@ def test_a_worker_runs_keys_side_by_side_and_one_key_at_a_time(background_worker
     from tests.factories import assert_no_key_overlaps
 
     keys, per_key = 6, 5
-    for n in range(per_key):
+    for _ in range(per_key):
         for k in range(keys):
             Keyed.enqueue({"key": f"k{k}", "seconds": 0.02}, concurrency_key=f"k{k}")
     # A long poll interval: only the wake-up that each retired attempt

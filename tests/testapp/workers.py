@@ -487,9 +487,13 @@ class Keyed(WorkItemHandler):
     name = "keyed"
     concurrency_limit = 1
 
-    def handle(self, payload: Any) -> None:
+    def handle_item(self, item: Any) -> None:
+        payload = item.payload
         _record(payload, "start")
-        time.sleep(float(payload.get("seconds", 0)))
+        # ``first_seconds``: how long the first attempt runs (one that its
+        # worker's SIGKILL ends), the later ones run ``seconds``.
+        seconds = payload.get("first_seconds") if item.attempts == 1 else None
+        time.sleep(float(payload.get("seconds", 0) if seconds is None else seconds))
         _record(payload, "end")
 
 
