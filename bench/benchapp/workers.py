@@ -31,3 +31,13 @@ class BenchSleep(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         time.sleep(float(payload["seconds"]))
+
+
+class BenchKeyed(WorkItemHandler):
+    """No work, one item per concurrency key at a time (W7)."""
+
+    name = "bench_keyed"
+    concurrency_limit = 1
+
+    def handle(self, payload: Any) -> None:
+        return None
