@@ -317,6 +317,24 @@ class ClaimLoop:
         if self.pool.queued() <= self._refill_at:
             self.control.wake.set()
 
+    def _keys_busy(self) -> bool:
+        """Whether ready rows wait for a slot of their concurrency key (burst mode asks).
+
+        Such a row's key is held by another worker's claimed row, so this
+        claim found nothing; the holder may end before it claims again, and
+        a burst worker that left now could leave the row behind with no one
+        to run it. It waits for a poll interval and claims again instead
+        (stale recovery frees a dead holder's slot meanwhile).
+        """
+        handlers = self.handlers()
+        if not any(h.concurrency_limit is not None for h in handlers.values()):
+            return False
+        rows = WorkItem.objects.using(self.config.using).ready()
+        rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
+        if self.config.queues:
+            rows = rows.filter(queue__in=self.config.queues)
+        return rows.exists()
+
     # -- the loop --------------------------------------------------------------
 
     def run(self) -> None:
@@ -350,7 +368,7 @@ class ClaimLoop:
                 self._poll.found_work()
             if claimed and not self._ran_dry:
                 continue  # a full batch: more rows may be ready right now
-            if self.config.burst and not claimed and not self.ledger:
+            if self.config.burst and not claimed and not self.ledger and not self._keys_busy():
                 return
             if not claimed and self._ran_dry:
                 control.idle.set()
