@@ -127,17 +127,21 @@ FOR UPDATE SKIP LOCKED
 # lock holder committed; then CLAIM_UPDATE takes the candidates that fit
 # (``base.within_limits``), and the rest stay pending, untouched.
 #
-# MySQL has no partial index: dbworker_key_slots_idx is (handler,
-# concurrency_key) over every row, and the count reads the status of each
-# row of the key, finished ones too.
+# The keys at their limit are found once per statement (a materialised
+# NOT IN over the claimed keyed rows, through dbworker_status_idx), so a
+# skipped row costs a lookup. MySQL has no partial index:
+# dbworker_key_slots_idx is (handler, concurrency_key) over every row, and
+# COUNT_KEY_SLOTS reads the status of each row of a key, finished ones too.
 
 _KEY_FILTER = """
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
-           FORCE INDEX (dbworker_key_slots_idx)
-           WHERE h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key
-             AND h.status = 'claimed') < p.concurrency_limit)"""
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN ({handlers})
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))"""
 
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",

@@ -126,9 +126,13 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 #
 # 1. the candidates, locked (SKIP LOCKED) in claim order. A row with a limit
 #    whose key already holds that many claimed rows is skipped by the
-#    filter (a probe of the partial dbworker_key_slots_idx per such row),
-#    so a key at its limit does not stop the scan and rows behind it are
-#    claimed; rows without a limit pass at the first test of the OR.
+#    filter, so a key at its limit does not stop the scan and rows behind
+#    it are claimed; rows without a limit pass at the first test of the OR.
+#    The keys at their limit are found once per statement (a hashed
+#    subplan over the claimed keyed rows: the partial dbworker_key_slots_idx),
+#    so a skipped row costs a hash probe. A scan that finds no free key reads
+#    every ready row of the handlers, though: the claim index does not lead
+#    with the key.
 # 2. the FlowLock rows of the candidates' keys: inserted if new, then
 #    locked in name order (two claimers never wait for each other in a
 #    cycle). Claimers of one key decide one after the other.
@@ -144,10 +148,13 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 
 _KEY_FILTER = """
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
-             AND h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)"""
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler = ANY(%(handlers)s::text[])
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))"""
 
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",

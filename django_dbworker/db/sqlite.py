@@ -101,8 +101,9 @@ RETURNING id, handler, queue, payload, priority, run_after, attempts,
 # SQLite runs one writing statement at a time (the database write lock is
 # held for the whole UPDATE), so the counts read inside it are exact: no
 # FlowLock is needed. The candidates skip rows whose key already holds its
-# limit of claimed rows (a probe of dbworker_key_slots_idx per such row, so
-# rows behind a key at its limit are claimed); among the candidates, a
+# limit of claimed rows (the keys at their limit found once per statement,
+# from the claimed keyed rows of dbworker_key_slots_idx, so rows behind a
+# key at its limit are claimed); among the candidates, a
 # key's rows are ranked in claim order and only those that fit the slots
 # left are claimed, the rest stay pending untouched.
 CLAIM_KEYED = Statement(
@@ -134,10 +135,13 @@ WHERE id IN (
               AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
               AND handler IN ({handlers}){queues}
               AND (concurrency_limit IS NULL
-                   OR (SELECT count(*) FROM django_dbworker_workitem AS h
+                   OR (handler, concurrency_key) NOT IN (
+                       SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
                        WHERE h.status = 'claimed'
-                         AND h.handler = p.handler
-                         AND h.concurrency_key = p.concurrency_key) < concurrency_limit)
+                         AND h.concurrency_key IS NOT NULL
+                         AND h.handler IN ({handlers})
+                       GROUP BY h.handler, h.concurrency_key
+                       HAVING count(*) >= min(h.concurrency_limit)))
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c

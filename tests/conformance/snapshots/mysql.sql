@@ -51,11 +51,13 @@ WHERE p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
-           FORCE INDEX (dbworker_key_slots_idx)
-           WHERE h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key
-             AND h.status = 'claimed') < p.concurrency_limit)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -69,11 +71,13 @@ WHERE p.queue = %(queue)s
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
-           FORCE INDEX (dbworker_key_slots_idx)
-           WHERE h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key
-             AND h.status = 'claimed') < p.concurrency_limit)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -87,11 +91,13 @@ WHERE p.status = 'pending'
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
   AND p.queue IN (%(queue_0)s, %(queue_1)s)
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
-           FORCE INDEX (dbworker_key_slots_idx)
-           WHERE h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key
-             AND h.status = 'claimed') < p.concurrency_limit)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;

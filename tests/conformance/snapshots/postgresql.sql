@@ -82,10 +82,13 @@ WHERE p.status = 'pending'
   AND p.run_after <= statement_timestamp()
   AND p.handler = ANY(%(handlers)s::text[])
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
-             AND h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler = ANY(%(handlers)s::text[])
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE OF p SKIP LOCKED;
@@ -99,10 +102,13 @@ WHERE p.status = 'pending'
   AND p.handler = ANY(%(handlers)s::text[])
   AND p.queue = %(queue)s
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
-             AND h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler = ANY(%(handlers)s::text[])
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE OF p SKIP LOCKED;
@@ -116,10 +122,13 @@ WHERE p.status = 'pending'
   AND p.handler = ANY(%(handlers)s::text[])
   AND p.queue = ANY(%(queues)s::text[])
   AND (p.concurrency_limit IS NULL
-       OR (SELECT count(*) FROM django_dbworker_workitem AS h
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
-             AND h.handler = p.handler
-             AND h.concurrency_key = p.concurrency_key) < p.concurrency_limit)
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler = ANY(%(handlers)s::text[])
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(h.concurrency_limit)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE OF p SKIP LOCKED;

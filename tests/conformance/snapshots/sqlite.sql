@@ -76,10 +76,13 @@ WHERE id IN (
               AND handler IN (%(handler_0)s, %(handler_1)s)
               AND queue IN (%(queue_0)s, %(queue_1)s)
               AND (concurrency_limit IS NULL
-                   OR (SELECT count(*) FROM django_dbworker_workitem AS h
+                   OR (handler, concurrency_key) NOT IN (
+                       SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
                        WHERE h.status = 'claimed'
-                         AND h.handler = p.handler
-                         AND h.concurrency_key = p.concurrency_key) < concurrency_limit)
+                         AND h.concurrency_key IS NOT NULL
+                         AND h.handler IN (%(handler_0)s, %(handler_1)s)
+                       GROUP BY h.handler, h.concurrency_key
+                       HAVING count(*) >= min(h.concurrency_limit)))
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c
