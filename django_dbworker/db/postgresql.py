@@ -25,25 +25,15 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import (
-    Candidate,
-    Claimed,
-    VendorOperations,
-    as_uuid,
-    flow_lock_name,
-    within_limits,
-)
+from django_dbworker.db.base import Claimed, VendorOperations, as_uuid
 from django_dbworker.db.postgresql_sql import (
-    CLAIM_IDS,
+    CLAIM_WITHIN_LIMITS,
     COPY_ITEMS,
-    COUNT_KEY_SLOTS,
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
-    INSERT_FLOW_LOCKS,
     INSERT_ITEM,
     INSERT_ITEMS,
     LISTEN,
-    LOCK_FLOW_LOCKS,
     NOTIFY,
     RESERVE_IDS,
     RUN_TIMES,
@@ -119,26 +109,21 @@ class PostgresOperations(VendorOperations):
         # Inside a caller's transaction (run_until_empty in a test) no
         # savepoint, as the one-statement claim has none.
         with transaction.atomic(using=self.using, savepoint=False):
-            candidates: list[Candidate] = [
-                (pk, handler, key, lim) for pk, handler, key, lim in self._fetch_bound(sql, params)
-            ]
+            candidates = self._fetch_bound(sql, params)
             if not candidates:
                 return Claimed()
-            slots = sorted({(h, k) for _, h, k, lim in candidates if k is not None and lim})
-            held: dict[tuple[str, str], int] = {}
-            if slots:
-                names = sorted({flow_lock_name(h, k) for h, k in slots})
-                with self._binding_cursor() as cursor:
-                    cursor.execute(INSERT_FLOW_LOCKS.sql, {"names": names})
-                self._fetch_bound(LOCK_FLOW_LOCKS.sql, {"names": names})
-                rows = self._fetch_bound(
-                    COUNT_KEY_SLOTS.sql,
-                    {"handlers": [h for h, _ in slots], "keys": [k for _, k in slots]},
-                )
-                held = {(h, k): int(n) for h, k, n in rows}
-            ids, throttled = within_limits(candidates, held)
-            rows = self._fetch_bound(CLAIM_IDS.sql, {"worker": worker, "ids": ids}) if ids else []
-        return Claimed(self._rows_to_items(rows), throttled=throttled)
+            columns = list(zip(*candidates, strict=True))
+            rows = self._fetch_bound(
+                CLAIM_WITHIN_LIMITS.sql,
+                {
+                    "worker": worker,
+                    "ids": list(columns[0]),
+                    "handlers": list(columns[1]),
+                    "keys": list(columns[2]),
+                    "limits": list(columns[3]),
+                },
+            )
+        return Claimed(self._rows_to_items(rows), throttled=len(candidates) - len(rows))
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]

@@ -122,130 +122,139 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 # -- the keyed claim (per-key concurrency limits) --------------------------------
 #
 # Only for workers whose handlers declare a concurrency_limit; the others
-# run the one-statement claims above, unchanged. One transaction:
+# run the one-statement claims above, unchanged. Two statements in one
+# transaction:
 #
-# 1. the candidates, locked (SKIP LOCKED) in claim order. A row with a limit
-#    whose key already holds that many claimed rows is skipped by the
-#    filter, so a key at its limit does not stop the scan and rows behind
-#    it are claimed; rows without a limit pass at the first test of the OR.
-#    The keys at their limit are found once per statement (a hashed
-#    subplan over the claimed keyed rows: the partial dbworker_key_slots_idx),
-#    so a skipped row costs a hash probe. A scan that finds no free key reads
-#    every ready row of the handlers, though: the claim index does not lead
-#    with the key.
-# 2. the FlowLock rows of the candidates' keys: inserted if new, then
-#    locked in name order (two claimers never wait for each other in a
-#    cycle). Claimers of one key decide one after the other.
-# 3. the claimed rows per key, counted by a statement of its own: it runs
-#    after the locks are granted, so under READ COMMITTED it sees the
-#    claims the previous holder committed.
-# 4. the candidates that fit (``base.within_limits``) claimed by id; the
-#    rest stay pending, untouched, and unlocked at commit.
+# 1. CLAIM_CANDIDATES*: the candidates, locked (SKIP LOCKED) in claim order.
+#    A row with a limit whose key already holds that many claimed rows is
+#    skipped by the filter, so a key at its limit does not stop the scan
+#    and rows behind it are claimed; rows without a limit pass at the first
+#    test of the OR. The keys at their limit are found once per statement
+#    (a hashed subplan over the claimed keyed rows, from the partial
+#    dbworker_key_slots_idx), so a skipped row costs a hash probe; a scan
+#    that finds no free key still reads every ready row of the handlers
+#    (the claim index does not lead with the key). Then the same statement
+#    takes a transaction-level advisory lock per key of its candidates, in
+#    the order of their lock numbers, so two claimers never wait for each
+#    other in a cycle, and claimers of one key decide one after the other.
+#    Transaction-level, never session-level: PgBouncer's transaction mode
+#    keeps working, and the locks end with the claim. The two-number form
+#    keeps them apart from an application's one-number advisory locks;
+#    keys whose lock numbers collide only wait for each other.
+# 2. CLAIM_WITHIN_LIMITS: counts each key's claimed rows and claims the
+#    candidates that fit, in claim order (the rest stay pending, untouched,
+#    and unlocked at commit). A statement of its own: it starts after the
+#    locks are granted, so under READ COMMITTED its count sees the claims
+#    the previous holder of a key's lock committed.
 #
 # A slot is a claimed row: nothing is counted up or down, so a late or
 # zombie finisher (its fenced write matches nothing) holds nothing, and
 # stale recovery (claimed -> pending) frees its slot by itself.
 
+#: The first number of the keyed claim's advisory locks (``"dbwk"`` as an int4).
+KEY_LOCK_SPACE = 1684109163
+
 _KEY_FILTER = """
-  AND (p.concurrency_limit IS NULL
-       OR (p.handler, p.concurrency_key) NOT IN (
-           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-           WHERE h.status = 'claimed'
-             AND h.concurrency_key IS NOT NULL
-             AND h.handler = ANY(%(handlers)s::text[])
-           GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))"""
+      AND (p.concurrency_limit IS NULL
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(handlers)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(h.concurrency_limit)))"""
+
+_KEY_LOCKS = f"""
+), locks AS (
+    SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_limit IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
+FROM c
+WHERE (SELECT count(*) FROM locks) >= 0
+ORDER BY c.priority DESC, c.run_after, c.id"""
+
+_CANDIDATES_HEAD = """
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])"""
+
+_CANDIDATES_TAIL = """
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED"""
 
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",
-    "Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.",
-    f"""
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[]){_KEY_FILTER}
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED
-""",
+    "Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.",
+    _CANDIDATES_HEAD + _KEY_FILTER + _CANDIDATES_TAIL + _KEY_LOCKS + "\n",
 )
 
 CLAIM_CANDIDATES_IN_QUEUE = Statement(
     "claim_candidates_in_queue",
-    "Lock the next ready rows of some handlers in one queue, skipping keys at their limit.",
-    f"""
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[])
-  AND p.queue = %(queue)s{_KEY_FILTER}
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED
-""",
+    "Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.",
+    _CANDIDATES_HEAD
+    + "\n      AND p.queue = %(queue)s"
+    + _KEY_FILTER
+    + _CANDIDATES_TAIL
+    + _KEY_LOCKS
+    + "\n",
 )
 
 CLAIM_CANDIDATES_IN_QUEUES = Statement(
     "claim_candidates_in_queues",
-    "Lock the next ready rows of some handlers in several queues, skipping keys at their limit.",
-    f"""
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[])
-  AND p.queue = ANY(%(queues)s::text[]){_KEY_FILTER}
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED
-""",
+    "Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.",
+    _CANDIDATES_HEAD
+    + "\n      AND p.queue = ANY(%(queues)s::text[])"
+    + _KEY_FILTER
+    + _CANDIDATES_TAIL
+    + _KEY_LOCKS
+    + "\n",
 )
 
-# Existing rows are left alone (no new row version per claim); a name
-# another claimer is inserting waits for its transaction, in name order.
-INSERT_FLOW_LOCKS = Statement(
-    "insert_flow_locks",
-    "Create the FlowLock rows of some keys that have none yet (names in sorted order).",
+# The candidates come as arrays in claim order (n). A key's candidates are
+# ranked in that order; one fits while its key's claimed rows plus its rank
+# stay within its own limit (rows enqueued before a deploy keep theirs).
+# The rows are locked by this transaction (the candidates' FOR UPDATE): the
+# status test only restates it.
+CLAIM_WITHIN_LIMITS = Statement(
+    "claim_within_limits",
+    "Count the candidates' keys' slots and claim the candidates that fit, in claim order.",
     """
-INSERT INTO django_dbworker_flowlock (name)
-SELECT unnest(%(names)s::text[])
-ON CONFLICT (name) DO NOTHING
-""",
+WITH c AS (
+    SELECT *
+    FROM unnest(%(ids)s::bigint[], %(handlers)s::text[], %(keys)s::text[], %(limits)s::integer[])
+         WITH ORDINALITY AS c(id, handler, concurrency_key, concurrency_limit, n)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots
+    FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (
+          SELECT c.handler, c.concurrency_key FROM c WHERE c.concurrency_limit IS NOT NULL)
+    GROUP BY h.handler, h.concurrency_key
+), fits AS (
+    SELECT r.id
+    FROM (
+        SELECT c.id, c.concurrency_limit,
+               coalesce(held.slots, 0)
+               + row_number() OVER (PARTITION BY c.handler, c.concurrency_key ORDER BY c.n)
+               AS used
+        FROM c
+        LEFT JOIN held
+          ON held.handler = c.handler AND held.concurrency_key = c.concurrency_key
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
 )
-
-# The sort runs below the row locking: rows are locked in name order.
-LOCK_FLOW_LOCKS = Statement(
-    "lock_flow_locks",
-    "Lock the FlowLock rows of some keys, in name order, until the transaction ends.",
-    """
-SELECT name FROM django_dbworker_flowlock
-WHERE name = ANY(%(names)s::text[])
-ORDER BY name
-FOR UPDATE
-""",
-)
-
-COUNT_KEY_SLOTS = Statement(
-    "count_key_slots",
-    "The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.",
-    """
-SELECT w.handler, w.concurrency_key, count(*)
-FROM django_dbworker_workitem AS w
-JOIN unnest(%(handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
-  ON w.handler = k.handler AND w.concurrency_key = k.concurrency_key
-WHERE w.status = 'claimed'
-GROUP BY w.handler, w.concurrency_key
-""",
-)
-
-# The rows are locked by this transaction (the candidates' FOR UPDATE):
-# the status test only restates it.
-CLAIM_IDS = Statement(
-    "claim_ids",
-    "Claim the locked candidates that fit their keys' limits.",
-    """
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -254,7 +263,9 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
+FROM fits
 WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = fits.id
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context

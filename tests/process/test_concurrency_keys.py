@@ -59,7 +59,7 @@ def test_a_killed_workers_slot_is_freed_only_by_stale_recovery(start_worker) -> 
     victim.signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
     survivor = start_worker("keyed", env=env)
-    # Another key flows at once; this key waits for the dead worker's slot.
+    # Another key flows; this key waits for the dead worker's slot.
     wait_until(
         lambda: WorkItem.objects.get(pk=other.pk).status == Status.SUCCEEDED,
         timeout=30,
@@ -81,7 +81,8 @@ def test_a_killed_workers_slot_is_freed_only_by_stale_recovery(start_worker) -> 
         )
 
     wait_until(done, timeout=60, what="both items of the key to succeed after recovery")
-    assert "Recovered 1 stale work item" in survivor.log()
+    # (The victim may have claimed the other key's item too before it died.)
+    assert "stale work item(s)" in survivor.log()
     assert WorkItem.objects.get(pk=first.pk).attempts == 2
     assert WorkItem.objects.get(pk=second.pk).attempts == 1
     survivor.signal(signal.SIGTERM)

@@ -75,88 +75,136 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
 
 -- name: claim_candidates
--- Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[])
-  AND (p.concurrency_limit IS NULL
-       OR (p.handler, p.concurrency_key) NOT IN (
-           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-           WHERE h.status = 'claimed'
-             AND h.concurrency_key IS NOT NULL
-             AND h.handler = ANY(%(handlers)s::text[])
-           GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED;
+-- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND (p.concurrency_limit IS NULL
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(handlers)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(h.concurrency_limit)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_limit IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
+FROM c
+WHERE (SELECT count(*) FROM locks) >= 0
+ORDER BY c.priority DESC, c.run_after, c.id;
 
 -- name: claim_candidates_in_queue
--- Lock the next ready rows of some handlers in one queue, skipping keys at their limit.
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[])
-  AND p.queue = %(queue)s
-  AND (p.concurrency_limit IS NULL
-       OR (p.handler, p.concurrency_key) NOT IN (
-           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-           WHERE h.status = 'claimed'
-             AND h.concurrency_key IS NOT NULL
-             AND h.handler = ANY(%(handlers)s::text[])
-           GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED;
+-- Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue = %(queue)s
+      AND (p.concurrency_limit IS NULL
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(handlers)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(h.concurrency_limit)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_limit IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
+FROM c
+WHERE (SELECT count(*) FROM locks) >= 0
+ORDER BY c.priority DESC, c.run_after, c.id;
 
 -- name: claim_candidates_in_queues
--- Lock the next ready rows of some handlers in several queues, skipping keys at their limit.
-SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
-FROM django_dbworker_workitem AS p
-WHERE p.status = 'pending'
-  AND p.run_after <= statement_timestamp()
-  AND p.handler = ANY(%(handlers)s::text[])
-  AND p.queue = ANY(%(queues)s::text[])
-  AND (p.concurrency_limit IS NULL
-       OR (p.handler, p.concurrency_key) NOT IN (
-           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-           WHERE h.status = 'claimed'
-             AND h.concurrency_key IS NOT NULL
-             AND h.handler = ANY(%(handlers)s::text[])
-           GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
-ORDER BY p.priority DESC, p.run_after, p.id
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED;
+-- Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue = ANY(%(queues)s::text[])
+      AND (p.concurrency_limit IS NULL
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(handlers)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(h.concurrency_limit)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_limit IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
+FROM c
+WHERE (SELECT count(*) FROM locks) >= 0
+ORDER BY c.priority DESC, c.run_after, c.id;
 
--- name: insert_flow_locks
--- Create the FlowLock rows of some keys that have none yet (names in sorted order).
-INSERT INTO django_dbworker_flowlock (name)
-SELECT unnest(%(names)s::text[])
-ON CONFLICT (name) DO NOTHING;
-
--- name: lock_flow_locks
--- Lock the FlowLock rows of some keys, in name order, until the transaction ends.
-SELECT name FROM django_dbworker_flowlock
-WHERE name = ANY(%(names)s::text[])
-ORDER BY name
-FOR UPDATE;
-
--- name: count_key_slots
--- The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.
-SELECT w.handler, w.concurrency_key, count(*)
-FROM django_dbworker_workitem AS w
-JOIN unnest(%(handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
-  ON w.handler = k.handler AND w.concurrency_key = k.concurrency_key
-WHERE w.status = 'claimed'
-GROUP BY w.handler, w.concurrency_key;
-
--- name: claim_ids
--- Claim the locked candidates that fit their keys' limits.
+-- name: claim_within_limits
+-- Count the candidates' keys' slots and claim the candidates that fit, in claim order.
+WITH c AS (
+    SELECT *
+    FROM unnest(%(ids)s::bigint[], %(handlers)s::text[], %(keys)s::text[], %(limits)s::integer[])
+         WITH ORDINALITY AS c(id, handler, concurrency_key, concurrency_limit, n)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots
+    FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (
+          SELECT c.handler, c.concurrency_key FROM c WHERE c.concurrency_limit IS NOT NULL)
+    GROUP BY h.handler, h.concurrency_key
+), fits AS (
+    SELECT r.id
+    FROM (
+        SELECT c.id, c.concurrency_limit,
+               coalesce(held.slots, 0)
+               + row_number() OVER (PARTITION BY c.handler, c.concurrency_key ORDER BY c.n)
+               AS used
+        FROM c
+        LEFT JOIN held
+          ON held.handler = c.handler AND held.concurrency_key = c.concurrency_key
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
+)
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -165,7 +213,9 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
+FROM fits
 WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = fits.id
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
