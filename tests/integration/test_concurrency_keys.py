@@ -306,3 +306,15 @@ def test_a_worker_runs_keys_side_by_side_and_one_key_at_a_time(background_worker
     assert assert_no_key_overlaps() > 1
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
     assert worker is not None
+
+
+def test_the_readme_example() -> None:
+    """README "Concurrency limits", with the suite's limit-1 handler for SyncCustomer."""
+    first = Keyed.enqueue({"customer": 42}, concurrency_key="customer:42")
+    second = Keyed.enqueue({"customer": 42}, concurrency_key="customer:42")
+    other = Keyed.enqueue({"customer": 7}, concurrency_key="customer:7")
+    batch = Keyed.enqueue_many([{"customer": 9}] * 3, concurrency_key="customer:9")
+    assert (second.concurrency_key, second.concurrency_limit) == ("customer:42", 1)
+    got = keyed_claim()
+    assert sorted(i.pk for i in got) == sorted([first.pk, other.pk, batch[0].pk])
+    assert WorkItem.objects.get(pk=second.pk).status == Status.PENDING
