@@ -1,7 +1,7 @@
 """Run every benchmark N times side by side; write the medians table.
 
     .venv/bin/python bench/run_all.py [--runs 3] [--out docs/benchmarks-results.md]
-        [--only raw,w1_p1,w1_100k,w2,w3,w6,startup,peers] [--peers pgqueuer]
+        [--only raw,w1_p1,w1_100k,w2,w3,w6,w7,startup,peers] [--peers pgqueuer]
 
 One durable PostgreSQL cluster serves every run (ours, the raw ceiling and
 the peers), so ratios compare like with like. Raw JSON lines go to
@@ -68,6 +68,7 @@ PLAN_KEYS = (
     "w4",
     "w5",
     "w6",
+    "w7",
     "startup",
     "peers",
 )
@@ -90,6 +91,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         ("w4", "w4_big_table.py", ["--items", items]),
         ("w5", "w5_memory.py", []),
         ("w6", "w6_priority.py", ["--backlog", str(args.backlog)]),
+        ("w7", "w7_keys.py", ["--items", items]),
         ("startup", "startup.py", []),
     ]
     if not args.skip_peers:
@@ -205,6 +207,9 @@ def render(
     w5 = col(rows, "w5", "growth")
     w5s = col(rows, "w5", "rss_start_mib")
     w5e = col(rows, "w5", "rss_end_mib")
+    w7 = col(rows, "w7", "keyed_items_per_second_active")
+    w7_plain = col(rows, "w7", "plain_items_per_second_active")
+    w7_share = col(rows, "w7", "keyed_share_active")
     ceiling = mid(raw100)
     lines = [
         f"Machine: {m['cpus']} cores, {m['platform']}, Python {m['python']}, "
@@ -235,6 +240,9 @@ def render(
         f"| W4 W1 with 1,000,000 finished rows, ratio to empty table | {cell(w4, 2)} | | |",
         f"| W5 RSS over 100,000 items: start / end MiB, growth | {cell(w5s, 1)} / "
         f"{cell(w5e, 1)}, {cell([g * 100 for g in w5], 1)} % | | |",
+        f"| W7 jobs/s, 10,000 items over 100 keys, concurrency_limit 1, 2 processes (active) | "
+        f"{cell(w7)} | plain W1 in the same run: {cell(w7_plain)} | "
+        f"{cell([v * 100 for v in w7_share])} % of plain |",
         "",
     ]
     # Rows of the measures this run left out (--only) say nothing: drop them.
