@@ -63,7 +63,21 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
     paginator = EstimatedCountPaginator
     actions = [actions.retry, actions.cancel, actions.run_now]
     fieldsets = (
-        (None, {"fields": ("id", "handler", "queue", "status_badge", "priority", "unique_key")}),
+        (
+            None,
+            {
+                "fields": (
+                    "id",
+                    "handler",
+                    "queue",
+                    "status_badge",
+                    "priority",
+                    "unique_key",
+                    "concurrency_key",
+                    "concurrency_limit",
+                )
+            },
+        ),
         (
             "Schedule",
             {
@@ -100,6 +114,8 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         "status_badge",
         "priority",
         "unique_key",
+        "concurrency_key",
+        "concurrency_limit",
         "run_after_exact",
         "attempts_display",
         "created_at_exact",
