@@ -318,3 +318,21 @@ def test_the_readme_example() -> None:
     got = keyed_claim()
     assert sorted(i.pk for i in got) == sorted([first.pk, other.pk, batch[0].pk])
     assert WorkItem.objects.get(pk=second.pk).status == Status.PENDING
+
+
+def test_dbworker_stats_lists_the_keys_at_their_limit() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from django_dbworker.stats import keys_at_limit
+
+    for _ in range(2):
+        Keyed.enqueue({"key": "a"}, concurrency_key="busy")
+    KeyedPair.enqueue({"n": 1}, concurrency_key="half")  # 1 of 2 slots: not at its limit
+    keyed_claim()
+    assert keys_at_limit() == ([{"handler": "keyed", "key": "busy", "claimed": 1, "limit": 1}], 1)
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    assert "Concurrency keys at their limit" in out.getvalue()
+    assert "busy" in out.getvalue()
