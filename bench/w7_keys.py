@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from common import (
+    commits,
     report,
     reset_table,
     setup_django,
@@ -96,14 +97,18 @@ def main() -> None:
         with transaction.atomic():
             for n in range(args.items):
                 BenchKeyed.enqueue(None, concurrency_key=f"k{n % args.keys}")
+        before = commits()
         keyed_whole, keyed_codes = drain("bench_keyed", args.processes, args.concurrency)
+        keyed_commits = commits() - before
         keyed_done = WorkItem.objects.filter(handler="bench_keyed", status="succeeded").count()
         keyed_active = span("bench_keyed")
         overlaps = key_overlaps("bench_keyed")
 
         for start in range(0, args.items, 5000):
             BenchNoop.enqueue_many([None] * min(5000, args.items - start))
+        before = commits()
         plain_whole, plain_codes = drain("bench_noop", args.processes, args.concurrency)
+        plain_commits = commits() - before
         plain_done = WorkItem.objects.filter(handler="bench_noop", status="succeeded").count()
         plain_active = span("bench_noop")
         report(
@@ -119,6 +124,8 @@ def main() -> None:
                 "plain_items_per_second_active": args.items / plain_active,
                 "keyed_share_active": plain_active / keyed_active,
                 "keyed_share_whole": plain_whole / keyed_whole,
+                "keyed_commits_per_item": keyed_commits / args.items,
+                "plain_commits_per_item": plain_commits / args.items,
                 "key_overlaps": overlaps,
                 "exit_codes": keyed_codes + plain_codes,
             },
