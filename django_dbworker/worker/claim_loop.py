@@ -324,10 +324,14 @@ class ClaimLoop:
         claim found nothing; the holder may end before it claims again, and
         a burst worker that left now could leave the row behind with no one
         to run it. It waits for a poll interval and claims again instead
-        (stale recovery frees a dead holder's slot meanwhile).
+        (stale recovery frees a dead holder's slot meanwhile). Not inline
+        (``run_until_empty``): a test's rows claimed by no running worker
+        would hold it until they went stale.
         """
         handlers = self.handlers()
-        if not any(h.concurrency_limit is not None for h in handlers.values()):
+        if self.config.inline or not any(
+            h.concurrency_limit is not None for h in handlers.values()
+        ):
             return False
         rows = WorkItem.objects.using(self.config.using).ready()
         rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from django.db import transaction
 
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
@@ -94,3 +95,17 @@ def test_a_killed_workers_slot_is_freed_only_by_stale_recovery(start_worker) -> 
         .values_list("kind", flat=True)
     )
     assert kinds == ["start", "start", "end", "start", "end"], kinds
+
+
+def test_burst_workers_leave_no_keyed_item_behind(start_worker) -> None:
+    """A burst worker whose claim finds every key busy (held by the other) waits, not exits."""
+    keys, per_key = 100, 10
+    with transaction.atomic():
+        for _ in range(per_key):
+            for k in range(keys):
+                Keyed.enqueue({"key": f"k{k}"}, concurrency_key=f"k{k}")
+    workers = [start_worker("keyed", "--burst", "--concurrency", "8") for _ in range(2)]
+    for worker in workers:
+        assert worker.wait(timeout=120) == 0, worker.log()
+    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == keys * per_key
+    assert_no_key_overlaps()
