@@ -1,6 +1,6 @@
 """Run every benchmark N times side by side; write the medians table.
 
-    .venv/bin/python bench/run_all.py [--runs 3] [--out docs/benchmarks-results.md]
+    .venv/bin/python bench/run_all.py [--runs 3] [--out docs/internals/benchmarks-results.md]
         [--only raw,w1_p1,w1_100k,w2,w3,w6,w7,startup,peers] [--peers pgqueuer]
 
 One durable PostgreSQL cluster serves every run (ours, the raw ceiling and
@@ -115,7 +115,9 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--items-large", type=int, default=ITEMS_LARGE)
     parser.add_argument("--backlog", type=int, default=20_000, help="W6's backlog")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks-results.md")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs" / "internals" / "benchmarks-results.md"
+    )
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument(
         "--only",
@@ -212,6 +214,9 @@ def render(
     w7_share = col(rows, "w7", "keyed_share_active")
     ceiling = mid(raw100)
     lines = [
+        # A title: the docs site (docs/internals/) lists this page by it.
+        f"# Benchmark run of {m['date']}",
+        "",
         f"Machine: {m['cpus']} cores, {m['platform']}, Python {m['python']}, "
         f"PostgreSQL 15 (durable commits: fsync on, synchronous_commit on). "
         f"Date: {m['date']}. {runs} runs, {seconds / 60:.0f} minutes in all; "

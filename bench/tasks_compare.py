@@ -35,7 +35,7 @@ LISTEN/NOTIFY wakes it; django-tasks-db polls (``db_worker`` default: 1 s).
 The order of the task and handler sides alternates between runs. One JSON
 line per result on stdout (also appended to ``--save``, by default
 bench/results/tasks_compare.jsonl), then a Markdown table of the medians,
-with ratios taken within each run. Results: docs/django-tasks-bench.md.
+with ratios taken within each run. Results: docs/internals/django-tasks-bench.md.
 """
 
 from __future__ import annotations

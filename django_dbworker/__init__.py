@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django_dbworker.errors import EnqueueError, NoTask
+from django_dbworker.errors import Cancelled, DatabaseNotReady, EnqueueError, NoTask, Snooze
 from django_dbworker.registry import registry
 from django_dbworker.version import __version__ as __version__
 
@@ -20,10 +20,13 @@ if TYPE_CHECKING:
     from django_dbworker.periodic import PeriodicHandler
 
 __all__ = [
+    "Cancelled",
+    "DatabaseNotReady",
     "EnqueueError",
     "Handler",
     "NoTask",
     "PeriodicHandler",
+    "Snooze",
     "WorkItemHandler",
     "claim_next",
     "enqueue",

@@ -28,9 +28,16 @@ class DBWorkerConfig(AppConfig):
     def ready(self) -> None:
         from django.db.backends.signals import connection_created
 
-        from django_dbworker import checks  # noqa: F401 - checks register on import
-        from django_dbworker.db import prepare_session
+        from django_dbworker import (
+            checks,  # noqa: F401 - checks register on import
+            retention,  # noqa: F401 - its handler registers on import
+        )
+        from django_dbworker.db import operations, prepare_session
         from django_dbworker.discovery import autodiscover
+        from django_dbworker.models import connect_row_locker
+
+        # QuerySet.cancel locks the claimed rows it asks as the worker does.
+        connect_row_locker(lambda using, ids: operations(using).locked_in_id_order(ids))
 
         # Each vendor sets up its new sessions: MySQL's in UTC, so that
         # Django's Now() is the worker's clock (MySQLOperations.prepare_session).

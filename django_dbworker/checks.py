@@ -4,12 +4,13 @@ Ids are stable: E001-E009 for settings values (E009: Django's USE_TZ), E010-E014
 for periodic handler declarations (the schedule, its time zone, its jitter),
 E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
 Django's tasks checks), E018 for a database server too old to run the worker
-(MySQL/MariaDB), E019 for a handler's ``concurrency_limit``, W001-W009
-for risky but working configurations (W004: a MySQL binary log that is
-not row-based). Checks read settings only and
-never connect, except the database checks (``Tags.database``), which Django
-runs only when asked (``migrate``, ``check --database``). Each value is
-validated by ``validation.SETTINGS``, the
+(MySQL/MariaDB), E019 for a number of seconds no thread can wait for
+(infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
+``concurrency_limit``, W001-W009 for risky but
+working configurations (W004: a MySQL binary log that is not row-based).
+Checks read settings only and never connect, except the database checks
+(``Tags.database``), which Django runs only when asked (``migrate``,
+``check --database``). Each value is validated by ``validation.SETTINGS``, the
 validators the ``run_workers`` flags and ``WorkerConfig`` use too.
 """
 
@@ -63,6 +64,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         try:
             validator(raw[key])
         except validation.InvalidValue as exc:
+            if exc.too_long:
+                errors.append(
+                    Error(
+                        f"DBWORKER[{key!r}] {exc}.",
+                        hint="A worker's threads wait this long; use a number of seconds "
+                        "such as 1 or 60.",
+                        id="django_dbworker.E019",
+                    )
+                )
+                continue
             default_id = "django_dbworker.E003" if exc.wrong_type else "django_dbworker.E004"
             errors.append(Error(f"DBWORKER[{key!r}] {exc}.", id=_KEY_IDS.get(key, default_id)))
     if errors:
@@ -200,7 +211,8 @@ _PERIODIC_HINTS = {
     "every_or_cron": "Set `every = <seconds>` or `cron = '<minute> <hour> <day> <month> "
     "<weekday>'`, not both.",
     "cron": "Five fields: minute (0-59), hour (0-23), day of month (1-31), month (1-12 or "
-    "JAN-DEC), day of week (0-7 or SUN-SAT).",
+    "JAN-DEC), day of week (0-7 or SUN-SAT); or one of @yearly, @annually, @monthly, "
+    "@weekly, @daily, @midnight, @hourly.",
     "every": "`every` is a number of seconds, at least 1.",
     "timezone": "An IANA name from the tz database, such as 'Europe/Paris' or 'UTC'.",
     "jitter": "`jitter` is a number of seconds, 0 or more.",
@@ -252,7 +264,7 @@ def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
                 hint="Set concurrency_limit to the number of items of one concurrency_key "
                 "that may be claimed at once (1 or more), or None for no limit.",
                 obj=cls,
-                id="django_dbworker.E019",
+                id="django_dbworker.E020",
             )
         )
     return errors

@@ -13,6 +13,8 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from django_dbworker.validation import DEFAULT_RETENTION
+
 #: Worker threads per ``run_workers`` process.
 CONCURRENCY = 8
 #: Seconds between idle polls when no wake-up arrives.
@@ -44,6 +46,9 @@ MAX_ABANDONED_THREADS: int | None = None
 METRICS_PORT: int | None = None
 #: Address the metrics server binds to; loopback unless asked otherwise.
 METRICS_ADDR = "127.0.0.1"
+#: Seconds finished rows are kept, by status, before the workers' hourly
+#: retention run deletes them (``retention.py``); None keeps every row.
+RETENTION: dict[str, float | None] | None = dict(DEFAULT_RETENTION)
 
 DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": CONCURRENCY,
@@ -60,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_ABANDONED_THREADS": MAX_ABANDONED_THREADS,
     "METRICS_PORT": METRICS_PORT,
     "METRICS_ADDR": METRICS_ADDR,
+    "RETENTION": RETENTION,
 }
 
 

@@ -158,7 +158,7 @@ def _concurrency_columns(handler: type[WorkItemHandler], key: Any) -> dict[str, 
     limit = handler.concurrency_limit
     problem = validation.concurrency_limit_problem(limit)
     if problem is not None:
-        # The system check (E019) says so at start-up; an enqueue that runs
+        # The system check (E020) says so at start-up; an enqueue that runs
         # anyway must not store a limit the claim cannot honour.
         raise EnqueueError(f"Handler {handler.name!r} has a bad concurrency_limit: {problem}.")
     return {"concurrency_key": key, "concurrency_limit": limit}

@@ -20,8 +20,6 @@ the Tasks backend call.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -32,16 +30,15 @@ from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
 from django_dbworker import tracing
-from django_dbworker.conf import dbworker_settings
-from django_dbworker.db import operations
+from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
-from django_dbworker.errors import EnqueueError
+from django_dbworker.errors import DatabaseNotReady, EnqueueError
 from django_dbworker.errortext import exception_class_path
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, WorkItem
+from django_dbworker.payloads import encode_payload
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_write
-from django_dbworker.validation import LONE_SURROGATE, NUL_CHARACTER, unstorable_text
 
 #: A unique_key conflict whose holder finishes before we can read it is retried this often.
 UNIQUE_RETRIES = 5
@@ -62,71 +59,6 @@ def _handler_class(name: str | type[WorkItemHandler]) -> type[WorkItemHandler]:
             "only WorkItemHandlers take enqueued work."
         )
     return cls
-
-
-#: What ``json.dumps`` (ASCII output) writes for the characters no database
-#: stores as text: a NUL, and the escapes of surrogates (``\\ud800``-``\\udfff``).
-#: Characters beyond U+FFFF are written as surrogate pairs, and a literal
-#: backslash before such letters matches too; the walk then finds nothing.
-_UNSTORABLE_ESCAPE = re.compile(r"\\u(?:0000|d[89a-f])")
-#: Why each is refused, as the payload's error says it.
-_WHY_REFUSED = {
-    NUL_CHARACTER: "PostgreSQL cannot store it in JSON",
-    LONE_SURROGATE: "it is not text that UTF-8 can encode",
-}
-
-
-def _unstorable_place(payload: Any) -> tuple[str, str] | None:
-    """What no database stores, and where it sits in ``payload`` ("a dict key"), or None.
-
-    Iterative, so it never recurses deeper than ``json.dumps`` just did.
-    """
-    stack = [payload]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            problem = unstorable_text(value)
-            if problem is not None:
-                return problem, "a string"
-        elif isinstance(value, dict):
-            for key, inner in value.items():
-                if isinstance(key, str):
-                    problem = unstorable_text(key)
-                    if problem is not None:
-                        return problem, "a dict key"
-                stack.append(inner)
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return None
-
-
-def _check_payload(payload: Any) -> str:
-    """The payload as JSON text; raises EnqueueError if it is not JSON or too big."""
-    try:
-        encoded = json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise EnqueueError(f"Payload is not JSON-serialisable: {exc}.") from None
-    except RecursionError:
-        raise EnqueueError("Payload is nested too deeply to encode as JSON.") from None
-    # The walk runs only when such an escape shows up in the text, so
-    # ordinary payloads pay one search of the encoded text. The message
-    # names what and where, never the text: payloads may be sensitive.
-    if _UNSTORABLE_ESCAPE.search(encoded):
-        found = _unstorable_place(payload)
-        if found is not None:
-            problem, place = found
-            raise EnqueueError(
-                f"Payload contains {problem} in {place}; {_WHY_REFUSED[problem]}, "
-                "so it is refused on every database."
-            )
-    limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
-    # json.dumps escapes every non-ASCII character: one character, one byte.
-    size = len(encoded)
-    if size > limit:
-        raise EnqueueError(
-            f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
-        )
-    return encoded
 
 
 #: Per concrete field, in order: its attname, and its default as a value to
@@ -195,7 +127,7 @@ def _build(
     ``enqueue_many`` builds the other items of a batch from those values
     (``_sibling``): the options every item shares are validated once.
     """
-    encoded = _check_payload(payload)
+    encoded = encode_payload(payload)
     values = {"handler": cls.name, **options.columns(cls)}
     item = _item_maker()({**values, "payload": payload})
     value = options.run_after_value()
@@ -302,9 +234,21 @@ def insert_one(
         try:
             return _save(cls, item, send, db, run_after, None if payload is None else payload_json)
         except DatabaseError as exc:
+            _raise_setup_problem(db, exc)
             if cls.sensitive:
                 raise _withheld(exc, cls) from None
             raise
+
+
+def _raise_setup_problem(db: str, exc: DatabaseError) -> None:
+    """Raise ``DatabaseNotReady`` (chained) if ``exc`` is a setup mistake: not migrated, no folder.
+
+    One line that says the fix, where the database's words ("no such table")
+    would end a long traceback. They quote no row, so sensitive or not.
+    """
+    problem = setup_problem(db, exc)
+    if problem is not None:
+        raise DatabaseNotReady(problem) from exc
 
 
 def _withheld(exc: DatabaseError, cls: type[WorkItemHandler]) -> DatabaseError:
@@ -431,7 +375,7 @@ def insert_many(
     for index, payload in enumerate(payloads):
         try:
             if items:
-                payload_json = _check_payload(payload)
+                payload_json = encode_payload(payload)
                 item = _sibling(make, values, payload, options)
             else:
                 item, payload_json, values = _build(cls, payload, options)
@@ -449,6 +393,7 @@ def insert_many(
         try:
             return _save_many(items, db, run_after, encoded)
         except DatabaseError as exc:
+            _raise_setup_problem(db, exc)
             if cls.sensitive:
                 raise _withheld(exc, cls) from None
             raise

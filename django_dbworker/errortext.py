@@ -107,12 +107,51 @@ def cap_text(text: str, max_bytes: int) -> str:
     return head + _TRUNCATED + tail
 
 
+class Unencodable:
+    """A return value that its handler already found JSON cannot hold, and why.
+
+    The Tasks backend's handler returns one when Django's ``normalize_json``
+    refuses a task's value: ``ensure_json`` then raises Django's own error
+    ("Unsupported type: ..."), as Django's backends report it, instead of
+    the encoder's words.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: TypeError | ValueError) -> None:
+        self.error = error
+
+
 def ensure_json(value: Any, what: str) -> str:
     """JSON-encode ``value`` or raise ``TypeError`` naming ``what``."""
+    if isinstance(value, Unencodable):
+        if isinstance(value.error, TypeError):
+            raise value.error
+        # A TypeError for the callers that catch one, with the same words.
+        raise TypeError(str(value.error)) from value.error
     try:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} is not JSON-serialisable: {exc}") from None
+
+
+def traceback_text(stored: str) -> str:
+    """The traceback in a ``format_error`` text, as ``traceback.format_exception`` gives it.
+
+    ``format_error`` writes the summary line first (the admin shows it),
+    then a blank line, then the traceback, which ends with that summary
+    again: the traceback is what follows the first blank line whose text
+    before it ends the text. Text of another shape (a worker's own words:
+    "result could not be stored: ...", a lost worker) is returned whole,
+    with the final newline a traceback has.
+    """
+    start = 0
+    while (cut := stored.find("\n\n", start)) >= 0:
+        summary, rest = stored[:cut], stored[cut + 2 :]
+        if rest.endswith(summary) or rest.startswith("Traceback (most recent call last):\n"):
+            return rest + "\n"
+        start = cut + 1
+    return stored if stored.endswith("\n") else stored + "\n"
 
 
 def _escape_controls(text: str, controls: re.Pattern[str]) -> str:

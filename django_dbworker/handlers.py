@@ -11,7 +11,9 @@ contracts in pyproject.toml).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -93,6 +95,45 @@ class WorkItemHandler(Handler["WorkItem"]):
     #: across all workers (items enqueued without a key are not limited);
     #: None: no limit. Copied onto each keyed row at enqueue.
     concurrency_limit: ClassVar[int | None] = None
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether an operator asked to stop the attempt this thread is running.
+
+        ``item.cancel()`` (or the admin's Cancel) on a running item sets it
+        within about one heartbeat interval, for that attempt only: the
+        worker runs one instance of a handler class for all its threads, so
+        this reads the attempt of the calling thread, never another's (an
+        abandoned, timed-out run keeps its own). Check it in ``handle``'s
+        own thread, in loops and between steps; then raise
+        (``django_dbworker.Cancelled`` or any exception) to end the item
+        ``cancelled``, not retried, or return to end it ``succeeded``
+        anyway. On any other thread (a thread pool, a library's callbacks,
+        ``async_to_sync``) it is always False: give long calls
+        ``self.cancel_check`` instead. Always False outside a worker's
+        attempt (``handle`` called directly, an own-table handler).
+        """
+        item = getattr(_running, "item", None)
+        return item is not None and cancel_was_requested(item)
+
+    @property
+    def cancel_check(self) -> Callable[[], bool]:
+        """A callable answering ``cancel_requested`` for this thread's attempt, from any thread.
+
+        Read it in ``handle``'s thread, where it binds the attempt being run
+        there, then pass it to long calls: ``upload(path,
+        should_stop=self.cancel_check)``. Called from any thread (a
+        ``ThreadPoolExecutor``, a transfer manager's progress callback,
+        ``async_to_sync``), it returns True once the worker heard of that
+        attempt's cancel request, and only that attempt's (a later attempt
+        of the same row has its own). Outside a worker's attempt it always
+        returns False.
+        """
+        item = getattr(_running, "item", None)
+        attempt = None if item is None else item.__dict__.get(ATTEMPT_ATTR)
+        if attempt is None:
+            return _never
+        return lambda: bool(getattr(attempt, "cancel_requested", False))
 
     def handle(self, payload: Any) -> Any:
         """Do the work; the JSON-serialisable return value becomes ``result``."""
@@ -255,6 +296,35 @@ def attempt_was_recorded(item: WorkItem) -> bool:
     asks, after a slow read). False for an item no worker runs.
     """
     return bool(getattr(item.__dict__.get(ATTEMPT_ATTR), "recorded", False))
+
+
+def cancel_was_requested(item: WorkItem) -> bool:
+    """Whether the worker heard of a cancel request for the attempt ``item`` holds.
+
+    The heartbeat marks the worker's record of the attempt (keyed by row id
+    and claim token, ``worker/attempts.py``); False for an item no worker runs.
+    """
+    return bool(getattr(item.__dict__.get(ATTEMPT_ATTR), "cancel_requested", False))
+
+
+def _never() -> bool:
+    """``cancel_check`` outside a worker's attempt: no request can reach it."""
+    return False
+
+
+#: The attempt each thread is running (``running_attempt``), for ``cancel_requested``.
+_running = threading.local()
+
+
+@contextmanager
+def running_attempt(item: WorkItem) -> Iterator[None]:
+    """The calling thread runs the attempt ``item`` holds (the worker wraps ``handle`` in it)."""
+    previous = getattr(_running, "item", None)
+    _running.item = item
+    try:
+        yield
+    finally:
+        _running.item = previous
 
 
 _port: list[Enqueuer] = []

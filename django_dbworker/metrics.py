@@ -170,6 +170,12 @@ class WorkerMetrics:
             ["worker", "reason"],
             **kw,
         )
+        self.pruned = pc.Counter(
+            "dbworker_pruned_total",
+            "Finished rows deleted by the retention run, by status.",
+            ["status"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -230,6 +236,10 @@ class WorkerMetrics:
     def slot_skipped(self, worker: str) -> None:
         if self.enabled:
             self.periodic_skipped.labels(worker).inc()
+
+    def pruned_rows(self, status: str, count: int) -> None:
+        if self.enabled and count:
+            self.pruned.labels(status).inc(count)
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:

@@ -5,11 +5,14 @@ fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
 retry, run now) are queryset verbs here, each one UPDATE narrowed to the
 eligible states, shared by the model methods and the admin actions; so
 this module imports nothing from the package but ``validation``'s constants,
-and ``transitions`` may import it.
+and ``transitions`` may import it (the vendor's row locking that
+``cancel`` needs is plugged in at start, ``connect_row_locker``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 from django.db import IntegrityError, models, router, transaction
@@ -19,8 +22,18 @@ from django.db.models.functions import Now
 from django_dbworker.validation import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from datetime import timedelta
+
+
+#: Locks rows of ``ids`` on alias ``using`` in ascending id order, for the
+#: length of a ``with`` block (``connect_row_locker``; no-op until connected).
+RowLocker = Callable[[str, Collection[int]], AbstractContextManager[None]]
+_row_locker: list[RowLocker] = [lambda using, ids: nullcontext()]
+
+
+def connect_row_locker(locker: RowLocker) -> None:
+    """Plug in the vendor's ``locked_in_id_order`` (``DBWorkerConfig.ready`` does)."""
+    _row_locker[:] = [locker]
 
 
 class Status(models.TextChoices):
@@ -70,12 +83,55 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
 
     # -- operator transitions: one UPDATE each, narrowed to eligible states ------
 
+    def cancel_requested(self) -> WorkItemQuerySet:
+        """Claimed rows whose cancellation was requested (their handlers are told)."""
+        return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=False)
+
     def cancel(self) -> int:
+        """Cancel: pending rows end ``cancelled``, claimed rows are asked to stop.
+
+        Returns how many rows were cancelled now (as it always has); the
+        claimed rows asked to stop are not in that count. ``cancel_pending``
+        and ``request_cancel`` are the two halves, each returning its own
+        count, for callers that report both (the admin). Pending rows go
+        first: a row claimed between the two statements is still asked.
+        Both run in one transaction on the write alias.
+        """
+        # One transaction on the write alias. The claimed rows, which
+        # heartbeats and outcome writes lock in ascending id order, are
+        # locked first in that order too (``lock_rows_in_id_order``: MySQL
+        # would otherwise lock them in the plan's order, and deadlock).
+        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        rows = self.using(db)
+        with transaction.atomic(using=db):
+            cancelled = rows.cancel_pending()
+            claimed = sorted(
+                rows.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).values_list(
+                    "pk", flat=True
+                )
+            )
+            if claimed:
+                with _row_locker[0](db, claimed):
+                    WorkItem.objects.using(db).filter(pk__in=claimed).request_cancel()
+        return cancelled
+
+    def cancel_pending(self) -> int:
         """pending -> cancelled. Rows in other states are left alone."""
         return self.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
 
+    def request_cancel(self) -> int:
+        """Claimed rows not asked yet get ``cancel_requested_at`` (DB clock); they stay claimed.
+
+        The worker running one learns it with its next heartbeat and sets
+        the handler's ``cancel_requested`` for that attempt; the row ends
+        ``cancelled`` if the handler then raises (SPEC "Flow control").
+        """
+        return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).update(
+            cancel_requested_at=Now(), updated_at=Now()
+        )
+
     def retry(self) -> int:
-        """failed | cancelled -> pending, attempts reset to 0, due now.
+        """failed | cancelled -> pending, attempts and snoozes reset to 0, due now.
 
         A row whose ``unique_key`` is live again (another row of its handler
         with that key is pending or claimed) is skipped: retrying it would
@@ -116,6 +172,9 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
             "run_after": Now(),
             "finished_at": None,
             "claim_token": None,
+            # A fresh start: no cancel request, no snoozes counted.
+            "cancel_requested_at": None,
+            "snoozes": 0,
             "updated_at": Now(),
         }
         try:
@@ -261,8 +320,13 @@ class WorkItem(models.Model):
         return f"{self.handler}#{self.pk} ({self.status})"
 
     def cancel(self) -> bool:
-        """Pending -> cancelled. Returns whether this row changed."""
-        return self._change(WorkItemQuerySet.cancel)
+        """Pending -> cancelled; claimed: asked to stop. Returns whether this row changed.
+
+        A claimed row stays claimed with ``cancel_requested_at`` set; its
+        handler sees ``self.cancel_requested`` within about one heartbeat
+        interval. Asking again changes nothing (False).
+        """
+        return self._change(lambda rows: rows.cancel_pending() + rows.request_cancel(), atomic=True)
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
@@ -272,11 +336,13 @@ class WorkItem(models.Model):
         """Pending: make it due now. Returns whether this row changed."""
         return self._change(WorkItemQuerySet.run_now)
 
-    def _change(self, verb: Callable[[WorkItemQuerySet], int]) -> bool:
+    def _change(self, verb: Callable[[WorkItemQuerySet], int], *, atomic: bool = False) -> bool:
         # The database alias rule (routing.py): the routers' choice for writes,
-        # with this row as the hint, as Model.save() does.
+        # with this row as the hint, as Model.save() does. ``atomic``: a verb
+        # of several statements runs them in one transaction there.
         using = router.db_for_write(type(self), instance=self)
-        changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
+        with transaction.atomic(using=using) if atomic else nullcontext():
+            changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
         self.refresh_from_db(using=using)
         return changed
 

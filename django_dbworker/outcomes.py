@@ -2,8 +2,8 @@
 
 A declaration, like the model's statuses: the worker decides outcomes,
 metrics and ``testing.run_until_empty`` report them, and all of them spell
-them the same way (the first four are SPEC's ``worker_tasks_total`` status
-label values).
+them the same way (the first four, ``cancelled`` and ``snoozed`` are SPEC's
+``worker_tasks_total`` status label values).
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ class Outcome(StrEnum):
     RETRIED = "retried"
     #: The handler overran its timeout: recorded as a failed attempt.
     TIMEOUT = "timeout"
+    #: The handler raised after a cancel request (or raised ``Cancelled``), or
+    #: overran its timeout after one: the item ended ``cancelled``.
+    CANCELLED = "cancelled"
+    #: The handler raised ``Snooze``: the item is pending again, its attempt
+    #: not counted.
+    SNOOZED = "snoozed"
     #: Discarded: the row is no longer claimed by this attempt (recovered as
     #: stale meanwhile); counted in ``worker_fenced_total``.
     FENCED = "fenced"

@@ -79,7 +79,9 @@ class PeriodicHandler(WorkItemHandler):
     abstract = True
     #: Seconds between slots (epoch-aligned); or set ``cron``.
     every: ClassVar[float | None] = None
-    #: A 5-field cron expression (minute hour day-of-month month day-of-week).
+    #: A 5-field cron expression (minute hour day-of-month month day-of-week),
+    #: or a shortcut of crontab(5): ``@yearly`` (``@annually``), ``@monthly``,
+    #: ``@weekly``, ``@daily`` (``@midnight``), ``@hourly``.
     cron: ClassVar[str | None] = None
     #: The IANA time zone of ``cron``'s wall clock.
     timezone: ClassVar[str] = "UTC"
@@ -99,6 +101,11 @@ class PeriodicHandler(WorkItemHandler):
         cls._run_takes_slot = any(
             p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
         ) or any(p.name == "slot" for p in params)
+
+    @classmethod
+    def scheduled(cls) -> bool:
+        """Whether workers create this handler's slots (a setting may turn one off)."""
+        return True
 
     @classmethod
     def get_schedule(cls) -> IntervalSchedule | CronSchedule:
@@ -157,10 +164,10 @@ class PeriodicHandler(WorkItemHandler):
 
 
 def periodic_handlers(classes: Any) -> list[type[PeriodicHandler]]:
-    """The periodic handler classes among ``classes`` (handler classes or instances)."""
+    """The scheduled periodic handler classes among ``classes`` (classes or instances)."""
     found = []
     for entry in classes:
         cls = entry if isinstance(entry, type) else type(entry)
-        if issubclass(cls, PeriodicHandler):
+        if issubclass(cls, PeriodicHandler) and cls.scheduled():
             found.append(cls)
     return found

@@ -27,6 +27,16 @@ from typing import Any, Protocol
 MIN_EVERY = 1.0
 #: The five cron fields, in order (SPEC: 5-field expressions).
 CRON_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
+#: The shortcuts of Vixie/Debian cron (crontab(5)) and the expressions they stand for.
+CRON_SHORTCUTS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
@@ -113,13 +123,17 @@ def _duration_words(seconds: float) -> str:
 
 
 class CronExpression:
-    """A validated 5-field cron expression evaluated in one time zone."""
+    """A validated 5-field cron expression evaluated in one time zone.
+
+    A shortcut (``@daily``, crontab(5)) stands for its expression; ``expr``
+    is then the five fields (cronsim knows no shortcuts).
+    """
 
     def __init__(self, expr: str, tz: tzinfo) -> None:
         from cronsim import CronSim, CronSimError
 
         self._cronsim = CronSim
-        self.expr = " ".join(expr.split())
+        self.expr = _expand_shortcut(expr)
         self.tz = tz
         fields = self.expr.split()
         if len(fields) != len(CRON_FIELDS):
@@ -166,6 +180,26 @@ class CronExpression:
         except Exception:  # explain() is best effort; the schedule itself is fine
             return f"cron {self.expr}"
         return text[:1].lower() + text[1:]
+
+
+def _expand_shortcut(expr: str) -> str:
+    """``@daily`` as ``0 0 * * *``; other expressions with their blanks normalised."""
+    text = " ".join(expr.split())
+    if not text.startswith("@"):
+        return text
+    word = text.lower()
+    if word in CRON_SHORTCUTS:
+        return CRON_SHORTCUTS[word]
+    if word == "@reboot":
+        raise InvalidSchedule(
+            f"cron {expr!r} has no slots: a periodic handler runs on a schedule, not at "
+            "start-up (enqueue from AppConfig.ready() or a deploy step instead)",
+            field="cron",
+        )
+    raise InvalidSchedule(
+        f"cron {expr!r} is not a cron shortcut ({', '.join(CRON_SHORTCUTS)}) nor 5 fields",
+        field="cron",
+    )
 
 
 def _cron_problem(expr: str, fields: list[str], message: str) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
-from django.db.models import Case, Count, F, Max, Min, TextField, Value, When
+from django.db.models import Case, Count, F, Max, Min, Q, TextField, Value, When
 from django.db.models.functions import Left, Now, StrIndex, Substr, TruncMinute
 from django.utils import timezone
 
@@ -94,6 +94,29 @@ def queue_stats(using: str | None = None) -> dict[str, QueueStats]:
             0.0, (row["now"] - row["oldest"]).total_seconds()
         )
     return stats
+
+
+class FlowStats(TypedDict):
+    #: Claimed rows asked to stop (``item.cancel()`` on running work).
+    cancel_requested: int
+    #: Pending rows that snoozed at least once (``raise Snooze``).
+    snoozed: int
+
+
+def flow_stats(using: str | None = None) -> FlowStats:
+    """Running rows asked to cancel, and pending rows that snoozed: one query over live rows."""
+    db = work_db_for_read(using)
+    counts = (
+        WorkItem.objects.using(db)
+        .filter(Q(status=Status.PENDING) | Q(status=Status.CLAIMED))
+        .aggregate(
+            cancel_requested=Count(
+                "id", filter=Q(status=Status.CLAIMED, cancel_requested_at__isnull=False)
+            ),
+            snoozed=Count("id", filter=Q(status=Status.PENDING, snoozes__gt=0)),
+        )
+    )
+    return {"cancel_requested": counts["cancel_requested"], "snoozed": counts["snoozed"]}
 
 
 class OrphanedHandler(TypedDict):

@@ -3,7 +3,7 @@
 ``run_until_empty`` runs the real ``Worker`` (burst mode, inline): the same
 claim loop, execution and success writer as ``run_workers``, in the calling
 thread, so it works inside the test transaction of Django's ``TestCase``.
-Handler ``timeout``s are not enforced here (enforcing them needs a second
+Handlers' ``timeout`` values are not enforced here (enforcing them needs a second
 thread, which would not see the test transaction's rows).
 """
 

@@ -18,15 +18,16 @@ import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
-from django.db.models import Case, F, Value, When
+from django.db.models import Case, CharField, F, Q, TextField, Value, When
 from django.db.models.functions import Concat, JSONObject, Now
 
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.expressions import AppendCapped
+from django_dbworker.errors import MAX_SNOOZES
 from django_dbworker.models import (
     ERROR_HISTORY_LIMIT,
     FINISHED_STATUSES,
@@ -45,6 +46,8 @@ RECOVERY_BATCH = 500
 #: The exception class path that ``error_history`` gives an attempt whose
 #: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
 WORKER_LOST = "django_dbworker.errors.WorkerLost"
+#: A claim's attempt handed back (a release, a snooze): the claim counted it.
+_ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
 
 
 def _fenced(item: WorkItem) -> WorkItemQuerySet:
@@ -70,27 +73,36 @@ def _with_history(error: Any, class_path: Any) -> AppendCapped:
 # -- worker transitions (fenced) ----------------------------------------------------
 
 
-def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[AttemptKey]:
-    """Refresh ``heartbeat_at`` of every attempt still held; return those still held.
+class Beat(NamedTuple):
+    """What one heartbeat found: the attempts still held, and those asked to stop."""
 
-    ``claims`` are attempts, ``(id, claim_token)``: one UPDATE for all
-    in-flight rows of a process. Claim tokens are random UUIDs, so ``id IN
-    ids AND claim_token IN tokens`` only matches a row under its own token.
-    A second query runs only when some attempt was lost.
+    held: set[AttemptKey]
+    #: Held attempts whose row has ``cancel_requested_at`` set.
+    cancel_requested: set[AttemptKey]
+
+
+def beat(claims: Collection[AttemptKey], using: str | None = None) -> Beat:
+    """Refresh ``heartbeat_at`` of the attempts ``(id, claim_token)`` still held, in one
+    statement for a process (``VendorOperations.heartbeat``) that also says which have a
+    cancel request; an older attempt of a row (another token) is neither held nor asked.
     """
     if not claims:
-        return set()
+        return Beat(set(), set())
     wanted = set(claims)
-    qs = WorkItem.objects.using(using).filter(
-        pk__in={pk for pk, _ in wanted},
-        claim_token__in={token for _, token in wanted},
-        status=Status.CLAIMED,
-    )
-    with operations(using).locked_in_id_order({pk for pk, _ in wanted}):
-        changed = qs.update(heartbeat_at=Now())
-    if changed == len(wanted):
-        return wanted
-    return wanted & set(qs.values_list("pk", "claim_token"))
+    held: set[AttemptKey] = set()
+    asked: set[AttemptKey] = set()
+    for pk, token, requested in operations(using).heartbeat(wanted):
+        key = (pk, token)
+        if key in wanted:
+            held.add(key)
+            if requested:
+                asked.add(key)
+    return Beat(held, asked)
+
+
+def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[AttemptKey]:
+    """``beat(claims).held``: the attempts still held, their heartbeats refreshed."""
+    return beat(claims, using).held
 
 
 def succeed(
@@ -127,24 +139,47 @@ def already_succeeded(
     return set(attempts) & set(rows.values_list("pk", "claim_token"))
 
 
+def _back_to_pending(rows: WorkItemQuerySet, *, delay: float, **changes: Any) -> bool:
+    """The fenced ``rows`` -> pending, due ``delay`` s from now (DB clock), claim cleared:
+    a retry's and a snooze's write. Never a row asked to stop (``cancel_running``'s)."""
+    return (
+        rows.filter(cancel_requested_at__isnull=True).update(
+            status=Status.PENDING,
+            run_after=Now() + timedelta(seconds=max(0.0, delay)),
+            claim_token=None,
+            updated_at=Now(),
+            **changes,
+        )
+        == 1
+    )
+
+
 def retry_later(
     item: WorkItem, *, delay: float, error: str, error_class: str = "builtins.Exception"
 ) -> bool:
     """claimed -> pending, due ``delay`` seconds from now (DB clock). False if fenced out.
 
     The attempt joins ``error_history`` (``error_class``: the exception's
-    class path) in the same UPDATE.
+    class path) in the same UPDATE. False too for a row asked to stop.
     """
-    return (
-        _fenced(item).update(
-            status=Status.PENDING,
-            run_after=Now() + timedelta(seconds=max(0.0, delay)),
-            last_error=error,
-            error_history=_with_history(Value(error), Value(error_class)),
-            claim_token=None,
-            updated_at=Now(),
-        )
-        == 1
+    return _back_to_pending(
+        _fenced(item),
+        delay=delay,
+        last_error=error,
+        error_history=_with_history(Value(error), Value(error_class)),
+    )
+
+
+def snooze(item: WorkItem, *, delay: float, limit: int = MAX_SNOOZES) -> bool:
+    """claimed -> pending, due ``delay`` s from now, ``attempts`` as before the claim,
+    ``snoozes`` + 1, no error recorded. False if fenced out, asked to stop, or if the row
+    snoozed ``limit`` times already (the caller then fails it).
+    """
+    return _back_to_pending(
+        _fenced(item).filter(snoozes__lt=limit),
+        delay=delay,
+        attempts=_ATTEMPT_HANDED_BACK,
+        snoozes=F("snoozes") + 1,
     )
 
 
@@ -154,17 +189,22 @@ def fail(
     error: str,
     error_class: str = "builtins.Exception",
     history: bool = True,
+    unless_cancel_requested: bool = False,
 ) -> bool:
     """claimed -> failed, the attempt joining ``error_history``. False if fenced out.
 
     ``history=False`` leaves ``error_history`` alone: the last-resort
     failure record, written when the database refused the full one.
+    ``unless_cancel_requested``: not a row asked to stop (False then too).
     """
     changes: dict[str, Any] = {"last_error": error}
     if history:
         changes["error_history"] = _with_history(Value(error), Value(error_class))
+    rows = _fenced(item)
+    if unless_cancel_requested:
+        rows = rows.filter(cancel_requested_at__isnull=True)
     return (
-        _fenced(item).update(
+        rows.update(
             status=Status.FAILED,
             finished_at=Now(),
             claim_token=None,
@@ -175,14 +215,39 @@ def fail(
     )
 
 
+def cancel_running(
+    item: WorkItem, *, error: str, error_class: str, requested: bool = False
+) -> bool:
+    """claimed -> cancelled (not retried), the attempt joining ``error_history``. False if
+    fenced out; ``requested``: only a row asked to stop (a refused retry's fallback).
+    """
+    rows = _fenced(item)
+    if requested:
+        rows = rows.filter(cancel_requested_at__isnull=False)
+    return (
+        rows.update(
+            status=Status.CANCELLED,
+            finished_at=Now(),
+            claim_token=None,
+            last_error=error,
+            error_history=_with_history(Value(error), Value(error_class)),
+            updated_at=Now(),
+        )
+        == 1
+    )
+
+
 def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     """claimed -> pending for rows a stopping worker gives back unfinished.
 
     The attempt the claim counted is handed back: a release is not a failure.
+    A row whose cancellation was requested ends ``cancelled`` instead (in
+    the same UPDATE): given back, it would run work an operator cancelled.
     """
     claims = {item.pk: item.claim_token for item in items}
     if not claims:
         return 0
+    asked = Q(cancel_requested_at__isnull=False)
     with operations(using).locked_in_id_order(claims):
         return (
             WorkItem.objects.using(using)
@@ -190,8 +255,18 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                 pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
             )
             .update(
-                status=Status.PENDING,
-                attempts=Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0)),
+                status=Case(
+                    When(asked, then=Value(Status.CANCELLED)),
+                    default=Value(Status.PENDING),
+                    output_field=CharField(),
+                ),
+                finished_at=Case(When(asked, then=Now()), default=None),
+                last_error=Case(
+                    When(asked, then=Value("cancelled by request: released by a stopping worker")),
+                    default=F("last_error"),
+                    output_field=TextField(),
+                ),
+                attempts=_ATTEMPT_HANDED_BACK,
                 run_after=Now(),
                 claim_token=None,
                 updated_at=Now(),
@@ -205,21 +280,24 @@ class Recovered:
 
     requeued: int = 0
     failed: int = 0
+    #: Rows whose cancellation was requested: ended ``cancelled`` instead.
+    cancelled: int = 0
     by_handler: dict[str, int] = field(default_factory=dict)
     #: (id, handler) of the rows this pass failed (attempts used up).
     failed_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
-        return self.requeued + self.failed
+        return self.requeued + self.failed + self.cancelled
 
     def log(self) -> None:
         if self.total:
             logger.warning(
-                "Recovered %d stale work item(s): %d back to pending, %d failed.",
+                "Recovered %d stale work item(s): %d back to pending, %d failed%s.",
                 self.total,
                 self.requeued,
                 self.failed,
+                f", {self.cancelled} cancelled (by request)" if self.cancelled else "",
             )
 
 
@@ -257,24 +335,56 @@ def recover_stale(
         batch = list(
             base.filter(pk__gt=after)
             .order_by("pk")
-            .values_list("pk", "handler", "attempts", "max_attempts")[:batch_size]
+            .values_list("pk", "handler", "attempts", "max_attempts", "cancel_requested_at")[
+                :batch_size
+            ]
         )
         if not batch:
             break
         after = batch[-1][0]
         by_handler: dict[str, list[int]] = {}
         last: list[tuple[int, str]] = []
-        for pk, handler, attempts, max_attempts in batch:
+        asked: list[tuple[int, str]] = []
+        for pk, handler, attempts, max_attempts, requested in batch:
+            if requested is not None:
+                asked.append((pk, handler))
+                continue
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
         with ops.locked_in_id_order([pk for pk, *_ in batch]):
+            if asked:
+                _cancel_asked(base, asked, message, result)
             _recover_batch(base, last, by_handler, message, using, result)
         if len(batch) < batch_size:
             break
     if log:
         result.log()
     return result
+
+
+def _cancel_asked(
+    base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
+) -> None:
+    """Stale rows asked to stop end ``cancelled``: running them again would run work an
+    operator cancelled. Only when such rows exist."""
+    lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
+    handlers = dict(asked)
+    rows = base.filter(pk__in=list(handlers), cancel_requested_at__isnull=False)
+    ids = list(rows.values_list("pk", flat=True))
+    cancelled = rows.filter(pk__in=ids).update(
+        status=Status.CANCELLED,
+        finished_at=Now(),
+        claim_token=None,
+        updated_at=Now(),
+        last_error=lost,
+        error_history=_with_history(lost, Value(WORKER_LOST)),
+    )
+    result.cancelled += cancelled
+    if cancelled:
+        for pk in ids:
+            handler = handlers[pk]
+            result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
 
 
 def _recover_batch(
@@ -342,16 +452,24 @@ def prune(
     statuses: Sequence[str],
     batch_size: int = 1000,
     using: str | None = None,
+    queues: Sequence[str] | None = None,
+    dry_run: bool = False,
 ) -> int:
     """Delete finished rows whose ``finished_at`` is older than ``older_than`` (DB clock).
 
     Batched so that no single statement locks or logs millions of rows;
     pending and claimed rows are never touched, whatever ``statuses`` says.
+    ``queues`` narrows it to those queues; ``dry_run`` counts the rows it
+    would delete and deletes none.
     """
     allowed = [s for s in statuses if s in FINISHED_STATUSES]
     base = WorkItem.objects.using(using).filter(
         status__in=allowed, finished_at__lt=Now() - older_than
     )
+    if queues is not None:
+        base = base.filter(queue__in=list(queues))
+    if dry_run:
+        return base.count()
     deleted = 0
     while True:
         ids = list(base.order_by("pk").values_list("pk", flat=True)[:batch_size])

@@ -13,6 +13,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, TypeVar
 
 V = TypeVar("V")
@@ -29,12 +30,14 @@ class InvalidValue(ValueError):
     """A value outside its domain; the message reads after the value's name.
 
     ``wrong_type`` tells a value of the wrong type (``"8"`` for an integer)
-    from one of the right type out of range, so the checks can keep their ids.
+    from one of the right type out of range, so the checks can keep their ids;
+    ``too_long`` marks a number of seconds no thread can wait for (its own id).
     """
 
-    def __init__(self, message: str, *, wrong_type: bool = False) -> None:
+    def __init__(self, message: str, *, wrong_type: bool = False, too_long: bool = False) -> None:
         super().__init__(message)
         self.wrong_type = wrong_type
+        self.too_long = too_long
 
 
 def _is_int(value: Any) -> bool:
@@ -88,12 +91,26 @@ def positive_number(value: Any) -> float:
     return float(value)
 
 
+def _waitable(number: float, value: Any) -> float:
+    # Condition.wait and Lock.acquire raise OverflowError above TIMEOUT_MAX
+    # (and for inf): a worker would crash at its first idle wait.
+    if not math.isfinite(number) or number > threading.TIMEOUT_MAX:
+        raise InvalidValue(
+            "must be a finite number of seconds, at most threading.TIMEOUT_MAX "
+            f"({threading.TIMEOUT_MAX:.0f}), got {value!r}",
+            too_long=True,
+        )
+    return number
+
+
 def timeout_seconds(value: Any) -> float:
     """A positive, finite number of seconds that a thread can wait for."""
-    number = positive_number(value)
-    if not math.isfinite(number) or number > threading.TIMEOUT_MAX:
-        raise InvalidValue(f"must be a finite number of seconds, got {value!r}")
-    return number
+    return _waitable(positive_number(value), value)
+
+
+def wait_or_zero_seconds(value: Any) -> float:
+    """0 or a positive, finite number of seconds that a thread can wait for."""
+    return _waitable(non_negative_number(value), value)
 
 
 def non_negative_number(value: Any) -> float:
@@ -143,15 +160,67 @@ def optional(validator: Callable[[Any], V]) -> Callable[[Any], V | None]:
     return check
 
 
+#: The statuses ``RETENTION`` may name (``models.FINISHED_STATUSES``, spelled
+#: here because this module imports nothing of the package's).
+RETAINED_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+def retention(value: Any) -> dict[str, float | None] | None:
+    """``RETENTION``: None (keep every row), or ages in seconds per finished status.
+
+    A dict names some of ``succeeded``, ``failed`` and ``cancelled``; each
+    value is a positive number of seconds or a ``timedelta``, or None to keep
+    that status forever. Statuses it leaves out keep their default age
+    (``conf.RETENTION``). Returns the ages in seconds, merged over the defaults.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidValue(
+            f"must be None or a dict of ages by status, got {value!r}", wrong_type=True
+        )
+    unknown = sorted(str(k) for k in value if k not in RETAINED_STATUSES)
+    if unknown:
+        raise InvalidValue(
+            f"names {', '.join(unknown)}: the statuses are {', '.join(RETAINED_STATUSES)}"
+        )
+    ages: dict[str, float | None] = dict.fromkeys(RETAINED_STATUSES, None)
+    ages.update(DEFAULT_RETENTION)
+    for status, age in value.items():
+        if isinstance(age, timedelta):
+            age = age.total_seconds()
+        if age is None:
+            ages[status] = None
+            continue
+        try:
+            ages[status] = positive_number(age)
+        except InvalidValue as exc:
+            raise InvalidValue(
+                f"[{status!r}] {exc} (seconds, a timedelta, or None to keep them)",
+                wrong_type=exc.wrong_type,
+            ) from None
+    return ages
+
+
+#: Seconds a finished row is kept by default, per status: a week of history
+#: for succeeded and cancelled rows, a month for failed ones (the rows an
+#: operator comes back to). ``conf.RETENTION`` is this.
+DEFAULT_RETENTION: Mapping[str, float | None] = {
+    "succeeded": 7 * 86400.0,
+    "cancelled": 7 * 86400.0,
+    "failed": 30 * 86400.0,
+}
+
 #: ``DBWORKER`` keys and their validators (relations between keys: ``checks.py``).
 SETTINGS: Mapping[str, Validator] = {
     "CONCURRENCY": positive_int,
-    "POLL_INTERVAL": positive_number,
+    # Seconds that reach a thread's wait (Condition.wait, Event.wait).
+    "POLL_INTERVAL": timeout_seconds,
     "BATCH_SIZE": non_negative_int,
     "PREFETCH_HORIZON": non_negative_number,
-    "HEARTBEAT_INTERVAL": positive_number,
-    "STALE_AFTER": positive_number,
-    "SHUTDOWN_TIMEOUT": non_negative_number,
+    "HEARTBEAT_INTERVAL": timeout_seconds,
+    "STALE_AFTER": timeout_seconds,
+    "SHUTDOWN_TIMEOUT": wait_or_zero_seconds,
     "MAX_ATTEMPTS": positive_int,
     "RETRY_BACKOFF": positive_number,
     "RETRY_BACKOFF_MAX": positive_number,
@@ -159,6 +228,7 @@ SETTINGS: Mapping[str, Validator] = {
     "MAX_ABANDONED_THREADS": optional(positive_int),
     "METRICS_PORT": optional(port),
     "METRICS_ADDR": non_empty_str,
+    "RETENTION": retention,
 }
 
 #: Options of a Django task (``DBWorkerTask`` fields, lower case) and the

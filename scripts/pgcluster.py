@@ -3,6 +3,8 @@
 
     scripts/pgcluster.py start --state .tmp/pg.json [--durable]   # prints the URL
     scripts/pgcluster.py stop  --state .tmp/pg.json
+    scripts/pgcluster.py down  --state .tmp/pg.json   # stop, keeping the data (an outage)
+    scripts/pgcluster.py up    --state .tmp/pg.json   # and start it again
 
 Uses the Debian ``postgresql`` server binaries, installing them with apt-get
 when missing (root only). As root, the cluster is owned by the unprivileged
@@ -176,6 +178,36 @@ def restart(state: Path) -> None:
     )
 
 
+def _pg_ctl(state: Path, action: str) -> None:
+    info = json.loads(state.read_text())
+    run_as_owner(
+        [
+            str(Path(str(info["bindir"])) / "pg_ctl"),
+            "-D",
+            str(info["datadir"]),
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            "60",
+            "-l",
+            str(Path(str(info["base"])) / "server.log"),
+            action,
+        ],
+        info.get("owner") or None,  # type: ignore[arg-type]
+    )
+
+
+def down(state: Path) -> None:
+    """Stop the server, keeping its data (an outage; ``up`` ends it)."""
+    _pg_ctl(state, "stop")
+
+
+def up(state: Path) -> None:
+    """Start the server stopped by ``down``, on the same port, with the same data."""
+    _pg_ctl(state, "start")
+
+
 def main() -> None:
     throwaway.main(
         __doc__,
@@ -184,6 +216,8 @@ def main() -> None:
         stop=stop,
         restart=restart,
         ensure_installed=ensure_installed,
+        down=down,
+        up=up,
     )
 
 

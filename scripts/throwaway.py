@@ -54,10 +54,18 @@ def main(
     stop: Callable[[Path], None],
     restart: Callable[[Path], None],
     ensure_installed: Callable[[], object],
+    down: Callable[[Path], None] | None = None,
+    up: Callable[[Path], None] | None = None,
 ) -> None:
-    """The command line of both scripts: start (prints the URL), stop, restart, ensure-installed."""
+    """The command line of both scripts: start (prints the URL), stop, restart, ensure-installed.
+
+    ``down`` and ``up`` (where a script has them) stop the server and start
+    it again with its data kept: an outage of a chosen length.
+    """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("action", choices=["start", "stop", "restart", "ensure-installed"])
+    actions = ["start", "stop", "restart", "ensure-installed"]
+    actions += [name for name, fn in (("down", down), ("up", up)) if fn is not None]
+    parser.add_argument("action", choices=actions)
     parser.add_argument("--state", type=Path, default=default_state)
     parser.add_argument("--durable", action="store_true")
     args = parser.parse_args()
@@ -67,5 +75,9 @@ def main(
         stop(args.state)
     elif args.action == "restart":
         restart(args.state)
+    elif args.action == "down" and down is not None:
+        down(args.state)
+    elif args.action == "up" and up is not None:
+        up(args.state)
     else:
         print(ensure_installed())

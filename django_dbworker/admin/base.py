@@ -29,7 +29,7 @@ from django.urls import URLPattern, path, reverse
 
 from django_dbworker.admin import actions, display
 from django_dbworker.admin.columns import WorkItemColumns
-from django_dbworker.admin.filters import HandlerFilter, QueueFilter
+from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
 from django_dbworker.models import WorkItem, handler_match
 
@@ -51,7 +51,7 @@ class _LightChangeList(ChangeList):
 
 
 class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
-    list_filter = ("status", QueueFilter, HandlerFilter)
+    list_filter = ("status", QueueFilter, HandlerFilter, CancelRequestedFilter)
     # Exact matches only: each is served by an index (pk, handler, unique_key).
     search_fields = ["=id", "=handler", "=unique_key"]
     search_help_text = "Exact id, handler name or unique key."
@@ -84,6 +84,7 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
                 "fields": (
                     "run_after_exact",
                     "attempts_display",
+                    "snoozes_display",
                     "created_at_exact",
                     "updated_at_exact",
                     "finished_at_exact",
@@ -92,7 +93,15 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         ),
         (
             "Claim",
-            {"fields": ("claimed_by", "claimed_at_exact", "heartbeat_at_exact", "claim_token")},
+            {
+                "fields": (
+                    "claimed_by",
+                    "claimed_at_exact",
+                    "heartbeat_at_exact",
+                    "claim_token",
+                    "cancel_requested_at_exact",
+                )
+            },
         ),
         (
             "Data",
@@ -118,6 +127,7 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         "concurrency_limit",
         "run_after_exact",
         "attempts_display",
+        "snoozes_display",
         "created_at_exact",
         "updated_at_exact",
         "finished_at_exact",
@@ -125,6 +135,7 @@ class BaseWorkItemAdmin(WorkItemColumns, _ModelAdmin):
         "claimed_at_exact",
         "heartbeat_at_exact",
         "claim_token",
+        "cancel_requested_at_exact",
         "payload_pretty",
         "result_pretty",
         "error_pre",

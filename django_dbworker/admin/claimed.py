@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_dbworker.admin import display
+from django_dbworker.admin import actions, display
 from django_dbworker.admin.base import _OneStatusAdmin
+from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import Status, WorkItem
 
@@ -23,11 +26,16 @@ class ClaimedWorkItemAdmin(_OneStatusAdmin):
         "claimed",
         "heartbeat_age",
         "stale_marker",
+        "status_badge",
         "attempts_display",
     ]
 
     ordering = ["heartbeat_at"]
-    actions = []
+    # Cancel asks running rows to stop (the change permission, as on every page).
+    actions = [actions.cancel]
+
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        return (QueueFilter, HandlerFilter, CancelRequestedFilter)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
         return super().get_queryset(request).filter(status=Status.CLAIMED)

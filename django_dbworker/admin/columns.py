@@ -21,6 +21,8 @@ class WorkItemColumns:
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: WorkItem) -> SafeString:
+        if obj.status == Status.CLAIMED and obj.cancel_requested_at is not None:
+            return format_html("{} {}", display.badge(obj.status), display.cancel_requested_badge())
         return display.badge(obj.status)
 
     @admin.display(description="handler", ordering="handler")
@@ -147,6 +149,15 @@ class WorkItemColumns:
     @admin.display(description="finished at")
     def finished_at_exact(self, obj: WorkItem) -> SafeString | str:
         return display.timestamp(obj.finished_at)
+
+    @admin.display(description="cancel requested at")
+    def cancel_requested_at_exact(self, obj: WorkItem) -> SafeString | str:
+        return display.timestamp(obj.cancel_requested_at)
+
+    @admin.display(description="snoozes")
+    def snoozes_display(self, obj: WorkItem) -> str:
+        """Times the handler raised ``Snooze`` (not attempts); the 101st fails the row."""
+        return str(obj.snoozes)
 
     @admin.display(description="claimed at")
     def claimed_at_exact(self, obj: WorkItem) -> SafeString | str:

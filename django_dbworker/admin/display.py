@@ -36,6 +36,17 @@ def badge(status: str) -> SafeString:
     )
 
 
+def cancel_requested_badge() -> SafeString:
+    """The mark of a claimed row whose cancellation was requested (its handler is told)."""
+    return format_html(
+        '<span class="dbw-cancel-requested" title="{}" style="color:#fff;background:{};'
+        'padding:1px 7px;border-radius:8px;white-space:nowrap">{}</span>',
+        "Cancellation requested: the handler sees cancel_requested and may stop.",
+        STATUS_COLOURS[Status.CANCELLED.value],
+        "cancel requested",
+    )
+
+
 def db_now(item: WorkItem) -> datetime | None:
     """The database clock at query time (annotated by the admin's querysets)."""
     return getattr(item, "db_now", None)

@@ -15,7 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from django_dbworker.db import operations
-from django_dbworker.models import handler_match
+from django_dbworker.models import Status, handler_match
 from django_dbworker.registry import registry
 
 
@@ -48,3 +48,18 @@ class QueueFilter(admin.SimpleListFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         return queryset.filter(queue=value) if value else queryset
+
+
+class CancelRequestedFilter(admin.SimpleListFilter):
+    """Claimed rows whose cancellation was requested (the Cancel action on running work)."""
+
+    title = "cancel requested"
+    parameter_name = "cancel_requested"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Yes (running, asked to stop)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(status=Status.CLAIMED, cancel_requested_at__isnull=False)
+        return queryset

@@ -14,12 +14,14 @@ holds the interface, ``types.py`` the values it speaks in, ``sql.py`` the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dbworker.db.base import VendorOperations
+from django_dbworker.db.errors import is_missing_table
 from django_dbworker.db.types import ServerProblem, Subscription, UnsupportedDatabase
 from django_dbworker.db.wakers import (
     add_local_waker,
@@ -39,6 +41,7 @@ __all__ = [
     "prepare_session",
     "remove_local_waker",
     "server_problems",
+    "setup_problem",
     "skip_locked_options",
     "supports_skip_locked",
     "wake_payload",
@@ -114,6 +117,33 @@ def server_problems(using: str) -> list[ServerProblem]:
     except UnsupportedDatabase:
         return []
     return ops.server_problems()
+
+
+def setup_problem(using: str, exc: BaseException) -> str | None:
+    """What a first-day mistake behind ``exc`` is, and its fix, in one sentence; or None.
+
+    The work table does not exist (``migrate`` has not run on ``using``), or
+    the alias is a SQLite file whose folder does not exist (SQLite says only
+    "unable to open database file"). Anything else is the database's own
+    error, for the caller to report as it is.
+    """
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if is_missing_table(exc):
+        return (
+            f"The django_dbworker tables do not exist in database {using!r} ({said}): "
+            "run `manage.py migrate` first."
+        )
+    conn = connections[using]
+    name = str(conn.settings_dict.get("NAME") or "")
+    if conn.vendor == "sqlite" and name and not name.startswith("file:") and name != ":memory:":
+        folder = Path(name).parent
+        if not folder.is_dir():
+            return (
+                f"Cannot open the SQLite database {using!r} ({said}): the folder {folder} "
+                f"does not exist. Create it, or set DATABASES[{using!r}]['NAME'] to a file "
+                "in an existing folder."
+            )
+    return None
 
 
 def supports_skip_locked(using: str | None = None) -> bool:

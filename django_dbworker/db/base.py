@@ -249,6 +249,30 @@ class VendorOperations(ABC):
         superseded one and the current one) are told apart by their tokens.
         """
 
+    def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
+        """Refresh ``heartbeat_at`` (DB clock) of the claimed rows of ``claims``; return them.
+
+        ``claims`` are attempts ``(id, claim_token)``; the answer holds
+        ``(id, claim_token, cancel requested)`` of the rows that are still
+        claimed under one of those tokens (the caller matches each to its
+        attempt). This default, for a vendor without UPDATE ... RETURNING,
+        reads the rows back after the UPDATE; the vendors override it with
+        one statement (or a locking read they need anyway).
+        """
+        rows = WorkItem.objects.using(self.using).filter(
+            pk__in={pk for pk, _ in claims},
+            claim_token__in={token for _, token in claims},
+            status=Status.CLAIMED,
+        )
+        with self.locked_in_id_order({pk for pk, _ in claims}):
+            rows.update(heartbeat_at=Now())
+            return [
+                (pk, as_uuid(token), requested is not None)
+                for pk, token, requested in rows.values_list(
+                    "pk", "claim_token", "cancel_requested_at"
+                )
+            ]
+
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         """Run the transaction ``fn``, again if a lock conflict ended it.
 

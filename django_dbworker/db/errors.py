@@ -1,5 +1,7 @@
 """Which database errors are worth retrying: the one place that reads vendor error codes.
 
+(And which one says a table is missing: ``migrate`` has not run.)
+
 Outcome writes, heartbeats and claims retry an error that says "not now"
 (the connection dropped, the server is read-only during a failover, a
 deadlock or lock timeout picked us) and give up on one that says "never"
@@ -65,6 +67,62 @@ def mysql_error_code(exc: BaseException) -> int | None:
         return None
     args = getattr(cause, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
+
+
+#: "The table does not exist": PostgreSQL's undefined_table SQLSTATE and
+#: MySQL's ER_NO_SUCH_TABLE; SQLite says it in words only.
+MISSING_TABLE_SQLSTATE = "42P01"
+MISSING_TABLE_MYSQL_ERROR = 1146
+MISSING_TABLE_SQLITE_TEXT = "no such table"
+
+
+def is_missing_table(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a table does not exist (``migrate`` has not run)."""
+    if not isinstance(exc, DatabaseError):
+        return False
+    code = getattr(exc.__cause__, "sqlstate", None)
+    if isinstance(code, str) and len(code) == 5:
+        return code == MISSING_TABLE_SQLSTATE
+    errno = mysql_error_code(exc)
+    if errno:
+        return errno == MISSING_TABLE_MYSQL_ERROR
+    return isinstance(exc, OperationalError) and str(exc).startswith(MISSING_TABLE_SQLITE_TEXT)
+
+
+#: SQLSTATEs of "the server went away" outside class 08 (connection
+#: exception): admin_shutdown, crash_shutdown, cannot_connect_now.
+CONNECTION_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+#: MySQL/MariaDB server errors of the same meaning (the client library's
+#: own, 2000-2999, all are).
+CONNECTION_MYSQL_ERRORS = frozenset({1053, 1152, 1158, 1159, 1160, 1161, 1927, 4031})
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached (not: refused this statement).
+
+    The connection failed, broke or was closed by the server (a restart, a
+    failover, a network cut). Django's wrapped errors and the drivers' own
+    (the PostgreSQL wake-up listener uses psycopg directly) both count. A
+    deadlock or a lock timeout is transient but not this: the server answered.
+    """
+    if isinstance(exc, InterfaceError):
+        return True
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    module = type(cause).__module__.split(".")[0]
+    code = getattr(cause, "sqlstate", None)
+    if isinstance(code, str) and len(code) == 5:
+        return code[:2] == "08" or code in CONNECTION_SQLSTATES
+    errno = mysql_error_code(exc)
+    if errno:
+        return 2000 <= errno < 3000 or errno in CONNECTION_MYSQL_ERRORS
+    if module == "psycopg":
+        # No SQLSTATE: the client library's own error (connection refused,
+        # server closed the connection, the connection is closed).
+        import psycopg
+
+        return isinstance(cause, (psycopg.OperationalError, psycopg.InterfaceError))
+    # SQLite has no server; only a file that cannot be opened is "unreachable".
+    return isinstance(exc, OperationalError) and "unable to open database file" in str(exc)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -34,6 +34,7 @@ from uuid import UUID
 from django.db import OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
+from django.db.models.functions import Now
 
 from django_dbworker.db.base import (
     Candidate,
@@ -56,6 +57,7 @@ from django_dbworker.db.mysql_sql import (
     claim_select_sql,
     claim_update_sql,
     count_key_slots_sql,
+    heartbeat_lock_sql,
     insert_chunks,
     insert_flow_locks_sql,
     insert_items_sql,
@@ -338,7 +340,7 @@ class MySQLOperations(VendorOperations):
         payloads_json: Sequence[str | None],
     ) -> bool:
         # Django's bulk_create spends about 80% of a 10,000-row batch
-        # compiling every value of every row (docs/benchmarks.md, W2).
+        # compiling every value of every row (docs/internals/benchmarks.md, W2).
         if not self._returns_inserted_rows():
             return False  # no INSERT ... RETURNING: Django's bulk_create
         connection: Any = self.connection
@@ -449,6 +451,24 @@ class MySQLOperations(VendorOperations):
                 with self.connection.cursor() as cursor:
                     cursor.execute(lock_rows_sql(len(ordered)), numbered_params("id", ordered))
             yield
+
+    def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
+        ids = sorted({pk for pk, _ in claims})
+        if not ids:
+            return []
+        wanted = set(claims)
+        with self._read_committed(), self.connection.cursor() as cursor:
+            cursor.execute(heartbeat_lock_sql(len(ids)), numbered_params("id", ids))
+            held = [
+                (pk, as_uuid(token), bool(requested))
+                for pk, token, requested in cursor.fetchall()
+                if token is not None and (pk, as_uuid(token)) in wanted
+            ]
+            if held:
+                WorkItem.objects.using(self.using).filter(pk__in=[pk for pk, _, _ in held]).update(
+                    heartbeat_at=Now()
+                )
+        return held
 
     # -- statistics --------------------------------------------------------------
 

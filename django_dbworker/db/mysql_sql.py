@@ -291,6 +291,24 @@ ORDER BY id
 """,
 )
 
+# The heartbeat locks the attempts' rows in id order, as every bulk writer
+# does (``lock_rows``), and reads in the same statement which are still
+# claimed and which an operator asked to stop; the UPDATE of their
+# heartbeat_at follows in the same transaction. MySQL has no UPDATE ...
+# RETURNING, and the locking read was paid for anyway.
+HEARTBEAT_LOCK = Statement(
+    "heartbeat_lock",
+    "Lock the claimed rows of some attempts in id order; read their tokens and cancel requests.",
+    """
+SELECT id, claim_token, cancel_requested_at IS NOT NULL
+FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
+WHERE id IN ({ids})
+  AND status = 'claimed'
+ORDER BY id
+FOR UPDATE
+""",
+)
+
 LOCK_ROWS = Statement(
     "lock_rows",
     "Lock rows by id in ascending id order, before a bulk UPDATE of the ORM changes them.",
@@ -421,6 +439,11 @@ def succeed_update_sql(rows: int) -> str:
     return SUCCEED_UPDATE.render(
         cases=cases, ids=numbered("id", rows), tokens=numbered("token", rows)
     )
+
+
+@lru_cache(maxsize=256)
+def heartbeat_lock_sql(rows: int) -> str:
+    return HEARTBEAT_LOCK.render(ids=numbered("id", rows))
 
 
 @lru_cache(maxsize=256)

@@ -13,7 +13,7 @@ imports it (``operations()`` is the way in).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -31,6 +31,7 @@ from django_dbworker.db.postgresql_sql import (
     COPY_ITEMS,
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
+    HEARTBEAT,
     INSERT_ITEM,
     INSERT_ITEMS,
     LISTEN,
@@ -53,7 +54,7 @@ MIN_VERSION = 130000
 #: COPY path costs four more round trips (a transaction, the id reservation,
 #: the NOTIFY); measured, it breaks even at 20 to 50 rows, takes about 80% of
 #: the one-statement insert's time at 100 to 200 rows and 55% at 1,000 and
-#: more (docs/benchmarks.md, W2).
+#: more (docs/internals/benchmarks.md, W2).
 COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
@@ -137,6 +138,13 @@ class PostgresOperations(VendorOperations):
         }
         rows = self._fetch_bound(SUCCEED_MANY.sql, params)
         return {(pk, as_uuid(token)) for pk, token in rows}
+
+    def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
+        params = {"ids": [pk for pk, _ in claims], "tokens": [token for _, token in claims]}
+        return [
+            (pk, as_uuid(token), bool(requested))
+            for pk, token, requested in self._fetch_bound(HEARTBEAT.sql, params)
+        ]
 
     def _fetch_bound(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """``_fetch`` with server-side binding, for the hot statements.
@@ -253,7 +261,7 @@ class PostgresOperations(VendorOperations):
         parameters are quoted into the text, the server parses and plans it
         on every call, and such a cursor is never prepared. Parsing and
         planning are a good part of a single enqueue's cost (about 80 µs of
-        450 on the development machine, docs/benchmarks.md, W2). Where the
+        450 on the development machine, docs/internals/benchmarks.md, W2). Where the
         database's OPTIONS set ``prepare_threshold`` (Django leaves it off by
         default, for poolers such as PgBouncer before 1.21; we follow that
         setting rather than override it), the statements run on a plain

@@ -137,22 +137,19 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 #    takes a transaction-level advisory lock per key of its candidates, in
 #    the order of their lock numbers, so two claimers never wait for each
 #    other in a cycle, and claimers of one key decide one after the other.
-#    Transaction-level, never session-level: PgBouncer's transaction mode
-#    keeps working, and the locks end with the claim. The two-number form
-#    keeps them apart from an application's one-number advisory locks;
-#    keys whose lock numbers collide only wait for each other.
+#    Transaction-level (PgBouncer's transaction mode keeps working; the
+#    locks end with the claim); two-number, apart from an application's
+#    one-number locks; keys whose lock numbers collide only wait.
 # 2. CLAIM_WITHIN_LIMITS: counts each key's claimed rows and claims the
 #    candidates that fit, in claim order (the rest stay pending, untouched,
 #    and unlocked at commit). A statement of its own: it starts after the
 #    locks are granted, so under READ COMMITTED its count sees the claims
 #    the previous holder of a key's lock committed.
 #
-# A slot is a claimed row: nothing is counted up or down, so a late or
-# zombie finisher (its fenced write matches nothing) holds nothing, and
-# stale recovery (claimed -> pending) frees its slot by itself.
+# A slot is a claimed row: a late or zombie finisher (its fenced write
+# matches nothing) holds nothing; stale recovery frees a slot by itself.
 
-#: The first number of the keyed claim's advisory locks (``"dbwk"`` as an int4).
-KEY_LOCK_SPACE = 1684109163
+KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
 
 _KEY_FILTER = """
       AND (p.concurrency_limit IS NULL
@@ -290,6 +287,22 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.claim_token = v.token
   AND w.status = 'claimed'
 RETURNING w.id, w.claim_token
+""",
+)
+
+# The heartbeat of every attempt a process runs, in one statement that also
+# says which of them an operator asked to stop (cancel_requested_at): the
+# worker learns of a cancel request with the heartbeat, at no extra round trip.
+HEARTBEAT = Statement(
+    "heartbeat",
+    "Refresh the heartbeats of the attempts still held; return them with their cancel requests.",
+    """
+UPDATE django_dbworker_workitem
+SET heartbeat_at = statement_timestamp()
+WHERE id = ANY(%(ids)s::bigint[])
+  AND claim_token = ANY(%(tokens)s::uuid[])
+  AND status = 'claimed'
+RETURNING id, claim_token, cancel_requested_at IS NOT NULL
 """,
 )
 

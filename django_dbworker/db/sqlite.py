@@ -16,7 +16,7 @@ the rest of the text is fixed.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 from uuid import UUID
 
@@ -176,6 +176,23 @@ RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token
 """,
 )
 
+# The heartbeat, and which of the attempts an operator asked to stop, in one
+# statement (see postgresql_sql.HEARTBEAT). It returns cancel_requested_at
+# itself: SQLite 3.40 answered "cancel_requested_at IS NOT NULL" with 1 for
+# NULLs in RETURNING (seen on a table Django's migrations rebuilt).
+HEARTBEAT = Statement(
+    "heartbeat",
+    "Refresh the heartbeats of the attempts still held; return them with their cancel requests.",
+    """
+UPDATE django_dbworker_workitem
+SET heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+WHERE id IN ({ids})
+  AND claim_token IN ({tokens})
+  AND status = 'claimed'
+RETURNING id, claim_token, cancel_requested_at
+""",
+)
+
 # SELECT DISTINCT queue reads every index entry; this recursive query jumps
 # from one queue to the next through dbworker_queue_idx.
 DISTINCT_QUEUES = Statement(
@@ -226,6 +243,12 @@ def succeed_many_sql(rows: int) -> str:
     return SUCCEED_MANY.render(
         rows=numbered_rows(("id", "token", "result"), rows), ids=numbered("id", rows)
     )
+
+
+@lru_cache(maxsize=256)
+def heartbeat_sql(rows: int) -> str:
+    """The heartbeat statement for ``rows`` attempts."""
+    return HEARTBEAT.render(ids=numbered("id", rows), tokens=numbered("token", rows))
 
 
 # -- operations ---------------------------------------------------------------------
@@ -283,6 +306,17 @@ class SQLiteOperations(VendorOperations):
         }
         rows = self._fetch(succeed_many_sql(len(outcomes)), params)
         return {(pk, as_uuid(token)) for pk, token in rows}
+
+    def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
+        claims = list(claims)
+        params = {
+            **numbered_params("id", [pk for pk, _ in claims]),
+            **numbered_params("token", [token.hex for _, token in claims]),
+        }
+        return [
+            (pk, as_uuid(token), requested is not None)
+            for pk, token, requested in self._fetch(heartbeat_sql(len(claims)), params)
+        ]
 
     def distinct_queues(self) -> list[str]:
         return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]

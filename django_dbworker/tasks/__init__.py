@@ -8,7 +8,7 @@ Then ``@task`` functions (``django.tasks.task``, or ``django_tasks.task`` on
 Django 5.2) enqueue ``WorkItem`` rows that ``manage.py run_workers`` runs;
 ``django_dbworker.tasks.task`` also takes the worker's options
 (``max_attempts``, ``timeout``, ``atomic``, ``sensitive``, ``unique_key``).
-See docs/django-tasks.md.
+See docs/topics/tasks.md.
 """
 
 from __future__ import annotations

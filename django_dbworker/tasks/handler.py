@@ -130,8 +130,10 @@ class TaskHandler(WorkItemHandler):
         """Call the task function, with its context if it takes one; return its value.
 
         The value goes through Django's ``normalize_json`` (tuples become
-        lists); a value it cannot normalize is returned as it is, and the
-        worker records the task failed without a retry (it cannot store it).
+        lists); for a value it cannot normalize, its error is returned
+        (``errortext.Unencodable``), and the worker records the task failed
+        with Django's words ("Unsupported type: ..."), without a retry: it
+        cannot store the value.
         """
         with self._lock:
             result = self._running.get((item.pk, item.claim_token))
@@ -148,8 +150,8 @@ class TaskHandler(WorkItemHandler):
             value = task.call(*args, **kwargs)
         try:
             value = normalize_json(value)
-        except (TypeError, ValueError):
-            return value
+        except (TypeError, ValueError) as exc:
+            return errortext.Unencodable(exc)
         object.__setattr__(result, "_return_value", value)
         return value
 
@@ -158,13 +160,15 @@ class TaskHandler(WorkItemHandler):
     ) -> None:
         """Send ``task_finished`` if the attempt ended the task (SUCCESSFUL or FAILED).
 
-        A retried attempt has not finished the task; a fenced one is not
-        this attempt's to report. Sent after the write committed, outside
+        A retried or snoozed attempt has not finished the task; a fenced one
+        is not this attempt's to report. One that ended ``cancelled`` (the
+        task raised ``Cancelled``, or raised after a cancel request) finished
+        it FAILED, as a cancelled row reads. Sent after the write committed, outside
         the task's transaction, so a receiver that reads the result sees it.
         """
         with self._lock:
             result = self._running.pop((item.pk, item.claim_token), None)
-        if status not in (Status.SUCCEEDED, Status.FAILED):
+        if status not in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
             return
         if result is None:
             # No result of this attempt here: a row stale recovery failed (its
@@ -179,15 +183,22 @@ class TaskHandler(WorkItemHandler):
             object.__setattr__(result, "finished_at", timezone.now())
         else:
             if error is not None:
+                stored = errortext.format_error(error, sensitive=self.sensitive)
                 result.errors.append(
                     TaskError(
                         exception_class_path=errortext.exception_class_path(error),
-                        traceback=errortext.format_error(error, sensitive=self.sensitive),
+                        traceback=errortext.traceback_text(stored),
                     )
                 )
             object.__setattr__(result, "status", TaskResultStatus.FAILED)
             object.__setattr__(result, "_return_value", None)
             object.__setattr__(result, "finished_at", timezone.now())
+            if error is not None and not self.sensitive:
+                # Inside an ``except``, as Django's ImmediateBackend sends it:
+                # Django's own receiver logs the failure with sys.exc_info().
+                # Not for a sensitive task: its messages may quote its arguments.
+                _send_handling(error, self._sender(), result)
+                return
         _send(task_finished, self._sender(), result)
 
     def _sender(self) -> type:
@@ -253,6 +264,21 @@ def _send(signal: Any, sender: type, result: TaskResult) -> None:
                 result.id,
                 type(response).__name__,
             )
+
+
+def _send_handling(error: BaseException, sender: type, result: TaskResult) -> None:
+    """``task_finished`` sent while ``error`` is being handled (``sys.exc_info()`` is it).
+
+    Raising the exception again adds this frame to its traceback and may set
+    its context; both are put back, so what was recorded stays what it was.
+    """
+    traceback, context = error.__traceback__, error.__context__
+    try:
+        raise error
+    except BaseException:
+        _send(task_finished, sender, result)
+    finally:
+        error.__traceback__, error.__context__ = traceback, context
 
 
 def handler_for(task: Task, backend: OptionsSource) -> type[TaskHandler]:

@@ -3,10 +3,11 @@
 The row is the result: no second table. Statuses map as pending -> READY
 (also between retries), claimed -> RUNNING, succeeded -> SUCCESSFUL,
 failed and cancelled -> FAILED (a cancelled row gets an error that says
-so). ``errors`` and ``worker_ids`` come from ``error_history``, one entry
-per attempt that ended without success, plus the worker of the current or
-successful attempt (``claimed_by``); so ``attempts`` counts every run,
-including one lost with its worker.
+so, unless the attempt that ended it has its own). ``errors`` and
+``worker_ids`` come from ``error_history``, one entry per attempt that
+ended without success, plus the worker of the current or successful
+attempt (``claimed_by``); so ``attempts`` counts every run, including one
+lost with its worker.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from typing import Any
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from django_dbworker import errortext
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks.compat import Task, TaskError, TaskResult, TaskResultStatus
 
-#: The class path a cancelled row's last error names.
+#: The class path of the error a cancelled row gets when no attempt of its own says
+#: so (cancelled while pending, or released by a stopping worker). An attempt that
+#: ended ``cancelled`` keeps the class of what it raised (``Cancelled``, or another
+#: exception raised after a request; a lost worker's), as ``error_history`` holds it.
 CANCELLED = "django_dbworker.errors.Cancelled"
 #: Stands in ``worker_ids`` for attempts older than the kept history.
 NOT_KEPT = "(not kept)"
@@ -137,13 +142,27 @@ def enqueued_task(
     return task.using(**changes) if changes else task
 
 
+def _ended_by_its_attempt(row: Row, entries: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the row's last history entry is the attempt that ended it (one error each).
+
+    An attempt that ends ``cancelled`` (it raised after a request, or raised
+    ``Cancelled``; its worker was lost after one) is written to the history
+    by the UPDATE that sets ``finished_at``, from the same database clock
+    reading; a row cancelled while pending, or released by a stopping
+    worker, has no entry of its own and gets the ``CANCELLED`` marker.
+    """
+    if not entries or row.finished_at is None:
+        return False
+    return entry_time(entries[-1].get("finished_at")) == row.finished_at
+
+
 def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResult:
     """The ``TaskResult`` of ``row`` for ``task`` (``status`` overrides the row's)."""
     entries = history_entries(row.error_history)
     errors = [
         TaskError(
             exception_class_path=str(entry.get("exception_class_path") or "builtins.Exception"),
-            traceback=str(entry.get("error") or ""),
+            traceback=errortext.traceback_text(str(entry.get("error") or "")),
         )
         for entry in entries
     ]
@@ -155,7 +174,7 @@ def build(task: Task, row: Row, *, backend: str, status: Any = None) -> TaskResu
         # Older attempts than the history keeps (or a row retried by an
         # operator, which restarts ``attempts``): the count stays right.
         worker_ids[:0] = [NOT_KEPT] * (row.attempts - len(worker_ids))
-    if row.status == Status.CANCELLED:
+    if row.status == Status.CANCELLED and not _ended_by_its_attempt(row, entries):
         errors.append(TaskError(exception_class_path=CANCELLED, traceback="Cancelled."))
     started = entry_time(entries[0].get("started_at")) if entries else None
     args, kwargs = arguments(row.payload)

@@ -73,6 +73,10 @@ class Attempt:
     ended: bool = False
     #: It overran its timeout; its run goes on, abandoned (``Ledger.abandon``).
     abandoned: bool = False
+    #: An operator asked to stop it: its heartbeat found ``cancel_requested_at``
+    #: on its row (``Ledger.mark_cancel_requested``); the handler's
+    #: ``cancel_requested`` reads it, and its ending is ``cancelled``.
+    cancel_requested: bool = False
     _key: AttemptKey = field(init=False)
 
     def __post_init__(self) -> None:
@@ -260,6 +264,14 @@ class Ledger:
                 attempt = self._attempts.get(key)
                 if attempt is not None and attempt.confirmed_at < at:
                     attempt.confirmed_at = at
+
+    def mark_cancel_requested(self, keys: Iterable[AttemptKey]) -> None:
+        """The heartbeat found cancel requests on these attempts' rows (never another's)."""
+        with self._lock:
+            for key in keys:
+                attempt = self._attempts.get(key)
+                if attempt is not None:
+                    attempt.cancel_requested = True
 
     def withdraw_unstarted(self) -> list[Attempt]:
         """Take every buffered attempt back (to release it): no thread starts it after this."""

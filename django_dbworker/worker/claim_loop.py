@@ -30,7 +30,7 @@ from django_dbworker.worker.config import (
     UNRECORDED_EXTRA,
     WorkerConfig,
 )
-from django_dbworker.worker.connections import Backoff, close_quietly
+from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
 from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.pool import Pool
@@ -88,6 +88,8 @@ class ClaimLoop:
         #: Buffered rows handed back because jobs got too long to start them soon.
         self.given_back = 0
         self._backoff = Backoff(first=0.2, cap=10.0)
+        #: When the loop last began a cycle (the health file's sign of life).
+        self.cycled_at = clock.now()
         self._poll = AdaptivePoll(
             config.poll_interval, enabled=ops.poll_adaptively, clock=clock.now
         )
@@ -345,6 +347,7 @@ class ClaimLoop:
         """Claim until stopped (or, in burst mode, until nothing is left to claim or run)."""
         control, clock = self.control, self.clock
         while not control.stopping.is_set():
+            self.cycled_at = clock.now()
             control.wake.clear()
             try:
                 claimed = self.run_once()
@@ -354,7 +357,9 @@ class ClaimLoop:
                 self.metrics.claim_error(WORK_ITEM_LOOP)
                 self.recovery.observe_write(math.inf)  # a claim that failed was held up too
                 delay = self._backoff.next()
-                if is_transient(exc):
+                if report_error(self.config.using, "claiming", exc):
+                    pass  # one line per outage (connections.DatabaseOutage)
+                elif is_transient(exc):
                     logger.error(
                         "Database unavailable while claiming (%s); retrying in %.1fs.", exc, delay
                     )
@@ -366,6 +371,7 @@ class ClaimLoop:
                 clock.wait(control.stopping, delay)
                 continue
             self._backoff.reset()
+            outage.back(self.config.using)
             if control.stopping.is_set():
                 return
             if claimed:

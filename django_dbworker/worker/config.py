@@ -65,6 +65,8 @@ class WorkerConfig:
     prefetch_horizon: float = field(
         default_factory=lambda: float(dbworker_settings.PREFETCH_HORIZON)
     )
+    #: Keep this file fresh while healthy (``health.py``); None: no file.
+    health_file: str | None = None
 
     def __post_init__(self) -> None:
         # The same validators as the system checks and run_workers' flags.

@@ -7,20 +7,29 @@ between requests. With the default ``CONN_MAX_AGE = 0`` they are kept open
 (a reconnect per job would cost more than most jobs), but a connection that
 errored and is unusable, or that user code left outside autocommit, is
 reset so the next job starts clean.
+
+It also says, once for the whole process, when the database is lost and
+when it is back (``DatabaseOutage``): the claim loop, the heartbeat, the
+scheduler, the wake-up listener and the outcome writers all notice an
+outage, and each would otherwise log every retry.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
+from django.dispatch import receiver
 
-from django_dbworker.db.errors import is_transient
+from django_dbworker.db.errors import is_connection_error, is_transient
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -120,6 +129,134 @@ def close_thread_connections() -> None:
             logger.debug("Ignoring an error while closing a connection.", exc_info=True)
 
 
+#: Seconds between the "still unreachable" reminders of one outage.
+OUTAGE_REMINDER_EVERY = 30.0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass
+class _Outage:
+    began: float
+    #: The number of the last connection opened before it began.
+    opened: int = 0
+    #: When it was last said at WARNING; None while it may still be a blip.
+    reported: float | None = None
+
+
+class DatabaseOutage:
+    """What the process says about an unreachable database: lost once, reminders, back once.
+
+    Every component that meets a connection error reports it here
+    (``lost``) instead of logging it. The first report of an outage is a
+    DEBUG line: one connection that the server closed while it sat idle (a
+    restart that is over, a proxy's timeout) heals on its retry, and the
+    worker reconnects without anybody needing to know. The second, from any
+    component, is one WARNING with the error's first line; later ones are
+    DEBUG lines, and a WARNING reminder is logged at most every
+    ``OUTAGE_REMINDER_EVERY`` seconds. The first success that reaches the
+    database after a WARNING (``back``, from any component: they share the
+    database) is one INFO line. Per database alias; thread-safe.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._down: dict[str, _Outage] = {}
+
+    def is_down(self, using: str) -> bool:
+        return using in self._down
+
+    def lost(self, using: str, what: str, exc: BaseException) -> None:
+        """A connection error of ``what`` ("claiming"); logs as the outage's state says."""
+        now = self.clock()
+        with self._lock:
+            down = self._down.get(using)
+            if down is None:
+                down = self._down[using] = _Outage(began=now, opened=_last_opened)
+                say = "blip"
+            elif down.reported is None:
+                down.reported = now
+                say = "lost"
+            elif now - down.reported >= OUTAGE_REMINDER_EVERY:
+                down.reported = now
+                say = "reminder"
+            else:
+                say = "quiet"
+        if say == "lost":
+            logger.warning(
+                "Database %r is unreachable (%s: %s); retrying until it is back.",
+                using,
+                what,
+                _first_line(exc),
+            )
+        elif say == "reminder":
+            logger.warning(
+                "Database %r is still unreachable after %.0fs (%s); retrying.",
+                using,
+                now - down.began,
+                _first_line(exc),
+            )
+        else:
+            logger.debug("Database %r unreachable (%s: %s)", using, what, _first_line(exc))
+
+    def back(self, using: str, *, reached: bool = False) -> None:
+        """A step succeeded: ends the outage, if there was one, if it reached the database.
+
+        It did if this thread opened a connection since the outage began
+        (after an error each component closes its connection; a step with
+        nothing to do, a heartbeat with no running items, a claim loop with
+        no free thread, succeeds on an old connection without a query), or
+        if the caller says so (``reached``: the wake-up listener has a
+        connection of its own).
+        """
+        down = self._down.get(using)
+        if down is None:  # the common case: no lock, no clock
+            return
+        if not reached and getattr(_opened_here, using, -1) <= down.opened:
+            return
+        with self._lock:
+            down = self._down.pop(using, None)
+        if down is None:
+            return
+        took = self.clock() - down.began
+        if down.reported is None:
+            logger.debug("Database %r reached again after %.1fs (one error only).", using, took)
+        else:
+            logger.info("Database %r is reachable again after %.0fs.", using, took)
+
+
+#: The process's outage reporter (a worker process runs one worker).
+outage = DatabaseOutage()
+#: Connections opened by this process, numbered in order (itertools.count
+#: is atomic under the GIL); per thread and alias, the number of the last.
+_numbers = itertools.count(1)
+_last_opened = 0
+_opened_here = threading.local()
+
+
+@receiver(connection_created, dispatch_uid="django_dbworker.worker.connections")
+def _note_connection(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    # Sent in the thread that opened it (Django's connections are per thread).
+    global _last_opened
+    number = _last_opened = next(_numbers)
+    setattr(_opened_here, connection.alias, number)
+
+
+def report_error(using: str, what: str, exc: BaseException) -> bool:
+    """Report ``exc`` to the outage reporter if it is a connection error; True if it was.
+
+    Callers log other errors themselves, as before.
+    """
+    if not is_connection_error(exc):
+        return False
+    outage.lost(using, what, exc)
+    return True
+
+
 class Backoff:
     """Exponential delays for reconnect attempts: 0.1 s doubling up to ``cap``."""
 
@@ -164,16 +301,18 @@ def run_until_stopped(
                 if on_error is not None:
                     on_error()
                 delay = backoff.next()
-                logger.warning(
-                    "%s failed (%s: %s); retrying in %.1fs.",
-                    what,
-                    type(exc).__name__,
-                    str(exc).strip()[:300],
-                    delay,
-                )
+                if not report_error(using, what.lower(), exc):
+                    logger.warning(
+                        "%s failed (%s: %s); retrying in %.1fs.",
+                        what,
+                        type(exc).__name__,
+                        str(exc).strip()[:300],
+                        delay,
+                    )
                 close_quietly(using)
             else:
                 backoff.reset()
+                outage.back(using)
     finally:
         close_thread_connections()
 
@@ -196,15 +335,19 @@ def persist(
     backoff = Backoff()
     while True:
         try:
-            return fn()
+            result = fn()
         except Exception as exc:
             if not is_transient(exc) or (give_up is not None and give_up.is_set()):
                 raise
             delay = backoff.next()
-            logger.warning("Database error while %s (%s); retrying in %.1fs.", what, exc, delay)
+            if not report_error(using, what, exc):
+                logger.warning("Database error while %s (%s); retrying in %.1fs.", what, exc, delay)
             close_quietly(using)
             if give_up is not None:
                 if give_up.wait(delay):
                     raise
             else:
                 time.sleep(delay)
+        else:
+            outage.back(using)
+            return result

@@ -31,7 +31,7 @@ from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import errortext, tracing, transitions
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, running_attempt
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
@@ -241,26 +241,29 @@ def _run_and_record(
     refused: _ResultRefused | None = None
     failure: BaseException | None = None
     try:
-        try:
-            handler.attempt_started(item)
-            if handler.atomic:
-                with transaction.atomic(using=db):
-                    result = handler.handle_item(item)
-                    encoded = _encode_result(result)
-                    ready()
-                    if not _succeed_or_refuse(item, encoded):
-                        raise _FencedOut
-                succeeded = Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
-                observer.landed(succeeded)
-                return succeeded
-            encoded = _encode_result(handler.handle_item(item))
-            ready()
-        except _FencedOut:
-            return endings.FENCED
-        except _ResultRefused as exc:
-            refused = exc
-        except BaseException as exc:
-            failure = exc
+        # ``handler.cancel_requested`` reads the attempt of the thread that
+        # runs it: one handler instance serves every thread of the process.
+        with running_attempt(item):
+            try:
+                handler.attempt_started(item)
+                if handler.atomic:
+                    with transaction.atomic(using=db):
+                        result = handler.handle_item(item)
+                        encoded = _encode_result(result)
+                        ready()
+                        if not _succeed_or_refuse(item, encoded):
+                            raise _FencedOut
+                    succeeded = Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
+                    observer.landed(succeeded)
+                    return succeeded
+                encoded = _encode_result(handler.handle_item(item))
+                ready()
+            except _FencedOut:
+                return endings.FENCED
+            except _ResultRefused as exc:
+                refused = exc
+            except BaseException as exc:
+                failure = exc
         if refused is not None:
             ready()
             tidy_if_owned()

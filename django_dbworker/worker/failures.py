@@ -1,10 +1,13 @@
-"""Recording a failed attempt: the retry or the failure, and the fallbacks of that write.
+"""Recording an attempt that raised: retry, failure, snooze or cancel, and their fallbacks.
 
-Whatever the handler raised, however its exception prints, whatever its
-``backoff`` answers and whatever value the database refuses, an outcome is
-written (falling back to a plain fenced failure), or the attempt is
-reported ``UNRECORDED`` so that its owner releases it. Returns an
-``Ending``; the accounting is ``settle.py``'s.
+A ``Snooze`` puts the row back without using an attempt (the 101st fails
+it); an attempt whose cancel was requested (the heartbeat said so, or the
+database's fenced write finds the request) or that raised ``Cancelled``
+ends ``cancelled``, never retried. Whatever the handler raised, however
+its exception prints, whatever its ``backoff`` answers and whatever value
+the database refuses, an outcome is written (falling back to a plain
+fenced failure), or the attempt is reported ``UNRECORDED`` so that its
+owner releases it. Returns an ``Ending``; the accounting is ``settle.py``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from django_dbworker import errortext, tracing, transitions
 from django_dbworker.backoff import exponential_backoff
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.errors import MAX_SNOOZES, Cancelled, Snooze
+from django_dbworker.handlers import WorkItemHandler, cancel_was_requested
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
 from django_dbworker.worker import endings
@@ -32,6 +36,8 @@ logger = logging.getLogger("django_dbworker.worker")
 MAX_RETRY_DELAY = 10 * 365 * 86400.0
 #: Prefix of ``last_error`` when the database refused the handler's result.
 RESULT_NOT_STORED = "result could not be stored: "
+#: Prefix of ``last_error`` of an attempt that ended ``cancelled`` after a request.
+CANCELLED_BY_REQUEST = "cancelled by request: "
 
 
 #: Told of each outcome write that landed, at once (``endings.Observer.landed``).
@@ -46,6 +52,10 @@ def _landed(ending: Ending, landed: Landed | None) -> Ending:
 
 
 def _guarded(item: WorkItem, write: Callable[[], bool]) -> bool:
+    return guarded(item._state.db or "default", write)
+
+
+def _guarded_status(item: WorkItem, write: Callable[[], str | None]) -> str | None:
     return guarded(item._state.db or "default", write)
 
 
@@ -87,6 +97,14 @@ def record_failure(
     text: str | None = None,
     landed: Landed | None = None,
 ) -> Ending:
+    """Record the attempt that raised ``exc`` (or timed out: ``label``, ``text``).
+
+    After a cancel request the attempt ends ``cancelled``, whatever it
+    raised (a timeout included); a ``Snooze`` is ``record_snooze``'s.
+    """
+    asked = cancel_was_requested(item)
+    if isinstance(exc, Snooze) and not asked:
+        return record_snooze(item, handler, exc, give_up=give_up, landed=landed)
     sensitive = handler.sensitive
     error = text if text is not None else errortext.format_error(exc, sensitive=sensitive)
     try:
@@ -95,28 +113,47 @@ def record_failure(
         logger.debug("Could not record the failure on the span.", exc_info=True)
     shown = errortext.error_summary(exc, sensitive=sensitive)
     attempts, max_attempts = item.attempts, item.max_attempts
-    retry = retriable and attempts < max_attempts
+    cancel = asked or isinstance(exc, Cancelled)
+    retry = retriable and attempts < max_attempts and not cancel
     delay = retry_delay(handler, attempts) if retry else 0.0
 
     error_class = errortext.exception_class_path(exc)
 
-    def write() -> bool:
+    def write() -> str | None:
+        if cancel:
+            cancelled = transitions.cancel_running(
+                item,
+                error=errortext.clean_error_text(CANCELLED_BY_REQUEST + error) if asked else error,
+                error_class=error_class,
+            )
+            return Status.CANCELLED if cancelled else None
         if retry:
-            return transitions.retry_later(item, delay=delay, error=error, error_class=error_class)
-        return transitions.fail(item, error=error, error_class=error_class)
+            if transitions.retry_later(item, delay=delay, error=error, error_class=error_class):
+                return Status.PENDING
+        elif transitions.fail(
+            item, error=error, error_class=error_class, unless_cancel_requested=True
+        ):
+            return Status.FAILED
+        return _cancelled_instead(item, error, error_class)
 
     try:
-        status = _write_outcome(
-            item,
-            handler,
-            write,
-            give_up=give_up,
-            intended=Status.PENDING if retry else Status.FAILED,
-        )
+        status = _write_outcome(item, handler, write, give_up=give_up)
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
     if status is None:
         return endings.FENCED
+    if status == Status.CANCELLED:
+        ending = _landed(Ending(Outcome.CANCELLED, status, exc), landed)
+        logger.warning(
+            "Work item %s (%s) cancelled on attempt %d/%d%s: %s",
+            item.pk,
+            handler.name,
+            attempts,
+            max_attempts,
+            " (by request)" if asked or not isinstance(exc, Cancelled) else "",
+            shown,
+        )
+        return ending
     if status == Status.FAILED and retry:
         # The retry was refused: a plain failure was written.
         return _landed(Ending(label or Outcome.FAILED, status, exc), landed)
@@ -146,6 +183,65 @@ def record_failure(
     return ending
 
 
+def _cancelled_instead(item: WorkItem, error: str, error_class: str) -> str | None:
+    """The write the row's cancel request refused, as ``cancelled``; None if fenced out.
+
+    A request the worker had not heard of yet: the fenced retry, snooze or
+    failure matched no row, and this write tells a request from a lost claim.
+    """
+    text = errortext.clean_error_text(CANCELLED_BY_REQUEST + error)
+    if transitions.cancel_running(item, error=text, error_class=error_class, requested=True):
+        return Status.CANCELLED
+    return None
+
+
+def record_snooze(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    snooze: Snooze,
+    *,
+    give_up: threading.Event | None,
+    landed: Landed | None = None,
+) -> Ending:
+    """The handler raised ``Snooze``: pending again, due later, its attempt not counted.
+
+    The write is fenced like a retry's. It matches no row when a cancel was
+    requested meanwhile (the attempt then ends ``cancelled``) or when the
+    row snoozed ``MAX_SNOOZES`` times already (it then fails).
+    """
+    error_class = errortext.exception_class_path(snooze)
+    error = errortext.format_error(snooze, include_traceback=False)
+    too_many = f"{error_class}: snoozed more than {MAX_SNOOZES} times (the last one: {snooze})"
+
+    def write() -> str | None:
+        if transitions.snooze(item, delay=snooze.seconds):
+            return Status.PENDING
+        cancelled = _cancelled_instead(item, error, error_class)
+        if cancelled is not None:
+            return cancelled
+        if transitions.fail(item, error=too_many, error_class=error_class):
+            return Status.FAILED
+        return None
+
+    try:
+        status = _write_outcome(item, handler, write, give_up=give_up)
+    except Exception as exc_write:
+        return _unrecorded(item, handler, exc_write)
+    if status is None:
+        return endings.FENCED
+    if status == Status.PENDING:
+        ending = _landed(Ending(Outcome.SNOOZED, status), landed)
+        logger.debug("Work item %s (%s) snoozed for %gs.", item.pk, handler.name, snooze.seconds)
+        return ending
+    outcome = Outcome.CANCELLED if status == Status.CANCELLED else Outcome.FAILED
+    ending = _landed(Ending(outcome, status, snooze), landed)
+    if outcome is Outcome.FAILED:
+        logger.error("Work item %s (%s) failed: %s.", item.pk, handler.name, too_many)
+    else:
+        logger.warning("Work item %s (%s) cancelled (by request).", item.pk, handler.name)
+    return ending
+
+
 def record_refused_result(
     item: WorkItem,
     handler: WorkItemHandler,
@@ -166,9 +262,12 @@ def record_refused_result(
         status = _write_outcome(
             item,
             handler,
-            lambda: transitions.fail(item, error=error, error_class=error_class),
+            lambda: (
+                Status.FAILED
+                if transitions.fail(item, error=error, error_class=error_class)
+                else None
+            ),
             give_up=give_up,
-            intended=Status.FAILED,
         )
     except Exception as exc_write:
         return _unrecorded(item, handler, exc_write)
@@ -187,24 +286,26 @@ def record_refused_result(
 def _write_outcome(
     item: WorkItem,
     handler: WorkItemHandler,
-    write: Callable[[], bool],
+    write: Callable[[], str | None],
     *,
     give_up: threading.Event | None,
-    intended: str,
 ) -> str | None:
     """``write`` until it lands; if the database refuses it, a plain fenced failure.
 
-    Returns the row's status now (``intended``, or ``failed`` if the plain
-    failure was written instead), or None if the attempt was fenced out.
+    ``write`` answers the row's status it wrote, or None if it matched no
+    row. Returns the row's status now (``write``'s, or ``failed`` if the
+    plain failure was written instead), or None if the attempt was fenced out.
     Raises only when even the plain failure cannot be written (or the worker
     is stopping at once while the database is away).
     """
     db = item._state.db or "default"
     try:
-        landed = persist(
-            lambda: _guarded(item, write), what="recording an outcome", give_up=give_up, using=db
+        return persist(
+            lambda: _guarded_status(item, write),
+            what="recording an outcome",
+            give_up=give_up,
+            using=db,
         )
-        return intended if landed else None
     except Exception as exc:
         if is_transient(exc):
             raise

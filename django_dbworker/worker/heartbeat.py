@@ -26,7 +26,9 @@ class Heartbeat(threading.Thread):
     those whose token is gone from the row (recovered as stale and possibly
     re-claimed elsewhere), which are then no longer heartbeated; ``on_held``
     those still held, with the clock's time taken before the snapshot
-    (their rows' heartbeat_at is no older than that).
+    (their rows' heartbeat_at is no older than that); ``on_cancel_requested``
+    those of them whose rows an operator asked to stop (the same statement
+    answers it).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class Heartbeat(threading.Thread):
         on_lost: Callable[[set[AttemptKey]], None],
         using: str,
         on_held: Callable[[set[AttemptKey], float], None] | None = None,
+        on_cancel_requested: Callable[[set[AttemptKey]], None] | None = None,
         observe: Callable[[float], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -45,6 +48,7 @@ class Heartbeat(threading.Thread):
         self.snapshot = snapshot
         self.on_lost = on_lost
         self.on_held = on_held
+        self.on_cancel_requested = on_cancel_requested
         self.using = using
         self.observe = observe
         self.clock = clock
@@ -74,12 +78,14 @@ class Heartbeat(threading.Thread):
         claims = set(self.snapshot())
         if not claims:
             return
-        held = transitions.heartbeat(claims, using=self.using)
+        held, asked = transitions.beat(claims, using=self.using)
         lost = claims - held
         if lost:
             self.on_lost(lost)
         if self.on_held is not None and held:
             self.on_held(held, taken)
+        if self.on_cancel_requested is not None and asked:
+            self.on_cancel_requested(asked)
 
     def _observe(self, seconds: float) -> None:
         if self.observe is not None:

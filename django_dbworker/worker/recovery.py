@@ -21,6 +21,7 @@ from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import WorkerConfig
+from django_dbworker.worker.connections import report_error
 from django_dbworker.worker.settle import Settler, listens
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -100,7 +101,8 @@ class Recovery:
         except Exception as exc:
             # Recovery is best effort per pass; claiming must go on.
             self.observe_write(math.inf)
-            logger.warning("Stale recovery failed (%s); trying again later.", exc)
+            if not report_error(self.config.using, "stale recovery", exc):
+                logger.warning("Stale recovery failed (%s); trying again later.", exc)
             return
         self._deferred_since = None
         recovered.log()

@@ -137,7 +137,9 @@ class AttemptRunner:
         """
         assert attempt.started_at is not None
         try:
-            held = bool(transitions.heartbeat({attempt.key}, using=self.config.using))
+            beat = transitions.beat({attempt.key}, using=self.config.using)
+            held = bool(beat.held)
+            self.ledger.mark_cancel_requested(beat.cancel_requested)
         except Exception as exc:
             age = self.clock.now() - attempt.confirmed_at
             logger.warning(

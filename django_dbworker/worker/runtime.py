@@ -35,6 +35,7 @@ from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
@@ -281,6 +282,7 @@ class Worker:
             snapshot=self.ledger.to_heartbeat,
             on_lost=self._lost,
             on_held=self.ledger.mark_held,
+            on_cancel_requested=self.ledger.mark_cancel_requested,
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,
@@ -310,6 +312,15 @@ class Worker:
         if scheduler is not None:
             started.append(scheduler)
             self.watchdog.watch("periodic scheduler", scheduler)
+        if cfg.health_file is not None:
+            health = HealthFile(
+                cfg.health_file,
+                interval=min(cfg.heartbeat_interval, HEALTH_FILE_INTERVAL),
+                problem=worker_problem(self.watchdog, self.claim_loop, cfg, self.clock),
+                stopping=control.stopping,
+            )
+            health.start()
+            self.watchdog.watch("health file", health, ends_on_stop=True)
         return started
 
     def _lost(self, keys: set[AttemptKey]) -> None:

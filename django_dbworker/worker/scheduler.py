@@ -121,6 +121,7 @@ def take_slot(
     using: str,
     metrics: WorkerMetrics | None = None,
     caught_up: bool = False,
+    missed_while: str = "no worker ran it",
 ) -> SlotOutcome:
     """Advance the schedule to ``slot`` and enqueue its WorkItem, in one transaction.
 
@@ -129,7 +130,8 @@ def take_slot(
     the slot's item is inserted (``unique_key`` = the slot) in the same
     transaction, so the marker and the item commit together or not at all;
     unless the previous slot's item is still pending or claimed, in which
-    case the slot is skipped and counted.
+    case the slot is skipped and counted. ``missed_while`` says, for a
+    catch-up, why the earlier slots passed.
     """
     key = slot_key(slot)
     schedules = PeriodicSchedule.objects.using(using).filter(name=cls.name)
@@ -170,9 +172,10 @@ def take_slot(
         return SlotOutcome.SKIPPED
     if caught_up:
         logger.info(
-            "Periodic handler %r missed slots while no worker ran it; running only the "
-            "latest, %s (work item %s).",
+            "Periodic handler %r missed slots while %s; running only the latest, %s "
+            "(work item %s).",
             cls.name,
+            missed_while,
             key,
             item.pk,
         )
@@ -206,10 +209,13 @@ class Scheduler(threading.Thread):
         self.stopped = threading.Event()
         #: Slots this process took, by outcome (tests and logs read it).
         self.taken: dict[SlotOutcome, int] = dict.fromkeys(SlotOutcome, 0)
+        #: Whether the last pass failed: slots that passed meanwhile were
+        #: missed while this worker ran but could not reach the database.
+        self._failed = False
 
     def run(self) -> None:
         run_until_stopped(
-            self.tick,
+            self._pass,
             stopped=self.stopped,
             first_delay=0.0,
             backoff=Backoff(first=0.2, cap=10.0),
@@ -217,8 +223,20 @@ class Scheduler(threading.Thread):
             using=self.using,
         )
 
+    def _pass(self) -> float:
+        try:
+            wait = self.tick()
+        except Exception:
+            self._failed = True
+            raise
+        self._failed = False
+        return wait
+
     def tick(self) -> float:
         """One pass: take every due slot; returns the seconds to sleep until the next."""
+        missed_while = (
+            "the database was unreachable or failing" if self._failed else "no worker ran it"
+        )
         due, now, upcoming = due_slots(self.handlers, using=self.using)
         enqueued = False
         for entry in due:
@@ -228,6 +246,7 @@ class Scheduler(threading.Thread):
                 using=self.using,
                 metrics=self.metrics,
                 caught_up=entry.caught_up,
+                missed_while=missed_while,
             )
             self.taken[outcome] += 1
             enqueued = enqueued or outcome == SlotOutcome.ENQUEUED

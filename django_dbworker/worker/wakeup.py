@@ -29,7 +29,7 @@ from django_dbworker.db import (
     parse_wake_payload,
     remove_local_waker,
 )
-from django_dbworker.worker.connections import Backoff
+from django_dbworker.worker.connections import Backoff, outage, report_error
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -138,6 +138,7 @@ class Listener(threading.Thread):
                 subscription = ops.listen()
                 self.listening.set()
                 backoff.reset()
+                outage.back(self.using, reached=True)
                 # Wake once after (re)connecting: notifications sent while we
                 # were not listening are lost, the rows they announced are not.
                 self.wake(None)
@@ -151,9 +152,12 @@ class Listener(threading.Thread):
                 if self.stopped.is_set():
                     break
                 delay = backoff.next()
-                logger.warning(
-                    "Wake-up listener lost its connection (%s); reconnecting in %.1fs.", exc, delay
-                )
+                if not report_error(self.using, "wake-up listener", exc):
+                    logger.warning(
+                        "Wake-up listener lost its connection (%s); reconnecting in %.1fs.",
+                        exc,
+                        delay,
+                    )
                 self.stopped.wait(delay)
             finally:
                 if subscription is not None:

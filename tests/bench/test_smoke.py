@@ -97,3 +97,31 @@ def test_peers_script_runs_pgqueuer() -> None:
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["peer"] == "pgqueuer"
     assert {"w1", "w2", "w3"} <= set(result)
+
+
+def test_ab_script_compares_two_trees(tmp_path: Path) -> None:
+    """bench/ab.py with this checkout as its own base: one table row per figure."""
+    out_file = tmp_path / "ab.md"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "ab.py"),
+            "--base",
+            str(ROOT),
+            "--runs",
+            "1",
+            "--bench",
+            "w1_throughput.py --items 200",
+            "--out",
+            str(out_file),
+        ],
+        cwd=ROOT,
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = out_file.read_text()
+    assert "| `w1_throughput.py --items 200` | items_per_second_whole |" in table
+    assert "| `w1_throughput.py --items 200` | items_per_second_active |" in table

@@ -4,5 +4,5 @@
 bounded workload (``workload.py``, handlers in ``workers.py``) through
 several worker processes while ``faults.py`` kills, freezes and cuts them
 off, then checks the invariants of SPEC.md from the database (``checks.py``).
-See docs/reliability.md.
+See docs/internals/reliability.md.
 """

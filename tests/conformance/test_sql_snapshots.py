@@ -48,6 +48,7 @@ EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
         "succeed_lock": lambda: mysql.succeed_lock_sql(rows=2),
         "succeed_update": lambda: mysql.succeed_update_sql(rows=2),
         "lock_rows": lambda: mysql.lock_rows_sql(rows=2),
+        "heartbeat_lock": lambda: mysql.heartbeat_lock_sql(rows=2),
         "insert_items": lambda: mysql.insert_items_sql(rows=2),
         "claim_candidates": lambda: mysql.claim_candidates_sql(handlers=2, queues=0),
         "claim_candidates_in_queue": lambda: mysql.claim_candidates_sql(handlers=2, queues=1),
@@ -62,6 +63,7 @@ EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
         "claim_in_queues": lambda: sqlite.claim_sql(handlers=2, queues=2),
         "claim_keyed": lambda: sqlite.claim_keyed_sql(handlers=2, queues=2),
         "succeed_many": lambda: sqlite.succeed_many_sql(rows=2),
+        "heartbeat": lambda: sqlite.heartbeat_sql(rows=2),
     },
 }
 

@@ -1,40 +1,25 @@
-"""The README's Guide examples, run in a scratch project as a reader would run them.
+"""The topic guides' examples (once the README's Guide), run in a scratch project.
 
-The project is made with ``django-admin startproject mysite`` and
-``manage.py startapp myapp``; the Guide's blocks go where their first line
-says (tests/docs/readme.py has the convention): settings blocks into
-``mysite/settings.py``, file blocks into their files (``myapp/workers.py``,
-``mysite/routers.py``, ``tests/test_signup.py``), the rest into
-``manage.py shell --no-imports``. Every command is a subprocess, so a
-missing import or an unset setting fails here as it would for the reader.
-
-What the reader's project has that the Guide does not show is the
+The blocks of every docs page of the project ``guide`` (tests/docs/pages.py:
+the topic guides, installation and reference pages) go into one project,
+as one reader's project grows page by page (tests/docs/scratch.py builds
+it). What the reader's project has that the guides do not show is the
 scaffolding below: ``myapp`` in INSTALLED_APPS, the ``Invoice`` model the
 own-table example claims from, a ``/signup/`` view that enqueues like
-*Enqueue*, pytest-django's ``pytest.ini``, the console e-mail backend, and,
-on the PostgreSQL leg, a database of its own on the suite's server.
+*Enqueue and transactions*, pytest-django's ``pytest.ini``, the console
+e-mail backend, and, on the server legs, a database of its own.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 from django.db import connection
 
-from tests.docs.readme import Block, guide_blocks
-
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 180.0
+from tests.docs.pages import GUIDE, Block, project_blocks
+from tests.docs.scratch import Project, scratch_project
 
 MODELS = """\
 from django.db import models
@@ -76,41 +61,8 @@ DJANGO_SETTINGS_MODULE = mysite.settings
 """
 
 
-@dataclass
-class Project:
-    """A scratch Django project; every command runs in a subprocess."""
-
-    dir: Path
-    env: dict[str, str]
-
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        try:
-            proc = subprocess.run(
-                [sys.executable, *args],
-                cwd=self.dir,
-                env=self.env,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT,
-            )
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"{args} did not finish within {TIMEOUT}s:\n{exc.stdout}\n{exc.stderr}")
-        if check and proc.returncode != 0:
-            pytest.fail(
-                f"{' '.join(args)} exited {proc.returncode} in {self.dir}:\n"
-                f"{proc.stdout}\n{proc.stderr}"
-            )
-        return proc
-
-    def manage(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.run("manage.py", *args, check=check)
-
-    def shell(self, code: str) -> str:
-        return self.manage("shell", "--no-imports", "-c", code).stdout
-
-    def query(self, code: str) -> Any:
-        """Run ``code`` in the shell; it prints one JSON value, returned decoded."""
-        return json.loads(self.shell(code).strip().splitlines()[-1])
+def guide_blocks() -> list[Block]:
+    return project_blocks(GUIDE)
 
 
 def blocks_of(kind: str) -> list[Block]:
@@ -134,115 +86,19 @@ def test_guide_blocks_follow_the_convention() -> None:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
-    base = tmp_path_factory.mktemp("readme")
-    # The package as installed, and nothing else of this repository (not tests/).
-    site = base / "site"
-    site.mkdir()
-    (site / "django_dbworker").symlink_to(ROOT / "django_dbworker")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"DJANGO_SETTINGS_MODULE", "DATABASE_URL", "PYTHONPATH"}
-        and not k.startswith("DBWORKER_")
-    }
-    env["PYTHONPATH"] = str(site)
-    project = Project(base / "mysite", env)
-    project.dir.mkdir()
-    project.run("-m", "django", "startproject", "mysite", str(project.dir))
-    project.manage("startapp", "myapp")
-
-    (project.dir / "myapp" / "models.py").write_text(MODELS)
-    (project.dir / "myapp" / "views.py").write_text(VIEWS)
-    (project.dir / "mysite" / "urls.py").write_text(URLS)
-    (project.dir / "pytest.ini").write_text(PYTEST_INI)
-
-    settings = project.dir / "mysite" / "settings.py"
-    text = settings.read_text()
-    for block in blocks_of("settings"):
-        text += f"\n# {block.where}\n{block.settings_code()}"
-    text += '\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n'
-    text += 'EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"\n'
-
-    pg_name = my_name = None
-    if connection.vendor == "mysql":
-        params = connection.settings_dict
-        my_name = f"readme_{uuid.uuid4().hex[:12]}"
-        _mysql_admin(params, f"CREATE DATABASE `{my_name}` CHARACTER SET utf8mb4")
-        db = {
-            "ENGINE": "django.db.backends.mysql",
-            "NAME": my_name,
-            "USER": params["USER"],
-            "PASSWORD": params["PASSWORD"],
-            "HOST": params["HOST"],
-            "PORT": str(params["PORT"]),
-            "OPTIONS": {"charset": "utf8mb4"},
-        }
-        text += f"DATABASES = {{'default': {db!r}}}\n"
-        # Known on MySQL, see tests/settings.py (no partial or expression indexes).
-        text += 'SILENCED_SYSTEM_CHECKS = ["models.W036", "models.W037", "models.W043"]\n'
-    elif connection.vendor == "postgresql":
-        params = connection.settings_dict
-        pg_name = f"readme_{uuid.uuid4().hex[:12]}"
-        _pg_admin(params, "CREATE DATABASE {}", pg_name)
-        db = {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": pg_name,
-            "USER": params["USER"],
-            "PASSWORD": params["PASSWORD"],
-            "HOST": params["HOST"],
-            "PORT": str(params["PORT"]),
-        }
-        text += f"DATABASES = {{'default': {db!r}}}\n"
-    settings.write_text(text)
-
-    files: dict[str, str] = {}
-    for block in blocks_of("file") + blocks_of("test"):
-        assert block.path is not None
-        files[block.path] = files.get(block.path, "") + f"# {block.where}\n{block.code}\n"
-    for path, code in files.items():
-        target = project.dir / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(code)
-
-    try:
-        project.manage("makemigrations", "myapp", "-v", "0")
-        project.manage("migrate", "-v", "0")
+    with scratch_project(
+        tmp_path_factory.mktemp("guide"),
+        guide_blocks(),
+        files={
+            "myapp/models.py": MODELS,
+            "myapp/views.py": VIEWS,
+            "mysite/urls.py": URLS,
+            "pytest.ini": PYTEST_INI,
+        },
+        settings_tail='\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n'
+        'EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"\n',
+    ) as project:
         yield project
-    finally:
-        if pg_name is not None:
-            _pg_admin(connection.settings_dict, "DROP DATABASE IF EXISTS {} WITH (FORCE)", pg_name)
-        if my_name is not None:
-            _mysql_admin(connection.settings_dict, f"DROP DATABASE IF EXISTS `{my_name}`")
-
-
-def _mysql_admin(params: dict[str, Any], statement: str) -> None:
-    import MySQLdb
-
-    conn = MySQLdb.connect(
-        user=params["USER"],
-        password=params["PASSWORD"] or "",
-        host=params["HOST"],
-        port=int(params["PORT"]),
-    )
-    try:
-        conn.cursor().execute(statement)
-    finally:
-        conn.close()
-
-
-def _pg_admin(params: dict[str, Any], statement: str, name: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    with psycopg.connect(
-        dbname=params["NAME"],
-        user=params["USER"],
-        password=params["PASSWORD"] or None,
-        host=params["HOST"],
-        port=params["PORT"],
-        autocommit=True,
-    ) as conn:
-        conn.execute(sql.SQL(statement).format(sql.Identifier(name)))
 
 
 def test_settings_blocks_pass_the_system_checks(project: Project) -> None:
@@ -325,3 +181,66 @@ def test_pytest_example_passes_under_pytest(project: Project) -> None:
     proc = project.run("-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout, proc.stdout
+
+
+def test_alternative_settings_pass_the_system_checks(project: Project) -> None:
+    alternatives = [b for b in blocks_of("settings") if b.variant == "alternative"]
+    assert alternatives  # RETENTION's, in Operations
+    for i, block in enumerate(alternatives):
+        module = f"settings_alternative_{i}"
+        (project.dir / "mysite" / f"{module}.py").write_text(
+            f"from mysite.settings import *  # noqa: F403\n\n# {block.where}\n"
+            f"{block.settings_code()}"
+        )
+        out = project.manage(
+            "check", "--fail-level", "WARNING", "--settings", f"mysite.{module}"
+        ).stdout
+        assert "System check identified no issues" in out, (block.where, out)
+
+
+def test_periodic_and_retry_examples_run_their_handlers(project: Project) -> None:
+    # After the tests above (they count rows): a manual run of each periodic
+    # example (enqueue() without a slot runs with now as its slot), and the
+    # retry example's handler, through the worker's own path.
+    outcome = project.query(
+        "import json\n"
+        "from django_dbworker.testing import run_until_empty\n"
+        "from django_dbworker.models import WorkItem\n"
+        "from myapp.workers import CallPartnerApi, ClearExpiredSessions, NightlyDigest\n"
+        "items = [NightlyDigest.enqueue(), ClearExpiredSessions.enqueue(),\n"
+        "         CallPartnerApi.enqueue({'url': 'https://partner.example/'})]\n"
+        "counts = run_until_empty(['nightly_digest', 'clear_expired_sessions', "
+        "'call_partner_api'])\n"
+        "rows = WorkItem.objects.filter(pk__in=[i.pk for i in items]).order_by('pk')\n"
+        "print(json.dumps([counts, [[r.handler, r.status, r.result] for r in rows]]))"
+    )
+    counts, rows = outcome
+    assert counts == {"succeeded": 3}, outcome
+    assert rows[0][:2] == ["nightly_digest", "succeeded"]
+    assert set(rows[0][2]) == {"digest_for"}, rows[0]
+    assert rows[1][:2] == ["clear_expired_sessions", "succeeded"]
+    assert rows[2] == ["call_partner_api", "succeeded", {"called": "https://partner.example/"}]
+
+
+def test_cancel_and_snooze_examples_run_in_run_workers(project: Project) -> None:
+    """*Cancelling running work* and *Snooze*: their handlers, run by ``run_workers``."""
+    project.shell(
+        "from django.contrib.auth.models import User\n"
+        "from myapp.workers import ExportUsers, NudgeNewUser\n"
+        "grace = User.objects.create(username='grace', email='grace@example.com')\n"
+        "ExportUsers.enqueue({})\n"
+        "NudgeNewUser.enqueue({'user_id': grace.pk})\n"
+    )
+    worker = project.manage("run_workers", "--burst", "export_users", "nudge_new_user")
+    assert "1 snoozed" in worker.stdout + worker.stderr, worker.stdout + worker.stderr
+    rows = project.query(
+        "import json\n"
+        "from django.contrib.auth.models import User\n"
+        "from django_dbworker.models import WorkItem\n"
+        "items = WorkItem.objects.filter(handler__in=['export_users', 'nudge_new_user'])\n"
+        "print(json.dumps({'users': User.objects.count(), 'items': {i.handler: "
+        "[i.status, i.result, i.attempts, i.snoozes] for i in items}}))"
+    )
+    assert rows["items"]["export_users"] == ["succeeded", {"rows": rows["users"]}, 1, 0]
+    # Grace never logged in: looked at again tomorrow, no attempt used.
+    assert rows["items"]["nudge_new_user"] == ["pending", None, 0, 1]

@@ -180,3 +180,24 @@ def _stats_line(name: str) -> str:
     out = StringIO()
     call_command("dbworker_stats", stdout=out)
     return next(line for line in out.getvalue().splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_burst_ends_with_an_info_summary_that_says_the_queue_is_drained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_dbworker.contrib.prometheus.collector import register
+    from tests.testapp.workers import Noop
+
+    Noop.enqueue_many([{"n": n} for n in range(3)])
+    caplog.set_level(logging.INFO, logger="django_dbworker")
+    try:
+        call_command("run_workers", "noop", "--burst", "--concurrency", "2")
+    finally:
+        register()  # run_workers takes the web process's queue collector away
+    last = [r for r in caplog.records if r.name == "django_dbworker"][-1]
+    assert last.levelno == logging.INFO
+    message = last.getMessage()
+    assert message.startswith("Burst done, the queue is drained"), message
+    assert "nothing left to claim for handlers=noop, queues=all" in message
+    assert "3 succeeded, 0 failed, 0 retried" in message

@@ -101,7 +101,7 @@ def test_a_bad_concurrency_limit_is_a_check_error_and_refuses_keyed_enqueues(lim
 
     try:
         errors = concurrency_limit_errors([Bad, Keyed, Noop])
-        assert [e.id for e in errors] == ["django_dbworker.E019"]
+        assert [e.id for e in errors] == ["django_dbworker.E020"]
         assert "bad_limit" in errors[0].msg and "concurrency_limit" in errors[0].msg
         with pytest.raises(EnqueueError, match="bad concurrency_limit"):
             Bad.enqueue({}, concurrency_key="k")
@@ -308,8 +308,8 @@ def test_a_worker_runs_keys_side_by_side_and_one_key_at_a_time(background_worker
     assert worker is not None
 
 
-def test_the_readme_example() -> None:
-    """README "Concurrency limits", with the suite's limit-1 handler for SyncCustomer."""
+def test_the_docs_example() -> None:
+    """docs/topics/flow-control.md "Concurrency limits", with the suite's limit-1 handler."""
     first = Keyed.enqueue({"customer": 42}, concurrency_key="customer:42")
     second = Keyed.enqueue({"customer": 42}, concurrency_key="customer:42")
     other = Keyed.enqueue({"customer": 7}, concurrency_key="customer:7")

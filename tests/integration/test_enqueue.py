@@ -117,6 +117,42 @@ def test_a_backslash_before_u0000_is_not_a_nul() -> None:
     assert WorkItem.objects.get(pk=many.pk).payload == [text]
 
 
+NON_STR_KEY_PAYLOADS = [
+    ({1: "a"}, "payload[1] (an int)"),
+    ({"a": [{"b": {2.5: 1}}]}, "payload['a'][0]['b'][2.5] (a float)"),
+    ([{"x": 1}, ({"y": {None: 4}},)], "payload[1][0]['y'][None] (None)"),
+    ({"ok": {"1": 1}, "k": {False: 0}}, "payload['k'][False] (a bool)"),
+]
+
+
+@pytest.mark.parametrize(("payload", "where"), NON_STR_KEY_PAYLOADS)
+def test_a_dict_key_that_is_not_a_string_is_refused_naming_its_path(
+    payload: object, where: str
+) -> None:
+    # JSON object keys are strings: {1: "a"} would arrive as {"1": "a"},
+    # and a handler's payload[1] would raise KeyError at run time.
+    with pytest.raises(EnqueueError, match="dict key that is not a string") as enqueued:
+        Echo.enqueue(payload)
+    assert where in str(enqueued.value)
+    with pytest.raises(EnqueueError, match=r"^Payload #1: .*not a string") as many:
+        Echo.enqueue_many([{"ok": 1}, payload])
+    assert where in str(many.value)
+    assert not WorkItem.objects.exists()
+
+
+def test_string_keys_that_look_like_numbers_and_tuples_are_accepted() -> None:
+    # Only a key's type is refused; tuples are JSON arrays and arrive as lists
+    # (Django Tasks' args are tuples).
+    payload = {"1": 1, "2.5": [1, (2, 3)], "null": None, "true": {"false": "1e+20"}}
+    item = Echo.enqueue(payload)
+    assert WorkItem.objects.get(pk=item.pk).payload == {
+        "1": 1,
+        "2.5": [1, [2, 3]],
+        "null": None,
+        "true": {"false": "1e+20"},
+    }
+
+
 def test_enqueue_error_is_a_value_error() -> None:
     assert issubclass(EnqueueError, ValueError)
 

@@ -123,3 +123,22 @@ def kill_worker(key: str, times: int) -> str:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)
     return "survived"
+
+
+@task
+def fail_when_told(key: str) -> str:
+    """Runs until the test creates Execution(key, "go") (30 s at most), then raises."""
+    _record(key)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not Execution.objects.filter(key=key, kind="go").exists():
+        time.sleep(0.05)
+    raise ValueError("the task failed after its cancel request")
+
+
+@task
+def cancels_itself(key: str) -> str:
+    """Cancels its own item (SPEC: a handler may raise ``Cancelled`` unasked)."""
+    from django_dbworker import Cancelled
+
+    _record(key)
+    raise Cancelled("nothing to do")

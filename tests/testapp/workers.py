@@ -6,12 +6,13 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.utils import timezone
 
-from django_dbworker import Handler, NoTask, PeriodicHandler, WorkItemHandler, claim_next
+from django_dbworker import Cancelled, Handler, NoTask, PeriodicHandler, WorkItemHandler, claim_next
 from django_dbworker.periodic import slot_key
 from tests.testapp.models import Effect, Execution, Invoice
 
@@ -505,3 +506,113 @@ class KeyedPair(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         return None
+
+
+class StopWhenCancelled(WorkItemHandler):
+    """Loops until its cancel request arrives (Execution kinds "run", then "saw-cancel")."""
+
+    name = "stop_when_cancelled"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> None:
+        _record(payload)
+        deadline = time.monotonic() + float(payload.get("seconds", 60))
+        while not self.cancel_requested:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        _record(payload, kind="saw-cancel")
+        raise RuntimeError("stopped: cancel requested")
+
+
+class SnoozeOnce(WorkItemHandler):
+    """Snoozes its first run for ``seconds``, succeeds on the next one."""
+
+    name = "snooze_once"
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> int:
+        runs = _record(payload)
+        if runs == 1:
+            from django_dbworker import Snooze
+
+            raise Snooze(float(payload.get("seconds", 1.0)))
+        return runs
+
+
+class OverrunAfterCancel(WorkItemHandler):
+    """Sees its cancel request, carries on past its timeout, then returns (too late)."""
+
+    name = "overrun_after_cancel"
+    timeout = 1.0
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        _record(payload)
+        deadline = time.monotonic() + 30
+        while not self.cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _record(payload, kind="saw-cancel" if self.cancel_requested else "no-cancel")
+        time.sleep(1.5)  # past the timeout: the attempt is abandoned meanwhile
+        _record(payload, kind="late")
+        return "too late"
+
+
+class IgnoresCancelOnFirstRun(WorkItemHandler):
+    """First run: notes the cancel request ("saw-cancel") but keeps running, up to 60 s.
+
+    A later run (the row came back: released, recovered) returns at once.
+    It never raises: only the worker's own bookkeeping decides how a
+    cancel-requested row ends (a request outliving its attempt).
+    """
+
+    name = "ignores_cancel_on_first_run"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        runs = _record(payload)
+        if runs > 1:
+            return f"run {runs}"
+        noted = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.cancel_requested and not noted:
+                _record(payload, "saw-cancel")
+                noted = True
+            time.sleep(0.05)
+        return "first run done"
+
+
+def _long_call(should_stop: Any, seconds: float) -> bool:
+    """A library's long call that takes a stop check: True if told to stop in time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if should_stop():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class PassesCheckToLongCall(WorkItemHandler):
+    """The README's pattern: ``upload(path, should_stop=self.cancel_check)``.
+
+    The long call runs its work (and so its stop checks) on a thread of its
+    own, as transfer managers and client libraries with progress callbacks do.
+    (``lambda: self.cancel_requested``, the README's former pattern, reads
+    the calling thread's attempt: always False there.)
+    """
+
+    name = "passes_check_to_long_call"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> str:
+        _record(payload)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            stopped = pool.submit(
+                _long_call, self.cancel_check, float(payload.get("seconds", 8))
+            ).result()
+        if stopped:
+            raise Cancelled("the long call stopped as asked")
+        if self.cancel_requested:
+            _record(payload, "main-saw")
+        return "the long call never saw the request"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -38,6 +39,20 @@ def test_test_settings_are_clean() -> None:
 def test_bad_settings_are_reported(value: Any, expected: list[str]) -> None:
     with override_settings(DBWORKER=value):
         assert ids(check_settings()) == expected
+
+
+@pytest.mark.parametrize(
+    "key", ["POLL_INTERVAL", "HEARTBEAT_INTERVAL", "STALE_AFTER", "SHUTDOWN_TIMEOUT"]
+)
+@pytest.mark.parametrize("value", [math.inf, 1e10])
+def test_waits_no_thread_can_wait_for_are_reported(key: str, value: float) -> None:
+    # Above threading.TIMEOUT_MAX, Condition.wait raises OverflowError in the
+    # idle worker; the check says so at start-up instead.
+    with override_settings(DBWORKER={key: value}):
+        (message,) = check_settings()
+    assert message.id == "django_dbworker.E019"
+    assert key in message.msg
+    assert "finite number of seconds" in message.msg and "TIMEOUT_MAX" in message.msg
 
 
 def test_use_tz_is_required() -> None:

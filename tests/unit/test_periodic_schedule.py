@@ -150,6 +150,40 @@ def test_weekday_cron() -> None:
     assert job.latest(friday_evening) == at(2024, 5, 3, 9, tz=BERLIN)
 
 
+@pytest.mark.parametrize(
+    ("shortcut", "following", "latest"),
+    [
+        # From Wednesday 2024-05-15 10:30 in Berlin (CEST, UTC+2).
+        ("@yearly", at(2025, 1, 1, tz=BERLIN), at(2024, 1, 1, tz=BERLIN)),
+        ("@annually", at(2025, 1, 1, tz=BERLIN), at(2024, 1, 1, tz=BERLIN)),
+        ("@monthly", at(2024, 6, 1, tz=BERLIN), at(2024, 5, 1, tz=BERLIN)),
+        ("@weekly", at(2024, 5, 19, tz=BERLIN), at(2024, 5, 12, tz=BERLIN)),  # Sundays
+        ("@daily", at(2024, 5, 16, tz=BERLIN), at(2024, 5, 15, tz=BERLIN)),
+        ("@midnight", at(2024, 5, 16, tz=BERLIN), at(2024, 5, 15, tz=BERLIN)),
+        ("@hourly", at(2024, 5, 15, 11, tz=BERLIN), at(2024, 5, 15, 10, tz=BERLIN)),
+        ("  @DAILY ", at(2024, 5, 16, tz=BERLIN), at(2024, 5, 15, tz=BERLIN)),
+    ],
+)
+def test_cron_shortcuts_are_the_expressions_cron_gives_them(
+    shortcut: str, following: datetime, latest: datetime
+) -> None:
+    job = make_schedule(cron=shortcut, timezone="Europe/Berlin")
+    now = at(2024, 5, 15, 10, 30, tz=BERLIN)
+    assert job.following(now) == following
+    assert job.latest(now) == latest
+    assert slots(job, now, 2)[0] == following
+
+
+def test_cron_shortcuts_in_words_and_on_the_wall_clock() -> None:
+    daily = make_schedule(cron="@daily", timezone="Europe/Berlin")
+    assert daily.describe() == make_schedule(cron="0 0 * * *", timezone="Europe/Berlin").describe()
+    # Midnight in Berlin, across the spring change, stays midnight.
+    assert slots(daily, at(2024, 3, 30, 12, tz=BERLIN), 2) == [
+        at(2024, 3, 31, tz=BERLIN),
+        at(2024, 4, 1, tz=BERLIN),
+    ]
+
+
 # -- declarations ---------------------------------------------------------------------
 
 
@@ -168,6 +202,8 @@ def test_weekday_cron() -> None:
         ({"cron": "0 0 * * 8"}, "the day-of-week field '8' is invalid"),
         ({"cron": "0 0 * *"}, "has 4 field(s); it needs 5"),
         ({"cron": "0 0 0 * * *"}, "has 6 field(s); it needs 5"),
+        ({"cron": "@reboot"}, "'@reboot' has no slots"),
+        ({"cron": "@fortnightly"}, "'@fortnightly' is not a cron shortcut (@yearly, @annually"),
         ({"cron": "0 3 * * *", "timezone": "Mars/Olympus"}, "'Mars/Olympus' is not a known"),
         ({"cron": "0 3 * * *", "timezone": ""}, "timezone must be an IANA name"),
     ],

@@ -16,6 +16,11 @@ from django.core.management import CommandError, call_command
         (["--shutdown-timeout", "nan"], "must be 0 or more"),
         (["--metrics-port", "70000"], "is not a port number"),
         (["--queue", "bad queue!"], "is not a valid queue name"),
+        # A thread cannot wait that long (threading.TIMEOUT_MAX): the idle
+        # worker's first wait raised OverflowError.
+        (["--interval", "inf"], "must be a finite number of seconds"),
+        (["--interval", "1e10"], "TIMEOUT_MAX"),
+        (["--shutdown-timeout", "inf"], "must be a finite number of seconds"),
     ],
 )
 def test_bad_flags_are_refused_with_a_message(args: list[str], message: str) -> None:

@@ -62,6 +62,8 @@ def test_worker_config_validation() -> None:
         {"batch_size": -1},
         {"heartbeat_interval": math.nan},
         {"shutdown_timeout": -1.0},
+        {"poll_interval": math.inf},
+        {"shutdown_timeout": 1e10},
         {"max_abandoned_threads": 0},
         {"queues": "default"},
         {"queues": ["bad queue"]},

@@ -9,5 +9,5 @@ exports. Worker processes leave these gauges out of their own ``/metrics``
 
 Cardinality: each distinct queue name in the table adds six series (five
 statuses and the oldest pending age), with no cap; queue names should be
-a fixed few, not one per tenant or request (docs/observability.md).
+a fixed few, not one per tenant or request (docs/topics/observability.md).
 """

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_dbworker.models import FINISHED_STATUSES
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import prune
+from django_dbworker.validation import InvalidValue, queue_name
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -39,6 +40,18 @@ class Command(BaseCommand):
             choices=[s.value for s in FINISHED_STATUSES],
             help="Only these statuses (repeatable; default: all finished).",
         )
+        parser.add_argument(
+            "--queue",
+            action="append",
+            dest="queues",
+            metavar="QUEUE",
+            help="Only rows of this queue (repeatable; default: every queue).",
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="Count the rows that would be deleted; delete nothing.",
+        )
         parser.add_argument("--batch-size", type=int, default=1000)
         parser.add_argument(
             "--database",
@@ -50,13 +63,23 @@ class Command(BaseCommand):
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1.")
         statuses = options["status"] or [s.value for s in FINISHED_STATUSES]
-        deleted = prune(
+        queues = options["queues"]
+        for queue in queues or ():
+            try:
+                queue_name(queue)
+            except InvalidValue as exc:
+                raise CommandError(f"--queue {exc}.") from None
+        count = prune(
             older_than=age,
             statuses=statuses,
             batch_size=options["batch_size"],
             using=work_db_for_write(options["database"]),
+            queues=queues,
+            dry_run=options["dry_run"],
         )
+        where = f" in queue(s) {', '.join(queues)}" if queues else ""
+        verb = "Would delete" if options["dry_run"] else "Deleted"
         self.stdout.write(
-            f"Deleted {deleted} work item(s) ({', '.join(statuses)}) "
+            f"{verb} {count} work item(s) ({', '.join(statuses)}){where} "
             f"finished more than {options['older_than']} ago."
         )

@@ -1,13 +1,18 @@
-"""``manage.py dbworker_stats``: counts by queue and status, queue lag, orphans, schedules."""
+"""``manage.py dbworker_stats``: counts by queue and status, queue lag, cancel requests and
+snoozes, orphans, schedules."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
+from django_dbworker.db import setup_problem
+from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
+    flow_stats,
     keys_at_limit,
     orphaned_handlers,
     queue_stats,
@@ -29,6 +34,16 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self._stats(options)
+        except DatabaseError as exc:
+            # Not migrated, or a SQLite file in a missing folder: one line.
+            problem = setup_problem(work_db_for_read(options["database"]), exc)
+            if problem is None:
+                raise
+            raise CommandError(problem) from exc
+
+    def _stats(self, options: dict[str, Any]) -> None:
         stats = queue_stats(using=options["database"])
         if not stats:
             self.stdout.write("No work items.")
@@ -50,6 +65,13 @@ class Command(BaseCommand):
                 ]
             )
         self._table(header, rows)
+        flow = flow_stats(using=options["database"])
+        if flow["cancel_requested"] or flow["snoozed"]:
+            self.stdout.write("")
+            self.stdout.write(
+                f"Running items asked to cancel: {flow['cancel_requested']}; "
+                f"pending items that snoozed: {flow['snoozed']}."
+            )
         orphans = orphaned_handlers(using=options["database"])
         if orphans:
             self.stdout.write("")

@@ -16,7 +16,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
-from django_dbworker.db import UnsupportedDatabase, operations
+from django_dbworker.db import UnsupportedDatabase, operations, setup_problem
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
@@ -55,8 +55,8 @@ def _flag(parse: Callable[[str], Any], validator: Callable[[Any], V]) -> Callabl
 
 
 _positive_int = _flag(int, validation.positive_int)
-_positive_float = _flag(float, validation.positive_number)
-_non_negative_float = _flag(float, validation.non_negative_number)
+_wait_seconds = _flag(float, validation.timeout_seconds)
+_wait_or_zero_seconds = _flag(float, validation.wait_or_zero_seconds)
 _port = _flag(int, validation.port)
 _queue = _flag(str, validation.queue_name)
 
@@ -88,7 +88,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--interval",
-            type=_positive_float,
+            type=_wait_seconds,
             metavar="SECONDS",
             help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).",
         )
@@ -108,9 +108,15 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--shutdown-timeout",
-            type=_non_negative_float,
+            type=_wait_or_zero_seconds,
             metavar="SECONDS",
             help="Drain time on SIGTERM (default: DBWORKER['SHUTDOWN_TIMEOUT']).",
+        )
+        parser.add_argument(
+            "--health-file",
+            metavar="PATH",
+            help="Keep this file fresh while the worker is healthy; probe it with "
+            "`manage.py dbworker_health --file PATH`.",
         )
         parser.add_argument(
             "--database",
@@ -163,6 +169,7 @@ class Command(BaseCommand):
             using=using,
             burst=options["burst"],
             queues=options["queues"],
+            health_file=options["health_file"],
             **{field: value for field, value in flags.items() if value is not None},
         )
         watchers: list[Watcher] = [OrphanWatch(using)]
@@ -181,12 +188,22 @@ class Command(BaseCommand):
         _log_schedules([registry[n] for n in names], config.queues)
         warn_about_orphans(using)
         self._start_metrics_server(options)
-        self._install_signal_handlers(worker)
+        signals = self._install_signal_handlers(worker)
         try:
             worker.run()
         finally:
             metrics.mark_process_dead()
-        logger.info("Worker stopped: %s.", _summary(worker))
+        if config.burst and not signals["count"] and worker.unhealthy is None:
+            # The expected end of a burst run: a summary, not a shutdown notice.
+            logger.info(
+                "Burst done, the queue is drained (nothing left to claim for handlers=%s, "
+                "queues=%s). Worker stopped: %s.",
+                ",".join(names),
+                ",".join(config.queues) if config.queues else "all",
+                _summary(worker),
+            )
+        else:
+            logger.info("Worker stopped: %s.", _summary(worker))
         if worker.unhealthy is not None:
             # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process.
             raise CommandError(
@@ -251,7 +268,8 @@ class Command(BaseCommand):
         if found:
             logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
-    def _install_signal_handlers(self, worker: Worker) -> None:
+    def _install_signal_handlers(self, worker: Worker) -> dict[str, int]:
+        """SIGTERM and SIGINT stop ``worker``; returns the count of signals received."""
         received = {"count": 0}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -270,10 +288,14 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        return received
 
 
 def _unreachable(using: str, exc: BaseException) -> str:
     """One line: which database, where, what the driver said, what to check."""
+    problem = setup_problem(using, exc)
+    if problem is not None:
+        return problem
     conf = connections[using].settings_dict
     where = (
         f"{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 'default port'}"
@@ -288,7 +310,8 @@ def _unreachable(using: str, exc: BaseException) -> str:
 
 
 def _summary(worker: Worker) -> str:
-    """``3 succeeded, 1 failed, 0 retried, 0 released`` (+ timeouts and fenced if any)."""
+    """``3 succeeded, 1 failed, 0 retried, 0 released`` (+ snoozed, cancelled, timeouts and
+    fenced if any)."""
     counts = worker.outcomes
     parts = [
         f"{counts[Outcome.SUCCEEDED]} succeeded",
@@ -296,6 +319,9 @@ def _summary(worker: Worker) -> str:
         f"{counts[Outcome.RETRIED]} retried",
         f"{worker.released} released",
     ]
+    for outcome in (Outcome.SNOOZED, Outcome.CANCELLED):
+        if counts[outcome]:
+            parts.append(f"{counts[outcome]} {outcome}")
     if counts[Outcome.TIMEOUT]:
         parts.append(f"{counts[Outcome.TIMEOUT]} timed out")
     if counts[Outcome.FENCED]:

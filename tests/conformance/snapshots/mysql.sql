@@ -163,6 +163,15 @@ WHERE id IN (%(id_0)s, %(id_1)s)
   AND status = 'claimed'
 ORDER BY id;
 
+-- name: heartbeat_lock
+-- Lock the claimed rows of some attempts in id order; read their tokens and cancel requests.
+SELECT id, claim_token, cancel_requested_at IS NOT NULL
+FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
+WHERE id IN (%(id_0)s, %(id_1)s)
+  AND status = 'claimed'
+ORDER BY id
+FOR UPDATE;
+
 -- name: lock_rows
 -- Lock rows by id in ascending id order, before a bulk UPDATE of the ORM changes them.
 SELECT id FROM django_dbworker_workitem FORCE INDEX (PRIMARY)

@@ -235,6 +235,15 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.status = 'claimed'
 RETURNING w.id, w.claim_token;
 
+-- name: heartbeat
+-- Refresh the heartbeats of the attempts still held; return them with their cancel requests.
+UPDATE django_dbworker_workitem
+SET heartbeat_at = statement_timestamp()
+WHERE id = ANY(%(ids)s::bigint[])
+  AND claim_token = ANY(%(tokens)s::uuid[])
+  AND status = 'claimed'
+RETURNING id, claim_token, cancel_requested_at IS NOT NULL;
+
 -- name: insert_item
 -- Insert one pending row and notify its queue, in one round trip.
 INSERT INTO django_dbworker_workitem (

@@ -109,6 +109,15 @@ WHERE django_dbworker_workitem.id IN (%(id_0)s, %(id_1)s)
   AND django_dbworker_workitem.status = 'claimed'
 RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token;
 
+-- name: heartbeat
+-- Refresh the heartbeats of the attempts still held; return them with their cancel requests.
+UPDATE django_dbworker_workitem
+SET heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+WHERE id IN (%(id_0)s, %(id_1)s)
+  AND claim_token IN (%(token_0)s, %(token_1)s)
+  AND status = 'claimed'
+RETURNING id, claim_token, cancel_requested_at;
+
 -- name: distinct_queues
 -- Every queue name in the table, by a loose index scan (one index probe per queue).
 WITH RECURSIVE queues(name) AS (

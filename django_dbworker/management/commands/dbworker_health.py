@@ -1,0 +1,68 @@
+"""``manage.py dbworker_health --file PATH``: the probe of a worker's health file.
+
+Exit status 0 with one line when the file that ``run_workers --health-file
+PATH`` keeps fresh was written within ``--max-age`` seconds, 1 with one
+line saying why not otherwise (missing: the worker is not running or has
+stopped; stale: it is stuck or unhealthy, and its log says why). It reads
+only the file: no database query, no Django setup beyond the command's
+own, so a probe every few seconds costs the database nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from argparse import ArgumentTypeError
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+#: Default ``--max-age``: a few of the worker's write intervals (5 s at most).
+MAX_AGE = 30.0
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+class Command(BaseCommand):
+    help = "Exit 0 if the worker's --health-file is fresh, 1 (saying why) if not."
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--file", required=True, metavar="PATH", help="The worker's file.")
+        parser.add_argument(
+            "--max-age",
+            type=_positive,
+            default=MAX_AGE,
+            metavar="SECONDS",
+            help=f"Oldest acceptable write (default {MAX_AGE:g}).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        path = Path(options["file"])
+        try:
+            age = time.time() - path.stat().st_mtime
+            body = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CommandError(
+                f"Unhealthy: {path} does not exist (the worker is not running, or stopped).",
+                returncode=1,
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"Unhealthy: cannot read {path}: {exc}.", returncode=1) from None
+        who = f"pid {body.get('pid', '?')} on {body.get('host', '?')}"
+        if age > options["max_age"]:
+            raise CommandError(
+                f"Unhealthy: {path} ({who}) was last written {age:.0f} s ago, more than "
+                f"{options['max_age']:g} s; the worker's log says why.",
+                returncode=1,
+            )
+        self.stdout.write(f"Healthy: {who}, written {age:.1f} s ago.")

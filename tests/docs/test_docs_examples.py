@@ -1,0 +1,210 @@
+"""Every docs page's examples: the convention, the tutorial's project, the reference's facts.
+
+The topic guides' project runs in test_readme_examples.py; here are the
+other projects (the tutorial; the README's quick start), the examples
+that are not run in a project (the LOGGING dict, through
+``logging.config.dictConfig``), and the reference pages checked against
+the code they describe (every ``DBWORKER`` key and default, every flag of
+every command).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.core.management import get_commands, load_command_class
+from django.db import connection
+
+from django_dbworker.conf import DEFAULTS
+from tests.docs.pages import (
+    DOCS,
+    GUIDE,
+    README,
+    README_NEW,
+    Block,
+    all_blocks,
+    markdown_blocks,
+    project_blocks,
+    readme_blocks,
+    toctree_pages,
+)
+from tests.docs.scratch import Project, scratch_project
+
+#: Blocks that are only compiled; each says why in its first line.
+MAX_ILLUSTRATIVE = 2
+
+
+def test_every_block_follows_the_convention() -> None:
+    blocks = all_blocks()
+    projects = Counter(b.project for b in blocks)
+    assert projects[GUIDE] >= 10 and projects["tutorial"] >= 5, projects
+    illustrative = [b.where for b in blocks if b.kind == "illustrative"]
+    assert len(illustrative) <= MAX_ILLUSTRATIVE, illustrative
+    for block in blocks:
+        compile(block.code, block.where, "exec")
+        if block.kind == "settings":
+            block.settings_code()
+
+
+def test_every_page_is_read() -> None:
+    # Pages outside the table of contents would be neither built nor tested
+    # (Sphinx warns about them too; this names them without a build).
+    read = set(toctree_pages())
+    assert {p.resolve() for p in DOCS.rglob("*.md")} <= read, sorted(
+        str(p) for p in {p.resolve() for p in DOCS.rglob("*.md")} - read
+    )
+
+
+# -- the tutorial ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    with scratch_project(tmp_path_factory.mktemp("tutorial"), project_blocks("tutorial")) as p:
+        yield p
+
+
+def test_tutorial_sends_the_welcome_from_a_worker(tutorial: Project) -> None:
+    out = tutorial.manage("check", "--fail-level", "WARNING").stdout
+    assert "System check identified no issues" in out, out
+    # The reader's curl, through Django's test client (the dev server's host).
+    status = tutorial.query(
+        "from django.test import Client\n"
+        "r = Client().post('/subscribe/', {'email': 'ada@example.com'}, HTTP_HOST='localhost')\n"
+        "print(r.status_code)"
+    )
+    assert status == 201
+    pending = tutorial.query(
+        "import json\nfrom django_dbworker.models import WorkItem\n"
+        "print(json.dumps(list(WorkItem.objects.values_list('handler', 'status'))))"
+    )
+    assert pending == [["send_welcome", "pending"]]
+
+    worker = tutorial.manage("run_workers", "--burst")
+    assert "Subject: Welcome!" in worker.stdout and "To: ada@example.com" in worker.stdout, (
+        worker.stdout + worker.stderr
+    )
+    # The start line the tutorial shows (on this leg's database).
+    assert (
+        "Starting worker: handlers=dbworker.retention,send_welcome queues=all concurrency=8 "
+        f"database={connection.vendor}" in worker.stderr
+    ), worker.stderr
+    after = tutorial.query(
+        "import json\nfrom django_dbworker.models import WorkItem\n"
+        "from myapp.models import Subscriber\n"
+        "print(json.dumps([list(WorkItem.objects.values_list('status', 'result')), "
+        "list(Subscriber.objects.values_list('welcomed', flat=True))]))"
+    )
+    assert after == [[["succeeded", {"sent_to": "ada@example.com"}]], [True]]
+
+
+# -- the README's quick start --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    blocks = readme_blocks()
+    if not blocks:
+        pytest.skip("README.md is the long one (its Guide moved to docs/) and no README.new.md")
+    # "One of your apps": the reader's project has it installed already.
+    with scratch_project(
+        tmp_path_factory.mktemp("quickstart"),
+        blocks,
+        settings_tail='\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n',
+    ) as p:
+        yield p
+
+
+def test_readme_quick_start_runs(quickstart: Project) -> None:
+    blocks = readme_blocks()
+    out = quickstart.manage("check", "--fail-level", "WARNING").stdout
+    assert "System check identified no issues" in out, out
+    shells = [b for b in blocks if b.kind == "shell"]
+    assert shells, [b.where for b in blocks]
+    for block in shells:
+        quickstart.shell(block.code)
+    worker = quickstart.manage("run_workers", "--burst")
+    statuses = quickstart.query(
+        "import json\nfrom django_dbworker.models import WorkItem\n"
+        "print(json.dumps(sorted(WorkItem.objects.values_list('status', flat=True))))"
+    )
+    assert statuses and set(statuses) == {"succeeded"}, (statuses, worker.stderr)
+
+
+# -- examples that are not a project -------------------------------------------------
+
+
+def _page_block(page: Path, pattern: str) -> Block:
+    (block,) = [b for b in markdown_blocks(page) if re.search(pattern, b.code, re.M)]
+    return block
+
+
+def test_logging_example_configures_the_worker_loggers() -> None:
+    block = _page_block(DOCS / "topics" / "deployment.md", r"^LOGGING = ")
+    # In a process of its own: dictConfig changes the logging of the whole process.
+    script = (
+        "import logging, logging.config\n"
+        f"{block.code}\n"
+        "logging.config.dictConfig(LOGGING)\n"
+        "logging.getLogger('django_dbworker.worker').info('worker line')\n"
+        "logging.getLogger('django_dbworker.db').info('db line, not shown')\n"
+        "logging.getLogger('django_dbworker.db').warning('db warning')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert re.fullmatch(r"\S+ \S+ INFO django_dbworker\.worker \d+: worker line", lines[0]), lines
+    assert re.fullmatch(r"\S+ \S+ WARNING django_dbworker\.db \d+: db warning", lines[1]), lines
+
+
+# -- the reference against the code ------------------------------------------------------
+
+
+def test_settings_reference_has_every_key_and_its_default() -> None:
+    page = DOCS / "reference" / "settings.md"
+    block = _page_block(page, r"^DBWORKER = ")
+    namespace: dict[str, object] = {}
+    exec(block.code, namespace)
+    assert namespace["DBWORKER"] == DEFAULTS
+    text = page.read_text()
+    for key in DEFAULTS:
+        assert re.search(rf"^(`\w+`, )*`{key}`", text, re.M), f"{key} has no entry in {page.name}"
+
+
+@pytest.mark.parametrize("name", ["run_workers", "dbworker_prune", "dbworker_stats"])
+def test_commands_reference_names_every_flag(name: str) -> None:
+    text = (DOCS / "reference" / "commands.md").read_text()
+    section = text.split(f"## `{name}`", 1)[1].split("\n## ", 1)[0]
+    command = load_command_class(get_commands()[name], name)
+    parser = command.create_parser("manage.py", name)
+    base = {"-h", "--help", "--version", "-v", "--verbosity", "--settings", "--pythonpath"}
+    base |= {"--traceback", "--no-color", "--force-color", "--skip-checks"}
+    for action in parser._actions:
+        flags = [f for f in action.option_strings if f not in base]
+        if not action.option_strings:
+            assert action.metavar and f"`{action.metavar} ...`" in section, action
+        for flag in flags:
+            assert f"`{flag}" in section, f"{name} {flag} is not in the commands reference"
+
+
+@pytest.mark.parametrize("name", ["README", "CONTRIBUTING.md"])
+def test_repository_pages_link_to_files_that_exist(name: str) -> None:
+    # Sphinx checks the site's links; these pages are outside it. The README
+    # is the short one: README.new.md while it waits to replace README.md.
+    if name == "README":
+        page = README_NEW if README_NEW.exists() else README
+    else:
+        page = DOCS.parent / name
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    local = [t for t in targets if not re.match(r"[a-z]+:", t)]
+    assert local, page.name
+    missing = [t for t in local if not (page.parent / t).exists()]
+    assert not missing, f"{page.name} links to files that do not exist: {missing}"
