@@ -1,0 +1,203 @@
+"""Attacks on per-key concurrency limits (issue 21): each test here failed on h-keys.
+
+Every test runs against a real database (no mocks of the DB); waits are
+bounded (``wait_until``, lock waits observed in the server's own tables).
+A test that fails on one vendor only says which in its docstring.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
+from tests.factories import assert_no_key_overlaps, claim
+from tests.testapp.models import Execution
+from tests.testapp.workers import Keyed
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HANDLERS = ["keyed", "keyed_pair", "noop"]
+
+
+def keyed_claim(limit: int = 10, worker: str = "attack:1:main") -> list[WorkItem]:
+    return claim(limit=limit, handlers=HANDLERS, worker=worker, limited=True)
+
+
+def claimed_of(handler: str, key: str) -> list[int]:
+    """Ids of the claimed rows of exactly (handler, key), compared in Python (byte for byte)."""
+    rows = WorkItem.objects.filter(status=Status.CLAIMED, handler=handler).values_list(
+        "pk", "concurrency_key"
+    )
+    return sorted(pk for pk, k in rows if k == key)
+
+
+def lock_waiters() -> int:
+    """Transactions of this database server waiting for a lock right now."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        else:
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+            )
+        (n,) = cursor.fetchone()
+    return int(n)
+
+
+# -- keys compare byte for byte ---------------------------------------------------
+
+
+def test_keys_differing_only_in_case_accent_or_trailing_space_are_different_keys() -> None:
+    """MariaDB: ``concurrency_key`` has the table's utf8mb4_unicode_ci (PAD SPACE) collation.
+
+    README: "Names compare byte for byte" (migration 0005 gives handler,
+    queue and unique_key a binary NO PAD collation); PostgreSQL and SQLite
+    compare keys byte for byte, and ``within_limits`` keys its counts by the
+    Python strings. On MariaDB the claim's key filter compares with the
+    case-, accent- and trailing-space-insensitive collation: a claimed
+    ``"A"`` holds back ``"a"``, ``"Ä"`` and ``"A "``, keys of other items.
+    """
+    first = Keyed.enqueue({"key": "A"}, concurrency_key="A")
+    assert [i.pk for i in keyed_claim()] == [first.pk]
+    others = [Keyed.enqueue({"key": k}, concurrency_key=k) for k in ("a", "Ä", "A ")]
+    got = keyed_claim()
+    assert sorted(i.pk for i in got) == sorted(i.pk for i in others), (
+        "rows of keys 'a', 'Ä', 'A ' were held back by a claimed row of key 'A': "
+        f"claimed {[i.pk for i in got]} of {[i.pk for i in others]}"
+    )
+
+
+@pytest.mark.server_db
+def test_a_race_never_claims_two_rows_of_a_key_with_limit_one_when_a_case_variant_is_held(
+    background_worker: Any,
+) -> None:
+    """MariaDB: the slot count of key "A" comes back under the name "a", so "A" reads as free.
+
+    Claimer Z claims a row of key "a" and one of key "A" (different keys,
+    both fit) and has not committed; claimer X has locked a second row of
+    "A" as a candidate (its key filter saw no claimed row yet) and waits for
+    the key's FlowLock row. When Z commits, X counts the claimed rows of
+    ("keyed", "A"): under the case-insensitive collation the count groups
+    "a" and "A" together and names the group "a" (the first row in the
+    index), so ``held[("keyed", "A")]`` is missing, read as 0, and X claims
+    the second row of "A": two claimed rows of a key whose limit is 1.
+    """
+    small_a = Keyed.enqueue({"key": "a"}, concurrency_key="a")
+    big_a1 = Keyed.enqueue({"key": "A"}, concurrency_key="A")
+    big_a2 = Keyed.enqueue({"key": "A"}, concurrency_key="A")
+
+    z_claimed = threading.Event()
+    z_commit = threading.Event()
+    z_out: list[list[int]] = []
+    x_out: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def z() -> None:
+        try:
+            with transaction.atomic():
+                got = keyed_claim(limit=2, worker="attack:z")
+                z_out.append(sorted(i.pk for i in got))
+                z_claimed.set()
+                assert z_commit.wait(30)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            z_claimed.set()
+        finally:
+            connections.close_all()
+
+    def x() -> None:
+        try:
+            x_out.append(sorted(i.pk for i in keyed_claim(limit=10, worker="attack:x")))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    tz = threading.Thread(target=z)
+    tz.start()
+    assert z_claimed.wait(30)
+    assert not errors, errors
+    assert z_out == [sorted([small_a.pk, big_a1.pk])]
+    tx = threading.Thread(target=x)
+    tx.start()
+    try:
+        wait_until(lambda: lock_waiters() >= 1, timeout=20, what="claimer X to wait for a lock")
+    finally:
+        z_commit.set()
+        tz.join(30)
+        tx.join(30)
+    assert not errors, errors
+    assert claimed_of("keyed", "A") == [big_a1.pk], (
+        f"key 'A' (limit 1) has claimed rows {claimed_of('keyed', 'A')}; "
+        f"X claimed {x_out}, row {big_a2.pk} is the second row of 'A'"
+    )
+
+
+# -- the limit on the row ---------------------------------------------------------
+
+
+def test_rows_keep_their_stored_limit_when_a_deploy_drops_the_handlers_limit(
+    background_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row's concurrency_limit is ignored when the worker's handlers declare none.
+
+    ``enqueue_options._concurrency_columns``: "rows of one key enqueued
+    before a deploy that changed it keep the limit they were enqueued
+    with", and ``within_limits`` honours the row's limit. But the claim
+    loop picks the keyed claim only when one of its handlers declares a
+    limit now (``claim_loop.py``: ``limited=any(h.concurrency_limit ...)``):
+    after a deploy that sets the limit to None, rows stored with limit 1
+    run side by side (while a worker that also serves another limited
+    handler would still honour it).
+    """
+    for n in range(3):
+        Keyed.enqueue({"key": "deploy", "seconds": 0.5, "n": n}, concurrency_key="deploy")
+    assert set(WorkItem.objects.values_list("concurrency_limit", flat=True)) == {1}
+    monkeypatch.setattr(Keyed, "concurrency_limit", None)  # the deploy
+    background_worker(["keyed"], concurrency=3)
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 3,
+        timeout=30,
+        what="the three items to succeed",
+    )
+    assert_no_key_overlaps()
+
+
+# -- hot keys ---------------------------------------------------------------------
+
+
+def test_a_hot_key_at_the_head_does_not_delay_other_keys_until_the_next_poll(
+    background_worker: Any,
+) -> None:
+    """SQLite: a claim cut short by a hot key looks like an empty queue.
+
+    40 rows of one key (limit 1) at the head of the claim order, 3 rows of
+    other keys behind them, 4 free threads. A claim while the hot key's slot
+    is free finds 4 candidates of the hot key and takes 1. PostgreSQL and
+    MariaDB report the other 3 as throttled, so the claim loop claims again
+    at once and finds the other keys; SQLite's statement reports nothing
+    (``throttled`` is 0), the loop thinks it ran dry and sleeps a poll
+    interval, and every retirement wake-up claims the hot key's next row
+    only: the other keys wait for the poll interval (30 s here).
+    """
+    for n in range(40):
+        Keyed.enqueue({"key": "hot", "seconds": 0.2, "n": n}, concurrency_key="hot")
+    others = [Keyed.enqueue({"key": f"o{i}"}, concurrency_key=f"o{i}") for i in range(3)]
+    background_worker(["keyed"], concurrency=4, poll_interval=30.0)
+    wait_until(
+        lambda: (
+            WorkItem.objects.filter(pk__in=[o.pk for o in others], status=Status.SUCCEEDED).count()
+            == 3
+        ),
+        timeout=8,
+        what="the other keys' rows to succeed while the hot key runs",
+    )
+    assert Execution.objects.filter(key="hot", kind="end").count() < 40
