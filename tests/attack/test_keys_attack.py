@@ -201,3 +201,62 @@ def test_a_hot_key_at_the_head_does_not_delay_other_keys_until_the_next_poll(
         what="the other keys' rows to succeed while the hot key runs",
     )
     assert Execution.objects.filter(key="hot", kind="end").count() < 40
+
+
+def _rows_read_by(fn: Any) -> int:
+    """Index and table rows the server read on this connection while ``fn`` ran."""
+    if connection.vendor == "mysql":
+
+        def handler_reads() -> int:
+            with connection.cursor() as cursor:
+                cursor.execute("SHOW SESSION STATUS LIKE 'Handler_read%%'")
+                return sum(int(v) for _, v in cursor.fetchall())
+
+        before = handler_reads()
+        fn()
+        return handler_reads() - before
+    raise AssertionError(connection.vendor)
+
+
+@pytest.mark.server_db
+def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None:
+    """Every claim, on every worker, walks the whole backlog of a hot key at its limit.
+
+    20,000 pending rows of one key (limit 1, one of them claimed), one row
+    of another key behind them. The candidates' key filter runs per row in
+    claim order (a probe of the slot index per row), so finding the one
+    claimable row reads all 20,000: on PostgreSQL "Rows Removed by Filter:
+    19999" and 20,000 SubPlan loops (about 56 ms per claim here, linear in
+    the hot key's backlog: a million-row burst for one customer costs every
+    poll of every worker seconds). The plain claim reads one row.
+    """
+    for _ in range(4):
+        Keyed.enqueue_many([{"key": "hot"}] * 5000, concurrency_key="hot")
+    assert len(keyed_claim(limit=1)) == 1  # the hot key is at its limit
+    other = Keyed.enqueue({"key": "other"}, concurrency_key="other")
+    if connection.vendor == "postgresql":
+        import json
+
+        from django_dbworker.db.postgresql_sql import candidates_statement
+
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE django_dbworker_workitem")
+        sql, params = candidates_statement(limit=4, handlers=HANDLERS, queues=None)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+            (plan,) = cursor.fetchone()
+        plan = json.loads(plan) if isinstance(plan, str) else plan
+
+        def removed(node: dict[str, Any]) -> int:
+            return int(node.get("Rows Removed by Filter", 0)) + sum(
+                removed(child) for child in node.get("Plans", [])
+            )
+
+        read = removed(plan[0]["Plan"])
+        got = [other.pk]
+    else:
+        out: list[list[WorkItem]] = []
+        read = _rows_read_by(lambda: out.append(keyed_claim(limit=4)))
+        got = [i.pk for i in out[0]]
+    assert got == [other.pk]
+    assert read < 1000, f"one claim read {read} rows to find the one claimable row"
