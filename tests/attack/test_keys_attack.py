@@ -17,7 +17,7 @@ from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.factories import assert_no_key_overlaps, claim
 from tests.testapp.models import Execution
-from tests.testapp.workers import Keyed
+from tests.testapp.workers import Keyed, Noop
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -141,6 +141,76 @@ def test_a_race_never_claims_two_rows_of_a_key_with_limit_one_when_a_case_varian
     )
 
 
+@pytest.mark.postgres_only
+def test_the_keyed_claim_holds_the_limit_at_repeatable_read() -> None:
+    """PostgreSQL at REPEATABLE READ (``OPTIONS["isolation_level"]`` or the server's
+    ``default_transaction_isolation``): the slot count reads the claim's first snapshot.
+
+    Claimer Z has claimed the key's only slot and not yet committed; claimer
+    X (a session at REPEATABLE READ) locks the key's second row as a
+    candidate, waits for the FlowLock row, and once Z commits counts the
+    claimed rows in the snapshot its transaction took before Z's commit: 0.
+    X claims the second row: two claimed rows of a key whose limit is 1.
+    The MySQL claim sets READ COMMITTED for itself (``_read_committed``);
+    the PostgreSQL one does not, and raises nothing: the limit is simply
+    broken.
+    """
+    import psycopg
+
+    from django_dbworker.db import operations
+
+    # The key was used before: its FlowLock row exists (Z only locks it).
+    Keyed.enqueue({"key": "K"}, concurrency_key="K")
+    (used,) = keyed_claim(limit=1)
+    assert used.claim_token is not None
+    operations().succeed_many([(used.pk, used.claim_token, None)])
+    first = Keyed.enqueue({"key": "K"}, concurrency_key="K")
+    Keyed.enqueue({"key": "K"}, concurrency_key="K")
+
+    z_claimed, z_commit = threading.Event(), threading.Event()
+    out: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def z() -> None:
+        try:
+            with transaction.atomic():
+                out["z"] = [i.pk for i in keyed_claim(limit=1, worker="attack:z")]
+                z_claimed.set()
+                assert z_commit.wait(30)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            z_claimed.set()
+        finally:
+            connections.close_all()
+
+    def x() -> None:
+        try:
+            connection.ensure_connection()
+            connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            out["x"] = [i.pk for i in keyed_claim(limit=5, worker="attack:x")]
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    tz = threading.Thread(target=z)
+    tz.start()
+    assert z_claimed.wait(30)
+    assert out.get("z") == [first.pk], (out, errors)
+    tx = threading.Thread(target=x)
+    tx.start()
+    try:
+        wait_until(lambda: lock_waiters() >= 1, timeout=20, what="claimer X to wait for a lock")
+    finally:
+        z_commit.set()
+        tz.join(30)
+        tx.join(30)
+    assert not errors, errors
+    assert claimed_of("keyed", "K") == [first.pk], (
+        f"key 'K' (limit 1) has claimed rows {claimed_of('keyed', 'K')}; X claimed {out.get('x')}"
+    )
+
+
 # -- the limit on the row ---------------------------------------------------------
 
 
@@ -260,3 +330,29 @@ def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None
         got = [i.pk for i in out[0]]
     assert got == [other.pk]
     assert read < 1000, f"one claim read {read} rows to find the one claimable row"
+
+
+@pytest.mark.postgres_only
+def test_claims_of_unkeyed_rows_stay_one_statement_when_a_handler_declares_a_limit() -> None:
+    """PostgreSQL: one concurrency_limit anywhere makes every claim four round trips.
+
+    ``ClaimLoop`` runs the keyed claim whenever any handler the worker
+    serves declares a limit (``run_workers`` serves every registered
+    handler by default), also when no row has a key: BEGIN, the candidates,
+    CLAIM_IDS, COMMIT, where the plain claim is one UPDATE ... RETURNING.
+    The issue: "without slowing the common path".
+    """
+    from django.test.utils import CaptureQueriesContext
+
+    for _ in range(3):
+        Noop.enqueue()
+        Keyed.enqueue({"key": "unkeyed"})
+    with CaptureQueriesContext(connection) as plain:
+        assert len(claim(limit=2, handlers=HANDLERS)) == 2
+    with CaptureQueriesContext(connection) as keyed:
+        assert len(keyed_claim(limit=2)) == 2
+    assert len(plain.captured_queries) == 1
+    assert [q["sql"].split()[0] for q in keyed.captured_queries] == ["UPDATE"], (
+        "no row has a key, yet the claim took "
+        f"{[q['sql'].split()[0] for q in keyed.captured_queries]}"
+    )
