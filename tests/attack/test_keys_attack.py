@@ -7,21 +7,38 @@ A test that fails on one vendor only says which in its docstring.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
 
+from django_dbworker import WorkItemHandler
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.factories import assert_no_key_overlaps, claim
 from tests.testapp.models import Execution
-from tests.testapp.workers import Keyed, Noop
+from tests.testapp.workers import Keyed, Noop, _record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HANDLERS = ["keyed", "keyed_pair", "noop"]
+
+
+class KeyedTimeout(WorkItemHandler):
+    """One item per key at once, abandoned after 0.5 s: records its start and end, then sleeps."""
+
+    name = "attack_keyed_timeout"
+    concurrency_limit = 1
+    timeout = 0.5
+    max_attempts = 1
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        _record(payload, "end")
 
 
 def keyed_claim(limit: int = 10, worker: str = "attack:1:main") -> list[WorkItem]:
@@ -355,4 +372,72 @@ def test_claims_of_unkeyed_rows_stay_one_statement_when_a_handler_declares_a_lim
     assert [q["sql"].split()[0] for q in keyed.captured_queries] == ["UPDATE"], (
         "no row has a key, yet the claim took "
         f"{[q['sql'].split()[0] for q in keyed.captured_queries]}"
+    )
+
+
+# -- attempts that end while their handler still runs ----------------------------
+
+
+def test_a_timed_out_attempt_does_not_free_its_keys_slot_while_its_handler_runs(
+    background_worker: Any,
+) -> None:
+    """A timeout abandons the handler thread but frees the key's slot at once.
+
+    The first item of key T runs 3 s in a handler with ``timeout = 0.5``:
+    at 0.5 s the attempt is recorded failed (its row is no longer claimed)
+    while its thread keeps running user code, and the second item of T
+    starts beside it: two runs of a key whose limit is 1 overlap, from the
+    handler's own records. (The late outcome is fenced, as the SPEC says;
+    the run itself is not.)
+    """
+    KeyedTimeout.enqueue({"key": "T", "seconds": 3}, concurrency_key="T")
+    KeyedTimeout.enqueue({"key": "T", "seconds": 0}, concurrency_key="T")
+    background_worker(["attack_keyed_timeout"], concurrency=2)
+    wait_until(
+        lambda: Execution.objects.filter(key="T", kind="end").count() == 2,
+        timeout=30,
+        what="both runs of key T to end",
+    )
+    assert_no_key_overlaps()
+
+
+@pytest.mark.server_db
+def test_a_shutdown_release_does_not_free_a_running_items_slot_before_the_process_exits(
+    start_worker: Any,
+) -> None:
+    """SIGTERM past --shutdown-timeout: the running row is released while its handler runs.
+
+    Worker A runs the first item of key S (6 s). A's drain time ends, it
+    releases the row to pending and then exits; between the two, its
+    handler thread is still running, and worker B, woken by the release,
+    starts the second item of S: two runs of a key whose limit is 1 at once
+    (about 150 ms here, as long as A takes to exit after the release).
+    """
+    a = start_worker("keyed", "--shutdown-timeout", "0.5", "--interval", "0.1")
+    a.wait_for_log("Starting worker", timeout=60)
+    Keyed.enqueue({"key": "S", "seconds": 6}, concurrency_key="S")
+    wait_until(
+        lambda: Execution.objects.filter(key="S", kind="start").exists(),
+        timeout=30,
+        what="worker A to start the first item of S",
+    )
+    Keyed.enqueue({"key": "S", "seconds": 0}, concurrency_key="S")
+    b = start_worker("keyed", "--interval", "0.1")
+    b.wait_for_log("Starting worker", timeout=60)
+    a.signal(signal.SIGTERM)
+    wait_until(
+        lambda: (
+            a.proc.poll() is not None
+            or Execution.objects.filter(key="S", kind="start").count() >= 2
+        ),
+        timeout=30,
+        what="worker A to exit or worker B to start key S",
+    )
+    b_started_while_a_ran = a.proc.poll() is None
+    assert a.wait(30) == 0, a.log()
+    b.signal(signal.SIGTERM)
+    assert b.wait(30) == 0, b.log()
+    assert not b_started_while_a_ran, (
+        "worker B started key S while worker A, which had released its running item of S, "
+        f"was still running it:\n{a.log()}"
     )
