@@ -441,3 +441,25 @@ def test_a_shutdown_release_does_not_free_a_running_items_slot_before_the_proces
         "worker B started key S while worker A, which had released its running item of S, "
         f"was still running it:\n{a.log()}"
     )
+
+
+@pytest.mark.mysql_only
+def test_a_keys_finished_rows_do_not_make_its_claims_slower() -> None:
+    """MariaDB: every claim of a key reads every row the key ever had, finished ones too.
+
+    MySQL has no partial index, so ``dbworker_key_slots_idx`` is
+    (handler, concurrency_key) over every row, without status: the key
+    filter (once per candidate) and COUNT_KEY_SLOTS read each row of the
+    key to test ``status = 'claimed'``. A long-lived key ("customer:42")
+    with 20,000 succeeded rows still in the table: claiming its one pending
+    row reads 40,000 index entries (the filter's 20,000 and the count's
+    20,000), and it grows with the key's history until ``prune``.
+    """
+    for _ in range(4):
+        Keyed.enqueue_many([{"key": "K"}] * 5000, concurrency_key="K")
+    WorkItem.objects.filter(concurrency_key="K").update(status=Status.SUCCEEDED)
+    pending = Keyed.enqueue({"key": "K"}, concurrency_key="K")
+    out: list[list[WorkItem]] = []
+    read = _rows_read_by(lambda: out.append(keyed_claim(limit=4)))
+    assert [i.pk for i in out[0]] == [pending.pk]
+    assert read < 1000, f"claiming the one pending row of key K read {read} index entries"
