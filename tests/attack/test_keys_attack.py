@@ -258,6 +258,43 @@ def test_rows_keep_their_stored_limit_when_a_deploy_drops_the_handlers_limit(
     assert_no_key_overlaps()
 
 
+def test_after_a_limit_is_raised_older_rows_of_the_key_are_not_overtaken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows keep the limit they were enqueued with: a raised limit lets newer rows pass older ones.
+
+    Three rows of key R enqueued at limit 1, then a deploy raises the
+    handler's limit to 3 and ten more rows come. A worker that finishes
+    one row and claims again, round after round, keeps the key busy: each
+    old row (limit 1) sees 2 claimed rows of its key and is skipped, each
+    new row (limit 3) fits, so the old rows wait behind every newer row of
+    their key (and would wait for ever under steady load: the key must
+    drain to 0 claimed rows first). The claim order (priority, then age)
+    is broken within the key.
+    """
+    old = [Keyed.enqueue({"key": "R", "n": n}, concurrency_key="R") for n in range(3)]
+    monkeypatch.setattr(Keyed, "concurrency_limit", 3)  # the deploy
+    new = [Keyed.enqueue({"key": "R", "n": 10 + n}, concurrency_key="R") for n in range(10)]
+    from django_dbworker.db import operations
+
+    order: list[int] = []
+    held: list[WorkItem] = []
+    for _ in range(12):
+        got = keyed_claim(limit=10)
+        order += [i.pk for i in got]
+        held += got
+        if held:
+            done = held.pop(0)
+            assert done.claim_token is not None
+            operations().succeed_many([(done.pk, done.claim_token, None)])
+    old_pks, new_pks = [o.pk for o in old], {n.pk for n in new}
+    before_any_new = order[: next(i for i, pk in enumerate(order) if pk in new_pks)]
+    assert before_any_new == old_pks, (
+        f"claim order of key R {order}: old rows {old_pks} were overtaken by newer rows "
+        f"{sorted(new_pks)}"
+    )
+
+
 # -- hot keys ---------------------------------------------------------------------
 
 
