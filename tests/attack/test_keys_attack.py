@@ -295,38 +295,6 @@ def test_after_a_limit_is_raised_older_rows_of_the_key_are_not_overtaken(
     )
 
 
-# -- hot keys ---------------------------------------------------------------------
-
-
-def test_a_hot_key_at_the_head_does_not_delay_other_keys_until_the_next_poll(
-    background_worker: Any,
-) -> None:
-    """SQLite: a claim cut short by a hot key looks like an empty queue.
-
-    40 rows of one key (limit 1) at the head of the claim order, 3 rows of
-    other keys behind them, 4 free threads. A claim while the hot key's slot
-    is free finds 4 candidates of the hot key and takes 1. PostgreSQL and
-    MariaDB report the other 3 as throttled, so the claim loop claims again
-    at once and finds the other keys; SQLite's statement reports nothing
-    (``throttled`` is 0), the loop thinks it ran dry and sleeps a poll
-    interval, and every retirement wake-up claims the hot key's next row
-    only: the other keys wait for the poll interval (30 s here).
-    """
-    for n in range(40):
-        Keyed.enqueue({"key": "hot", "seconds": 0.2, "n": n}, concurrency_key="hot")
-    others = [Keyed.enqueue({"key": f"o{i}"}, concurrency_key=f"o{i}") for i in range(3)]
-    background_worker(["keyed"], concurrency=4, poll_interval=30.0)
-    wait_until(
-        lambda: (
-            WorkItem.objects.filter(pk__in=[o.pk for o in others], status=Status.SUCCEEDED).count()
-            == 3
-        ),
-        timeout=8,
-        what="the other keys' rows to succeed while the hot key runs",
-    )
-    assert Execution.objects.filter(key="hot", kind="end").count() < 40
-
-
 def _rows_read_by(fn: Any) -> int:
     """Index and table rows the server read on this connection while ``fn`` ran."""
     if connection.vendor == "mysql":
