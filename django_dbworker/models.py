@@ -310,7 +310,7 @@ class WorkItem(models.Model):
             ),
             # The slots a key holds: its claimed rows, counted inside the claim.
             models.Index(
-                fields=["handler", "concurrency_key"],
+                fields=["handler", "concurrency_key", "status"],
                 condition=Q(status="claimed") & Q(concurrency_key__isnull=False),
                 name="dbworker_key_slots_idx",
             ),

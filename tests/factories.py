@@ -32,8 +32,19 @@ def claim(
         handlers=handlers or ["noop", "echo", "urgent"],
         queues=queues,
         worker=worker,
-        limited=limited,
+        limits=handler_limits(handlers or []) if limited else None,
     )
+
+
+def handler_limits(names: list[str]) -> dict[str, int]:
+    """The current ``concurrency_limit`` of each registered handler of ``names`` that has one."""
+    from django_dbworker.registry import registry
+
+    return {
+        n: registry[n].concurrency_limit
+        for n in names
+        if n in registry and getattr(registry[n], "concurrency_limit", None) is not None
+    }
 
 
 def age_heartbeat(item: WorkItem, seconds: float) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar
@@ -69,6 +69,7 @@ __all__ = [
     "VendorOperations",
     "add_local_waker",
     "as_uuid",
+    "current_limits",
     "flow_lock_name",
     "numbered",
     "numbered_params",
@@ -104,16 +105,14 @@ Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 #: concurrency_limit)``, as the vendors' candidate statements return it.
 Candidate = tuple[int, str, str | None, int | None]
 
-#: ``FlowLock.name``'s width.
-FLOW_LOCK_NAME_MAX = 255
+FLOW_LOCK_NAME_MAX = 255  # FlowLock.name's width
 
 
 def flow_lock_name(handler: str, key: str) -> str:
     """The ``FlowLock`` row that serialises the claims of one (handler, concurrency_key).
 
-    Readable when it fits the column, a digest otherwise. Two pairs that
-    share a name (``"a:b"``/``"c"`` and ``"a"``/``"b:c"``) only share a
-    lock: claims of both wait for each other, the counts stay per pair.
+    Readable when it fits the column, a digest otherwise. Pairs that share a
+    name (``"a:b"``/``"c"``, ``"a"``/``"b:c"``) only share a lock, not counts.
     """
     name = f"key:{handler}:{key}"
     if len(name) <= FLOW_LOCK_NAME_MAX:
@@ -122,16 +121,19 @@ def flow_lock_name(handler: str, key: str) -> str:
     return f"key#{digest}"
 
 
+def current_limits(candidates: Sequence[Candidate], limits: Mapping[str, int]) -> list[Candidate]:
+    """``candidates`` with each keyed row's limit its handler's current one (None: unlimited)."""
+    return [(pk, h, key, None if key is None else limits.get(h)) for pk, h, key, _ in candidates]
+
+
 def within_limits(
     candidates: Sequence[Candidate], held: dict[tuple[str, str], int]
 ) -> tuple[list[int], int]:
     """The ids to claim of ``candidates`` (in claim order), and how many are held back.
 
-    ``held`` is the claimed rows per (handler, key), counted under the keys'
-    ``FlowLock`` rows. A candidate without a limit is always taken; one with
-    a limit while its key holds fewer claimed rows than that limit (its
-    own row's limit: rows enqueued before a deploy keep theirs), counting
-    the candidates taken before it.
+    ``held``: claimed rows per (handler, key), counted under the keys' locks.
+    A candidate without a limit is taken; one with a limit (its handler's
+    current one) while its key holds fewer rows, counting those taken before.
     """
     taken: dict[tuple[str, str], int] = {}
     ids: list[int] = []
@@ -222,9 +224,11 @@ class VendorOperations(ABC):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
-        limited: bool = False,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
+        ``limits`` (handler -> its current ``concurrency_limit``): the keyed
+        claim, keys held to these limits, not to the rows' stored ones.
 
         Ready means ``pending`` with ``run_after`` passed by the database's
         clock, of one of ``handlers`` (and of ``queues`` when given); claim

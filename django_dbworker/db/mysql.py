@@ -25,7 +25,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -41,6 +41,7 @@ from django_dbworker.db.base import (
     Claimed,
     VendorOperations,
     as_uuid,
+    current_limits,
     flow_lock_name,
     numbered_params,
     within_limits,
@@ -188,7 +189,7 @@ class MySQLOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
-        limited: bool = False,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
@@ -198,8 +199,8 @@ class MySQLOperations(VendorOperations):
             params["queue"] = queues[0]
         else:
             params.update(numbered_params("queue", queues))
-        if limited:
-            return self._claim_keyed(params, worker, len(handlers), len(queues))
+        if limits:
+            return self._claim_keyed(params, worker, len(handlers), len(queues), limits)
         select = claim_select_sql(len(handlers), len(queues))
 
         def attempt() -> list[tuple[Any, ...]]:
@@ -220,31 +221,34 @@ class MySQLOperations(VendorOperations):
         return list(cursor.fetchall())
 
     def _claim_keyed(
-        self, params: dict[str, Any], worker: str, handlers: int, queues: int
+        self,
+        params: dict[str, Any],
+        worker: str,
+        handlers: int,
+        queues: int,
+        limits: Mapping[str, int],
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys (``mysql_sql``, "the keyed claim")."""
-        select = claim_candidates_sql(handlers, queues)
+        select = claim_candidates_sql(handlers, queues, len(limits))
+        params = {**params, **numbered_params("limited", list(limits))}
+        params.update(numbered_params("limit", list(limits.values())))
 
         def attempt() -> tuple[list[tuple[Any, ...]], int]:
             with self._read_committed(), self.connection.cursor() as cursor:
                 cursor.execute(select, params)
-                candidates: list[Candidate] = [
-                    (pk, handler, key, lim) for pk, handler, key, lim in cursor.fetchall()
-                ]
+                candidates: list[Candidate] = current_limits(list(cursor.fetchall()), limits)
                 if not candidates:
                     return [], 0
                 slots = sorted({(h, k) for _, h, k, lim in candidates if k is not None and lim})
                 held: dict[tuple[str, str], int] = {}
                 if slots:
                     self._lock_flow_locks(cursor, sorted({flow_lock_name(h, k) for h, k in slots}))
-                    cursor.execute(
-                        count_key_slots_sql(len(slots)),
-                        {
-                            **numbered_params("handler", [h for h, _ in slots]),
-                            **numbered_params("key", [k for _, k in slots]),
-                        },
-                    )
+                    pairs = numbered_params("handler", [h for h, _ in slots])
+                    pairs.update(numbered_params("key", [k for _, k in slots]))
+                    cursor.execute(count_key_slots_sql(len(slots)), pairs)
                     held = {(h, k): int(n) for h, k, n in cursor.fetchall()}
+                    # A pair the count did not name back is full, never free.
+                    held.update({s: limits[s[0]] for s in slots if s not in held})
                 ids, throttled = within_limits(candidates, held)
                 if not ids:
                     return [], throttled

@@ -133,15 +133,17 @@ FOR UPDATE SKIP LOCKED
 # dbworker_key_slots_idx is (handler, concurrency_key) over every row, and
 # COUNT_KEY_SLOTS reads the status of each row of a key, finished ones too.
 
+# {limited}: the handlers with a limit now; {limits}: CASE arms, handler -> its limit.
 _KEY_FILTER = """
-  AND (p.concurrency_limit IS NULL
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN ({limited})
        OR (p.handler, p.concurrency_key) NOT IN (
            SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
              AND h.concurrency_key IS NOT NULL
-             AND h.handler IN ({handlers})
+             AND h.handler IN ({limited})
            GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))"""
+           HAVING count(*) >= min(CASE h.handler {limits} END)))"""
 
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",
@@ -212,15 +214,18 @@ INSERT IGNORE INTO django_dbworker_flowlock (name) VALUES {rows}
 """,
 )
 
+# One row per pair asked, named by the values sent (not by a group's first
+# row): the claim reads a missing pair as full.
 COUNT_KEY_SLOTS = Statement(
     "count_key_slots",
     "The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.",
     """
-SELECT handler, concurrency_key, count(*)
-FROM django_dbworker_workitem FORCE INDEX (dbworker_key_slots_idx)
-WHERE (handler, concurrency_key) IN ({pairs})
-  AND status = 'claimed'
-GROUP BY handler, concurrency_key
+SELECT k.handler, k.concurrency_key,
+       (SELECT count(*)
+        FROM django_dbworker_workitem AS h FORCE INDEX (dbworker_key_slots_idx)
+        WHERE h.handler = k.handler AND h.concurrency_key = k.concurrency_key
+          AND h.status = 'claimed')
+FROM ({pairs}) AS k
 """,
 )
 
@@ -390,15 +395,21 @@ def claim_select_sql(handlers: int, queues: int) -> str:
 
 
 @lru_cache(maxsize=256)
-def claim_candidates_sql(handlers: int, queues: int) -> str:
-    """The keyed claim's candidates for ``handlers`` and ``queues`` names (0: any queue)."""
+def claim_candidates_sql(handlers: int, queues: int, limited: int) -> str:
+    """The keyed claim's candidates for ``handlers`` and ``queues`` names (0: any queue).
+
+    ``limited``: how many handlers declare a limit now (``limited_<i>`` -> ``limit_<i>``).
+    """
+    keys = {
+        "limited": numbered("limited", limited),
+        "limits": " ".join(f"WHEN %(limited_{i})s THEN %(limit_{i})s" for i in range(limited)),
+        "handlers": numbered("handler", handlers),
+    }
     if queues == 0:
-        return CLAIM_CANDIDATES.render(handlers=numbered("handler", handlers))
+        return CLAIM_CANDIDATES.render(**keys)
     if queues == 1:
-        return CLAIM_CANDIDATES_IN_QUEUE.render(handlers=numbered("handler", handlers))
-    return CLAIM_CANDIDATES_IN_QUEUES.render(
-        handlers=numbered("handler", handlers), queues=numbered("queue", queues)
-    )
+        return CLAIM_CANDIDATES_IN_QUEUE.render(**keys)
+    return CLAIM_CANDIDATES_IN_QUEUES.render(**keys, queues=numbered("queue", queues))
 
 
 @lru_cache(maxsize=256)
@@ -414,7 +425,10 @@ def insert_flow_locks_sql(names: int) -> str:
 @lru_cache(maxsize=256)
 def count_key_slots_sql(pairs: int) -> str:
     return COUNT_KEY_SLOTS.render(
-        pairs=", ".join(f"(%(handler_{i})s, %(key_{i})s)" for i in range(pairs))
+        pairs=" UNION ALL ".join(
+            f"SELECT %(handler_{i})s AS handler, %(key_{i})s AS concurrency_key"
+            for i in range(pairs)
+        )
     )
 
 

@@ -19,7 +19,7 @@ driver or the operations, and runs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django_dbworker.db.sql import Statement
@@ -121,45 +121,31 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 
 # -- the keyed claim (per-key concurrency limits) --------------------------------
 #
-# Only for workers whose handlers declare a concurrency_limit; the others
-# run the one-statement claims above, unchanged. Two statements in one
-# transaction:
-#
-# 1. CLAIM_CANDIDATES*: the candidates, locked (SKIP LOCKED) in claim order.
-#    A row with a limit whose key already holds that many claimed rows is
-#    skipped by the filter, so a key at its limit does not stop the scan
-#    and rows behind it are claimed; rows without a limit pass at the first
-#    test of the OR. The keys at their limit are found once per statement
-#    (a hashed subplan over the claimed keyed rows, from the partial
-#    dbworker_key_slots_idx), so a skipped row costs a hash probe; a scan
-#    that finds no free key still reads every ready row of the handlers
-#    (the claim index does not lead with the key). Then the same statement
-#    takes a transaction-level advisory lock per key of its candidates, in
-#    the order of their lock numbers, so two claimers never wait for each
-#    other in a cycle, and claimers of one key decide one after the other.
-#    Transaction-level (PgBouncer's transaction mode keeps working; the
-#    locks end with the claim); two-number, apart from an application's
-#    one-number locks; keys whose lock numbers collide only wait.
-# 2. CLAIM_WITHIN_LIMITS: counts each key's claimed rows and claims the
-#    candidates that fit, in claim order (the rest stay pending, untouched,
-#    and unlocked at commit). A statement of its own: it starts after the
-#    locks are granted, so under READ COMMITTED its count sees the claims
-#    the previous holder of a key's lock committed.
-#
-# A slot is a claimed row: a late or zombie finisher (its fenced write
-# matches nothing) holds nothing; stale recovery frees a slot by itself.
+# Only for workers whose handlers declare a concurrency_limit. One transaction,
+# at READ COMMITTED: 1. CLAIM_CANDIDATES*: the candidates in claim order (SKIP
+# LOCKED), skipping keys at their handler's current limit (found once per
+# statement, a hashed subplan over dbworker_key_slots_idx), then one
+# transaction-level advisory lock per key (sorted: no cycles; PgBouncer's
+# transaction mode keeps working). 2. CLAIM_WITHIN_LIMITS: counts each key's
+# claimed rows after the locks are granted (seeing the previous holder's
+# commit) and claims the candidates that fit. A slot is a claimed row: a
+# fenced late finisher holds none; stale recovery frees one.
 
 KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
 
+# The limits are the handlers' current ones (%(limited)s -> %(limit_values)s).
 _KEY_FILTER = """
-      AND (p.concurrency_limit IS NULL
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
                SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
                WHERE h.status = 'claimed'
                  AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(handlers)s::text[])
+                 AND h.handler = ANY(%(limited)s::text[])
                GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(h.concurrency_limit)))"""
+               HAVING count(*) >= min(l.lim)))"""
 
 _KEY_LOCKS = f"""
 ), locks AS (
@@ -167,7 +153,7 @@ _KEY_LOCKS = f"""
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_limit IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
@@ -190,37 +176,41 @@ _CANDIDATES_TAIL = """
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED"""
 
+
+def _candidates(queue_filter: str) -> str:
+    return _CANDIDATES_HEAD + queue_filter + _KEY_FILTER + _CANDIDATES_TAIL + _KEY_LOCKS + "\n"
+
+
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",
     "Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.",
-    _CANDIDATES_HEAD + _KEY_FILTER + _CANDIDATES_TAIL + _KEY_LOCKS + "\n",
+    _candidates(""),
 )
-
 CLAIM_CANDIDATES_IN_QUEUE = Statement(
     "claim_candidates_in_queue",
     "Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.",
-    _CANDIDATES_HEAD
-    + "\n      AND p.queue = %(queue)s"
-    + _KEY_FILTER
-    + _CANDIDATES_TAIL
-    + _KEY_LOCKS
-    + "\n",
+    _candidates("\n      AND p.queue = %(queue)s"),
 )
-
 CLAIM_CANDIDATES_IN_QUEUES = Statement(
     "claim_candidates_in_queues",
     "Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.",
-    _CANDIDATES_HEAD
-    + "\n      AND p.queue = ANY(%(queues)s::text[])"
-    + _KEY_FILTER
-    + _CANDIDATES_TAIL
-    + _KEY_LOCKS
-    + "\n",
+    _candidates("\n      AND p.queue = ANY(%(queues)s::text[])"),
 )
 
-# The candidates come as arrays in claim order (n). A key's candidates are
-# ranked in that order; one fits while its key's claimed rows plus its rank
-# stay within its own limit (rows enqueued before a deploy keep theirs).
+READ_COMMITTED = Statement(
+    "read_committed",
+    "The keyed claim's own transaction counts slots in fresh snapshots (first statement).",
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED\n",
+)
+TRANSACTION_ISOLATION = Statement(
+    "transaction_isolation",
+    "The isolation of the caller's transaction.",
+    "SHOW transaction_isolation\n",
+)
+
+# The candidates come as arrays in claim order (n), with their handlers'
+# current limits. A key's candidates are ranked in that order; one fits
+# while its key's claimed rows plus its rank stay within the limit.
 # The rows are locked by this transaction (the candidates' FOR UPDATE): the
 # status test only restates it.
 CLAIM_WITHIN_LIMITS = Statement(
@@ -477,10 +467,19 @@ ORDER BY handler
 
 
 def candidates_statement(
-    *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
+    *,
+    limit: int,
+    handlers: Sequence[str],
+    queues: Sequence[str] | None,
+    limits: Mapping[str, int],
 ) -> tuple[str, dict[str, Any]]:
     """The keyed claim's candidate statement for these filters, and its parameters."""
-    params: dict[str, Any] = {"handlers": list(handlers), "limit": limit}
+    params: dict[str, Any] = {
+        "handlers": list(handlers),
+        "limit": limit,
+        "limited": list(limits),
+        "limit_values": list(limits.values()),
+    }
     if not queues:
         return CLAIM_CANDIDATES.sql, params
     if len(queues) == 1:

@@ -16,7 +16,7 @@ the rest of the text is fixed.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
 from uuid import UUID
 
@@ -120,7 +120,9 @@ SET status = 'claimed',
     claim_token = lower(hex(randomblob(16)))
 WHERE id IN (
     SELECT r.id FROM (
-        SELECT c.id, c.concurrency_limit,
+        SELECT c.id,
+               CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler {limits} END END
+               AS concurrency_limit,
                row_number() OVER (
                    PARTITION BY c.handler, c.concurrency_key
                    ORDER BY c.priority DESC, c.run_after, c.id) AS n,
@@ -134,14 +136,15 @@ WHERE id IN (
             WHERE status = 'pending'
               AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
               AND handler IN ({handlers}){queues}
-              AND (concurrency_limit IS NULL
+              AND (concurrency_key IS NULL
+                   OR handler NOT IN ({limited})
                    OR (handler, concurrency_key) NOT IN (
                        SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
                        WHERE h.status = 'claimed'
                          AND h.concurrency_key IS NOT NULL
-                         AND h.handler IN ({handlers})
+                         AND h.handler IN ({limited})
                        GROUP BY h.handler, h.concurrency_key
-                       HAVING count(*) >= min(h.concurrency_limit)))
+                       HAVING count(*) >= min(CASE h.handler {limits} END)))
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c
@@ -231,10 +234,18 @@ def claim_sql(handlers: int, queues: int) -> str:
 
 
 @lru_cache(maxsize=256)
-def claim_keyed_sql(handlers: int, queues: int) -> str:
-    """The keyed claim for ``handlers`` handler names and ``queues`` queue names (0: any)."""
+def claim_keyed_sql(handlers: int, queues: int, limited: int) -> str:
+    """The keyed claim for ``handlers`` and ``queues`` names (0: any queue).
+
+    ``limited``: how many handlers declare a limit now (``limited_<i>`` -> ``limit_<i>``).
+    """
     in_queues = f"\n              AND queue IN ({numbered('queue', queues)})" if queues else ""
-    return CLAIM_KEYED.render(handlers=numbered("handler", handlers), queues=in_queues)
+    return CLAIM_KEYED.render(
+        handlers=numbered("handler", handlers),
+        queues=in_queues,
+        limited=numbered("limited", limited),
+        limits=" ".join(f"WHEN %(limited_{i})s THEN %(limit_{i})s" for i in range(limited)),
+    )
 
 
 @lru_cache(maxsize=256)
@@ -277,7 +288,7 @@ class SQLiteOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
-        limited: bool = False,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
@@ -288,8 +299,13 @@ class SQLiteOperations(VendorOperations):
             **numbered_params("handler", handlers),
             **numbered_params("queue", queues),
         }
-        render = claim_keyed_sql if limited else claim_sql
-        rows = self._fetch(render(len(handlers), len(queues)), params)
+        if limits:
+            params.update(numbered_params("limited", list(limits)))
+            params.update(numbered_params("limit", list(limits.values())))
+            sql = claim_keyed_sql(len(handlers), len(queues), len(limits))
+        else:
+            sql = claim_sql(len(handlers), len(queues))
+        rows = self._fetch(sql, params)
         # The statement does not say how many candidates it held back.
         return self._rows_to_items(rows)
 

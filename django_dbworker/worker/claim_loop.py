@@ -133,7 +133,11 @@ class ClaimLoop:
                 handlers=list(handlers),
                 queues=self.config.queues,
                 worker=worker_id(),
-                limited=any(h.concurrency_limit is not None for h in handlers.values()),
+                limits={
+                    n: h.concurrency_limit
+                    for n, h in handlers.items()
+                    if h.concurrency_limit is not None
+                },
             )
         except Exception:
             if self._urgent_claim:

@@ -50,14 +50,15 @@ FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_idx)
 WHERE p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
-  AND (p.concurrency_limit IS NULL
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
        OR (p.handler, p.concurrency_key) NOT IN (
            SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
              AND h.concurrency_key IS NOT NULL
-             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
            GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -70,14 +71,15 @@ WHERE p.queue = %(queue)s
   AND p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
-  AND (p.concurrency_limit IS NULL
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
        OR (p.handler, p.concurrency_key) NOT IN (
            SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
              AND h.concurrency_key IS NOT NULL
-             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
            GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -90,14 +92,15 @@ WHERE p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN (%(handler_0)s, %(handler_1)s)
   AND p.queue IN (%(queue_0)s, %(queue_1)s)
-  AND (p.concurrency_limit IS NULL
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
        OR (p.handler, p.concurrency_key) NOT IN (
            SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
            WHERE h.status = 'claimed'
              AND h.concurrency_key IS NOT NULL
-             AND h.handler IN (%(handler_0)s, %(handler_1)s)
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
            GROUP BY h.handler, h.concurrency_key
-           HAVING count(*) >= min(h.concurrency_limit)))
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -115,11 +118,12 @@ INSERT IGNORE INTO django_dbworker_flowlock (name) VALUES (%(name_0)s), (%(name_
 
 -- name: count_key_slots
 -- The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.
-SELECT handler, concurrency_key, count(*)
-FROM django_dbworker_workitem FORCE INDEX (dbworker_key_slots_idx)
-WHERE (handler, concurrency_key) IN ((%(handler_0)s, %(key_0)s), (%(handler_1)s, %(key_1)s))
-  AND status = 'claimed'
-GROUP BY handler, concurrency_key;
+SELECT k.handler, k.concurrency_key,
+       (SELECT count(*)
+        FROM django_dbworker_workitem AS h FORCE INDEX (dbworker_key_slots_idx)
+        WHERE h.handler = k.handler AND h.concurrency_key = k.concurrency_key
+          AND h.status = 'claimed')
+FROM (SELECT %(handler_0)s AS handler, %(key_0)s AS concurrency_key UNION ALL SELECT %(handler_1)s AS handler, %(key_1)s AS concurrency_key) AS k;
 
 -- name: claim_update
 -- Mark the locked rows claimed: new token, worker, times, one more attempt.

@@ -82,14 +82,17 @@ WITH c AS (
     WHERE p.status = 'pending'
       AND p.run_after <= statement_timestamp()
       AND p.handler = ANY(%(handlers)s::text[])
-      AND (p.concurrency_limit IS NULL
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
                SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
                WHERE h.status = 'claimed'
                  AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(handlers)s::text[])
+                 AND h.handler = ANY(%(limited)s::text[])
                GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(h.concurrency_limit)))
+               HAVING count(*) >= min(l.lim)))
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
@@ -98,7 +101,7 @@ WITH c AS (
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_limit IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
@@ -117,14 +120,17 @@ WITH c AS (
       AND p.run_after <= statement_timestamp()
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue = %(queue)s
-      AND (p.concurrency_limit IS NULL
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
                SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
                WHERE h.status = 'claimed'
                  AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(handlers)s::text[])
+                 AND h.handler = ANY(%(limited)s::text[])
                GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(h.concurrency_limit)))
+               HAVING count(*) >= min(l.lim)))
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
@@ -133,7 +139,7 @@ WITH c AS (
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_limit IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
@@ -152,14 +158,17 @@ WITH c AS (
       AND p.run_after <= statement_timestamp()
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue = ANY(%(queues)s::text[])
-      AND (p.concurrency_limit IS NULL
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
                SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
                WHERE h.status = 'claimed'
                  AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(handlers)s::text[])
+                 AND h.handler = ANY(%(limited)s::text[])
                GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(h.concurrency_limit)))
+               HAVING count(*) >= min(l.lim)))
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
@@ -168,7 +177,7 @@ WITH c AS (
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_limit IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
@@ -177,6 +186,14 @@ SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
 FROM c
 WHERE (SELECT count(*) FROM locks) >= 0
 ORDER BY c.priority DESC, c.run_after, c.id;
+
+-- name: read_committed
+-- The keyed claim's own transaction counts slots in fresh snapshots (first statement).
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+
+-- name: transaction_isolation
+-- The isolation of the caller's transaction.
+SHOW transaction_isolation;
 
 -- name: claim_within_limits
 -- Count the candidates' keys' slots and claim the candidates that fit, in claim order.

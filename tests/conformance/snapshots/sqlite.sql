@@ -60,7 +60,9 @@ SET status = 'claimed',
     claim_token = lower(hex(randomblob(16)))
 WHERE id IN (
     SELECT r.id FROM (
-        SELECT c.id, c.concurrency_limit,
+        SELECT c.id,
+               CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END END
+               AS concurrency_limit,
                row_number() OVER (
                    PARTITION BY c.handler, c.concurrency_key
                    ORDER BY c.priority DESC, c.run_after, c.id) AS n,
@@ -75,14 +77,15 @@ WHERE id IN (
               AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
               AND handler IN (%(handler_0)s, %(handler_1)s)
               AND queue IN (%(queue_0)s, %(queue_1)s)
-              AND (concurrency_limit IS NULL
+              AND (concurrency_key IS NULL
+                   OR handler NOT IN (%(limited_0)s, %(limited_1)s)
                    OR (handler, concurrency_key) NOT IN (
                        SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
                        WHERE h.status = 'claimed'
                          AND h.concurrency_key IS NOT NULL
-                         AND h.handler IN (%(handler_0)s, %(handler_1)s)
+                         AND h.handler IN (%(limited_0)s, %(limited_1)s)
                        GROUP BY h.handler, h.concurrency_key
-                       HAVING count(*) >= min(h.concurrency_limit)))
+                       HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c
