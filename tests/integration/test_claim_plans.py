@@ -90,7 +90,9 @@ def test_the_keyed_claims_candidates_read_the_claim_index_and_count_slots_by_ind
     )
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {TABLE}")
-    sql, params = postgresql.candidates_statement(limit=8, handlers=["noop"], queues=queues)
+    sql, params = postgresql.candidates_statement(
+        limit=8, handlers=["noop"], queues=queues, limits={"noop": 1}
+    )
     plan = _plan(sql, params)
     assert f"Seq Scan on {TABLE}" not in plan, plan
     assert f"using {index}" in plan, plan
