@@ -137,9 +137,8 @@ MAX_CONCURRENCY_KEY = 200
 def _concurrency_columns(handler: type[WorkItemHandler], key: Any) -> dict[str, Any]:
     """``concurrency_key`` and ``concurrency_limit`` for a row; both None without a key.
 
-    The limit is the handler's, copied at enqueue as ``max_attempts`` is:
-    the claim reads it from the row, so rows of one key enqueued before a
-    deploy that changed it keep the limit they were enqueued with.
+    The limit is the handler's at enqueue, informational (the admin shows
+    it): the claim holds a key to its handler's current declaration.
     """
     if key is None:
         return {"concurrency_key": None, "concurrency_limit": None}

@@ -93,7 +93,8 @@ class WorkItemHandler(Handler["WorkItem"]):
     retry_on: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
     #: At most this many items of one ``concurrency_key`` claimed at once,
     #: across all workers (items enqueued without a key are not limited);
-    #: None: no limit. Copied onto each keyed row at enqueue.
+    #: None: no limit. The current value decides (a deploy that changes it
+    #: applies to rows already enqueued); each keyed row records it at enqueue.
     concurrency_limit: ClassVar[int | None] = None
 
     @property

@@ -381,8 +381,13 @@ def lock_waiters() -> int:
                 "WHERE wait_event_type = 'Lock' AND datname = current_database()"
             )
         else:
+            # MariaDB waits for a FlowLock row found by its primary key while
+            # optimising (processlist state "Statistics", not yet LOCK WAIT).
             cursor.execute(
-                "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+                "SELECT (SELECT count(*) FROM information_schema.innodb_trx"
+                "        WHERE trx_state = 'LOCK WAIT')"
+                " + (SELECT count(*) FROM information_schema.processlist"
+                "    WHERE state = 'Statistics' AND info LIKE '%%django_dbworker_flowlock%%')"
             )
         (n,) = cursor.fetchone()
     return int(n)
