@@ -1,7 +1,7 @@
 """Run every benchmark N times side by side; write the medians table.
 
     .venv/bin/python bench/run_all.py [--runs 3] [--out docs/internals/benchmarks-results.md]
-        [--only raw,w1_p1,w1_100k,w2,w3,w6,w8,startup,peers] [--peers pgqueuer]
+        [--only raw,w1_p1,w1_100k,w2,w3,w6,w7,w8,startup,peers] [--peers pgqueuer]
 
 One durable PostgreSQL cluster serves every run (ours, the raw ceiling and
 the peers), so ratios compare like with like. Raw JSON lines go to
@@ -68,6 +68,7 @@ PLAN_KEYS = (
     "w4",
     "w5",
     "w6",
+    "w7",
     "w8",
     "startup",
     "peers",
@@ -91,6 +92,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
         ("w4", "w4_big_table.py", ["--items", items]),
         ("w5", "w5_memory.py", []),
         ("w6", "w6_priority.py", ["--backlog", str(args.backlog)]),
+        ("w7", "w7_keys.py", ["--items", items]),
         ("w8", "w8_rate.py", []),
         ("startup", "startup.py", []),
     ]
@@ -209,6 +211,9 @@ def render(
     w5 = col(rows, "w5", "growth")
     w5s = col(rows, "w5", "rss_start_mib")
     w5e = col(rows, "w5", "rss_end_mib")
+    w7 = col(rows, "w7", "keyed_items_per_second_active")
+    w7_plain = col(rows, "w7", "plain_items_per_second_active")
+    w7_share = col(rows, "w7", "keyed_share_active")
     w8 = col(rows, "w8", "start_rate_per_s")
     w8max = col(rows, "w8", "max_in_1s")
     ceiling = mid(raw100)
@@ -244,6 +249,9 @@ def render(
         f"| W4 W1 with 1,000,000 finished rows, ratio to empty table | {cell(w4, 2)} | | |",
         f"| W5 RSS over 100,000 items: start / end MiB, growth | {cell(w5s, 1)} / "
         f"{cell(w5e, 1)}, {cell([g * 100 for g in w5], 1)} % | | |",
+        f"| W7 jobs/s, 10,000 items over 100 keys, concurrency_limit 1, 2 processes (active) | "
+        f"{cell(w7)} | plain W1 in the same run: {cell(w7_plain)} | "
+        f"{cell([v * 100 for v in w7_share])} % of plain |",
         f"| W8 rate limit 200/s, 2 processes: start rate/s, most starts in 1 s | {cell(w8, 1)}, "
         f"{cell(w8max)} | | |",
         "",

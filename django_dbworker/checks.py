@@ -6,7 +6,8 @@ E015-E017 for a ``DBWorkerBackend`` in ``TASKS`` (its own ``check()``, run by
 Django's tasks checks), E018 for a database server too old to run the worker
 (MySQL/MariaDB), E019 for a number of seconds no thread can wait for
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
-``rate_limit`` that is not "N/s", "N/m" or "N/h", W001-W009 for risky but
+``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
+``concurrency_limit``, W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based).
 Checks read settings only and never connect, except the database checks
 (``Tags.database``), which Django runs only when asked (``migrate``,
@@ -270,4 +271,32 @@ def rate_limit_errors(classes: Any) -> list[CheckMessage]:
                     id="django_dbworker.E020",
                 )
             )
+    return errors
+
+
+@register(Tags.compatibility)
+def check_concurrency_limits(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse a ``concurrency_limit`` that is not an integer of at least 1 (or None)."""
+    return concurrency_limit_errors(registry.values())
+
+
+def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
+    """One error per WorkItem handler class among ``classes`` whose limit is bad."""
+    errors: list[CheckMessage] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+            continue
+        problem = validation.concurrency_limit_problem(cls.concurrency_limit)
+        if problem is None:
+            continue
+        errors.append(
+            Error(
+                f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) has a bad "
+                f"concurrency_limit: {problem}.",
+                hint="Set concurrency_limit to the number of items of one concurrency_key "
+                "that may be claimed at once (1 or more), or None for no limit.",
+                obj=cls,
+                id="django_dbworker.E021",
+            )
+        )
     return errors

@@ -54,6 +54,10 @@ class EnqueueOptions:
     unique_key: str | None = None
     #: Attempts before the item ends ``failed``; None: the handler's.
     max_attempts: int | None = None
+    #: At most the handler's ``concurrency_limit`` items of one handler and key
+    #: are claimed at once; None: no limit. The limit is copied onto the row
+    #: with the key (a key without a handler limit is stored, unlimited).
+    concurrency_key: str | None = None
     #: The database alias to write to; None: the routers' write alias.
     using: str | None = None
 
@@ -71,6 +75,7 @@ class EnqueueOptions:
                 else _check_max_attempts(self.max_attempts)
             ),
             "unique_key": _check_unique_key(self.unique_key),
+            **_concurrency_columns(handler, self.concurrency_key),
         }
 
     def run_after_value(self) -> datetime | Expression | None:
@@ -123,6 +128,39 @@ def _check_unique_key(key: Any) -> str | None:
         # Refused everywhere, like payloads; the message does not quote the key.
         raise EnqueueError(f"unique_key contains {problem}, which is not allowed.")
     return key
+
+
+#: The concurrency_key column's width.
+MAX_CONCURRENCY_KEY = 200
+
+
+def _concurrency_columns(handler: type[WorkItemHandler], key: Any) -> dict[str, Any]:
+    """``concurrency_key`` and ``concurrency_limit`` for a row; both None without a key.
+
+    The limit is the handler's at enqueue, informational (the admin shows
+    it): the claim holds a key to its handler's current declaration.
+    """
+    if key is None:
+        return {"concurrency_key": None, "concurrency_limit": None}
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_CONCURRENCY_KEY:
+        if isinstance(key, str):
+            got = f"a string of {len(key)} characters"
+        else:
+            got = f"{type(key).__name__} {key!r}"[:80]
+        raise EnqueueError(
+            f"concurrency_key must be a string of 1 to {MAX_CONCURRENCY_KEY} characters or "
+            f"None, got {got}."
+        )
+    problem = unstorable_text(key)
+    if problem is not None:
+        raise EnqueueError(f"concurrency_key contains {problem}, which is not allowed.")
+    limit = handler.concurrency_limit
+    problem = validation.concurrency_limit_problem(limit)
+    if problem is not None:
+        # The system check (E021) says so at start-up; an enqueue that runs
+        # anyway must not store a limit the claim cannot honour.
+        raise EnqueueError(f"Handler {handler.name!r} has a bad concurrency_limit: {problem}.")
+    return {"concurrency_key": key, "concurrency_limit": limit}
 
 
 def _check_max_attempts(value: Any) -> int:

@@ -176,6 +176,7 @@ def enqueue(
     queue: str | None = None,
     unique_key: str | None = None,
     max_attempts: int | None = None,
+    concurrency_key: str | None = None,
     using: str | None = None,
 ) -> WorkItem:
     """Insert one work item; returns it (or, for a live ``unique_key``, the existing row).
@@ -189,6 +190,7 @@ def enqueue(
         queue=queue,
         unique_key=unique_key,
         max_attempts=max_attempts,
+        concurrency_key=concurrency_key,
         using=using,
     )
     return insert_one(handler, payload, options)[0]
@@ -203,6 +205,7 @@ def insert(
     queue: str | None = None,
     unique_key: str | None = None,
     max_attempts: int | None = None,
+    concurrency_key: str | None = None,
     using: str | None = None,
 ) -> tuple[WorkItem, bool]:
     """``enqueue``, also saying whether a row was added (False: a live ``unique_key``'s row)."""
@@ -212,6 +215,7 @@ def insert(
         queue=queue,
         unique_key=unique_key,
         max_attempts=max_attempts,
+        concurrency_key=concurrency_key,
         using=using,
     )
     return insert_one(handler, payload, options)
@@ -337,14 +341,22 @@ def enqueue_many(
     run_after: datetime | timedelta | None = None,
     priority: int = 0,
     queue: str | None = None,
+    concurrency_key: str | None = None,
     using: str | None = None,
 ) -> list[WorkItem]:
     """Insert one work item per payload in one bulk INSERT (or COPY); all or nothing.
 
     The options every item shares are validated with the first payload, so an
-    invalid queue reads "Payload #0: ..." as it always did.
+    invalid queue reads "Payload #0: ..." as it always did. ``concurrency_key``
+    is every item's.
     """
-    options = EnqueueOptions(run_after=run_after, priority=priority, queue=queue, using=using)
+    options = EnqueueOptions(
+        run_after=run_after,
+        priority=priority,
+        queue=queue,
+        concurrency_key=concurrency_key,
+        using=using,
+    )
     return insert_many(handler, payloads, options)
 
 

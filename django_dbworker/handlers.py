@@ -95,6 +95,11 @@ class WorkItemHandler(Handler["WorkItem"]):
     #: "N/m" or "N/h" (None: no limit). Items beyond it wait pending; waiting
     #: is not an attempt (``worker/claim_loop.py``, ``VendorOperations.claim_rated``).
     rate_limit: ClassVar[str | None] = None
+    #: At most this many items of one ``concurrency_key`` claimed at once,
+    #: across all workers (items enqueued without a key are not limited);
+    #: None: no limit. The current value decides (a deploy that changes it
+    #: applies to rows already enqueued); each keyed row records it at enqueue.
+    concurrency_limit: ClassVar[int | None] = None
 
     @property
     def cancel_requested(self) -> bool:
@@ -205,11 +210,17 @@ class WorkItemHandler(Handler["WorkItem"]):
         priority: int = 0,
         queue: str | None = None,
         unique_key: str | None = None,
+        concurrency_key: str | None = None,
         using: str | None = None,
     ) -> WorkItem:
         """Insert one item for this handler; see ``django_dbworker.enqueue``."""
         options = EnqueueOptions(
-            run_after=run_after, priority=priority, queue=queue, unique_key=unique_key, using=using
+            run_after=run_after,
+            priority=priority,
+            queue=queue,
+            unique_key=unique_key,
+            concurrency_key=concurrency_key,
+            using=using,
         )
         return _enqueuer().insert_one(cls, payload, options)[0]
 
@@ -221,10 +232,17 @@ class WorkItemHandler(Handler["WorkItem"]):
         run_after: datetime | timedelta | None = None,
         priority: int = 0,
         queue: str | None = None,
+        concurrency_key: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
         """Insert one item per payload in one bulk write; see ``django_dbworker.enqueue_many``."""
-        options = EnqueueOptions(run_after=run_after, priority=priority, queue=queue, using=using)
+        options = EnqueueOptions(
+            run_after=run_after,
+            priority=priority,
+            queue=queue,
+            concurrency_key=concurrency_key,
+            using=using,
+        )
         return _enqueuer().insert_many(cls, payloads, options)
 
     # -- not driven on its own ----------------------------------------------------

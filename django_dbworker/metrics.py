@@ -161,16 +161,19 @@ class WorkerMetrics:
             ["worker"],
             **kw,
         )
+        # Flow control: ready rows a claim held back (reason "concurrency": no
+        # free slot for their concurrency_key; "rate": over a rate limit).
+        # Not attempts: the rows stay pending, untouched.
+        self.throttled = pc.Counter(
+            "worker_throttled_total",
+            "Claim candidates held back by flow control, by reason (concurrency, rate).",
+            ["worker", "reason"],
+            **kw,
+        )
         self.pruned = pc.Counter(
             "dbworker_pruned_total",
             "Finished rows deleted by the retention run, by status.",
             ["status"],
-            **kw,
-        )
-        self.throttled = pc.Counter(
-            "worker_throttled_total",
-            "Claims of a handler's rows held back by a flow limit, by reason (rate).",
-            ["worker", "reason"],
             **kw,
         )
         self.abandoned = pc.Gauge(

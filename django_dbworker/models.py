@@ -222,10 +222,10 @@ class WorkItem(models.Model):
     # NULL (not "") means "no key", so the partial unique constraint ignores it.
     unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     trace_context = models.JSONField(default=dict, blank=True)
-    #: Flow control (SPEC "Flow control"): at most ``concurrency_limit`` rows
-    #: of one (handler, concurrency_key) are claimed at once. Both are copied
-    #: at enqueue, the limit from the handler as ``max_attempts`` is; NULL
-    #: means no limit, and the claim's fast path never looks further.
+    #: Flow control (SPEC "Flow control"): at most the handler's current
+    #: ``concurrency_limit`` rows of one (handler, concurrency_key) are claimed
+    #: at once. ``concurrency_limit`` here is the limit at enqueue,
+    #: informational: the claim reads the handler's declaration, not this.
     concurrency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
     concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
     #: Times the handler raised ``Snooze``: pending again without using an attempt.
@@ -310,7 +310,7 @@ class WorkItem(models.Model):
             ),
             # The slots a key holds: its claimed rows, counted inside the claim.
             models.Index(
-                fields=["handler", "concurrency_key"],
+                fields=["handler", "concurrency_key", "status"],
                 condition=Q(status="claimed") & Q(concurrency_key__isnull=False),
                 name="dbworker_key_slots_idx",
             ),

@@ -1,5 +1,6 @@
 """Aggregates over the work table: counts by queue and status, queue lag, orphans,
-and the last hour of finished work (throughput per minute, run times, failures).
+concurrency keys at their limit, and the last hour of finished work
+(throughput per minute, run times, failures).
 
 Live rows (pending, claimed) and failed rows are always counted exactly:
 they are what operators act on, and the status index keeps those counts
@@ -155,6 +156,47 @@ def orphaned_handlers(using: str | None = None) -> list[OrphanedHandler]:
         }
         for row in rows
     ]
+
+
+class KeyAtLimit(TypedDict):
+    handler: str
+    key: str
+    claimed: int
+    limit: int
+
+
+#: Keys at their limit listed, most claimed first.
+KEYS_AT_LIMIT = 20
+
+
+def keys_at_limit(using: str | None = None) -> tuple[list[KeyAtLimit], int]:
+    """Concurrency keys whose claimed rows fill their limit (at most ``KEYS_AT_LIMIT``), and
+    how many such keys there are.
+
+    Read from the claimed keyed rows only (the partial ``dbworker_key_slots_idx``
+    on PostgreSQL and SQLite), so its cost follows the work running now.
+    Their pending rows wait for a slot.
+    """
+    db = work_db_for_read(using)
+    rows: Any = (
+        WorkItem.objects.using(db)
+        .filter(status=Status.CLAIMED, concurrency_key__isnull=False)
+        .order_by()
+        .values("handler", "concurrency_key")
+        .annotate(n=Count("id"), limit=Min("concurrency_limit"))
+        .filter(limit__isnull=False, n__gte=F("limit"))
+        .order_by("-n", "handler", "concurrency_key")
+    )
+    found: list[KeyAtLimit] = [
+        {
+            "handler": r["handler"],
+            "key": r["concurrency_key"],
+            "claimed": r["n"],
+            "limit": r["limit"],
+        }
+        for r in rows
+    ]
+    return found[:KEYS_AT_LIMIT], len(found)
 
 
 class ScheduleStats(TypedDict):

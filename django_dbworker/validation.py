@@ -56,6 +56,25 @@ def positive_int(value: Any) -> int:
     return int(value)
 
 
+#: The largest ``concurrency_limit`` the column stores (a 32-bit integer on every vendor).
+CONCURRENCY_LIMIT_MAX = 2**31 - 1
+
+
+def concurrency_limit_problem(value: Any) -> str | None:
+    """What is wrong with a handler's ``concurrency_limit``, or None (None itself is fine).
+
+    An int of at least 1; a bool is not an int here (``True`` is no limit
+    anyone means), nor is ``"2"``.
+    """
+    if value is None:
+        return None
+    if not _is_int(value):
+        return f"it must be an integer of at least 1 or None, got {value!r}"
+    if not 1 <= value <= CONCURRENCY_LIMIT_MAX:
+        return f"it must be between 1 and {CONCURRENCY_LIMIT_MAX}, got {value!r}"
+    return None
+
+
 def non_negative_int(value: Any) -> int:
     if not _is_int(value):
         raise InvalidValue(f"must be an integer, got {value!r}", wrong_type=True)

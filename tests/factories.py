@@ -25,10 +25,26 @@ def claim(
     handlers: list[str] | None = None,
     queues: list[str] | None = None,
     worker: str = "test:1:main",
+    limited: bool = False,
 ) -> list[WorkItem]:
     return operations().claim(
-        limit=limit, handlers=handlers or ["noop", "echo", "urgent"], queues=queues, worker=worker
+        limit=limit,
+        handlers=handlers or ["noop", "echo", "urgent"],
+        queues=queues,
+        worker=worker,
+        limits=handler_limits(handlers or []) if limited else None,
     )
+
+
+def handler_limits(names: list[str]) -> dict[str, int]:
+    """The current ``concurrency_limit`` of each registered handler of ``names`` that has one."""
+    from django_dbworker.registry import registry
+
+    return {
+        n: registry[n].concurrency_limit
+        for n in names
+        if n in registry and getattr(registry[n], "concurrency_limit", None) is not None
+    }
 
 
 def age_heartbeat(item: WorkItem, seconds: float) -> None:
@@ -71,3 +87,26 @@ def run_retries(rounds: int = 10) -> None:
         if not WorkItem.objects.filter(status="pending").exists():
             return
         make_due()
+
+
+def assert_no_key_overlaps() -> int:
+    """Assert no two runs of one key overlapped, from the ``keyed`` handler's own records.
+
+    Each key's start and end records, in time order, must read start, end,
+    start, end, ...; returns the most runs of different keys that were
+    running at one moment (more than 1: keys ran side by side).
+    """
+    from tests.testapp.models import Execution
+
+    records = list(Execution.objects.filter(kind__in=["start", "end"]).order_by("created_at", "id"))
+    by_key: dict[str, list[str]] = {}
+    for record in records:
+        by_key.setdefault(record.key, []).append(record.kind)
+    for key, kinds in by_key.items():
+        expected = ["start", "end"] * (len(kinds) // 2)
+        assert kinds == expected, f"runs of key {key!r} overlapped: {kinds}"
+    running = widest = 0
+    for record in records:
+        running += 1 if record.kind == "start" else -1
+        widest = max(widest, running)
+    return widest

@@ -42,3 +42,13 @@ class BenchRated(WorkItemHandler):
 
     def handle(self, payload: Any) -> float:
         return time.time()
+
+
+class BenchKeyed(WorkItemHandler):
+    """No work, one item per concurrency key at a time (W7)."""
+
+    name = "bench_keyed"
+    concurrency_limit = 1
+
+    def handle(self, payload: Any) -> None:
+        return None

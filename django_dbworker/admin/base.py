@@ -69,7 +69,21 @@ class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
 
     actions = [actions.retry, actions.cancel, actions.run_now]
     fieldsets = (
-        (None, {"fields": ("id", "handler", "queue", "status_badge", "priority", "unique_key")}),
+        (
+            None,
+            {
+                "fields": (
+                    "id",
+                    "handler",
+                    "queue",
+                    "status_badge",
+                    "priority",
+                    "unique_key",
+                    "concurrency_key",
+                    "concurrency_limit",
+                )
+            },
+        ),
         (
             "Schedule",
             {
@@ -115,6 +129,8 @@ class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
         "status_badge",
         "priority",
         "unique_key",
+        "concurrency_key",
+        "concurrency_limit",
         "run_after_exact",
         "attempts_display",
         "snoozes_display",

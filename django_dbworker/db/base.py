@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar
@@ -28,7 +28,15 @@ from django.db.models import QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
-from django_dbworker.db.flow import RATE_ALLOWANCE, RatedClaim, claim_rated
+from django_dbworker.db.flow import (
+    RATE_ALLOWANCE,
+    Candidate,
+    RatedClaim,
+    claim_rated,
+    current_limits,
+    flow_lock_name,
+    within_limits,
+)
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -37,6 +45,7 @@ from django_dbworker.db.sql import (
     numbered_params,
 )
 from django_dbworker.db.types import (
+    Claimed,
     ColumnStats,
     RunTimes,
     ServerProblem,
@@ -56,6 +65,8 @@ __all__ = [
     "CAPABILITIES",
     "CLAIM_COLUMNS",
     "INSERTED_COLUMNS",
+    "Candidate",
+    "Claimed",
     "ColumnStats",
     "RatedClaim",
     "RunTimes",
@@ -67,11 +78,14 @@ __all__ = [
     "VendorOperations",
     "add_local_waker",
     "as_uuid",
+    "current_limits",
+    "flow_lock_name",
     "numbered",
     "numbered_params",
     "percentile",
     "remove_local_waker",
     "wake_local",
+    "within_limits",
 ]
 
 T = TypeVar("T")
@@ -95,7 +109,6 @@ def as_uuid(value: Any) -> UUID:
 
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
-
 
 #: What every vendor class must say about its database (class attributes).
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
@@ -172,8 +185,11 @@ class VendorOperations(ABC):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
+        ``limits`` (handler -> its current ``concurrency_limit``): the keyed
+        claim, keys held to these limits, not to the rows' stored ones.
 
         Ready means ``pending`` with ``run_after`` passed by the database's
         clock, of one of ``handlers`` (and of ``queues`` when given); claim
@@ -193,19 +209,21 @@ class VendorOperations(ABC):
         limit: int,
         queues: Sequence[str] | None,
         worker: str,
+        limits: Mapping[str, int] | None = None,
     ) -> RatedClaim:
         """Claim up to ``limit`` rows of a handler allowed ``starts`` starts per ``period`` seconds.
 
         A sliding window, exact and cluster-wide, under the handler's
         ``FlowLock`` row, in a transaction of its own (``flow.claim_rated``);
-        the claim is this vendor's own ``claim``, restricted to the handler.
+        the claim is this vendor's own ``claim``, restricted to the handler
+        (and keyed by ``limits`` when it also has a ``concurrency_limit``).
         """
         return self.retrying(
             lambda: claim_rated(
                 using=self.using,
                 transaction=self._flow_transaction,
                 claim=lambda n: self.claim(
-                    limit=n, handlers=[handler], queues=queues, worker=worker
+                    limit=n, handlers=[handler], queues=queues, worker=worker, limits=limits
                 ),
                 handler=handler,
                 starts=starts,

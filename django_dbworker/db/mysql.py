@@ -25,7 +25,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -36,7 +36,16 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
-from django_dbworker.db.base import VendorOperations, as_uuid, numbered_params
+from django_dbworker.db.base import (
+    Candidate,
+    Claimed,
+    VendorOperations,
+    as_uuid,
+    current_limits,
+    flow_lock_name,
+    numbered_params,
+    within_limits,
+)
 from django_dbworker.db.errors import mysql_error_code
 from django_dbworker.db.mysql_sql import (
     DISTINCT_QUEUES,
@@ -44,12 +53,16 @@ from django_dbworker.db.mysql_sql import (
     SERVER_SETTINGS,
     SET_READ_COMMITTED,
     SET_TIME_ZONE,
+    claim_candidates_sql,
     claim_read_sql,
     claim_select_sql,
     claim_update_sql,
+    count_key_slots_sql,
     heartbeat_lock_sql,
     insert_chunks,
+    insert_flow_locks_sql,
     insert_items_sql,
+    lock_flow_locks_sql,
     lock_rows_sql,
     succeed_lock_sql,
     succeed_update_sql,
@@ -176,6 +189,7 @@ class MySQLOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
@@ -185,6 +199,8 @@ class MySQLOperations(VendorOperations):
             params["queue"] = queues[0]
         else:
             params.update(numbered_params("queue", queues))
+        if limits:
+            return self._claim_keyed(params, worker, len(handlers), len(queues), limits)
         select = claim_select_sql(len(handlers), len(queues))
 
         def attempt() -> list[tuple[Any, ...]]:
@@ -194,13 +210,63 @@ class MySQLOperations(VendorOperations):
                 ids = sorted(pk for (pk,) in cursor.fetchall())
                 if not ids:
                     return []
-                cursor.execute(
-                    claim_update_sql(len(ids)), {"worker": worker, **numbered_params("id", ids)}
-                )
-                cursor.execute(claim_read_sql(len(ids)), numbered_params("id", ids))
-                return list(cursor.fetchall())
+                return self._claim_ids(cursor, ids, worker)
 
         return self._rows_to_items(self._retrying(attempt, "claiming"))
+
+    def _claim_ids(self, cursor: Any, ids: list[int], worker: str) -> list[tuple[Any, ...]]:
+        """Mark the locked rows ``ids`` (ascending) claimed; read them back."""
+        cursor.execute(claim_update_sql(len(ids)), {"worker": worker, **numbered_params("id", ids)})
+        cursor.execute(claim_read_sql(len(ids)), numbered_params("id", ids))
+        return list(cursor.fetchall())
+
+    def _claim_keyed(
+        self,
+        params: dict[str, Any],
+        worker: str,
+        handlers: int,
+        queues: int,
+        limits: Mapping[str, int],
+    ) -> Claimed[WorkItem]:
+        """The claim that honours concurrency keys (``mysql_sql``, "the keyed claim")."""
+        select = claim_candidates_sql(handlers, queues, len(limits))
+        params = {**params, **numbered_params("limited", list(limits))}
+        params.update(numbered_params("limit", list(limits.values())))
+
+        def attempt() -> tuple[list[tuple[Any, ...]], int]:
+            with self._read_committed(), self.connection.cursor() as cursor:
+                cursor.execute(select, params)
+                candidates: list[Candidate] = current_limits(list(cursor.fetchall()), limits)
+                if not candidates:
+                    return [], 0
+                slots = sorted({(h, k) for _, h, k, lim in candidates if k is not None and lim})
+                held: dict[tuple[str, str], int] = {}
+                if slots:
+                    self._lock_flow_locks(cursor, sorted({flow_lock_name(h, k) for h, k in slots}))
+                    pairs = numbered_params("handler", [h for h, _ in slots])
+                    pairs.update(numbered_params("key", [k for _, k in slots]))
+                    cursor.execute(count_key_slots_sql(len(slots)), pairs)
+                    held = {(h, k): int(n) for h, k, n in cursor.fetchall()}
+                    # A pair the count did not name back is full, never free.
+                    held.update({s: limits[s[0]] for s in slots if s not in held})
+                ids, throttled = within_limits(candidates, held)
+                if not ids:
+                    return [], throttled
+                return self._claim_ids(cursor, sorted(ids), worker), throttled
+
+        rows, throttled = self._retrying(attempt, "claiming")
+        return Claimed(self._rows_to_items(rows), throttled=throttled)
+
+    def _lock_flow_locks(self, cursor: Any, names: list[str]) -> None:
+        """Lock the FlowLock rows ``names`` (sorted), inserting the missing ones."""
+        cursor.execute(lock_flow_locks_sql(len(names)), numbered_params("name", names))
+        missing = sorted(set(names) - {name for (name,) in cursor.fetchall()})
+        if missing:
+            cursor.execute(insert_flow_locks_sql(len(missing)), numbered_params("name", missing))
+            # Rows this insert wrote are locked by it; one that another
+            # claimer inserted meanwhile is locked here.
+            cursor.execute(lock_flow_locks_sql(len(missing)), numbered_params("name", missing))
+            cursor.fetchall()
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
@@ -322,6 +388,8 @@ class MySQLOperations(VendorOperations):
             "delay_us": run_after // MICROSECOND if isinstance(run_after, timedelta) else 0,
             "max_attempts": first.max_attempts,
             "trace_context": json.dumps(first.trace_context or {}),
+            "concurrency_key": first.concurrency_key,
+            "concurrency_limit": first.concurrency_limit,
         }
 
     def _read_committed(self) -> Any:

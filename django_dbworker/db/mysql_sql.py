@@ -119,6 +119,125 @@ FOR UPDATE SKIP LOCKED
 """,
 )
 
+# -- the keyed claim (per-key concurrency limits) --------------------------------
+#
+# Only for workers whose handlers declare a concurrency_limit; the others
+# run the claim above, unchanged. Same transaction shape as the plain
+# claim (READ COMMITTED): the candidates are locked in claim order, skipping
+# rows whose key already holds its limit of claimed rows (so a key at its
+# limit does not stop the scan); then the FlowLock rows of their keys are
+# locked in name order (the missing ones inserted first: INSERT IGNORE of
+# an existing row would take a shared lock, and two claimers upgrading
+# shared locks deadlock); then the claimed rows per key are counted by a
+# statement of its own, which at READ COMMITTED sees what the previous
+# lock holder committed; then CLAIM_UPDATE takes the candidates that fit
+# (``base.within_limits``), and the rest stay pending, untouched.
+#
+# The keys at their limit are found once per statement (a materialised
+# NOT IN over the claimed keyed rows, through dbworker_status_idx), so a
+# skipped row costs a lookup. MySQL has no partial index:
+# dbworker_key_slots_idx is (handler, concurrency_key) over every row, and
+# COUNT_KEY_SLOTS reads the status of each row of a key, finished ones too.
+
+# {limited}: the handlers with a limit now; {limits}: CASE arms, handler -> its limit.
+_KEY_FILTER = """
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN ({limited})
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN ({limited})
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(CASE h.handler {limits} END)))"""
+
+CLAIM_CANDIDATES = Statement(
+    "claim_candidates",
+    "Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_idx)
+WHERE p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN ({{handlers}})
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+CLAIM_CANDIDATES_IN_QUEUE = Statement(
+    "claim_candidates_in_queue",
+    "Lock the next ready rows of some handlers in one queue, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_queue_idx)
+WHERE p.queue = %(queue)s
+  AND p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN ({{handlers}})
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+CLAIM_CANDIDATES_IN_QUEUES = Statement(
+    "claim_candidates_in_queues",
+    "Lock the next ready rows of some handlers in several queues, skipping keys at their limit.",
+    f"""
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_idx)
+WHERE p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN ({{handlers}})
+  AND p.queue IN ({{queues}})
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+""",
+)
+
+LOCK_FLOW_LOCKS = Statement(
+    "lock_flow_locks",
+    "Lock the FlowLock rows of some keys, in name order, until the transaction ends.",
+    """
+SELECT name FROM django_dbworker_flowlock
+WHERE name IN ({names})
+ORDER BY name
+FOR UPDATE
+""",
+)
+
+# Only names LOCK_FLOW_LOCKS did not find; locked by the insert itself. A
+# name another claimer inserted meanwhile is ignored here and locked by
+# LOCK_FLOW_LOCKS again (a deadlock on a key's first use is retried).
+INSERT_FLOW_LOCKS = Statement(
+    "insert_flow_locks",
+    "Create the FlowLock rows of some keys that have none yet.",
+    """
+INSERT IGNORE INTO django_dbworker_flowlock (name) VALUES {rows}
+""",
+)
+
+# One row per pair asked, named by the values sent (not by a group's first
+# row): the claim reads a missing pair as full.
+COUNT_KEY_SLOTS = Statement(
+    "count_key_slots",
+    "The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.",
+    """
+SELECT k.handler, k.concurrency_key,
+       (SELECT count(*)
+        FROM django_dbworker_workitem AS h FORCE INDEX (dbworker_key_slots_idx)
+        WHERE h.handler = k.handler AND h.concurrency_key = k.concurrency_key
+          AND h.status = 'claimed')
+FROM ({pairs}) AS k
+""",
+)
+
 # Every statement that finds rows by id names the primary key: the status
 # index looks cheaper to the optimizer when few rows are pending or claimed,
 # and a locking read through it would wait on (and deadlock with) rows that
@@ -225,7 +344,8 @@ INSERT_ITEMS = Statement(
     """
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
 VALUES {rows}
 RETURNING id, run_after, created_at, updated_at
 """,
@@ -235,7 +355,8 @@ RETURNING id, run_after, created_at, updated_at
 INSERT_ROW = (
     "(%(handler)s, %(queue)s, %(payload_{n})s, 'pending', %(priority)s, "
     "COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), "
-    "0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+    "0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, "
+    "%(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
 )
 
 # MySQL and MariaDB read DISTINCT on the leading column of an index by a
@@ -279,6 +400,44 @@ def claim_select_sql(handlers: int, queues: int) -> str:
         return CLAIM_SELECT_IN_QUEUE.render(handlers=numbered("handler", handlers))
     return CLAIM_SELECT_IN_QUEUES.render(
         handlers=numbered("handler", handlers), queues=numbered("queue", queues)
+    )
+
+
+@lru_cache(maxsize=256)
+def claim_candidates_sql(handlers: int, queues: int, limited: int) -> str:
+    """The keyed claim's candidates for ``handlers`` and ``queues`` names (0: any queue).
+
+    ``limited``: how many handlers declare a limit now (``limited_<i>`` -> ``limit_<i>``).
+    """
+    keys = {
+        "limited": numbered("limited", limited),
+        "limits": " ".join(f"WHEN %(limited_{i})s THEN %(limit_{i})s" for i in range(limited)),
+        "handlers": numbered("handler", handlers),
+    }
+    if queues == 0:
+        return CLAIM_CANDIDATES.render(**keys)
+    if queues == 1:
+        return CLAIM_CANDIDATES_IN_QUEUE.render(**keys)
+    return CLAIM_CANDIDATES_IN_QUEUES.render(**keys, queues=numbered("queue", queues))
+
+
+@lru_cache(maxsize=256)
+def lock_flow_locks_sql(names: int) -> str:
+    return LOCK_FLOW_LOCKS.render(names=numbered("name", names))
+
+
+@lru_cache(maxsize=256)
+def insert_flow_locks_sql(names: int) -> str:
+    return INSERT_FLOW_LOCKS.render(rows=", ".join(f"(%(name_{i})s)" for i in range(names)))
+
+
+@lru_cache(maxsize=256)
+def count_key_slots_sql(pairs: int) -> str:
+    return COUNT_KEY_SLOTS.render(
+        pairs=" UNION ALL ".join(
+            f"SELECT %(handler_{i})s AS handler, %(key_{i})s AS concurrency_key"
+            for i in range(pairs)
+        )
     )
 
 

@@ -13,7 +13,7 @@ imports it (``operations()`` is the way in).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -25,8 +25,9 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import VendorOperations, as_uuid
+from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, current_limits
 from django_dbworker.db.postgresql_sql import (
+    CLAIM_WITHIN_LIMITS,
     COPY_ITEMS,
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
@@ -35,10 +36,13 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEMS,
     LISTEN,
     NOTIFY,
+    READ_COMMITTED,
     RESERVE_IDS,
     RUN_TIMES,
     SUCCEED_MANY,
     TABLE_ESTIMATE,
+    TRANSACTION_ISOLATION,
+    candidates_statement,
     claim_statement,
 )
 from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
@@ -86,11 +90,71 @@ class PostgresOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
+        if limits:
+            return self._claim_keyed(
+                limit=limit, handlers=handlers, queues=queues, worker=worker, limits=limits
+            )
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
         return self._rows_to_items(self._fetch_bound(sql, params))
+
+    def _claim_keyed(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int],
+    ) -> Claimed[WorkItem]:
+        """The claim that honours concurrency keys (``postgresql_sql``, "the keyed claim")."""
+        sql, params = candidates_statement(
+            limit=limit, handlers=handlers, queues=queues, limits=limits
+        )
+        connection = self.connection
+        own = not connection.in_atomic_block
+        # Inside a caller's transaction (run_until_empty in a test) no
+        # savepoint, as the one-statement claim has none.
+        with transaction.atomic(using=self.using, savepoint=False):
+            if own:
+                # The slot count must see the claims committed by the key's
+                # previous lock holder: REPEATABLE READ or SERIALIZABLE (the
+                # connection's OPTIONS, the server's default) would count in
+                # the first snapshot and over-claim.
+                with connection.cursor() as cursor:
+                    cursor.execute(READ_COMMITTED.sql)
+            else:
+                self._refuse_snapshot_isolation(connection)
+            candidates = current_limits(self._fetch_bound(sql, params), limits)
+            if not candidates:
+                return Claimed()
+            columns = list(zip(*candidates, strict=True))
+            rows = self._fetch_bound(
+                CLAIM_WITHIN_LIMITS.sql,
+                {
+                    "worker": worker,
+                    "ids": list(columns[0]),
+                    "handlers": list(columns[1]),
+                    "keys": list(columns[2]),
+                    "limits": list(columns[3]),
+                },
+            )
+        return Claimed(self._rows_to_items(rows), throttled=len(candidates) - len(rows))
+
+    def _refuse_snapshot_isolation(self, connection: Any) -> None:
+        """Refuse the keyed claim in a caller's transaction stricter than READ COMMITTED."""
+        with connection.cursor() as cursor:
+            cursor.execute(TRANSACTION_ISOLATION.sql)
+            (level,) = cursor.fetchone()
+        if level != "read committed":
+            raise UnsupportedDatabase(
+                f"the keyed claim (concurrency_limit) needs READ COMMITTED; the caller's "
+                f"transaction is {level.upper()}, whose snapshot would count a key's slots "
+                "before the previous claimer's commit. Claim outside that transaction."
+            )
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
@@ -199,6 +263,8 @@ class PostgresOperations(VendorOperations):
                     "",
                     "",
                     _copy_text(params["trace_context"]),
+                    _copy_nullable(params["concurrency_key"]),
+                    _copy_nullable(params["concurrency_limit"]),
                     now.isoformat(),
                     now.isoformat(),
                 ]
@@ -280,6 +346,8 @@ class PostgresOperations(VendorOperations):
             "delay": run_after if isinstance(run_after, timedelta) else timedelta(0),
             "max_attempts": first.max_attempts,
             "trace_context": json.dumps(first.trace_context or {}),
+            "concurrency_key": first.concurrency_key,
+            "concurrency_limit": first.concurrency_limit,
         }
 
     def notify(self, queues: Sequence[str], priority: int = 0) -> None:
@@ -362,6 +430,11 @@ def _copy_text(value: str) -> str:
     return (
         value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
     )
+
+
+def _copy_nullable(value: str | int | None) -> str:
+    """A text or integer value as a COPY field; None is SQL NULL."""
+    return "\\N" if value is None else _copy_text(str(value))
 
 
 def _copy_payload(payload_json: str | None) -> str:

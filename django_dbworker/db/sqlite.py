@@ -16,7 +16,7 @@ the rest of the text is fixed.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
 from uuid import UUID
 
@@ -92,6 +92,68 @@ WHERE id IN (
       AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
+)
+AND status = 'pending'
+RETURNING id, handler, queue, payload, priority, run_after, attempts,
+          max_attempts, claimed_by, claim_token, trace_context
+""",
+)
+
+# The keyed claim (per-key concurrency limits), for workers whose handlers
+# declare a concurrency_limit; the others run the claims above, unchanged.
+# SQLite runs one writing statement at a time (the database write lock is
+# held for the whole UPDATE), so the counts read inside it are exact: no
+# FlowLock is needed. The candidates skip rows whose key already holds its
+# limit of claimed rows (the keys at their limit found once per statement,
+# from the claimed keyed rows of dbworker_key_slots_idx, so rows behind a
+# key at its limit are claimed); among the candidates, a
+# key's rows are ranked in claim order and only those that fit the slots
+# left are claimed, the rest stay pending untouched.
+CLAIM_KEYED = Statement(
+    "claim_keyed",
+    "Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.",
+    """
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    claimed_by = %(worker)s,
+    claim_token = lower(hex(randomblob(16)))
+WHERE id IN (
+    SELECT r.id FROM (
+        SELECT c.id,
+               CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler {limits} END END
+               AS concurrency_limit,
+               row_number() OVER (
+                   PARTITION BY c.handler, c.concurrency_key
+                   ORDER BY c.priority DESC, c.run_after, c.id) AS n,
+               (SELECT count(*) FROM django_dbworker_workitem AS h
+                WHERE h.status = 'claimed'
+                  AND h.handler = c.handler
+                  AND h.concurrency_key = c.concurrency_key) AS held
+        FROM (
+            SELECT id, handler, concurrency_key, concurrency_limit, priority, run_after
+            FROM django_dbworker_workitem AS p
+            WHERE status = 'pending'
+              AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+              AND handler IN ({handlers}){queues}
+              AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+              AND (concurrency_key IS NULL
+                   OR handler NOT IN ({limited})
+                   OR (handler, concurrency_key) NOT IN (
+                       SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+                       WHERE h.status = 'claimed'
+                         AND h.concurrency_key IS NOT NULL
+                         AND h.handler IN ({limited})
+                       GROUP BY h.handler, h.concurrency_key
+                       HAVING count(*) >= min(CASE h.handler {limits} END)))
+            ORDER BY priority DESC, run_after, id
+            LIMIT %(limit)s
+        ) AS c
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.held + r.n <= r.concurrency_limit
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
@@ -176,6 +238,21 @@ def claim_sql(handlers: int, queues: int) -> str:
 
 
 @lru_cache(maxsize=256)
+def claim_keyed_sql(handlers: int, queues: int, limited: int) -> str:
+    """The keyed claim for ``handlers`` and ``queues`` names (0: any queue).
+
+    ``limited``: how many handlers declare a limit now (``limited_<i>`` -> ``limit_<i>``).
+    """
+    in_queues = f"\n              AND queue IN ({numbered('queue', queues)})" if queues else ""
+    return CLAIM_KEYED.render(
+        handlers=numbered("handler", handlers),
+        queues=in_queues,
+        limited=numbered("limited", limited),
+        limits=" ".join(f"WHEN %(limited_{i})s THEN %(limit_{i})s" for i in range(limited)),
+    )
+
+
+@lru_cache(maxsize=256)
 def succeed_many_sql(rows: int) -> str:
     """The success statement for ``rows`` outcomes."""
     return SUCCEED_MANY.render(
@@ -220,6 +297,7 @@ class SQLiteOperations(VendorOperations):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         worker: str,
+        limits: Mapping[str, int] | None = None,
     ) -> list[WorkItem]:
         if limit <= 0 or not handlers:
             return []
@@ -230,7 +308,14 @@ class SQLiteOperations(VendorOperations):
             **numbered_params("handler", handlers),
             **numbered_params("queue", queues),
         }
-        rows = self._fetch(claim_sql(len(handlers), len(queues)), params)
+        if limits:
+            params.update(numbered_params("limited", list(limits)))
+            params.update(numbered_params("limit", list(limits.values())))
+            sql = claim_keyed_sql(len(handlers), len(queues), len(limits))
+        else:
+            sql = claim_sql(len(handlers), len(queues))
+        rows = self._fetch(sql, params)
+        # The statement does not say how many candidates it held back.
         return self._rows_to_items(rows)
 
     def succeed_many(

@@ -1,7 +1,8 @@
 """The values the vendor interface takes, returns and raises, as plain data.
 
-Planner estimates (``TableEstimate``), run-time percentiles (``RunTimes``),
-what is wrong with a server (``ServerProblem``, ``UnsupportedDatabase``)
+Claimed rows (``Claimed``), planner estimates (``TableEstimate``),
+run-time percentiles (``RunTimes``), what is wrong with a server
+(``ServerProblem``, ``UnsupportedDatabase``)
 and the shape of a wake-up ``Subscription``: what ``VendorOperations``
 (``base.py``) hands to the admin, the stats, the checks and the worker.
 Data only: this module must not run SQL, import Django or import anything
@@ -10,9 +11,11 @@ else of the package, so that every layer may name these types.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class UnsupportedDatabase(Exception):
@@ -67,6 +70,20 @@ class RunTimes:
     p95: float
     #: True when they come from a sample of the latest rows, not from all of them.
     sampled: bool = False
+
+
+class Claimed(list[T]):
+    """The rows a claim took, in claim order, and how many it held back for their keys.
+
+    ``throttled``: candidates the claim found ready but left pending because
+    their (handler, concurrency_key) had no free slot (per-key concurrency
+    limits); not attempts, untouched. The claim loop reads it so that a
+    batch cut short by keys does not look like an empty queue.
+    """
+
+    def __init__(self, items: Iterable[T] = (), throttled: int = 0) -> None:
+        super().__init__(items)
+        self.throttled = throttled
 
 
 class Subscription(Protocol):

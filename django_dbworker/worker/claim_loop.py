@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
@@ -45,6 +45,15 @@ logger = logging.getLogger("django_dbworker.worker")
 
 #: Seconds between two looks at whether the buffer should shed rows.
 SHED_CHECK_EVERY = 0.25
+
+
+def concurrency_limits(
+    handlers: Mapping[str, WorkItemHandler], names: Sequence[str]
+) -> dict[str, int]:
+    """The current ``concurrency_limit`` of those of ``names`` that declare one."""
+    return {
+        name: limit for name in names if (limit := handlers[name].concurrency_limit) is not None
+    }
 
 
 class ClaimLoop:
@@ -144,7 +153,11 @@ class ClaimLoop:
         try:
             items = (
                 self.ops.claim(
-                    limit=limit, handlers=plain, queues=self.config.queues, worker=worker_id()
+                    limit=limit,
+                    handlers=plain,
+                    queues=self.config.queues,
+                    worker=worker_id(),
+                    limits=concurrency_limits(handlers, plain),
                 )
                 if plain and limit > 0
                 else []
@@ -160,7 +173,11 @@ class ClaimLoop:
         self.recovery.observe_write(took)
         self.claimed += len(items) + rated
         self.claims += bool(items or rated)
-        self._ran_dry = len(items) < limit or not plain
+        # Rows held back for their concurrency keys were there: a batch cut
+        # short by them is not an empty queue (the next claim skips those keys).
+        throttled = getattr(items, "throttled", 0)
+        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
+        self._ran_dry = len(items) + throttled < limit or not plain
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:
@@ -212,6 +229,7 @@ class ClaimLoop:
                 limit=left,
                 queues=self.config.queues,
                 worker=worker_id(),
+                limits=concurrency_limits(self.handlers(), [name]),
             )
             self._dispatch(result.items, claimed_at=at)
             claimed += len(result.items)
@@ -397,6 +415,28 @@ class ClaimLoop:
         if self.pool.queued() <= self._refill_at:
             self.control.wake.set()
 
+    def _keys_busy(self) -> bool:
+        """Whether ready rows wait for a slot of their concurrency key (burst mode asks).
+
+        Such a row's key is held by another worker's claimed row, so this
+        claim found nothing; the holder may end before it claims again, and
+        a burst worker that left now could leave the row behind with no one
+        to run it. It waits for a poll interval and claims again instead
+        (stale recovery frees a dead holder's slot meanwhile). Not inline
+        (``run_until_empty``): a test's rows claimed by no running worker
+        would hold it until they went stale.
+        """
+        handlers = self.handlers()
+        if self.config.inline or not any(
+            h.concurrency_limit is not None for h in handlers.values()
+        ):
+            return False
+        rows = WorkItem.objects.using(self.config.using).ready()
+        rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
+        if self.config.queues:
+            rows = rows.filter(queue__in=self.config.queues)
+        return rows.exists()
+
     # -- the loop --------------------------------------------------------------
 
     def run(self) -> None:
@@ -434,7 +474,13 @@ class ClaimLoop:
                 self._poll.found_work()
             if claimed and not self._ran_dry:
                 continue  # a full batch: more rows may be ready right now
-            if self.config.burst and not claimed and not self.ledger and not self._window_soon():
+            if (
+                self.config.burst
+                and not claimed
+                and not self.ledger
+                and not self._window_soon()
+                and not self._keys_busy()
+            ):
                 return
             if not claimed and self._ran_dry:
                 control.idle.set()

@@ -31,6 +31,7 @@ SCRIPTS = [
         ["--backlog", "600", "--job-ms", "1", "--urgent", "3", "--rate", "50"],
         "w6_priority",
     ),
+    ("w7_keys.py", ["--items", "300", "--keys", "30"], "w7_keys"),
     ("startup.py", ["--runs", "1"], "startup"),
     ("w8_rate.py", ["--rate", "30", "--seconds", "1"], "w8_rate"),
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),

@@ -19,7 +19,13 @@ from typing import Any
 
 from tests.chaos.faults import Injected
 from tests.chaos.processes import WorkerProc
-from tests.chaos.workload import ATOMIC_HANDLERS, Expectation, expect, stale_exhausted
+from tests.chaos.workload import (
+    ATOMIC_HANDLERS,
+    KEYED_HANDLER,
+    Expectation,
+    expect,
+    stale_exhausted,
+)
 
 #: A fault's effects may start just before its recorded start and reach a bit
 #: past its end (a reload signal, a reply in flight): its window is widened by these.
@@ -70,6 +76,8 @@ class Row:
     #: Runs of this item that raised a database error: a fault's symptom by
     #: construction (the workload's handlers raise none of their own).
     db_error_runs: int = 0
+    #: The row's claim token (its latest attempt's), as text.
+    claim_token: str = ""
 
     @property
     def touched(self) -> bool:
@@ -177,6 +185,7 @@ def load_rows(faults: list[Injected], now: float, evidence: Evidence) -> list[Ro
                 finished_at=item.finished_at,
                 expected=expect(item.handler, item.payload, item.max_attempts),
                 faults=overlapping(created, finished, faults),
+                claim_token=str(item.claim_token),
                 db_error_runs=sum(
                     1
                     for e in evidence.runs.get((item.handler, int(item.payload["n"])), [])
@@ -299,11 +308,68 @@ def check_all(
     exact.note += f"; {untouched} items checked"
     checks.append(exact)
 
+    if any(row.handler == KEYED_HANDLER for row in rows):
+        checks += _check_keys(rows, evidence, procs)
     checks.append(_check_fenced(procs, run_dir))
     checks += _check_processes(procs)
 
     statuses = Counter(r.status for r in rows)
     return Outcome(checks, statuses, observations(procs, faults), exempt)
+
+
+def _check_keys(rows: list[Row], evidence: Evidence, procs: list[WorkerProc]) -> list[Check]:
+    """Keyed mode: each item succeeded by one run; the runs holding one key's slot never overlap.
+
+    A run held its key's slot from its start until it returned, if it was
+    the attempt the row succeeded with (the row's claim token), or until
+    its worker died, if it never returned (SIGKILL). Other runs (an attempt
+    fenced out after stale recovery while it still ran) held no slot:
+    recovery had freed it, by design.
+    """
+    once = Check("keyed: every item succeeded, by exactly one run of its final attempt")
+    overlap = Check("keyed: runs that held one key's slot never overlap in time")
+    died = {p.pid: p.ended for p in procs if p.ended is not None}
+    slots: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for row in rows:
+        if row.handler != KEYED_HANDLER:
+            continue
+        events = evidence.runs.get((row.handler, row.n), [])
+        by_run: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+        for event in events:
+            by_run[int(event["run"])][event["event"]] = event
+        final = [
+            r
+            for r in by_run.values()
+            if "returned" in r and r["returned"]["token"] == row.claim_token
+        ]
+        if row.status != "succeeded" or len(final) != 1:
+            once.violations.append(
+                f"{evidence.describe(row)}\n    {len(final)} returned run(s) of its final attempt"
+            )
+        key = str(row.payload["key"])
+        for run, parts in sorted(by_run.items()):
+            start = parts.get("start")
+            if start is None:
+                continue
+            label = (
+                f"item {row.pk} run {run} ({evidence.pid_names.get(start['pid'], start['pid'])})"
+            )
+            if "returned" in parts and parts["returned"]["token"] == row.claim_token:
+                slots[key].append((float(start["t"]), float(parts["returned"]["t"]), label))
+            elif not ({"returned", "raised"} & set(parts)) and start["pid"] in died:
+                slots[key].append((float(start["t"]), float(died[start["pid"]] or 0), label))
+    for key, spans in sorted(slots.items()):
+        spans.sort()
+        latest_end, holder = float("-inf"), ""
+        for start, end, label in spans:
+            if start < latest_end:
+                overlap.violations.append(
+                    f"key {key}: {label} started {latest_end - start:.3f}s before {holder} ended"
+                )
+            if end > latest_end:
+                latest_end, holder = end, label
+    overlap.note = f"{sum(len(v) for v in slots.values())} slot-holding runs over {len(slots)} keys"
+    return [once, overlap]
 
 
 def _check_fenced(procs: list[WorkerProc], run_dir: Path) -> Check:

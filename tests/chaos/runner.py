@@ -33,7 +33,7 @@ from typing import Any
 
 from tests.chaos.faults import FAULTS, WHAT, Cluster, FaultInjector, Injected
 from tests.chaos.processes import ROOT, WorkerSet
-from tests.chaos.workload import HANDLERS, make_item
+from tests.chaos.workload import HANDLERS, KEYED_HANDLER, make_item, make_keyed_item
 
 STALE_AFTER = 3.0  # tests.chaos.settings.STALE_AFTER, readable before Django is set up
 SHUTDOWN_TIMEOUT = 5.0
@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_fault_list,
         default=FAULTS,
         help=f"comma-separated subset of {','.join(FAULTS)}, or 'none' (default: all)",
+    )
+    parser.add_argument(
+        "--keyed",
+        type=int,
+        default=0,
+        metavar="KEYS",
+        help="keyed mode: only items of a concurrency_limit = 1 handler over KEYS keys, "
+        "checked for runs of one key that overlap (default: 0, the mixed workload)",
     )
     parser.add_argument("--run-dir", type=Path, default=None)
     return parser.parse_args(argv)
@@ -164,7 +172,7 @@ class Runner:
 
         assert float(settings.DBWORKER["STALE_AFTER"]) == STALE_AFTER
         self.workers = WorkerSet(
-            handlers=HANDLERS,
+            handlers=(KEYED_HANDLER,) if self.args.keyed else HANDLERS,
             concurrency=self.args.concurrency,
             env=worker_env,
             log_dir=self.run_dir / "logs",
@@ -258,13 +266,17 @@ class Runner:
     def enqueue(self, count: int) -> None:
         from django_dbworker import enqueue_many
 
-        by_handler: dict[str, list[dict[str, Any]]] = {}
+        keys = self.args.keyed
+        by_handler: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
         for _ in range(count):
-            handler, payload = make_item(self.items_rng, self.next_n, STALE_AFTER)
-            by_handler.setdefault(handler, []).append(payload)
+            if keys:
+                handler, payload = make_keyed_item(self.items_rng, self.next_n, STALE_AFTER, keys)
+            else:
+                handler, payload = make_item(self.items_rng, self.next_n, STALE_AFTER)
+            by_handler.setdefault((handler, payload.get("key")), []).append(payload)
             self.next_n += 1
-        for handler, payloads in by_handler.items():
-            for item in enqueue_many(handler, payloads):
+        for (handler, key), payloads in by_handler.items():
+            for item in enqueue_many(handler, payloads, concurrency_key=key):
                 self.enqueued[item.pk] = int(item.payload["n"])
 
     def watch_workers(self) -> None:

@@ -35,9 +35,14 @@ def _log_tails(run_dir: Path, lines: int = 25) -> str:
     return "\n".join(parts)
 
 
-def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
+#: The keyed mode: items of a concurrency_limit = 1 handler over 8 keys.
+KEYED = ["--duration", "30", "--workers", "3", "--keyed", "8"]
+
+
+@pytest.mark.parametrize("mode", [SHORT, KEYED], ids=["mixed", "keyed"])
+def test_short_chaos_run_keeps_every_invariant(tmp_path: Path, mode: list[str]) -> None:
     run_dir = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "tests.chaos.runner", *SHORT, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "tests.chaos.runner", *mode, "--run-dir", str(run_dir)]
     # A fixed schedule in the suite, so that a red run can be replayed as it
     # was (timings still vary); the long mode explores other seeds.
     cmd += ["--seed", os.environ.get("CHAOS_SEED", str(DEFAULT_SEED))]

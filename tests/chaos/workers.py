@@ -188,3 +188,29 @@ class RefusedAtomic(ChaosHandler):
     def run(self, payload: Any, run: int) -> Any:
         Effect.objects.create(item_no=payload["n"], handler=self.name, pid=os.getpid())
         return {"n": payload["n"], "text": REFUSED_TEXT}
+
+
+class Keyed(ChaosHandler):
+    """One run per concurrency key at a time: its runs log their key and claim token.
+
+    The keyed mode's checks read the run log: the runs that held a key's
+    slot (the succeeded attempts, and runs cut short by their worker's
+    death) must never overlap in time.
+    """
+
+    name = "chaos_keyed"
+    concurrency_limit = 1
+
+    def handle_item(self, item: Any) -> Any:
+        payload = item.payload
+        n = int(payload["n"])
+        run = count_run(self.name, n)
+        token = str(item.claim_token)
+        log_run(self.name, n, run, "start", key=payload["key"], token=token)
+        try:
+            time.sleep(float(payload["seconds"]))
+        except BaseException as exc:
+            log_run(self.name, n, run, "raised", error=type(exc).__name__, token=token)
+            raise
+        log_run(self.name, n, run, "returned", key=payload["key"], token=token)
+        return {"n": n}

@@ -38,6 +38,8 @@ KINDS = (
 )
 HANDLERS = tuple(k.handler for k in KINDS)
 ATOMIC_HANDLERS = frozenset(k.handler for k in KINDS if k.atomic)
+#: The keyed mode's one handler (``--keyed``): concurrency_limit = 1 per key.
+KEYED_HANDLER = "chaos_keyed"
 
 
 def duration(rng: random.Random, stale_after: float) -> float:
@@ -65,6 +67,14 @@ def make_item(rng: random.Random, n: int, stale_after: float) -> tuple[str, dict
     return kind.handler, payload
 
 
+def make_keyed_item(
+    rng: random.Random, n: int, stale_after: float, keys: int
+) -> tuple[str, dict[str, Any]]:
+    """The keyed mode's item number ``n``: a key of ``keys``, and a duration."""
+    payload = {"n": n, "key": f"k{rng.randrange(keys)}", "seconds": duration(rng, stale_after)}
+    return KEYED_HANDLER, payload
+
+
 @dataclass(frozen=True)
 class Expectation:
     status: str
@@ -81,7 +91,7 @@ class Expectation:
 def expect(handler: str, payload: dict[str, Any], max_attempts: int) -> Expectation:
     n = payload["n"]
     ok = {"n": n}
-    if handler in ("chaos_atomic", "chaos_sleep"):
+    if handler in ("chaos_atomic", "chaos_sleep", KEYED_HANDLER):
         return Expectation("succeeded", result=ok)
     if handler == "chaos_flaky":
         fails = int(payload["fail_times"])

@@ -91,3 +91,32 @@ def test_the_pause_filter_is_one_hashed_subplan_on_the_claim_index_path(
     assert f"Seq Scan on {TABLE}" not in plan, plan
     assert "using dbworker_claim" in plan, plan
     assert "hashed SubPlan" in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("queues", "index"),
+    [(None, "dbworker_claim_idx"), (["urgent"], "dbworker_claim_queue_idx")],
+)
+def test_the_keyed_claims_candidates_read_the_claim_index_and_count_slots_by_index(
+    big_table: None, queues: list[str] | None, index: str
+) -> None:
+    """Keys at their limit are skipped by a probe of the slot index, not a scan."""
+    from django_dbworker.models import WorkItem
+
+    WorkItem.objects.bulk_create(
+        WorkItem(handler="noop", queue="urgent", payload={}, max_attempts=3, status=s, **k)
+        for s in ("claimed", "pending")
+        for k in ({"concurrency_key": f"k{i}", "concurrency_limit": 1} for i in range(50))
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {TABLE}")
+    sql, params = postgresql.candidates_statement(
+        limit=8, handlers=["noop"], queues=queues, limits={"noop": 1}
+    )
+    plan = _plan(sql, params)
+    assert f"Seq Scan on {TABLE}" not in plan, plan
+    assert f"using {index}" in plan, plan
+    assert "using dbworker_key_slots_idx" in plan, plan
+    # The table's rows come in claim order from the index (the LIMIT stops
+    # the scan); only the few candidates and their lock numbers are sorted.
+    assert "Sort Key: p." not in plan, plan

@@ -510,6 +510,37 @@ if os.environ.get("DBWORKER_TEST_CLAIMLESS"):
             pass
 
 
+class Keyed(WorkItemHandler):
+    """At most one item per concurrency key at once: records its start and end, then sleeps.
+
+    The records carry the item's ``key`` (its concurrency key, by the tests'
+    convention), so that a key's records read start, end, start, end, ...
+    in time order exactly when no two of its runs overlapped.
+    """
+
+    name = "keyed"
+    concurrency_limit = 1
+
+    def handle_item(self, item: Any) -> None:
+        payload = item.payload
+        _record(payload, "start")
+        # ``first_seconds``: how long the first attempt runs (one that its
+        # worker's SIGKILL ends), the later ones run ``seconds``.
+        seconds = payload.get("first_seconds") if item.attempts == 1 else None
+        time.sleep(float(payload.get("seconds", 0) if seconds is None else seconds))
+        _record(payload, "end")
+
+
+class KeyedPair(WorkItemHandler):
+    """Two items per concurrency key at once; does nothing."""
+
+    name = "keyed_pair"
+    concurrency_limit = 2
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
 class StopWhenCancelled(WorkItemHandler):
     """Loops until its cancel request arrives (Execution kinds "run", then "saw-cancel")."""
 

@@ -14,6 +14,7 @@ from django_dbworker.queues import queue_list
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
     flow_stats,
+    keys_at_limit,
     orphaned_handlers,
     queue_stats,
     schedule_stats,
@@ -83,6 +84,17 @@ class Command(BaseCommand):
             self._table(
                 ["handler", "pending", "oldest enqueued"],
                 [[o["handler"], str(o["pending"]), f"{o['oldest_age']:.1f}s ago"] for o in orphans],
+            )
+        full, total = keys_at_limit(using=options["database"])
+        if full:
+            self.stdout.write("")
+            shown = "" if total == len(full) else f", the {len(full)} busiest shown"
+            self.stdout.write(
+                f"Concurrency keys at their limit ({total}{shown}; their pending items wait):"
+            )
+            self._table(
+                ["handler", "concurrency key", "claimed", "limit"],
+                [[k["handler"], k["key"], str(k["claimed"]), str(k["limit"])] for k in full],
             )
 
     def _paused(self, options: dict[str, Any]) -> None:

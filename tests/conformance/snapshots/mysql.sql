@@ -46,6 +46,91 @@ ORDER BY priority DESC, run_after, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
 
+-- name: claim_candidates
+-- Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_idx)
+WHERE p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN (%(handler_0)s, %(handler_1)s)
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: claim_candidates_in_queue
+-- Lock the next ready rows of some handlers in one queue, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_queue_idx)
+WHERE p.queue = %(queue)s
+  AND p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN (%(handler_0)s, %(handler_1)s)
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: claim_candidates_in_queues
+-- Lock the next ready rows of some handlers in several queues, skipping keys at their limit.
+SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit
+FROM django_dbworker_workitem AS p FORCE INDEX (dbworker_my_claim_idx)
+WHERE p.status = 'pending'
+  AND p.run_after <= UTC_TIMESTAMP(6)
+  AND p.handler IN (%(handler_0)s, %(handler_1)s)
+  AND p.queue IN (%(queue_0)s, %(queue_1)s)
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+  AND (p.concurrency_key IS NULL
+       OR p.handler NOT IN (%(limited_0)s, %(limited_1)s)
+       OR (p.handler, p.concurrency_key) NOT IN (
+           SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+           WHERE h.status = 'claimed'
+             AND h.concurrency_key IS NOT NULL
+             AND h.handler IN (%(limited_0)s, %(limited_1)s)
+           GROUP BY h.handler, h.concurrency_key
+           HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
+ORDER BY p.priority DESC, p.run_after, p.id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: lock_flow_locks
+-- Lock the FlowLock rows of some keys, in name order, until the transaction ends.
+SELECT name FROM django_dbworker_flowlock
+WHERE name IN (%(name_0)s, %(name_1)s)
+ORDER BY name
+FOR UPDATE;
+
+-- name: insert_flow_locks
+-- Create the FlowLock rows of some keys that have none yet.
+INSERT IGNORE INTO django_dbworker_flowlock (name) VALUES (%(name_0)s), (%(name_1)s);
+
+-- name: count_key_slots
+-- The claimed rows of some (handler, concurrency_key) pairs: the slots they hold.
+SELECT k.handler, k.concurrency_key,
+       (SELECT count(*)
+        FROM django_dbworker_workitem AS h FORCE INDEX (dbworker_key_slots_idx)
+        WHERE h.handler = k.handler AND h.concurrency_key = k.concurrency_key
+          AND h.status = 'claimed')
+FROM (SELECT %(handler_0)s AS handler, %(key_0)s AS concurrency_key UNION ALL SELECT %(handler_1)s AS handler, %(key_1)s AS concurrency_key) AS k;
+
 -- name: claim_update
 -- Mark the locked rows claimed: new token, worker, times, one more attempt.
 UPDATE django_dbworker_workitem FORCE INDEX (PRIMARY)
@@ -108,8 +193,9 @@ FOR UPDATE;
 -- Insert pending rows sharing all but their payloads; return their ids and times.
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, created_at, updated_at)
-VALUES (%(handler)s, %(queue)s, %(payload_0)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), (%(handler)s, %(queue)s, %(payload_1)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
+VALUES (%(handler)s, %(queue)s, %(payload_0)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), (%(handler)s, %(queue)s, %(payload_1)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
 RETURNING id, run_after, created_at, updated_at;
 
 -- name: distinct_queues

@@ -50,6 +50,55 @@ AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context;
 
+-- name: claim_keyed
+-- Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.
+UPDATE django_dbworker_workitem
+SET status = 'claimed',
+    attempts = attempts + 1,
+    claimed_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    heartbeat_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    updated_at = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW'),
+    claimed_by = %(worker)s,
+    claim_token = lower(hex(randomblob(16)))
+WHERE id IN (
+    SELECT r.id FROM (
+        SELECT c.id,
+               CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END END
+               AS concurrency_limit,
+               row_number() OVER (
+                   PARTITION BY c.handler, c.concurrency_key
+                   ORDER BY c.priority DESC, c.run_after, c.id) AS n,
+               (SELECT count(*) FROM django_dbworker_workitem AS h
+                WHERE h.status = 'claimed'
+                  AND h.handler = c.handler
+                  AND h.concurrency_key = c.concurrency_key) AS held
+        FROM (
+            SELECT id, handler, concurrency_key, concurrency_limit, priority, run_after
+            FROM django_dbworker_workitem AS p
+            WHERE status = 'pending'
+              AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+              AND handler IN (%(handler_0)s, %(handler_1)s)
+              AND queue IN (%(queue_0)s, %(queue_1)s)
+              AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+              AND (concurrency_key IS NULL
+                   OR handler NOT IN (%(limited_0)s, %(limited_1)s)
+                   OR (handler, concurrency_key) NOT IN (
+                       SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+                       WHERE h.status = 'claimed'
+                         AND h.concurrency_key IS NOT NULL
+                         AND h.handler IN (%(limited_0)s, %(limited_1)s)
+                       GROUP BY h.handler, h.concurrency_key
+                       HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
+            ORDER BY priority DESC, run_after, id
+            LIMIT %(limit)s
+        ) AS c
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.held + r.n <= r.concurrency_limit
+)
+AND status = 'pending'
+RETURNING id, handler, queue, payload, priority, run_after, attempts,
+          max_attempts, claimed_by, claim_token, trace_context;
+
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
 WITH v(id, token, result) AS (VALUES (%(id_0)s, %(token_0)s, %(result_0)s), (%(id_1)s, %(token_1)s, %(result_1)s))

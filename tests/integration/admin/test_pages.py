@@ -622,3 +622,13 @@ def test_change_page_lists_each_failed_attempt_newest_first(superuser_client: Cl
     garbage = make_item(status=Status.FAILED, error_history={"not": "a list"})
     url = reverse("admin:django_dbworker_workitem_change", args=[garbage.pk])
     assert superuser_client.get(url).status_code == 200
+
+
+def test_the_change_page_shows_the_concurrency_key_and_limit(superuser_client: Client) -> None:
+    from tests.testapp.workers import Keyed
+
+    item = Keyed.enqueue({"key": "a"}, concurrency_key="customer:42")
+    url = reverse("admin:django_dbworker_workitem_change", args=[item.pk])
+    html = superuser_client.get(url).content.decode()
+    assert "customer:42" in html
+    assert "Concurrency limit" in html

@@ -1,0 +1,111 @@
+"""Per-key concurrency limits across ``run_workers`` processes, from the handlers' own records.
+
+The ``keyed`` handler (limit 1) writes a start and an end record per run,
+named by its concurrency key: a key's records read start, end, start, end
+in time order exactly when no two of its runs overlapped
+(``assert_no_key_overlaps``).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from django.db import transaction
+
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
+from tests.factories import assert_no_key_overlaps
+from tests.testapp.models import Execution
+from tests.testapp.workers import Keyed
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_three_processes_run_one_item_per_key_at_a_time_and_keys_side_by_side(
+    start_worker,
+) -> None:
+    keys, per_key = 10, 6
+    workers = [start_worker("keyed", "--concurrency", "4") for _ in range(3)]
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    for _ in range(per_key):
+        for k in range(keys):
+            Keyed.enqueue({"key": f"k{k}", "seconds": 0.05}, concurrency_key=f"k{k}")
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == keys * per_key,
+        timeout=120,
+        what="every keyed item to succeed",
+    )
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        assert worker.wait(timeout=60) == 0, worker.log()
+    side_by_side = assert_no_key_overlaps()
+    assert side_by_side > 1, "different keys never ran at the same time"
+    assert Execution.objects.filter(kind="start").count() == keys * per_key
+    assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
+    # The claims spread over the processes.
+    assert Execution.objects.values("pid").distinct().count() >= 2
+
+
+def test_a_killed_workers_slot_is_freed_only_by_stale_recovery(start_worker) -> None:
+    env = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
+    first = Keyed.enqueue({"key": "solo", "first_seconds": 60}, concurrency_key="solo")
+    victim = start_worker("keyed", env=env)
+    wait_until(lambda: Execution.objects.filter(key="solo", kind="start").exists())
+    dead_token = WorkItem.objects.get(pk=first.pk).claim_token
+    second = Keyed.enqueue({"key": "solo"}, concurrency_key="solo")
+    other = Keyed.enqueue({"key": "other"}, concurrency_key="other")
+    victim.signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    survivor = start_worker("keyed", env=env)
+    # Another key flows; this key waits for the dead worker's slot.
+    wait_until(
+        lambda: WorkItem.objects.get(pk=other.pk).status == Status.SUCCEEDED,
+        timeout=30,
+        what="the other key's item to succeed",
+    )
+
+    def done() -> bool:
+        # Starts first, then the row: a second start was claimed after the
+        # recovery committed, so the row read after it shows the recovery.
+        starts = Execution.objects.filter(key="solo", kind="start").count()
+        row = WorkItem.objects.get(pk=first.pk)
+        if starts >= 2:
+            assert not (row.status == Status.CLAIMED and row.claim_token == dead_token), (
+                "a run of the key started while the killed worker still held its slot"
+            )
+        return (
+            WorkItem.objects.filter(pk__in=[first.pk, second.pk], status=Status.SUCCEEDED).count()
+            == 2
+        )
+
+    wait_until(done, timeout=60, what="both items of the key to succeed after recovery")
+    # (The victim may have claimed the other key's item too before it died.)
+    assert "stale work item(s)" in survivor.log()
+    assert WorkItem.objects.get(pk=first.pk).attempts == 2
+    assert WorkItem.objects.get(pk=second.pk).attempts == 1
+    survivor.signal(signal.SIGTERM)
+    assert survivor.wait(timeout=60) == 0, survivor.log()
+    # The killed run has no end record; every other run of the key had its own time.
+    kinds = list(
+        Execution.objects.filter(key="solo")
+        .order_by("created_at", "id")
+        .values_list("kind", flat=True)
+    )
+    assert kinds == ["start", "start", "end", "start", "end"], kinds
+
+
+def test_burst_workers_leave_no_keyed_item_behind(start_worker) -> None:
+    """A burst worker whose claim finds every key busy (held by the other) waits, not exits."""
+    keys, per_key = 100, 10
+    with transaction.atomic():
+        for _ in range(per_key):
+            for k in range(keys):
+                Keyed.enqueue({"key": f"k{k}"}, concurrency_key=f"k{k}")
+    workers = [start_worker("keyed", "--burst", "--concurrency", "8") for _ in range(2)]
+    for worker in workers:
+        assert worker.wait(timeout=120) == 0, worker.log()
+    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == keys * per_key
+    assert_no_key_overlaps()
