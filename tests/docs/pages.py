@@ -1,9 +1,8 @@
 """The docs' Markdown pages as the tests read them: fenced Python blocks, each with a kind.
 
 Pages are docs/**/*.md in the order of the site's table of contents (the
-``{toctree}`` blocks, from docs/index.md down), then README.md's quick start
-(``README.new.md`` until it replaces README.md). The first line of a
-```python block says what the block is:
+``{toctree}`` blocks, from docs/index.md down), then README.md's quick start.
+The first line of a ```python block says what the block is:
 
 - ``# settings.py``: lines of the project's settings module. In a list,
   ``[...,`` stands for the setting's existing entries
@@ -44,8 +43,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-#: The short README the lead swaps in for README.md; read while it exists.
-README_NEW = ROOT / "README.new.md"
 
 FILE_MARKER = re.compile(r"#\s+(?P<path>[\w./-]+?\.py)\b")
 VARIANT_MARKER = re.compile(r"#\s+settings\.py\s+\((?P<variant>PostgreSQL|MySQL|alternative)\)")
@@ -170,13 +167,7 @@ def toctree_pages(index: Path | None = None) -> list[Path]:
 
 
 def readme_blocks() -> list[Block]:
-    """The README's blocks: all of the short README, the old README's quick start."""
-    if README_NEW.exists():
-        return markdown_blocks(README_NEW)
-    text = README.read_text()
-    if not PROJECT_MARKER.search(text):
-        # The long README (before the swap): its Guide moved to docs/; not a project.
-        return []
+    """The README's blocks: its quick start, a project of its own."""
     return markdown_blocks(README)
 
 

@@ -26,7 +26,6 @@ from tests.docs.pages import (
     DOCS,
     GUIDE,
     README,
-    README_NEW,
     Block,
     all_blocks,
     markdown_blocks,
@@ -110,8 +109,7 @@ def test_tutorial_sends_the_welcome_from_a_worker(tutorial: Project) -> None:
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
     blocks = readme_blocks()
-    if not blocks:
-        pytest.skip("README.md is the long one (its Guide moved to docs/) and no README.new.md")
+    assert blocks, "README.md's quick start has no code blocks"
     # "One of your apps": the reader's project has it installed already.
     with scratch_project(
         tmp_path_factory.mktemp("quickstart"),
@@ -197,12 +195,8 @@ def test_commands_reference_names_every_flag(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["README", "CONTRIBUTING.md"])
 def test_repository_pages_link_to_files_that_exist(name: str) -> None:
-    # Sphinx checks the site's links; these pages are outside it. The README
-    # is the short one: README.new.md while it waits to replace README.md.
-    if name == "README":
-        page = README_NEW if README_NEW.exists() else README
-    else:
-        page = DOCS.parent / name
+    # Sphinx checks the site's links; these pages are outside it.
+    page = README if name == "README" else DOCS.parent / name
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
     local = [t for t in targets if not re.match(r"[a-z]+:", t)]
     assert local, page.name
