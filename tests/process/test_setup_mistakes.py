@@ -117,3 +117,17 @@ def test_dbworker_stats_before_migrate_exits_non_zero_with_one_line(
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1, done.stdout + done.stderr
     assert lines[0].startswith("CommandError: ") and "manage.py migrate" in lines[0]
+
+
+def test_dbworker_prune_before_migrate_exits_non_zero_with_one_line(
+    worker_env: dict[str, str], empty_database: str
+) -> None:
+    done = _run(
+        [sys.executable, "-m", "django", "dbworker_prune", "--older-than", "7d"],
+        worker_env,
+        empty_database,
+    )
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, done.stdout + done.stderr
+    assert lines[0].startswith("CommandError: ") and "manage.py migrate" in lines[0]

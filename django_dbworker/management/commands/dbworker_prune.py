@@ -7,7 +7,9 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
+from django_dbworker.db import setup_problem
 from django_dbworker.models import FINISHED_STATUSES
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.transitions import prune
@@ -69,14 +71,22 @@ class Command(BaseCommand):
                 queue_name(queue)
             except InvalidValue as exc:
                 raise CommandError(f"--queue {exc}.") from None
-        count = prune(
-            older_than=age,
-            statuses=statuses,
-            batch_size=options["batch_size"],
-            using=work_db_for_write(options["database"]),
-            queues=queues,
-            dry_run=options["dry_run"],
-        )
+        using = work_db_for_write(options["database"])
+        try:
+            count = prune(
+                older_than=age,
+                statuses=statuses,
+                batch_size=options["batch_size"],
+                using=using,
+                queues=queues,
+                dry_run=options["dry_run"],
+            )
+        except DatabaseError as exc:
+            # Not migrated, or a SQLite file in a missing folder: one line.
+            problem = setup_problem(using, exc)
+            if problem is None:
+                raise
+            raise CommandError(problem) from exc
         where = f" in queue(s) {', '.join(queues)}" if queues else ""
         verb = "Would delete" if options["dry_run"] else "Deleted"
         self.stdout.write(
