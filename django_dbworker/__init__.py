@@ -14,6 +14,7 @@ from django_dbworker.registry import registry
 from django_dbworker.version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from django_dbworker.batches import batch
     from django_dbworker.claiming import claim_next
     from django_dbworker.enqueuing import enqueue, enqueue_many
     from django_dbworker.handlers import Handler, WorkItemHandler
@@ -30,6 +31,7 @@ __all__ = [
     "Snooze",
     "UnknownQueue",
     "WorkItemHandler",
+    "batch",
     "claim_next",
     "enqueue",
     "enqueue_many",
@@ -43,6 +45,7 @@ _LAZY = {
     "Handler": "django_dbworker.handlers",
     "WorkItemHandler": "django_dbworker.handlers",
     "PeriodicHandler": "django_dbworker.periodic",
+    "batch": "django_dbworker.batches",
     "claim_next": "django_dbworker.claiming",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",

@@ -60,6 +60,9 @@ class EnqueueOptions:
     concurrency_key: str | None = None
     #: The database alias to write to; None: the routers' write alias.
     using: str | None = None
+    #: Work items (or ids) that must succeed before this one runs
+    #: (``dependencies.py``); None: none.
+    after: Any = None
 
     def columns(self, handler: type[WorkItemHandler]) -> dict[str, Any]:
         """The checked values of the columns these options fill, ``run_after`` apart.

@@ -29,13 +29,14 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
-from django_dbworker import tracing
+from django_dbworker import dependencies, tracing
+from django_dbworker.batches import current_batch_id
 from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.errors import DatabaseNotReady, EnqueueError
 from django_dbworker.errortext import exception_class_path
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import ACTIVE_STATUSES, WorkItem
+from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 from django_dbworker.payloads import encode_payload
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_write
@@ -178,11 +179,13 @@ def enqueue(
     max_attempts: int | None = None,
     concurrency_key: str | None = None,
     using: str | None = None,
+    after: Iterable[WorkItem | int] | None = None,
 ) -> WorkItem:
     """Insert one work item; returns it (or, for a live ``unique_key``, the existing row).
 
-    ``max_attempts`` overrides the handler's for this item. The options are
-    described in ``enqueue_options.EnqueueOptions``.
+    ``max_attempts`` overrides the handler's for this item; ``after``: it runs
+    once these items (or ids) succeeded. The options are described in
+    ``enqueue_options.EnqueueOptions``.
     """
     options = EnqueueOptions(
         run_after=run_after,
@@ -192,6 +195,7 @@ def enqueue(
         max_attempts=max_attempts,
         concurrency_key=concurrency_key,
         using=using,
+        after=after,
     )
     return insert_one(handler, payload, options)[0]
 
@@ -207,6 +211,7 @@ def insert(
     max_attempts: int | None = None,
     concurrency_key: str | None = None,
     using: str | None = None,
+    after: Iterable[WorkItem | int] | None = None,
 ) -> tuple[WorkItem, bool]:
     """``enqueue``, also saying whether a row was added (False: a live ``unique_key``'s row)."""
     options = EnqueueOptions(
@@ -217,6 +222,7 @@ def insert(
         max_attempts=max_attempts,
         concurrency_key=concurrency_key,
         using=using,
+        after=after,
     )
     return insert_one(handler, payload, options)
 
@@ -227,17 +233,47 @@ def insert_one(
     """``insert`` with its options in one object: what the layers above pass on."""
     cls = _handler_class(handler)
     item, payload_json, _ = _build(cls, payload, options)
+    parents = dependencies.parent_ids(options.after)
+    if parents and options.run_after is not None:
+        raise EnqueueError(
+            "run_after and after= cannot be combined: an item with parents runs as soon as "
+            "the last of them succeeds."
+        )
     run_after = options.run_after
     db = work_db_for_write(options.using)
+    item.batch_id = current_batch_id(db)
+    encoded = None if payload is None else payload_json
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
         try:
-            return _save(cls, item, send, db, run_after, None if payload is None else payload_json)
+            if parents:
+                return _save_after(cls, item, send, db, parents, encoded)
+            return _save(cls, item, send, db, run_after, encoded)
         except DatabaseError as exc:
             _raise_setup_problem(db, exc)
             if cls.sensitive:
                 raise _withheld(exc, cls) from None
             raise
+
+
+def _save_after(
+    cls: type[WorkItemHandler],
+    item: WorkItem,
+    send: Any,
+    db: str,
+    parents: list[int],
+    payload_json: str | None,
+) -> tuple[WorkItem, bool]:
+    """``_save`` for an item with parents: locked, checked and linked in one transaction."""
+    with transaction.atomic(using=db):
+        state = dependencies.lock_parents(parents, db)
+        dependencies.shape(item, state)
+        saved, added = _save(cls, item, send, db, None, payload_json)
+        if added:
+            dependencies.link(saved.pk, state, db)
+    if not isinstance(saved.__dict__.get("finished_at"), (datetime, type(None))):
+        saved.__dict__.pop("finished_at", None)  # Now(): loaded on first access
+    return saved, added
 
 
 def _raise_setup_problem(db: str, exc: DatabaseError) -> None:
@@ -282,7 +318,12 @@ def _save(
     """Write ``item`` (a validated one) and its wake-up; ``insert``'s answer."""
     ops = operations(db)
     unique_key = item.unique_key
-    if unique_key is None and ops.insert_item(item, run_after=run_after, payload_json=payload_json):
+    plain = unique_key is None and item.batch_id is None and item.status == Status.PENDING
+    if (
+        plain
+        and not item.waiting
+        and ops.insert_item(item, run_after=run_after, payload_json=payload_json)
+    ):
         # One statement: the insert and its wake-up (the common case).
         send.set_message_id(item.pk)
         return item, True
@@ -387,6 +428,10 @@ def insert_many(
         return []
     run_after = options.run_after
     db = work_db_for_write(options.using)
+    batch_id = current_batch_id(db)
+    if batch_id is not None:
+        for item in items:
+            item.batch_id = batch_id
     with tracing.sending(items[0].queue, cls.name, batch_size=len(items)) as send:
         for item in items:
             item.trace_context = send.context
@@ -406,7 +451,8 @@ def _save_many(
     encoded: list[str | None],
 ) -> list[WorkItem]:
     """Write validated ``items`` and one wake-up; ``enqueue_many``'s answer."""
-    if operations(db).insert_items(items, run_after=run_after, payloads_json=encoded):
+    plain = items[0].batch_id is None
+    if plain and operations(db).insert_items(items, run_after=run_after, payloads_json=encoded):
         return items
     with transaction.atomic(using=db):
         created = WorkItem.objects.using(db).bulk_create(items)

@@ -212,6 +212,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         unique_key: str | None = None,
         concurrency_key: str | None = None,
         using: str | None = None,
+        after: Iterable[WorkItem | int] | None = None,
     ) -> WorkItem:
         """Insert one item for this handler; see ``django_dbworker.enqueue``."""
         options = EnqueueOptions(
@@ -221,6 +222,7 @@ class WorkItemHandler(Handler["WorkItem"]):
             unique_key=unique_key,
             concurrency_key=concurrency_key,
             using=using,
+            after=after,
         )
         return _enqueuer().insert_one(cls, payload, options)[0]
 

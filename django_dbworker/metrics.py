@@ -176,6 +176,12 @@ class WorkerMetrics:
             ["status"],
             **kw,
         )
+        self.batches = pc.Counter(
+            "dbworker_batches_completed_total",
+            "Batches whose last item ended (their callback enqueued), by callback handler.",
+            ["worker"],
+            **kw,
+        )
         self.abandoned = pc.Gauge(
             "worker_abandoned_threads",
             "Handler threads abandoned after their timeout that are still running.",
@@ -240,6 +246,10 @@ class WorkerMetrics:
         """``count`` claims (or rows) of handler ``worker`` held back by its ``reason`` limit."""
         if self.enabled and count:
             self.throttled.labels(worker, reason).inc(count)
+
+    def batch_completed(self, worker: str) -> None:
+        if self.enabled:
+            self.batches.labels(worker).inc()
 
     def abandoned_threads(self, count: int) -> None:
         if self.enabled:

@@ -36,6 +36,16 @@ def connect_row_locker(locker: RowLocker) -> None:
     _row_locker[:] = [locker]
 
 
+#: Settles what rows of ``ids`` on alias ``using`` set off by ending (their
+#: dependents, their batches): ``completion.settle_rows``, once connected.
+_ending: list[Callable[[str, list[int]], None]] = [lambda using, ids: None]
+
+
+def connect_ending(settle: Callable[[str, list[int]], None]) -> None:
+    """Plug in ``completion.settle_rows`` (``DBWorkerConfig.ready`` does)."""
+    _ending[:] = [settle]
+
+
 class Status(models.TextChoices):
     PENDING = "pending", "Pending"
     CLAIMED = "claimed", "Claimed"
@@ -116,8 +126,25 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         return cancelled
 
     def cancel_pending(self) -> int:
-        """pending -> cancelled. Rows in other states are left alone."""
-        return self.pending().update(status=Status.CANCELLED, finished_at=Now(), updated_at=Now())
+        """pending -> cancelled (waiting rows too). Rows in other states are left alone.
+
+        In one transaction with what the endings set off: dependents cancelled,
+        batches completed (``connect_ending``).
+        """
+        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        rows = self.using(db).pending()
+        with transaction.atomic(using=db):
+            linked = list(
+                rows.filter(Q(has_dependents=True) | Q(batch__isnull=False)).values_list(
+                    "pk", flat=True
+                )
+            )
+            cancelled = rows.update(
+                status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
+            )
+            if linked:
+                _ending[0](db, linked)
+        return cancelled
 
     def request_cancel(self) -> int:
         """Claimed rows not asked yet get ``cancel_requested_at`` (DB clock); they stay claimed.
@@ -191,8 +218,8 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
             return changed
 
     def run_now(self) -> int:
-        """pending: make due now (DB clock)."""
-        return self.pending().update(run_after=Now(), updated_at=Now())
+        """pending: make due now (DB clock); not rows waiting for their parents."""
+        return self.pending().filter(waiting=False).update(run_after=Now(), updated_at=Now())
 
 
 class WorkItem(models.Model):
@@ -232,6 +259,19 @@ class WorkItem(models.Model):
     snoozes = models.PositiveIntegerField(default=0, db_default=0)
     #: Set by ``cancel()`` on a claimed row; the heartbeat tells the handler.
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    #: ``batch_models.py``: the batch of its block; ``waiting`` on parents (due
+    #: never, so no claim sees it); ``has_dependents``: its ending moves others.
+    batch = models.ForeignKey(
+        "django_dbworker.Batch",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="items",
+    )
+    waiting = models.BooleanField(default=False, db_default=False)
+    has_dependents = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
 
@@ -314,6 +354,16 @@ class WorkItem(models.Model):
                 condition=Q(status="claimed") & Q(concurrency_key__isnull=False),
                 name="dbworker_key_slots_idx",
             ),
+            # A batch's unfinished items, probed when one of them ends.
+            models.Index(
+                fields=["batch", "status"],
+                condition=Q(batch__isnull=False),
+                name="dbworker_batch_idx",
+            ),
+            # The sweep's waiting rows (``completion.sweep``).
+            models.Index(
+                fields=["waiting"], condition=Q(waiting=True), name="dbworker_waiting_idx"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -374,79 +424,6 @@ class QueueSummary(WorkItem):
         verbose_name_plural = "queue summary"
 
 
-class QueueState(models.Model):
-    """One row per queue an operator paused (or paused and resumed): the durable pause.
-
-    The claim statements skip the queues whose row says ``paused``, so a
-    pause holds on every worker from the moment it commits, and across
-    restarts. A queue without a row is running.
-    """
-
-    name = models.CharField(max_length=100, primary_key=True)
-    paused = models.BooleanField(default=False)
-    paused_at = models.DateTimeField(null=True, blank=True)
-    #: Who paused it: the admin user, or the command's / caller's ``by``.
-    paused_by = models.CharField(max_length=255, blank=True, default="")
-    updated_at = models.DateTimeField(db_default=Now())
-
-    objects: models.Manager[QueueState] = models.Manager()
-
-    class Meta:
-        verbose_name = "queue"
-        verbose_name_plural = "queues"
-
-    def __str__(self) -> str:
-        return self.name
-
-
-class FlowLock(models.Model):
-    """A row per concurrency key or rate-limited handler, locked inside a claim.
-
-    Claims that would take a key's last slot, or a rate-limited handler's
-    next start, lock this row (``SELECT ... FOR UPDATE``) first, so two
-    workers decide one after the other and never both take it. It holds
-    no count: a slot is a claimed row of the key, and a start is a
-    ``RateStart`` row, so nothing is ever "released" here and a late or
-    zombie finisher has nothing to release. Inserted on first use
-    (insert-or-ignore); rows are a few bytes and one per key ever used.
-    """
-
-    name = models.CharField(max_length=255, primary_key=True)
-
-    objects: models.Manager[FlowLock] = models.Manager()
-
-    class Meta:
-        verbose_name = "flow lock"
-        verbose_name_plural = "flow locks"
-
-    def __str__(self) -> str:
-        return self.name
-
-
-class RateStart(models.Model):
-    """One row per start of a rate-limited handler within its latest window.
-
-    The claim counts the rows of the last period (DB clock) under the
-    handler's ``FlowLock``, claims at most what is left, inserts one row
-    per start and deletes the rows older than the period: a sliding
-    window, exact in any window of one period, cluster-wide.
-    """
-
-    id = models.BigAutoField(primary_key=True)
-    handler = models.CharField(max_length=200)
-    started_at = models.DateTimeField(db_default=Now())
-
-    objects: models.Manager[RateStart] = models.Manager()
-
-    class Meta:
-        verbose_name = "rate-limited start"
-        verbose_name_plural = "rate-limited starts"
-        indexes = [models.Index(fields=["handler", "started_at"], name="dbworker_rate_start_idx")]
-
-    def __str__(self) -> str:
-        return f"{self.handler} at {self.started_at}"
-
-
 class PeriodicSchedule(models.Model):
     """One row per periodic handler: the durable "once per slot" marker.
 
@@ -478,3 +455,11 @@ class PeriodicSchedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+# Registered with the app through this module (batch_models.py says why apart).
+from django_dbworker.batch_models import Batch as Batch  # noqa: E402
+from django_dbworker.batch_models import Dependency as Dependency  # noqa: E402
+from django_dbworker.flow_models import FlowLock as FlowLock  # noqa: E402
+from django_dbworker.flow_models import QueueState as QueueState  # noqa: E402
+from django_dbworker.flow_models import RateStart as RateStart  # noqa: E402

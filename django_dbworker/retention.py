@@ -8,7 +8,7 @@ page, and are ordinary work items with a result that says what they
 deleted. It runs on the workers that serve its queue (``default``); with
 ``DBWORKER["RETENTION"] = None`` it is not scheduled at all.
 
-Deleting goes through ``transitions.prune``: batches by primary key, each
+Deleting goes through ``pruning.prune``: batches by primary key, each
 its own short transaction, finished rows only (never pending or claimed),
 so a run over millions of rows never holds a lock for long.
 """
@@ -23,8 +23,8 @@ from django_dbworker import validation
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.metrics import default_metrics
 from django_dbworker.periodic import PeriodicHandler
+from django_dbworker.pruning import prune
 from django_dbworker.routing import work_db_for_write
-from django_dbworker.transitions import prune
 
 logger = logging.getLogger("django_dbworker.retention")
 

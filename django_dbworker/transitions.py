@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -24,13 +24,13 @@ from uuid import UUID
 from django.db.models import Case, CharField, F, Q, TextField, Value, When
 from django.db.models.functions import Concat, JSONObject, Now
 
+from django_dbworker import completion
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.expressions import AppendCapped
 from django_dbworker.errors import MAX_SNOOZES
 from django_dbworker.models import (
     ERROR_HISTORY_LIMIT,
-    FINISHED_STATUSES,
     Status,
     WorkItem,
     WorkItemQuerySet,
@@ -106,7 +106,10 @@ def heartbeat(claims: Collection[AttemptKey], using: str | None = None) -> set[A
 
 
 def succeed(
-    outcomes: Sequence[tuple[int, UUID, str | None]], using: str | None = None
+    outcomes: Sequence[tuple[int, UUID, str | None]],
+    using: str | None = None,
+    *,
+    linked: Mapping[int, int | None] | None = None,
 ) -> set[AttemptKey]:
     """claimed -> succeeded for every attempt still held; returns those recorded.
 
@@ -116,8 +119,49 @@ def succeed(
     run the same fenced statement (``VendorOperations.succeed_many``). An
     attempt whose row was recovered and re-claimed meanwhile is not in the
     answer.
+
+    ``linked``: the rows of ``outcomes`` whose claim said they end more than
+    themselves (row id -> its batch id, or None for a row with dependents);
+    their write, their dependents' and their batch's settling are one
+    transaction. A row that gained dependents after its claim is settled
+    right after the write (``completion.sweep`` covers a crash between).
     """
-    return operations(using).succeed_many(outcomes)
+    ops = operations(using)
+    if not linked:
+        rows = ops.succeed_rows(outcomes)
+        late = [pk for pk, _, has_dependents in rows if has_dependents]
+        if late:
+            with ops.ending_transaction():
+                completion.settle(ops.using, ended=late)
+        return {(pk, token) for pk, token, _ in rows}
+    with ops.ending_transaction():
+        rows = ops.succeed_rows(outcomes)
+        completion.settle(
+            ops.using,
+            ended=[pk for pk, _, has_dependents in rows if has_dependents],
+            batches=[linked.get(pk) for pk, _, _ in rows],
+        )
+    return {(pk, token) for pk, token, _ in rows}
+
+
+def linked_rows(items: Iterable[WorkItem]) -> dict[int, int | None]:
+    """``succeed``'s ``linked`` for claimed ``items``: those in a batch or with dependents."""
+    return {
+        item.pk: item.batch_id
+        for item in items
+        if item.batch_id is not None or item.__dict__.get("has_dependents")
+    }
+
+
+def _ending(item: WorkItem, rows: WorkItemQuerySet, **changes: Any) -> bool:
+    """``rows`` (the fenced row of ``item``) updated to a final state with ``changes``,
+    and what that ending sets off (``completion``), in one transaction."""
+    ops = operations(item._state.db)
+    with ops.ending_transaction():
+        ended = rows.update(**changes) == 1
+        if ended:
+            completion.settle_rows([item.pk], ops.using)
+    return ended
 
 
 def already_succeeded(
@@ -203,15 +247,14 @@ def fail(
     rows = _fenced(item)
     if unless_cancel_requested:
         rows = rows.filter(cancel_requested_at__isnull=True)
-    return (
-        rows.update(
-            status=Status.FAILED,
-            finished_at=Now(),
-            claim_token=None,
-            updated_at=Now(),
-            **changes,
-        )
-        == 1
+    return _ending(
+        item,
+        rows,
+        status=Status.FAILED,
+        finished_at=Now(),
+        claim_token=None,
+        updated_at=Now(),
+        **changes,
     )
 
 
@@ -224,16 +267,15 @@ def cancel_running(
     rows = _fenced(item)
     if requested:
         rows = rows.filter(cancel_requested_at__isnull=False)
-    return (
-        rows.update(
-            status=Status.CANCELLED,
-            finished_at=Now(),
-            claim_token=None,
-            last_error=error,
-            error_history=_with_history(Value(error), Value(error_class)),
-            updated_at=Now(),
-        )
-        == 1
+    return _ending(
+        item,
+        rows,
+        status=Status.CANCELLED,
+        finished_at=Now(),
+        claim_token=None,
+        last_error=error,
+        error_history=_with_history(Value(error), Value(error_class)),
+        updated_at=Now(),
     )
 
 
@@ -248,8 +290,9 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     if not claims:
         return 0
     asked = Q(cancel_requested_at__isnull=False)
-    with operations(using).locked_in_id_order(claims):
-        return (
+    ops = operations(using)
+    with ops.ending_transaction(), ops.locked_in_id_order(claims):
+        released = (
             WorkItem.objects.using(using)
             .filter(
                 pk__in=list(claims), claim_token__in=list(claims.values()), status=Status.CLAIMED
@@ -272,6 +315,8 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                 updated_at=Now(),
             )
         )
+        completion.settle_rows(list(claims), ops.using)  # those that ended cancelled
+    return released
 
 
 @dataclass
@@ -352,12 +397,13 @@ def recover_stale(
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
-        with ops.locked_in_id_order([pk for pk, *_ in batch]):
-            if asked:
-                _cancel_asked(base, asked, message, result)
-            _recover_batch(base, last, by_handler, message, using, result)
+        with ops.ending_transaction(), ops.locked_in_id_order([pk for pk, *_ in batch]):
+            ended = _cancel_asked(base, asked, message, result) if asked else []
+            ended += _recover_batch(base, last, by_handler, message, using, result)
+            completion.settle_rows(ended, ops.using)
         if len(batch) < batch_size:
             break
+    completion.sweep(ops.using)
     if log:
         result.log()
     return result
@@ -365,7 +411,7 @@ def recover_stale(
 
 def _cancel_asked(
     base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
-) -> None:
+) -> list[int]:
     """Stale rows asked to stop end ``cancelled``: running them again would run work an
     operator cancelled. Only when such rows exist."""
     lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
@@ -385,6 +431,7 @@ def _cancel_asked(
         for pk in ids:
             handler = handlers[pk]
             result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
+    return ids if cancelled else []
 
 
 def _recover_batch(
@@ -394,8 +441,10 @@ def _recover_batch(
     message: str,
     using: str | None,
     result: Recovered,
-) -> None:
-    """One batch of stale rows: those out of attempts failed, the others back to pending."""
+) -> list[int]:
+    """One batch of stale rows: those out of attempts failed (their ids returned), the
+    others back to pending."""
+    ended: list[int] = []
     # Rows whose attempts are used up end failed, in one UPDATE that marks
     # them with a token of this pass (claim tokens are unique), so that
     # exactly the rows this pass failed, and no other recoverer's, are read
@@ -423,6 +472,7 @@ def _recover_batch(
             marked.update(claim_token=None)
             result.failed += len(rows)
             result.failed_rows.extend(rows)
+            ended = [pk for pk, _ in rows]
             for _, handler in rows:
                 result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
     # The rest go back to pending: one UPDATE per handler (usually one or
@@ -444,36 +494,4 @@ def _recover_batch(
         result.requeued += requeued
         if requeued:
             result.by_handler[handler] = result.by_handler.get(handler, 0) + requeued
-
-
-def prune(
-    *,
-    older_than: timedelta,
-    statuses: Sequence[str],
-    batch_size: int = 1000,
-    using: str | None = None,
-    queues: Sequence[str] | None = None,
-    dry_run: bool = False,
-) -> int:
-    """Delete finished rows whose ``finished_at`` is older than ``older_than`` (DB clock).
-
-    Batched so that no single statement locks or logs millions of rows;
-    pending and claimed rows are never touched, whatever ``statuses`` says.
-    ``queues`` narrows it to those queues; ``dry_run`` counts the rows it
-    would delete and deletes none.
-    """
-    allowed = [s for s in statuses if s in FINISHED_STATUSES]
-    base = WorkItem.objects.using(using).filter(
-        status__in=allowed, finished_at__lt=Now() - older_than
-    )
-    if queues is not None:
-        base = base.filter(queue__in=list(queues))
-    if dry_run:
-        return base.count()
-    deleted = 0
-    while True:
-        ids = list(base.order_by("pk").values_list("pk", flat=True)[:batch_size])
-        if not ids:
-            return deleted
-        count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
-        deleted += count
+    return ended

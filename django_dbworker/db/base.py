@@ -235,22 +235,27 @@ class VendorOperations(ABC):
         )
 
     def _flow_transaction(self) -> AbstractContextManager[Any]:
-        """The transaction of a flow-controlled claim (MySQL: at READ COMMITTED)."""
+        """A flow-controlled claim's or an ending's transaction (MySQL: at READ COMMITTED)."""
         return transaction.atomic(using=self.using)
 
-    @abstractmethod
+    def ending_transaction(self) -> AbstractContextManager[Any]:
+        return self._flow_transaction()
+
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
     ) -> set[tuple[int, UUID]]:
-        """Record several successes in one fenced UPDATE; return the attempts recorded.
-
-        ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``;
-        the answer holds ``(id, claim_token)`` of the rows written. Each row
-        is matched on its own id, token and ``claimed`` status, so batching
-        keeps per-row fencing: a row recovered and re-claimed meanwhile is
-        not in the answer, and two attempts of one row in one batch (a late,
-        superseded one and the current one) are told apart by their tokens.
+        """Record ``(id, claim_token, result JSON)`` successes in one fenced UPDATE; return
+        the attempts recorded. Each row matches its own id, token and ``claimed`` status:
+        a re-claimed row, or a superseded attempt beside the current one, is not recorded.
         """
+        return {(pk, token) for pk, token, _ in self.succeed_rows(outcomes)}
+
+    @abstractmethod
+    def succeed_rows(
+        self, outcomes: Sequence[tuple[int, UUID, str | None]]
+    ) -> list[tuple[int, UUID, bool]]:
+        """``succeed_many``, each attempt recorded with its row's ``has_dependents``
+        as the write found it (set by an ``after=`` enqueue since the claim, too)."""
 
     def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
         """Refresh ``heartbeat_at`` (DB clock) of the claimed rows of ``claims``; return them.
@@ -323,10 +328,8 @@ class VendorOperations(ABC):
         run_after: datetime | timedelta | None,
         payloads_json: Sequence[str | None],
     ) -> bool:
-        """``insert_item`` for a batch sharing handler, queue, priority and run_after.
-
-        ``payloads_json`` as ``insert_item``'s ``payload_json``, one per item.
-        """
+        """``insert_item`` for items sharing handler, queue, priority and run_after
+        (``payloads_json``: one ``payload_json`` per item)."""
         return False
 
     def notify(self, queues: Sequence[str], priority: int = 0) -> None:
@@ -380,12 +383,10 @@ class VendorOperations(ABC):
     def run_times(self, since: timedelta, sample: int) -> list[RunTimes]:
         """p50 and p95 run time per handler, of succeeded rows finished in the last ``since``.
 
-        This default computes them in Python from at most the ``sample``
-        latest such rows (newest first, a backward range scan of
-        ``dbworker_finished_idx``), so that a database without percentile
-        functions never makes the web process sort a whole hour of a busy
-        table. When the sample is full, every handler's entry says so.
-        Vendors that can compute percentiles override this.
+        This default computes them in Python from at most the ``sample`` latest
+        such rows (a backward range scan of ``dbworker_finished_idx``), so that the
+        web process never sorts a whole hour of a busy table; a full sample says
+        so. Vendors that can compute percentiles override this.
         """
         rows = list(
             WorkItem.objects.using(self.using)

@@ -268,24 +268,24 @@ class MySQLOperations(VendorOperations):
             cursor.execute(lock_flow_locks_sql(len(missing)), numbered_params("name", missing))
             cursor.fetchall()
 
-    def succeed_many(
+    def succeed_rows(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
-    ) -> set[tuple[int, UUID]]:
+    ) -> list[tuple[int, UUID, bool]]:
         if not outcomes:
-            return set()
+            return []
         wanted = {(pk, token) for pk, token, _ in outcomes}
         ids = sorted({pk for pk, _, _ in outcomes})
 
-        def attempt() -> set[tuple[int, UUID]]:
+        def attempt() -> list[tuple[int, UUID, bool]]:
             with self._read_committed(), self.connection.cursor() as cursor:
                 cursor.execute(succeed_lock_sql(len(ids)), numbered_params("id", ids))
-                held = {
-                    (pk, as_uuid(token))
-                    for pk, status, token in cursor.fetchall()
-                    if status == "claimed" and token is not None
-                } & wanted
+                linked: dict[tuple[int, UUID], bool] = {}
+                for pk, status, token, has_dependents in cursor.fetchall():
+                    if status == "claimed" and token is not None:
+                        linked[pk, as_uuid(token)] = bool(has_dependents)
+                held = set(linked) & wanted
                 if not held:
-                    return set()
+                    return []
                 # One row's two attempts cannot both be held: only its current
                 # token is. An attempt listed twice is written once.
                 results = {(pk, token): result for pk, token, result in outcomes}
@@ -310,7 +310,7 @@ class MySQLOperations(VendorOperations):
                     raise RuntimeError(
                         f"recorded {cursor.rowcount} of {len(mine)} locked successes"
                     )
-                return held
+                return [(pk, token, linked[pk, token]) for pk, token in held]
 
         return self._retrying(attempt, "recording successes")
 

@@ -266,7 +266,7 @@ CLAIM_READ = Statement(
     "Read back the rows this transaction just claimed.",
     """
 SELECT id, handler, queue, payload, priority, run_after, attempts,
-       max_attempts, claimed_by, claim_token, trace_context
+       max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
   AND status = 'claimed'
@@ -279,7 +279,7 @@ SUCCEED_LOCK = Statement(
     "succeed_lock",
     "Lock the rows of a batch of successes in id order; read their status and token.",
     """
-SELECT id, status, claim_token FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
+SELECT id, status, claim_token, has_dependents FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
 ORDER BY id
 FOR UPDATE

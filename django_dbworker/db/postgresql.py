@@ -156,18 +156,18 @@ class PostgresOperations(VendorOperations):
                 "before the previous claimer's commit. Claim outside that transaction."
             )
 
-    def succeed_many(
+    def succeed_rows(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
-    ) -> set[tuple[int, UUID]]:
+    ) -> list[tuple[int, UUID, bool]]:
         if not outcomes:
-            return set()
+            return []
         params = {
             "ids": [pk for pk, _, _ in outcomes],
             "tokens": [token for _, token, _ in outcomes],
             "results": [result for _, _, result in outcomes],
         }
         rows = self._fetch_bound(SUCCEED_MANY.sql, params)
-        return {(pk, as_uuid(token)) for pk, token in rows}
+        return [(pk, as_uuid(token), linked) for pk, token, linked in rows]
 
     def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
         params = {"ids": [pk for pk, _ in claims], "tokens": [token for _, token in claims]}

@@ -62,7 +62,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
 """,
 )
 
@@ -94,7 +95,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
 """,
 )
 
@@ -123,7 +125,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
 """,
 )
 
@@ -255,7 +258,8 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.id = fits.id
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
 """,
 )
 
@@ -276,13 +280,12 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.id = v.id
   AND w.claim_token = v.token
   AND w.status = 'claimed'
-RETURNING w.id, w.claim_token
+RETURNING w.id, w.claim_token, w.has_dependents
 """,
 )
 
-# The heartbeat of every attempt a process runs, in one statement that also
-# says which of them an operator asked to stop (cancel_requested_at): the
-# worker learns of a cancel request with the heartbeat, at no extra round trip.
+# The heartbeat of every attempt a process runs, in one statement that also says
+# which an operator asked to stop: cancel requests come at no extra round trip.
 HEARTBEAT = Statement(
     "heartbeat",
     "Refresh the heartbeats of the attempts still held; return them with their cancel requests.",
@@ -296,12 +299,10 @@ RETURNING id, claim_token, cancel_requested_at IS NOT NULL
 """,
 )
 
-# NOTIFY is transactional: the wake-up is delivered when (and only if) the
-# insert commits. run_at is an absolute time, or NULL for "delay after now".
-# The pg_notify() call in RETURNING runs once, for the one row; a plain
-# INSERT ... RETURNING costs the server less to parse and plan than the same
-# insert in a WITH around a join to the NOTIFY (Django does not prepare
-# statements by default, so that cost is paid on every call).
+# NOTIFY is transactional: delivered if the insert commits. run_at is an
+# absolute time, or NULL for "delay after now". pg_notify() in RETURNING runs
+# once, for the one row: cheaper to parse and plan than a WITH joining the
+# insert to the NOTIFY (Django prepares no statements by default).
 INSERT_ITEM = Statement(
     "insert_item",
     "Insert one pending row and notify its queue, in one round trip.",

@@ -30,6 +30,9 @@ CLAIM_COLUMNS = (
     "claimed_by",
     "claim_token",
     "trace_context",
+    # What its ending must settle: its batch, and whether items wait for it.
+    "batch_id",
+    "has_dependents",
 )
 
 #: Columns an enqueue statement returns for each inserted row, in this order.

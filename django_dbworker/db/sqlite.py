@@ -67,7 +67,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
 """,
 )
 
@@ -95,7 +95,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
 """,
 )
 
@@ -157,7 +157,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
 """,
 )
 
@@ -179,7 +179,8 @@ WHERE django_dbworker_workitem.id IN ({ids})
   AND django_dbworker_workitem.id = v.id
   AND django_dbworker_workitem.claim_token = v.token
   AND django_dbworker_workitem.status = 'claimed'
-RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token
+RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token,
+          django_dbworker_workitem.has_dependents
 """,
 )
 
@@ -318,11 +319,11 @@ class SQLiteOperations(VendorOperations):
         # The statement does not say how many candidates it held back.
         return self._rows_to_items(rows)
 
-    def succeed_many(
+    def succeed_rows(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
-    ) -> set[tuple[int, UUID]]:
+    ) -> list[tuple[int, UUID, bool]]:
         if not outcomes:
-            return set()
+            return []
         params = {
             **numbered_params("id", [pk for pk, _, _ in outcomes]),
             # UUIDField's storage on SQLite: 32 hex characters.
@@ -330,7 +331,7 @@ class SQLiteOperations(VendorOperations):
             **numbered_params("result", [result for _, _, result in outcomes]),
         }
         rows = self._fetch(succeed_many_sql(len(outcomes)), params)
-        return {(pk, as_uuid(token)) for pk, token in rows}
+        return [(pk, as_uuid(token), bool(linked)) for pk, token, linked in rows]
 
     def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
         claims = list(claims)

@@ -310,8 +310,12 @@ def _succeed_or_refuse(item: WorkItem, encoded: str | None) -> bool:
     """
     assert item.claim_token is not None
     attempt = [(item.pk, item.claim_token, encoded)]
+    linked = transitions.linked_rows([item])
     try:
-        return _guarded(item, lambda: bool(transitions.succeed(attempt, using=item._state.db)))
+        return _guarded(
+            item,
+            lambda: bool(transitions.succeed(attempt, using=item._state.db, linked=linked)),
+        )
     except DatabaseError as exc:
         if is_transient(exc):
             raise

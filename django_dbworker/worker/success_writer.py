@@ -194,8 +194,11 @@ class SuccessWriter(threading.Thread):
         """Write ``batch``; a batch the database refuses is retried row by row."""
         try:
             rows = [(e.item.pk, e.token, e.result_json) for e in batch]
+            linked = transitions.linked_rows(e.item for e in batch)
             recorded = persist(
-                lambda: guarded(self.using, lambda: transitions.succeed(rows, using=self.using)),
+                lambda: guarded(
+                    self.using, lambda: transitions.succeed(rows, using=self.using, linked=linked)
+                ),
                 what="recording successes",
                 give_up=self.give_up,
                 using=self.using,

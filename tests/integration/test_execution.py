@@ -123,7 +123,9 @@ def test_query_budget_of_one_claim_process_record_cycle() -> None:
 
     Driven through the real ``Worker`` (inline, burst, as run_until_empty
     runs it), in autocommit as the worker runs. Around the cycle: one
-    stale-recovery pass (one SELECT) and the claim that finds nothing left.
+    stale-recovery pass (one SELECT, and the two of ``completion.sweep``: open
+    batches and waiting rows with nothing left to wait for) and the claim
+    that finds nothing left.
     """
     Noop.enqueue_many([None] * 3)
     worker = Worker([Noop], WorkerConfig(inline=True, burst=True))
@@ -141,11 +143,11 @@ def test_query_budget_of_one_claim_process_record_cycle() -> None:
         assert len(locks) == 4, sql  # one per item, one that finds nothing
         assert len(claims) == 3, sql
         assert len(successes) == 3, sql
-        assert len(sql) == 1 + 4 + 3 * 2 + 3 * 2, sql
+        assert len(sql) == 3 + 4 + 3 * 2 + 3 * 2, sql
         return
     assert len(claims) == 4, sql  # one per item, one that finds nothing
     assert len(successes) == 3, sql
-    assert len(sql) == 1 + 4 + 3, sql  # the recovery SELECT, claims, successes
+    assert len(sql) == 3 + 4 + 3, sql  # the recovery SELECTs, claims, successes
 
 
 def test_query_budget_does_not_grow_with_the_batch() -> None:

@@ -27,7 +27,7 @@ def test_successes_arriving_during_a_write_share_the_next_one(
     batches: list[list[int]] = []
     in_flight = threading.Event()
     release = threading.Event()
-    real = ops.succeed_many
+    real = ops.succeed_rows
 
     def observed(rows: Any) -> Any:
         batches.append([pk for pk, _token, _result in rows])
@@ -38,7 +38,7 @@ def test_successes_arriving_during_a_write_share_the_next_one(
         return real(rows)
 
     # operations() is shared per alias: monkeypatch puts the method back afterwards.
-    monkeypatch.setattr(ops, "succeed_many", observed)
+    monkeypatch.setattr(ops, "succeed_rows", observed)
     writer.start()
     results: dict[int, bool] = {}
 

@@ -649,3 +649,13 @@ class PassesCheckToLongCall(WorkItemHandler):
         if self.cancel_requested:
             _record(payload, "main-saw")
         return "the long call never saw the request"
+
+
+class BatchDone(WorkItemHandler):
+    """A batch's callback: records its payload's counts under the key ``batch:<id>``."""
+
+    name = "batch_done"
+
+    def handle(self, payload: Any) -> dict[str, Any]:
+        _record({"key": f"batch:{payload['batch']}"}, "callback")
+        return payload

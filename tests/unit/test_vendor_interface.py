@@ -22,8 +22,8 @@ class _Complete(VendorOperations):
     ) -> list[Any]:
         return []
 
-    def succeed_many(self, outcomes: Sequence[Any]) -> set[Any]:
-        return set()
+    def succeed_rows(self, outcomes: Sequence[Any]) -> list[Any]:
+        return []
 
     def distinct_queues(self) -> list[str]:
         return []

@@ -11,8 +11,8 @@ from django.db import DatabaseError
 
 from django_dbworker.db import setup_problem
 from django_dbworker.models import FINISHED_STATUSES
+from django_dbworker.pruning import prune
 from django_dbworker.routing import work_db_for_write
-from django_dbworker.transitions import prune
 from django_dbworker.validation import InvalidValue, queue_name
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

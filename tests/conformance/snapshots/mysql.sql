@@ -148,14 +148,14 @@ ORDER BY id;
 -- name: claim_read
 -- Read back the rows this transaction just claimed.
 SELECT id, handler, queue, payload, priority, run_after, attempts,
-       max_attempts, claimed_by, claim_token, trace_context
+       max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN (%(id_0)s, %(id_1)s)
   AND status = 'claimed';
 
 -- name: succeed_lock
 -- Lock the rows of a batch of successes in id order; read their status and token.
-SELECT id, status, claim_token FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
+SELECT id, status, claim_token, has_dependents FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN (%(id_0)s, %(id_1)s)
 ORDER BY id
 FOR UPDATE;

@@ -25,7 +25,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
 
 -- name: claim_in_queue
 -- Claim the next ready rows of some handlers in one queue.
@@ -50,7 +51,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in several queues.
@@ -75,7 +77,8 @@ FROM (
 ) AS c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
 
 -- name: claim_candidates
 -- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
@@ -241,7 +244,8 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.id = fits.id
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context;
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
@@ -256,7 +260,7 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.id = v.id
   AND w.claim_token = v.token
   AND w.status = 'claimed'
-RETURNING w.id, w.claim_token;
+RETURNING w.id, w.claim_token, w.has_dependents;
 
 -- name: heartbeat
 -- Refresh the heartbeats of the attempts still held; return them with their cancel requests.

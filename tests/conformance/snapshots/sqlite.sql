@@ -24,7 +24,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in some queues.
@@ -48,7 +48,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
 
 -- name: claim_keyed
 -- Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.
@@ -97,7 +97,7 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
@@ -113,7 +113,8 @@ WHERE django_dbworker_workitem.id IN (%(id_0)s, %(id_1)s)
   AND django_dbworker_workitem.id = v.id
   AND django_dbworker_workitem.claim_token = v.token
   AND django_dbworker_workitem.status = 'claimed'
-RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token;
+RETURNING django_dbworker_workitem.id, django_dbworker_workitem.claim_token,
+          django_dbworker_workitem.has_dependents;
 
 -- name: heartbeat
 -- Refresh the heartbeats of the attempts still held; return them with their cancel requests.

@@ -1,0 +1,117 @@
+"""``batch()``: a block whose items share one callback, enqueued once when the last ends.
+
+The block is one transaction on the work table's alias (a savepoint inside
+the caller's): the ``Batch`` row, every item enqueued in the block and the
+seal commit together, or, if the block raises or the caller's transaction
+rolls back, none of them. Items join the batch through a context variable
+that ``enqueuing`` reads, so any enqueue in the block's thread (a
+handler's ``enqueue``, ``enqueue_many``, a Django ``@task``'s) belongs to
+it; another thread's does not. An empty batch, or one whose items all ended
+at enqueue, completes at the seal. Completion itself is ``completion.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+from django.db.models.functions import Now
+
+from django_dbworker.completion import complete_batches
+from django_dbworker.errors import EnqueueError
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import Batch, WorkItem
+from django_dbworker.payloads import encode_payload
+from django_dbworker.registry import registry
+from django_dbworker.routing import work_db_for_write
+
+#: Keys of the callback's payload that the batch fills in.
+RESERVED_KEYS = ("batch", "succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class _Open:
+    batch: Batch
+    using: str
+
+
+_current: ContextVar[_Open | None] = ContextVar("dbworker_batch", default=None)
+
+
+def current_batch_id(using: str) -> int | None:
+    """The id of the batch block this thread is in (None outside one).
+
+    Raises ``EnqueueError`` for an enqueue to another database than the batch's.
+    """
+    open_ = _current.get()
+    if open_ is None:
+        return None
+    if using != open_.using:
+        raise EnqueueError(
+            f"This enqueue writes to database {using!r}, its batch #{open_.batch.pk} "
+            f"lives on {open_.using!r}: a batch's items share its database."
+        )
+    return open_.batch.pk
+
+
+def _callback_name(on_complete: Any) -> str:
+    name = getattr(on_complete, "name", None) if isinstance(on_complete, type) else on_complete
+    cls = registry.get(name) if isinstance(name, str) else None
+    if cls is None or not issubclass(cls, WorkItemHandler):
+        raise EnqueueError(
+            f"batch(on_complete=...) takes a registered WorkItemHandler or its name, "
+            f"got {str(on_complete)[:80]!r}."
+        )
+    return cls.name
+
+
+def _callback_payload(payload: Any) -> dict[str, Any]:
+    if payload is None:
+        return {}
+    if not isinstance(payload, Mapping):
+        raise EnqueueError(
+            f"batch(payload=...) takes a dict (the callback's payload), got "
+            f"{type(payload).__name__}."
+        )
+    taken = [key for key in RESERVED_KEYS if key in payload]
+    if taken:
+        raise EnqueueError(
+            f"batch(payload=...) may not use the key(s) {', '.join(taken)}: the callback's "
+            "payload gets the batch id and the counts under those names."
+        )
+    encode_payload(dict(payload))
+    return dict(payload)
+
+
+@contextmanager
+def batch(
+    on_complete: type[WorkItemHandler] | str, payload: Any = None, *, using: str | None = None
+) -> Iterator[Batch]:
+    """Every item enqueued in the block belongs to one batch; when the last of them has
+    ended (succeeded, failed or cancelled), ``on_complete`` is enqueued once with
+    ``payload`` plus ``batch``, ``succeeded``, ``failed`` and ``cancelled``.
+
+    Yields the ``Batch`` row (``b.id``). ``using``: the database of the work
+    table (default: the routers' write alias). Blocks do not nest.
+    """
+    name = _callback_name(on_complete)
+    data = _callback_payload(payload)
+    if _current.get() is not None:
+        raise EnqueueError("batch() blocks do not nest: close the open batch first.")
+    db = work_db_for_write(using)
+    with transaction.atomic(using=db):
+        row = Batch.objects.using(db).create(on_complete=name, payload=data)
+        token = _current.set(_Open(row, db))
+        try:
+            yield row
+        finally:
+            _current.reset(token)
+        total = WorkItem.objects.using(db).filter(batch_id=row.pk).count()
+        Batch.objects.using(db).filter(pk=row.pk).update(sealed_at=Now(), total=total)
+        row.total = total
+        complete_batches([row.pk], db)
+    row.refresh_from_db(using=db)

@@ -1,0 +1,271 @@
+"""What a row's final state sets off: its waiting dependents, and its batch's callback.
+
+SPEC "Batches and dependencies". ``settle`` runs inside the transaction
+that wrote the final states (the success writer's, a failure's, stale
+recovery's, an operator's cancel), so a dependent is released or
+cancelled, and a batch's callback enqueued, exactly when that ending
+commits, and never if it rolls back.
+
+Nothing here counts up or down. Two finishers of one batch or of one
+dependent's parents can commit at the same moment, each seeing the
+other's row as still claimed; so the last step takes a lock first (the
+batch row; the dependent's row) and reads the rows' states after it. At
+READ COMMITTED (forced on MySQL by ``ending_transaction``) that read sees
+what the lock's previous holder committed, so of any set of concurrent
+finishers the last to take the lock sees every ending. The callback is
+inserted by the conditional ``completed_at IS NULL`` update, exactly once.
+
+``sweep`` is the safety net, run by every worker's stale-recovery pass: a
+batch whose items were deleted, a dependent whose parent was pruned, or
+one whose parent an operator cancelled in a transaction that raced its
+enqueue, are settled there from the rows' states alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, Exists, OuterRef, Q
+from django.db.models.functions import Now
+
+from django_dbworker import metrics
+from django_dbworker.conf import dbworker_settings
+from django_dbworker.db import operations
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import ACTIVE_STATUSES, Batch, Dependency, Status, WorkItem
+from django_dbworker.registry import registry
+
+logger = logging.getLogger("django_dbworker.completion")
+
+#: Rows and batches one sweep settles at most.
+SWEEP_LIMIT = 500
+
+
+def waiting_run_after() -> datetime:
+    """The ``run_after`` of a waiting row: after every real time, so no claim sees it."""
+    never = datetime(9999, 12, 30)
+    return never.replace(tzinfo=UTC) if settings.USE_TZ else never
+
+
+def settle(using: str, *, ended: Collection[int] = (), batches: Iterable[int | None] = ()) -> None:
+    """Release or cancel the dependents of the rows ``ended`` (those that have any), then
+    complete the ``batches`` (and those of the dependents cancelled) whose items all ended.
+
+    Call it in the transaction that ended the rows (``ending_transaction``).
+    Idempotent: it reads every decision from the rows' states.
+    """
+    touched = {b for b in batches if b is not None}
+    if ended:
+        touched |= _follow(set(ended), using)
+    if touched:
+        complete_batches(touched, using)
+
+
+def settle_rows(ids: Collection[int], using: str) -> None:
+    """``settle`` for rows whose batch and dependents the caller does not know."""
+    if not ids:
+        return
+    linked = (
+        WorkItem.objects.using(using)
+        .filter(pk__in=list(ids))
+        .filter(Q(has_dependents=True) | Q(batch__isnull=False))
+        .values_list("pk", "has_dependents", "batch_id")
+    )
+    rows = list(linked)
+    if rows:
+        settle(
+            using,
+            ended=[pk for pk, has, _ in rows if has],
+            batches=[batch for _, _, batch in rows],
+        )
+
+
+def _follow(parents: set[int], using: str) -> set[int]:
+    """Settle the dependents of ``parents``, transitively; the batches of those cancelled."""
+    touched: set[int] = set()
+    while parents:
+        children = set(
+            Dependency.objects.using(using)
+            .filter(parent_id__in=parents)
+            .values_list("child_id", flat=True)
+        )
+        cancelled = _resolve(children, using) if children else {}
+        touched |= {batch for batch in cancelled.values() if batch is not None}
+        parents = set(cancelled)
+    return touched
+
+
+def _resolve(children: Collection[int], using: str) -> dict[int, int | None]:
+    """Lock the waiting ``children`` in id order; release those whose parents all
+    succeeded, cancel those with a parent that ended otherwise (or is gone).
+
+    Returns the cancelled ones (id -> batch id): their own dependents follow.
+    """
+    locked = list(
+        WorkItem.objects.using(using)
+        .select_for_update()
+        .filter(pk__in=list(children), status=Status.PENDING, waiting=True)
+        .order_by("pk")
+        .values_list("pk", "batch_id", "queue", "priority")
+    )
+    if not locked:
+        return {}
+    ids = [row[0] for row in locked]
+    links = sorted(
+        Dependency.objects.using(using)
+        .filter(child_id__in=ids)
+        .values_list("child_id", "parent_id")
+    )
+    states = dict(
+        WorkItem.objects.using(using)
+        .filter(pk__in={parent for _, parent in links})
+        .values_list("pk", "status")
+    )
+    blamed: dict[int, tuple[int, str]] = {}
+    unfinished: set[int] = set()
+    for child, parent in links:
+        state = states.get(parent)
+        if state == Status.SUCCEEDED:
+            continue
+        if state in ACTIVE_STATUSES:
+            unfinished.add(child)
+        else:
+            blamed.setdefault(child, (parent, state or "deleted"))
+    rows = WorkItem.objects.using(using).filter(status=Status.PENDING, waiting=True)
+    released = [row for row in locked if row[0] not in blamed and row[0] not in unfinished]
+    if released:
+        rows.filter(pk__in=[row[0] for row in released]).update(
+            waiting=False, run_after=Now(), updated_at=Now()
+        )
+        ops = operations(using)
+        for queue in sorted({row[2] for row in released}):
+            ops.notify([queue], max(row[3] for row in released if row[2] == queue))
+    by_parent: dict[tuple[int, str], list[int]] = {}
+    for child, blame in blamed.items():
+        by_parent.setdefault(blame, []).append(child)
+    for (parent, state), group in sorted(by_parent.items()):
+        ended = "no longer exists" if state == "deleted" else f"ended {state}"
+        rows.filter(pk__in=group).update(
+            status=Status.CANCELLED,
+            waiting=False,
+            finished_at=Now(),
+            updated_at=Now(),
+            last_error=(
+                f"Cancelled without running: it runs after work item #{parent}, which {ended}."
+            ),
+        )
+    batch_of = {row[0]: row[1] for row in locked}
+    return {child: batch_of[child] for child in blamed}
+
+
+def complete_batches(batch_ids: Collection[int], using: str) -> list[int]:
+    """Complete the sealed, open batches of ``batch_ids`` none of whose items is pending or
+    claimed: lock them in id order, read after the lock, enqueue each callback once.
+
+    Returns the ids of the batches completed here.
+    """
+    candidates = list(
+        Batch.objects.using(using)
+        .select_for_update()
+        .filter(pk__in=list(batch_ids), completed_at__isnull=True, sealed_at__isnull=False)
+        .order_by("pk")
+    )
+    done = []
+    for batch in candidates:
+        unfinished = WorkItem.objects.using(using).filter(
+            batch_id=batch.pk, status__in=ACTIVE_STATUSES
+        )
+        if not unfinished.exists() and _complete(batch, using):
+            done.append(batch.pk)
+    return done
+
+
+def _complete(batch: Batch, using: str) -> bool:
+    """Mark ``batch`` complete with its items' counts and insert its callback."""
+    counts: dict[str, int] = dict(
+        WorkItem.objects.using(using)
+        .filter(batch_id=batch.pk)
+        .order_by()
+        .values_list("status")
+        .annotate(n=Count("pk"))
+        .values_list("status", "n")
+    )
+    succeeded = counts.get(Status.SUCCEEDED, 0)
+    failed = counts.get(Status.FAILED, 0)
+    cancelled = counts.get(Status.CANCELLED, 0)
+    won = (
+        Batch.objects.using(using)
+        .filter(pk=batch.pk, completed_at__isnull=True)
+        .update(completed_at=Now(), succeeded=succeeded, failed=failed, cancelled=cancelled)
+    )
+    if won != 1:
+        return False
+    payload: dict[str, Any] = {
+        **(batch.payload if isinstance(batch.payload, dict) else {}),
+        "batch": batch.pk,
+        "succeeded": succeeded,
+        "failed": failed,
+        "cancelled": cancelled,
+    }
+    handler = registry.get(batch.on_complete)
+    if isinstance(handler, type) and issubclass(handler, WorkItemHandler):
+        queue, max_attempts = handler.queue, handler.get_max_attempts()
+    else:
+        # Not registered in this process (a web process that never imported
+        # it): the row is still written, for a worker that knows it.
+        queue, max_attempts = "default", int(dbworker_settings.MAX_ATTEMPTS)
+    callback = WorkItem.objects.using(using).create(
+        handler=batch.on_complete, queue=queue, payload=payload, max_attempts=max_attempts
+    )
+    Batch.objects.using(using).filter(pk=batch.pk).update(callback_id=callback.pk)
+    operations(using).notify([queue], 0)
+    metrics.default_metrics().batch_completed(batch.on_complete)
+    logger.info(
+        "Batch #%d complete (%d succeeded, %d failed, %d cancelled): enqueued %s as work item #%d.",
+        batch.pk,
+        succeeded,
+        failed,
+        cancelled,
+        batch.on_complete,
+        callback.pk,
+    )
+    return True
+
+
+def sweep(using: str, *, limit: int = SWEEP_LIMIT) -> None:
+    """Settle, from the rows' states alone, what no ending settled (see the module doc)."""
+    live = WorkItem.objects.using(using).filter(status__in=ACTIVE_STATUSES)
+    batches = list(
+        Batch.objects.using(using)
+        .filter(completed_at__isnull=True, sealed_at__isnull=False)
+        .exclude(Exists(live.filter(batch_id=OuterRef("pk"))))
+        .order_by("pk")
+        .values_list("pk", flat=True)[:limit]
+    )
+    waiting = list(
+        WorkItem.objects.using(using)
+        .filter(status=Status.PENDING, waiting=True)
+        .exclude(
+            Exists(
+                Dependency.objects.using(using).filter(
+                    child_id=OuterRef("pk"), parent__status__in=ACTIVE_STATUSES
+                )
+            )
+        )
+        .order_by("pk")
+        .values_list("pk", flat=True)[:limit]
+    )
+    if not batches and not waiting:
+        return
+    with operations(using).ending_transaction():
+        touched = set(batches)
+        cancelled = _resolve(waiting, using) if waiting else {}
+        touched |= {batch for batch in cancelled.values() if batch is not None}
+        if cancelled:
+            touched |= _follow(set(cancelled), using)
+        if touched:
+            complete_batches(touched, using)

@@ -1,0 +1,116 @@
+"""``after=`` at enqueue: the parents an item waits for, checked and locked as it is written.
+
+An item with unfinished parents is written ``pending`` but ``waiting``, due
+at ``completion.waiting_run_after()`` (after every real time), so the claim
+statements, their indexes and their plans do not change at all: a waiting
+row is simply never due. ``completion.settle`` makes it due when its last
+parent succeeds, or cancels it when one fails or is cancelled.
+
+The parents are locked (in id order) in the enqueue's transaction and
+marked ``has_dependents``, so a parent that ends at the same moment either
+ends before (the child then sees its final state here) or after the child
+commits (its ending then finds the child and settles it): never neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models.functions import Now
+
+from django_dbworker.completion import waiting_run_after
+from django_dbworker.errors import EnqueueError
+from django_dbworker.models import ACTIVE_STATUSES, Dependency, Status, WorkItem
+
+#: Most parents of one item.
+MAX_PARENTS = 1000
+
+
+def parent_ids(after: Any) -> list[int]:
+    """The ids ``after=`` names (work items or ids), in order, once each; checked only."""
+    if after is None:
+        return []
+    if isinstance(after, (str, bytes, dict, WorkItem)) or not isinstance(after, Iterable):
+        raise EnqueueError(
+            f"after= takes a list of work items or their ids, got {type(after).__name__}."
+        )
+    ids: list[int] = []
+    for parent in after:
+        if isinstance(parent, WorkItem):
+            pk = parent.pk
+            if pk is None:
+                raise EnqueueError("after= names an unsaved work item; enqueue it first.")
+        elif isinstance(parent, int) and not isinstance(parent, bool):
+            pk = parent
+        else:
+            raise EnqueueError(
+                f"after= takes work items or their ids, got {type(parent).__name__} "
+                f"{str(parent)[:40]!r}."
+            )
+        if pk not in ids:
+            ids.append(pk)
+    if len(ids) > MAX_PARENTS:
+        raise EnqueueError(f"after= names {len(ids)} items; at most {MAX_PARENTS} are allowed.")
+    return ids
+
+
+@dataclass(frozen=True)
+class Parents:
+    """What the locked parents said: those still unfinished, the first that ended badly."""
+
+    unfinished: list[int]
+    #: (id, status) of the first parent that failed or was cancelled, if any.
+    blamed: tuple[int, str] | None
+
+
+def lock_parents(ids: list[int], using: str) -> Parents:
+    """Lock the parents ``ids`` in id order and read them; raises ``EnqueueError`` for an
+    id that names no row. Marks the unfinished ones ``has_dependents``. Call it in the
+    enqueue's transaction."""
+    states = dict(
+        WorkItem.objects.using(using)
+        .select_for_update()
+        .filter(pk__in=ids)
+        .order_by("pk")
+        .values_list("pk", "status")
+    )
+    missing = [pk for pk in ids if pk not in states]
+    if missing:
+        named = ", ".join(f"#{pk}" for pk in missing[:5])
+        raise EnqueueError(
+            f"after= names work item(s) {named} that do not exist (on database {using!r})."
+        )
+    blamed = next(
+        ((pk, states[pk]) for pk in ids if states[pk] in (Status.FAILED, Status.CANCELLED)),
+        None,
+    )
+    unfinished = [pk for pk in ids if states[pk] in ACTIVE_STATUSES]
+    if unfinished and blamed is None:
+        WorkItem.objects.using(using).filter(pk__in=unfinished, has_dependents=False).update(
+            has_dependents=True
+        )
+    return Parents(unfinished, blamed)
+
+
+def shape(item: WorkItem, parents: Parents) -> None:
+    """Make the unsaved ``item`` what its parents make it: cancelled, waiting, or due."""
+    if parents.blamed is not None:
+        parent, state = parents.blamed
+        item.status = Status.CANCELLED
+        item.finished_at = Now()
+        item.last_error = (
+            f"Cancelled without running: it runs after work item #{parent}, which ended {state}."
+        )
+    elif parents.unfinished:
+        item.waiting = True
+        item.run_after = waiting_run_after()
+
+
+def link(child: int, parents: Parents, using: str) -> None:
+    """Store the links of a waiting ``child`` to its unfinished parents."""
+    if parents.blamed is None and parents.unfinished:
+        Dependency.objects.using(using).bulk_create(
+            [Dependency(child_id=child, parent_id=parent) for parent in parents.unfinished]
+        )
