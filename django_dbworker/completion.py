@@ -35,6 +35,7 @@ from django.db.models.functions import Now
 from django_dbworker import metrics
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
+from django_dbworker.db.batch_probe import holds_a_pending_item
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, Batch, Dependency, Status, WorkItem
 from django_dbworker.registry import registry
@@ -51,18 +52,25 @@ def waiting_run_after() -> datetime:
     return never.replace(tzinfo=UTC) if settings.USE_TZ else never
 
 
-def settle(using: str, *, ended: Collection[int] = (), batches: Iterable[int | None] = ()) -> None:
+def settle(
+    using: str,
+    *,
+    ended: Collection[int] = (),
+    batches: Iterable[int | None] = (),
+    quick: bool = False,
+) -> None:
     """Release or cancel the dependents of the rows ``ended`` (those that have any), then
     complete the ``batches`` (and those of the dependents cancelled) whose items all ended.
 
-    Call it in the transaction that ended the rows (``ending_transaction``).
-    Idempotent: it reads every decision from the rows' states.
+    Call it in the transaction that ended the rows (``ending_transaction``), after
+    its writes. Idempotent: it reads every decision from the rows' states.
+    ``quick``: see ``complete_batches``.
     """
     touched = {b for b in batches if b is not None}
     if ended:
         touched |= _follow(set(ended), using)
     if touched:
-        complete_batches(touched, using)
+        complete_batches(touched, using, quick=quick)
 
 
 def settle_rows(ids: Collection[int], using: str) -> None:
@@ -162,16 +170,26 @@ def _resolve(children: Collection[int], using: str) -> dict[int, int | None]:
     return {child: batch_of[child] for child in blamed}
 
 
-def complete_batches(batch_ids: Collection[int], using: str) -> list[int]:
+def complete_batches(batch_ids: Collection[int], using: str, *, quick: bool = False) -> list[int]:
     """Complete the sealed, open batches of ``batch_ids`` none of whose items is pending or
     claimed: lock them in id order, read after the lock, enqueue each callback once.
 
-    Returns the ids of the batches completed here.
+    ``quick``: first skip the batches with a pending item that this transaction can
+    share-lock (``db/batch_probe.py``: not the last ending, and cheap). Only for a
+    transaction that ended items and nothing else, after its writes. Returns the ids
+    of the batches completed here.
     """
+    maybe_last = [
+        batch_id
+        for batch_id in sorted(set(batch_ids))
+        if not (quick and holds_a_pending_item(batch_id, using))
+    ]
+    if not maybe_last:
+        return []
     candidates = list(
         Batch.objects.using(using)
         .select_for_update()
-        .filter(pk__in=list(batch_ids), completed_at__isnull=True, sealed_at__isnull=False)
+        .filter(pk__in=maybe_last, completed_at__isnull=True, sealed_at__isnull=False)
         .order_by("pk")
     )
     done = []

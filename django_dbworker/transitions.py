@@ -140,6 +140,7 @@ def succeed(
             ops.using,
             ended=[pk for pk, _, has_dependents in rows if has_dependents],
             batches=[linked.get(pk) for pk, _, _ in rows],
+            quick=True,
         )
     return {(pk, token) for pk, token, _ in rows}
 

@@ -52,3 +52,12 @@ class BenchKeyed(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         return None
+
+
+class BenchBatchDone(WorkItemHandler):
+    """A batch's callback (W9): no work; the benchmark reads when it was enqueued."""
+
+    name = "bench_batch_done"
+
+    def handle(self, payload: Any) -> None:
+        return None
