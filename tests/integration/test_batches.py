@@ -17,6 +17,7 @@ from django.db import transaction
 from django_dbworker import EnqueueError, batch, transitions
 from django_dbworker.completion import sweep
 from django_dbworker.models import Batch, Dependency, Status, WorkItem
+from django_dbworker.tasks import task as dbtask
 from django_dbworker.testing import run_until_empty
 from tests.factories import claim, run_retries
 from tests.testapp.models import Execution
@@ -186,3 +187,19 @@ def test_enqueue_after_a_running_parent_is_released_when_it_succeeds() -> None:
     }
     b.refresh_from_db()
     assert (b.status, b.waiting) == (Status.PENDING, False)
+
+
+@dbtask()
+def batched_task(n: int) -> int:
+    return n * 2
+
+
+def test_django_task_enqueues_in_the_block_belong_to_the_batch() -> None:
+    with batch(on_complete=BatchDone) as b:
+        results = [batched_task.enqueue(n) for n in range(3)]
+    assert b.total == 3
+    ids = {int(result.id) for result in results}
+    assert set(WorkItem.objects.filter(batch_id=b.id).values_list("pk", flat=True)) == ids
+    run_until_empty([batched_task.module_path])
+    (callback,) = _callbacks(b.id)
+    assert callback.payload["succeeded"] == 3
