@@ -22,7 +22,8 @@ from django.db import connections
 
 from django_dbworker.db.sql import Statement
 
-HOLD_PENDING_POSTGRESQL = Statement(
+# PostgreSQL's and MySQL 8's spelling; MySQL 8's LOCK IN SHARE MODE takes no SKIP LOCKED.
+HOLD_PENDING_FOR_SHARE = Statement(
     "hold_batch_pending",
     "Share-lock one pending, unlocked item of a batch until commit (a later ending sees us).",
     """
@@ -33,8 +34,7 @@ FOR SHARE SKIP LOCKED
 """,
 )
 
-# MariaDB's shared locking read is spelled LOCK IN SHARE MODE (SKIP LOCKED
-# since 10.6); MySQL 8's FOR SHARE takes SKIP LOCKED, its LOCK IN SHARE MODE not.
+# MariaDB's shared locking read is spelled LOCK IN SHARE MODE (SKIP LOCKED since 10.6).
 HOLD_PENDING_MARIADB = Statement(
     "hold_batch_pending",
     "Share-lock one pending, unlocked item of a batch until commit (a later ending sees us).",
@@ -43,17 +43,6 @@ SELECT id FROM django_dbworker_workitem
 WHERE batch_id = %(batch)s AND status = 'pending'
 LIMIT 1
 LOCK IN SHARE MODE SKIP LOCKED
-""",
-)
-
-HOLD_PENDING_MYSQL = Statement(
-    "hold_batch_pending",
-    "Share-lock one pending, unlocked item of a batch until commit (a later ending sees us).",
-    """
-SELECT id FROM django_dbworker_workitem
-WHERE batch_id = %(batch)s AND status = 'pending'
-LIMIT 1
-FOR SHARE SKIP LOCKED
 """,
 )
 
@@ -70,12 +59,11 @@ LIMIT 1
 
 def _statement(using: str) -> Statement:
     connection = connections[using]
-    if connection.vendor == "postgresql":
-        return HOLD_PENDING_POSTGRESQL
-    if connection.vendor == "mysql":
-        mariadb = bool(getattr(connection, "mysql_is_mariadb", False))
-        return HOLD_PENDING_MARIADB if mariadb else HOLD_PENDING_MYSQL
-    return PENDING_SQLITE
+    if connection.vendor == "sqlite":
+        return PENDING_SQLITE
+    if getattr(connection, "mysql_is_mariadb", False):
+        return HOLD_PENDING_MARIADB
+    return HOLD_PENDING_FOR_SHARE
 
 
 def holds_a_pending_item(batch_id: int, using: str) -> bool:

@@ -19,32 +19,11 @@ from django.db import close_old_connections, connection
 
 from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Batch, Status, WorkItem
-from tests.conftest import wait_until
+from tests.conftest import lock_waiters, wait_until
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Noop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.server_db]
-
-
-def lock_waiters() -> int:
-    """Transactions of this database waiting for a row lock right now."""
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-        else:
-            # MariaDB waits for a row found by its primary key while optimising
-            # (processlist state "Statistics", not yet LOCK WAIT).
-            cursor.execute(
-                "SELECT (SELECT count(*) FROM information_schema.innodb_trx"
-                "        WHERE trx_state = 'LOCK WAIT')"
-                " + (SELECT count(*) FROM information_schema.processlist"
-                "    WHERE state = 'Statistics' AND info LIKE '%%django_dbworker_workitem%%')"
-            )
-        (n,) = cursor.fetchone()
-    return int(n)
 
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[BaseException]]:
@@ -101,8 +80,6 @@ def test_a_cancel_of_the_pending_item_a_finisher_holds_waits_and_completes_the_b
     canceller, cancel_errors = _in_thread(
         lambda: WorkItem.objects.filter(pk=pending.pk).cancel_pending()
     )
-    # interval: InnoDB refreshes its INNODB_TRX cache only when the previous read of it
-    # is more than 0.1 s old, so polls every 50 ms would read the first answer forever.
     wait_until(
         lambda: lock_waiters() >= 1,
         interval=0.25,

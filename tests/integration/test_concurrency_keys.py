@@ -26,6 +26,7 @@ from django_dbworker.checks import concurrency_limit_errors
 from django_dbworker.db import operations
 from django_dbworker.models import FlowLock, Status, WorkItem
 from django_dbworker.registry import registry
+from tests.conftest import lock_waiters as shared_lock_waiters
 from tests.conftest import wait_until
 from tests.factories import age_heartbeat, assert_no_key_overlaps, claim
 from tests.testapp.models import Execution
@@ -373,24 +374,8 @@ def claimed_of(handler: str, key: str) -> list[int]:
 
 
 def lock_waiters() -> int:
-    """Transactions of this database server waiting for a lock right now."""
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-        else:
-            # MariaDB waits for a FlowLock row found by its primary key while
-            # optimising (processlist state "Statistics", not yet LOCK WAIT).
-            cursor.execute(
-                "SELECT (SELECT count(*) FROM information_schema.innodb_trx"
-                "        WHERE trx_state = 'LOCK WAIT')"
-                " + (SELECT count(*) FROM information_schema.processlist"
-                "    WHERE state = 'Statistics' AND info LIKE '%%django_dbworker_flowlock%%')"
-            )
-        (n,) = cursor.fetchone()
-    return int(n)
+    """Transactions waiting for a lock right now (MariaDB: on a FlowLock row too)."""
+    return shared_lock_waiters("django_dbworker_flowlock")
 
 
 # -- keys compare byte for byte ---------------------------------------------------
