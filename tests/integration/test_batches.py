@@ -203,3 +203,35 @@ def test_django_task_enqueues_in_the_block_belong_to_the_batch() -> None:
     run_until_empty([batched_task.module_path])
     (callback,) = _callbacks(b.id)
     assert callback.payload["succeeded"] == 3
+
+
+def test_an_item_retried_after_its_batch_completed_runs_again_without_a_second_callback() -> None:
+    """SPEC leaves it open; documented in docs/topics/batches.md: the batch stays
+    completed with the counts it had, its callback does not fire again."""
+    with batch(on_complete=BatchDone) as b:
+        failing = NoRetry.enqueue({"key": "r"})
+        Noop.enqueue({})
+    run_until_empty([Noop, NoRetry])
+    assert len(_callbacks(b.id)) == 1
+    WorkItem.objects.filter(pk=failing.pk).update(handler="noop")
+    assert failing.retry()
+    run_until_empty([Noop])
+    assert WorkItem.objects.get(pk=failing.pk).status == Status.SUCCEEDED
+    assert len(_callbacks(b.id)) == 1
+    row = Batch.objects.get(pk=b.id)
+    assert (row.succeeded, row.failed) == (1, 1)
+
+
+def test_an_item_retried_before_its_batch_completed_holds_the_batch_open() -> None:
+    with batch(on_complete=BatchDone) as b:
+        failing = NoRetry.enqueue({"key": "r"})
+        slow = Noop.enqueue({})
+    with pytest.raises(RuntimeError, match="work remains"):
+        run_until_empty([NoRetry, Noop], max_items=1)
+    assert WorkItem.objects.get(pk=failing.pk).status == Status.FAILED
+    WorkItem.objects.filter(pk=failing.pk).update(handler="noop")
+    assert failing.retry()
+    run_until_empty([Noop])
+    assert WorkItem.objects.get(pk=slow.pk).status == Status.SUCCEEDED
+    (callback,) = _callbacks(b.id)
+    assert (callback.payload["succeeded"], callback.payload["failed"]) == (2, 0)
