@@ -7,14 +7,17 @@ while the code does otherwise.
 from __future__ import annotations
 
 import contextvars
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 from prometheus_client import REGISTRY
 
-from django_dbworker import batch
+from django_dbworker import batch, transitions
 from django_dbworker.models import Batch, WorkItem
+from tests.conftest import wait_until
+from tests.factories import claim
 from tests.testapp.workers import BatchDone, Noop
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -95,3 +98,83 @@ def test_an_enqueue_in_another_thread_does_not_join_the_batch() -> None:
     (pk,) = enqueued
     assert not Batch.objects.exists()
     assert WorkItem.objects.get(pk=pk).batch_id is None
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        (n,) = cursor.fetchone()
+    return int(n)
+
+
+@pytest.mark.postgres_only
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
+def test_the_last_of_two_concurrent_finishers_completes_the_batch_at_any_isolation_level(
+    isolation: str,
+) -> None:
+    """The guide: the read after the batch row's lock sees what the previous holder
+    committed, "at READ COMMITTED, PostgreSQL's default".
+
+    ``OPTIONS["isolation_level"]`` may make the connections REPEATABLE READ
+    (the keyed claim, which reads after a lock too, sets READ COMMITTED for
+    its transaction and refuses a stricter caller's). An ending's
+    transaction does not (``ending_transaction`` is a plain ``atomic`` on
+    PostgreSQL): its snapshot is taken by the success UPDATE, before the
+    lock, so two finishers of a batch's last two items that wait for the
+    batch row together each see the other's item as still claimed, and
+    neither completes the batch. The callback comes only with some
+    worker's next sweep (up to ``STALE_AFTER / 4`` later), not "when the
+    last item ends".
+    """
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue({})
+        Noop.enqueue({})
+    claimed = claim(handlers=["noop"])
+    assert len(claimed) == 2
+    hold, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def finish(item: WorkItem) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {isolation}"
+                )
+            assert item.claim_token is not None
+            transitions.succeed([(item.pk, item.claim_token, None)], linked={item.pk: b.id})
+        except BaseException as exc:  # reported by the test's thread
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                list(Batch.objects.select_for_update().filter(pk=b.id))
+                hold.set()
+                release.wait(timeout=30)
+        finally:
+            connections.close_all()
+
+    lock = threading.Thread(target=holder)
+    lock.start()
+    hold.wait(timeout=20)
+    finishers = [threading.Thread(target=finish, args=(item,)) for item in claimed]
+    for thread in finishers:
+        thread.start()
+    # Polled from this thread's connection: a transaction sees pg_stat_activity
+    # as it was when it first read it.
+    wait_until(lambda: _lock_waiters() >= 2, timeout=20, what="both finishers at the lock")
+    release.set()
+    lock.join(timeout=30)
+    for thread in finishers:
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert set(WorkItem.objects.filter(batch_id=b.id).values_list("status", flat=True)) == {
+        "succeeded"
+    }
+    assert Batch.objects.get(pk=b.id).completed_at is not None
+    assert WorkItem.objects.filter(handler=BatchDone.name).count() == 1
