@@ -167,7 +167,7 @@ def toctree_pages(index: Path | None = None) -> list[Path]:
 
 
 def readme_blocks() -> list[Block]:
-    """The README's blocks: its quick start, a project of its own."""
+    """The README's blocks (its quick start, the batches example): a project of its own."""
     return markdown_blocks(README)
 
 

@@ -106,6 +106,47 @@ def test_tutorial_sends_the_welcome_from_a_worker(tutorial: Project) -> None:
 # -- the README's quick start --------------------------------------------------------
 
 
+#: The handlers the README's batches example imports from the reader's app
+#: (the example shows the enqueues, not the handlers; the batches guide has both).
+README_BATCH_HANDLERS = """
+
+# The scaffolding: the handlers of the README's batches example.
+class ImportRow(WorkItemHandler):
+    name = "import_row"
+
+    def handle(self, payload):
+        return {"imported": payload["row"]}
+
+
+class ImportFinished(WorkItemHandler):
+    name = "import_finished"
+
+    def handle(self, payload):
+        return payload
+
+
+class Extract(WorkItemHandler):
+    name = "extract"
+
+    def handle(self, payload):
+        return {"extracted": payload["source"]}
+
+
+class Transform(WorkItemHandler):
+    name = "transform"
+
+    def handle(self, payload):
+        return {"transformed": payload["table"]}
+
+
+class Load(WorkItemHandler):
+    name = "load"
+
+    def handle(self, payload):
+        return {"loaded": payload["tables"]}
+"""
+
+
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
     blocks = readme_blocks()
@@ -116,6 +157,8 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
         blocks,
         settings_tail='\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n',
     ) as p:
+        with (p.dir / "myapp" / "workers.py").open("a") as workers:
+            workers.write(README_BATCH_HANDLERS)
         yield p
 
 
@@ -133,6 +176,37 @@ def test_readme_quick_start_runs(quickstart: Project) -> None:
         "print(json.dumps(sorted(WorkItem.objects.values_list('status', flat=True))))"
     )
     assert statuses and set(statuses) == {"succeeded"}, (statuses, worker.stderr)
+
+
+def test_readme_batches_example_ran_in_order(quickstart: Project) -> None:
+    """After the quick start's run: the callback's payload, the chain and the fan-in."""
+    batches, rows = quickstart.query(
+        "import json\nfrom django_dbworker.models import Batch, WorkItem\n"
+        "print(json.dumps([list(Batch.objects.values_list('pk', flat=True)), "
+        "[[i.handler, i.payload, i.claimed_at.isoformat(), i.finished_at.isoformat()] "
+        "for i in WorkItem.objects.exclude(handler='greet').order_by('pk')]]))"
+    )
+    handlers = [row[0] for row in rows]
+    assert handlers == [
+        "import_row",
+        "import_row",
+        "extract",
+        "extract",
+        "transform",
+        "load",
+        "import_finished",
+    ], rows
+    (batch_id,) = batches
+    assert rows[-1][1] == {
+        "import_id": 7,
+        "batch": batch_id,
+        "succeeded": 2,
+        "failed": 0,
+        "cancelled": 0,
+    }
+    (_, extract_a, extract_other, transform, load, _) = rows[1:]
+    assert transform[2] >= extract_a[3]
+    assert load[2] >= max(transform[3], extract_other[3])
 
 
 # -- examples that are not a project -------------------------------------------------
