@@ -12,6 +12,7 @@ at enqueue, completes at the seal. Completion itself is ``completion.py``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -37,18 +38,22 @@ RESERVED_KEYS = ("batch", "succeeded", "failed", "cancelled")
 class _Open:
     batch: Batch
     using: str
+    #: The block's thread: a context copied into another thread (asyncio.to_thread,
+    #: sync_to_async) would enqueue on that thread's connection, outside the block.
+    thread: int
 
 
 _current: ContextVar[_Open | None] = ContextVar("dbworker_batch", default=None)
 
 
 def current_batch_id(using: str) -> int | None:
-    """The id of the batch block this thread is in (None outside one).
+    """The id of the batch block this thread is in (None outside one, and in another
+    thread that copied the block's context: its writes are not the block's).
 
     Raises ``EnqueueError`` for an enqueue to another database than the batch's.
     """
     open_ = _current.get()
-    if open_ is None:
+    if open_ is None or open_.thread != threading.get_ident():
         return None
     if using != open_.using:
         raise EnqueueError(
@@ -105,7 +110,7 @@ def batch(
     db = work_db_for_write(using)
     with transaction.atomic(using=db):
         row = Batch.objects.using(db).create(on_complete=name, payload=data)
-        token = _current.set(_Open(row, db))
+        token = _current.set(_Open(row, db, threading.get_ident()))
         try:
             yield row
         finally:

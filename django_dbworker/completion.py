@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Count, Exists, OuterRef, Q
 from django.db.models.functions import Now
 
@@ -241,16 +242,22 @@ def _complete(batch: Batch, using: str) -> bool:
     )
     Batch.objects.using(using).filter(pk=batch.pk).update(callback_id=callback.pk)
     operations(using).notify([queue], 0)
-    metrics.default_metrics().batch_completed(batch.on_complete)
-    logger.info(
-        "Batch #%d complete (%d succeeded, %d failed, %d cancelled): enqueued %s as work item #%d.",
-        batch.pk,
-        succeeded,
-        failed,
-        cancelled,
-        batch.on_complete,
-        callback.pk,
-    )
+
+    def told() -> None:
+        # Once committed: a completion that rolls back (and is done again) is not one.
+        metrics.default_metrics().batch_completed(batch.on_complete)
+        logger.info(
+            "Batch #%d complete (%d succeeded, %d failed, %d cancelled): enqueued %s as "
+            "work item #%d.",
+            batch.pk,
+            succeeded,
+            failed,
+            cancelled,
+            batch.on_complete,
+            callback.pk,
+        )
+
+    transaction.on_commit(told, using=using)
     return True
 
 

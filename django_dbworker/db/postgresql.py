@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
 import psycopg
 from django.db import transaction
-from django.db.backends.postgresql.psycopg_any import register_tzloader
+from django.db.backends.postgresql.psycopg_any import IsolationLevel, register_tzloader
 from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 from psycopg.pq import Format
@@ -143,6 +144,30 @@ class PostgresOperations(VendorOperations):
                 },
             )
         return Claimed(self._rows_to_items(rows), throttled=len(candidates) - len(rows))
+
+    def ending_transaction(self) -> AbstractContextManager[Any]:
+        """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server
+        default say: an ending's reads after its lock must see what the lock's previous
+        holder committed. Inside a caller's transaction, the caller's level stays."""
+        connection = self.connection
+        if connection.in_atomic_block:
+            return transaction.atomic(using=self.using)
+        return self._read_committed_transaction()
+
+    @contextmanager
+    def _read_committed_transaction(self) -> Iterator[None]:
+        # The level rides on psycopg's own BEGIN: no statement, no round trip more.
+        connection = self.connection
+        connection.ensure_connection()
+        raw = connection.connection
+        previous = raw.isolation_level
+        raw.isolation_level = IsolationLevel.READ_COMMITTED
+        try:
+            with transaction.atomic(using=self.using):
+                yield
+        finally:
+            if not raw.closed:
+                raw.isolation_level = previous
 
     def _refuse_snapshot_isolation(self, connection: Any) -> None:
         """Refuse the keyed claim in a caller's transaction stricter than READ COMMITTED."""

@@ -1,7 +1,10 @@
-"""What writing the batches guide found in the core (issue 22): failing tests, to fix.
+"""What the batches guide promises of an ending, found wanting while it was written.
 
-Each test states what the guide (docs/topics/batches.md) says and fails
-while the code does otherwise.
+A completion that rolls back is neither counted nor logged; an enqueue in
+another thread that copied the block's context does not join the batch;
+the last of two concurrent finishers completes the batch at any isolation
+level the project configures (docs/topics/batches.md). Each failed before
+its fix.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from django_dbworker import batch, transitions
 from django_dbworker.models import Batch, WorkItem
-from tests.conftest import wait_until
+from tests.conftest import lock_waiters, wait_until
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Noop
 
@@ -100,16 +103,6 @@ def test_an_enqueue_in_another_thread_does_not_join_the_batch() -> None:
     assert WorkItem.objects.get(pk=pk).batch_id is None
 
 
-def _lock_waiters() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-        (n,) = cursor.fetchone()
-    return int(n)
-
-
 @pytest.mark.postgres_only
 @pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
 def test_the_last_of_two_concurrent_finishers_completes_the_batch_at_any_isolation_level(
@@ -167,7 +160,7 @@ def test_the_last_of_two_concurrent_finishers_completes_the_batch_at_any_isolati
         thread.start()
     # Polled from this thread's connection: a transaction sees pg_stat_activity
     # as it was when it first read it.
-    wait_until(lambda: _lock_waiters() >= 2, timeout=20, what="both finishers at the lock")
+    wait_until(lambda: lock_waiters() >= 2, timeout=20, what="both finishers at the lock")
     release.set()
     lock.join(timeout=30)
     for thread in finishers:
