@@ -9,12 +9,18 @@ connections and explicit transactions, waited on with bounded waits.
 
 from __future__ import annotations
 
-import pytest
+import threading
+from typing import Any
 
-from django_dbworker import EnqueueError
+import pytest
+from django.db import connection, transaction
+
+from django_dbworker import EnqueueError, batch
 from django_dbworker.models import Dependency, Status, WorkItem
 from tests.factories import claim, run_retries
-from tests.testapp.workers import AlwaysFail, Record
+from tests.integration.interleave import Held, Racer, wait_for_lock_waiters
+from tests.integration.test_batches_races import callbacks, claimed_batch, succeed
+from tests.testapp.workers import AlwaysFail, BatchDone, Noop, Record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -85,3 +91,147 @@ def test_an_id_out_of_the_databases_range_is_an_enqueue_error(pk: int) -> None:
     with pytest.raises(EnqueueError, match="do not exist"):
         Record.enqueue({}, after=[pk])
     assert not WorkItem.objects.exists()
+
+
+# -- REPEATABLE READ sessions: the check after the lock reads an old snapshot --------
+#
+# completion.py reads the items' states after locking the batch row (the
+# dependent's row) and relies on READ COMMITTED for that read to see what the
+# lock's previous holder committed. A project whose OPTIONS["isolation_level"]
+# is REPEATABLE READ (supported elsewhere: docs/topics/databases.md, the keyed
+# claim in docs/topics/flow-control.md) gets transactions whose snapshot was
+# taken at their first statement, before the other finisher committed.
+
+
+def _repeatable_read() -> None:
+    """The session a project with ``OPTIONS["isolation_level"] = REPEATABLE READ`` gets."""
+    connection.ensure_connection()
+    if connection.vendor == "postgresql":
+        import psycopg
+
+        connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        connection.isolation_level = "repeatable read"  # what Django records at connect
+
+
+@pytest.mark.postgres_only
+def test_two_finishers_at_repeatable_read_fire_the_callback() -> None:
+    """PostgreSQL, a project at REPEATABLE READ: the last two items of a batch finish together.
+
+    Finisher A writes its success and holds the batch row's lock (seeing B's
+    item still claimed). Finisher B writes its success (its snapshot is taken
+    by that first statement), waits for the batch row, and once A commits
+    reads the items in that old snapshot: A's item still claimed, so it does
+    not complete the batch either. No callback until a stale-recovery pass
+    sweeps (``completion.sweep``, every ``STALE_AFTER / 4``). SPEC: the
+    callback is enqueued exactly once "when the last item of the batch
+    reaches a final state, also when workers ... finish concurrently", and
+    issue 22: in the same transaction as that final state. Cause:
+    ``VendorOperations.ending_transaction`` (db/base.py) is a plain
+    ``transaction.atomic`` on PostgreSQL, at the session's level; the keyed
+    claim sets READ COMMITTED for itself (postgresql.py ``_claim_keyed``),
+    the ending does not. Fix: ``ending_transaction`` sets READ COMMITTED as
+    its first statement when it opens the transaction (and refuses, or
+    locks differently, inside a caller's stricter transaction).
+    """
+    batch_id, (a, b) = claimed_batch(2)
+    first = Held(lambda: succeed(a))
+    second = Racer(lambda: succeed(b), session=_repeatable_read)
+    wait_for_lock_waiters(1, second)
+    first.release()
+    second.outcome()
+    assert set(WorkItem.objects.filter(batch_id=batch_id).values_list("status", flat=True)) == {
+        Status.SUCCEEDED
+    }
+    assert len(callbacks(batch_id)) == 1, "both items succeeded and no callback was enqueued"
+
+
+@pytest.mark.postgres_only
+def test_a_fan_in_child_at_repeatable_read_is_released() -> None:
+    """PostgreSQL, REPEATABLE READ: a child's two parents succeed together.
+
+    As above, for ``completion._resolve``: the second finisher locks the
+    child after the first committed, but reads the parents' states in its
+    old snapshot (the other parent still claimed) and leaves the child
+    waiting; the first saw the second parent claimed. The child is stuck
+    (``waiting``, run_after in 9999) until a sweep. SPEC: the item is not
+    claimed until every parent succeeded, and then it is (issue 22:
+    wake-ups, not polls, start the next link). Same fix.
+    """
+    p1 = Record.enqueue({"key": "p1"})
+    p2 = Record.enqueue({"key": "p2"})
+    child = Record.enqueue({"key": "child"}, after=[p1, p2])
+    a, b = sorted(claim(limit=2, handlers=["record"]), key=lambda i: i.pk)
+    first = Held(lambda: succeed(a))
+    second = Racer(lambda: succeed(b), session=_repeatable_read)
+    wait_for_lock_waiters(1, second)
+    first.release()
+    second.outcome()
+    row = WorkItem.objects.get(pk=child.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False), "the child is still waiting"
+
+
+@pytest.mark.server_db
+def test_operator_cancel_of_the_last_item_at_repeatable_read_fires_the_callback() -> None:
+    """PostgreSQL and MariaDB, a project at REPEATABLE READ: the admin cancels the last
+    pending item of a batch while a worker's success of the other is being committed.
+
+    The worker's ending holds the batch row's lock and sees the pending item;
+    the operator's ``cancel`` (models.py ``cancel_pending``: a plain
+    ``transaction.atomic``, not ``ending_transaction``) takes its snapshot
+    with its first read, waits for the batch row, and then reads the
+    worker's item as still claimed. No callback (until a sweep). On MariaDB
+    the success writer sets READ COMMITTED for itself (mysql.py
+    ``_read_committed``), the operator's cancel does not. Fix: run
+    ``cancel_pending``'s transaction through ``ending_transaction`` (READ
+    COMMITTED on both vendors; the port ``connect_ending`` can hand it over).
+    """
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue({})
+        last = Noop.enqueue({})
+    (a,) = claim(limit=1, handlers=["noop"])
+    finisher = Held(lambda: succeed(a))
+    operator = Racer(lambda: WorkItem.objects.filter(pk=last.pk).cancel(), session=_repeatable_read)
+    wait_for_lock_waiters(1, operator)
+    finisher.release()
+    assert operator.outcome() == 1
+    assert len(callbacks(b.id)) == 1, "every item ended and no callback was enqueued"
+
+
+@pytest.mark.mysql_only
+def test_an_atomic_handler_finishing_the_last_item_at_repeatable_read_fires_the_callback() -> None:
+    """MariaDB, a project at REPEATABLE READ: the batch's last item is an atomic handler's.
+
+    ``atomic = True`` runs ``handle`` and the success write in one
+    transaction (execution.py ``_run_and_record``); its first read (here
+    the handler's own query) takes the snapshot. The success write's
+    ``ending_transaction`` is then nested (mysql.py ``_read_committed``
+    keeps the caller's level), so the batch check after the lock reads the
+    other item, whose success committed meanwhile, as claimed: no callback
+    (until a sweep). Two atomic handlers of one batch finishing together
+    miss it the same way without any lock wait. Fix: the batch check must
+    not depend on the transaction's snapshot: read the items with a
+    locking read (``SELECT ... FOR SHARE`` / ``LOCK IN SHARE MODE`` of
+    the batch's live rows), or run the completion step after the atomic
+    block in a READ COMMITTED transaction of its own.
+    """
+    batch_id, (a, x) = claimed_batch(2)
+
+    def atomic_handler_run() -> set[Any]:
+        with transaction.atomic():
+            WorkItem.objects.filter(batch_id=batch_id).count()  # the handler reads something
+            ready.set()
+            assert go.wait(30)
+            return succeed(x)
+
+    ready, go = threading.Event(), threading.Event()
+    atomic = Racer(atomic_handler_run, session=_repeatable_read)
+    assert ready.wait(30)
+    finisher = Held(lambda: succeed(a))
+    go.set()
+    wait_for_lock_waiters(1, atomic)
+    finisher.release()
+    atomic.outcome()
+    assert len(callbacks(batch_id)) == 1, "both items succeeded and no callback was enqueued"
