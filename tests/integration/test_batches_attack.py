@@ -235,3 +235,108 @@ def test_an_atomic_handler_finishing_the_last_item_at_repeatable_read_fires_the_
     finisher.release()
     atomic.outcome()
     assert len(callbacks(batch_id)) == 1, "both items succeeded and no callback was enqueued"
+
+
+# -- pruning: the links outlive their parent for a moment -------------------------
+
+
+@pytest.mark.server_db
+def test_pruning_a_succeeded_parent_never_cancels_its_waiting_child() -> None:
+    """A child waits for p1 (succeeded, old enough to prune) and p2 (running). Retention
+    prunes p1 while p2's success is written.
+
+    pruning.py ``prune`` deletes the batch of work items (its own committed
+    statement), then, in another statement, their ``Dependency`` rows. Any
+    ending that settles the child between the two (here p2's success; the
+    same for ``completion.sweep``) finds a link to a parent that no longer
+    exists and cancels the child: "it runs after work item #p1, which no
+    longer exists", although p1 succeeded and p2 succeeded. (A pruner killed
+    between the two statements leaves the links for good: the child is
+    cancelled by whichever ending settles it next.) The window is held open
+    here by locking p1's link row, as a slow or killed pruner would. SPEC:
+    the item runs once every parent succeeded; a pruned parent had. Fix:
+    delete the links before the items, in one transaction with them
+    (``transaction.atomic`` around both deletes of a batch).
+    """
+    from datetime import timedelta
+
+    from django.db.models.functions import Now
+
+    from django_dbworker.pruning import prune
+
+    p1 = Record.enqueue({"key": "p1"})
+    p2 = Record.enqueue({"key": "p2"})
+    child = Record.enqueue({"key": "child"}, after=[p1, p2])
+    a, b = sorted(claim(limit=2, handlers=["record"]), key=lambda i: i.pk)
+    succeed(a)
+    WorkItem.objects.filter(pk=p1.pk).update(finished_at=Now() - timedelta(days=30))
+    links = Held(lambda: list(Dependency.objects.select_for_update().filter(parent_id=p1.pk)))
+    pruner = Racer(lambda: prune(older_than=timedelta(days=7), statuses=[Status.SUCCEEDED]))
+    wait_for_lock_waiters(1, pruner)
+    assert not WorkItem.objects.filter(pk=p1.pk).exists()  # committed; its link not yet deleted
+    succeed(b)
+    links.release()
+    assert pruner.outcome() == 1
+    row = WorkItem.objects.get(pk=child.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False), (
+        f"the child ended {row.status}: {row.last_error}"
+    )
+
+
+# -- the batch block and its context ----------------------------------------------
+
+
+@pytest.mark.server_db
+def test_an_enqueue_in_a_thread_running_the_blocks_context_is_rolled_back_with_it() -> None:
+    """Inside a ``batch()`` block, an item is enqueued by a thread that runs a copy of the
+    block's context (``contextvars.copy_context().run``; ``asyncio.to_thread`` and
+    asgiref's ``sync_to_async(thread_sensitive=False)`` copy it too), then the block
+    raises.
+
+    batches.py says "another thread's [enqueue] does not" belong to the
+    batch, but the batch is found through a ``ContextVar``, which such
+    threads copy: the item gets ``batch_id`` of the open batch, and is
+    inserted on that thread's own connection, committed at once (no foreign
+    key waits for the uncommitted batch row). The block rolls back: no
+    batch, but its item stays, runs, and points to a batch that never
+    existed. SPEC: "if the surrounding transaction rolls back, there is no
+    batch, no item and no callback". Fix: ``_Open`` records the block's
+    thread (or its connection object); ``current_batch_id`` ignores the
+    batch, or raises ``EnqueueError``, in any other thread.
+    """
+    import contextvars
+
+    from django_dbworker.models import Batch
+
+    def block() -> None:
+        with batch(on_complete=BatchDone):
+            context = contextvars.copy_context()
+            Racer(lambda: context.run(Noop.enqueue, {})).outcome()
+            raise RuntimeError("the block rolls back")
+
+    with pytest.raises(RuntimeError, match="rolls back"):
+        block()
+    assert not Batch.objects.exists()
+    leftover = list(WorkItem.objects.values_list("pk", "batch_id"))
+    assert leftover == [], f"rows left by a rolled-back batch block: {leftover}"
+
+
+def test_a_unique_key_enqueue_in_a_batch_does_not_leave_the_batch_empty() -> None:
+    """Contract question. In a ``batch()`` block, ``enqueue(unique_key=k)`` finds a live row
+    of that key and returns it (SPEC "Unique work").
+
+    The returned row is not in the batch (its ``batch_id`` stays what it
+    was), so the block seals an empty batch and the callback is enqueued at
+    once, while the one item the block enqueued, as far as its caller
+    knows, is still pending. SPEC: "Every item enqueued inside the with
+    block ... belongs to the batch" and the callback comes "when the last
+    item of the batch reaches a final state". Either refuse ``unique_key``
+    inside a batch (``EnqueueError``) or document that a deduplicated
+    enqueue does not join it; today nothing says so.
+    """
+    existing = Noop.enqueue({}, unique_key="k")
+    with batch(on_complete=BatchDone) as b:
+        same = Noop.enqueue({}, unique_key="k")
+    assert same.pk == existing.pk
+    assert WorkItem.objects.get(pk=existing.pk).status == Status.PENDING
+    assert callbacks(b.id) == [], "the callback was enqueued while the block's item is pending"
