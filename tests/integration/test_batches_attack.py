@@ -340,3 +340,61 @@ def test_a_unique_key_enqueue_in_a_batch_does_not_leave_the_batch_empty() -> Non
     assert same.pk == existing.pk
     assert WorkItem.objects.get(pk=existing.pk).status == Status.PENDING
     assert callbacks(b.id) == [], "the callback was enqueued while the block's item is pending"
+
+
+# -- faults -----------------------------------------------------------------------
+
+
+def _kill_lock_waiter() -> None:
+    """Kill the connection that waits for a row lock (as a failover or a DBA would)."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        else:
+            cursor.execute(
+                "SELECT trx_mysql_thread_id FROM information_schema.innodb_trx "
+                "WHERE trx_state = 'LOCK WAIT'"
+            )
+            for (pid,) in cursor.fetchall():
+                cursor.execute(f"KILL CONNECTION {int(pid)}")
+
+
+@pytest.mark.server_db
+def test_a_lost_connection_after_a_parents_success_does_not_leave_its_child_waiting() -> None:
+    """A child is enqueued ``after=[p]`` while p runs (p's claim did not know it has
+    dependents). The success writer records p; its connection dies before the child is
+    released.
+
+    transitions.py ``succeed``, the "not linked" path: the success is one
+    autocommitted statement, and the dependents that the row gained after
+    its claim are settled in a second transaction. When the connection is
+    lost between the two, the writer retries (``persist``); the retried
+    write matches no claimed row, ``already_succeeded`` confirms the
+    success, and nothing settles the child: it stays ``waiting`` with
+    run_after in year 9999 until a stale-recovery pass sweeps (every
+    ``STALE_AFTER / 4`` seconds). SPEC: the item runs once its parents
+    succeeded (issue 22: wake-ups, not polls). The loss is forced here by
+    holding the child's row lock and killing the writer's connection while
+    it waits for it. Fix: settle the rows that ``already_succeeded``
+    confirms (``completion.settle_rows`` is idempotent), or write the
+    success of a row with dependents in the ending's transaction always
+    (``succeed_rows`` of ``has_dependents`` rows can be re-run under
+    ``ending_transaction`` when it returns them).
+    """
+    from django_dbworker.worker.success_writer import InlineSuccessWriter
+
+    parent = Record.enqueue({"key": "p"})
+    (running,) = claim(handlers=["record"])
+    child = Record.enqueue({"key": "c"}, after=[parent])
+    held = Held(lambda: list(WorkItem.objects.select_for_update().filter(pk=child.pk)))
+    writer = Racer(lambda: InlineSuccessWriter(using="default").record(running, None))
+    wait_for_lock_waiters(1, writer)
+    _kill_lock_waiter()
+    held.release()
+    assert writer.outcome() is True  # the success is recorded, and the writer says so
+    assert WorkItem.objects.get(pk=parent.pk).status == Status.SUCCEEDED
+    row = WorkItem.objects.get(pk=child.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False), "the child is still waiting"
