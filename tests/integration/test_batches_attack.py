@@ -398,3 +398,36 @@ def test_a_lost_connection_after_a_parents_success_does_not_leave_its_child_wait
     assert WorkItem.objects.get(pk=parent.pk).status == Status.SUCCEEDED
     row = WorkItem.objects.get(pk=child.pk)
     assert (row.status, row.waiting) == (Status.PENDING, False), "the child is still waiting"
+
+
+def test_deleting_a_succeeded_parent_does_not_cancel_its_waiting_child() -> None:
+    """Contract question. A child waits for p1 (succeeded) and p2 (pending); an operator
+    deletes p1's row (the admin's delete, ``QuerySet.delete``), then p2 succeeds.
+
+    ``Dependency`` has no foreign key and ``delete`` leaves p1's link, so
+    ``completion._resolve`` finds a parent that "no longer exists" and
+    cancels the child, although both its parents succeeded. ``prune`` deletes
+    the links of the rows it deletes, so the same row pruned instead of
+    deleted lets the child run: the two operator paths disagree. SPEC: the
+    item runs once every listed item has succeeded, and is cancelled only
+    if one "fails or is cancelled". Fix: a parent that succeeded is no
+    condition any more (batch_models.py ``Dependency`` says so for parents
+    that succeeded before the enqueue): delete a parent's links when it
+    succeeds, in the ending's transaction (``_follow`` has them in hand; the admin would then
+    show parents from another record), which also closes the prune window
+    of ``test_pruning_a_succeeded_parent_never_cancels_its_waiting_child``.
+    """
+    p1 = Record.enqueue({"key": "p1"})
+    p2 = Record.enqueue({"key": "p2"})
+    child = Record.enqueue({"key": "child"}, after=[p1, p2])
+    (a,) = claim(limit=1, handlers=["record"])
+    assert a.pk == p1.pk
+    succeed(a)
+    WorkItem.objects.filter(pk=p1.pk).delete()
+    (b,) = claim(limit=1, handlers=["record"])
+    assert b.pk == p2.pk
+    succeed(b)
+    row = WorkItem.objects.get(pk=child.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False), (
+        f"the child ended {row.status}: {row.last_error}"
+    )
