@@ -431,3 +431,29 @@ def test_deleting_a_succeeded_parent_does_not_cancel_its_waiting_child() -> None
     assert (row.status, row.waiting) == (Status.PENDING, False), (
         f"the child ended {row.status}: {row.last_error}"
     )
+
+
+@pytest.mark.server_db
+def test_an_operator_cancel_racing_a_child_enqueue_cancels_the_child() -> None:
+    """An operator cancels pending item x while a child is enqueued ``after=[x]``.
+
+    The enqueue locks x, marks it ``has_dependents`` and writes the waiting
+    child; the cancel (models.py ``cancel_pending``) reads which of its rows
+    have dependents first, then waits for x's lock in its UPDATE and cancels
+    x once the enqueue committed. Its list, read before, does not name x:
+    nothing settles the child, which stays ``waiting`` (run_after in year
+    9999) until a stale-recovery pass sweeps. completion.py's docstring
+    names this race as the sweep's; it need not be one: read the rows to
+    settle after the UPDATE (PostgreSQL and SQLite: ``UPDATE ... RETURNING
+    id, has_dependents, batch_id``; MySQL: re-read the cancelled ids after
+    the UPDATE, which at READ COMMITTED sees the enqueue's commit). SPEC: a
+    cancelled parent cancels its dependents.
+    """
+    x = Record.enqueue({"key": "x"})
+    enqueuer = Held(lambda: Record.enqueue({"key": "child"}, after=[x]))
+    operator = Racer(lambda: WorkItem.objects.filter(pk=x.pk).cancel())
+    wait_for_lock_waiters(1, operator)
+    child = enqueuer.release()
+    assert operator.outcome() == 1
+    row = WorkItem.objects.get(pk=child.pk)
+    assert row.status == Status.CANCELLED, f"the child is {row.status}, waiting={row.waiting}"
