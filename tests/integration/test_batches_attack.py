@@ -1,8 +1,10 @@
 """Attacks on batches and ``after=`` dependencies (issue 22): each test proves a bug.
 
-Every test here FAILS against the core change it attacks (commit cafd496);
-its docstring says the scenario and what SPEC "Batches and dependencies"
-requires. Scenarios that were tried and held are in ``test_batches_races.py``.
+Every test here FAILS against the core change it attacks (commit cafd496)
+on the databases its docstring names (the others run it as a regression
+test); its docstring says the scenario, what SPEC "Batches and
+dependencies" requires, the cause and a suggested fix. Scenarios that
+were tried and held are in ``test_batches_races.py``.
 Real databases only; interleavings are forced with threads that own their
 connections and explicit transactions, waited on with bounded waits.
 """

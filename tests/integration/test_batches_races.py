@@ -21,7 +21,8 @@ from tests.factories import age_heartbeat, claim
 from tests.integration.interleave import Held, Racer, wait_for_lock_waiters
 from tests.testapp.workers import BatchDone, Noop, Record
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.server_db]
+pytestmark = pytest.mark.django_db(transaction=True)
+server_db = pytest.mark.server_db
 
 
 def callbacks(batch_id: int) -> list[WorkItem]:
@@ -52,6 +53,7 @@ def succeed(item: WorkItem) -> set[Any]:
     )
 
 
+@server_db
 def test_two_finishers_of_the_last_two_items_fire_one_callback() -> None:
     batch_id, (a, b) = claimed_batch(2)
     first = Held(lambda: succeed(a))
@@ -64,6 +66,7 @@ def test_two_finishers_of_the_last_two_items_fire_one_callback() -> None:
     assert Batch.objects.get(pk=batch_id).completed_at is not None
 
 
+@server_db
 def test_operator_cancel_of_the_last_item_while_a_worker_finishes_another() -> None:
     with batch(on_complete=BatchDone) as b:
         Noop.enqueue({})
@@ -77,6 +80,7 @@ def test_operator_cancel_of_the_last_item_while_a_worker_finishes_another() -> N
     assert counts(b.id) == {"succeeded": 1, "failed": 0, "cancelled": 1}
 
 
+@server_db
 def test_a_worker_finishing_while_an_operator_cancel_of_the_last_item_is_uncommitted() -> None:
     with batch(on_complete=BatchDone) as b:
         Noop.enqueue({})
@@ -90,6 +94,7 @@ def test_a_worker_finishing_while_an_operator_cancel_of_the_last_item_is_uncommi
     assert counts(b.id) == {"succeeded": 1, "failed": 0, "cancelled": 1}
 
 
+@server_db
 def test_stale_recovery_failing_the_last_item_while_another_finishes() -> None:
     batch_id, (a, b) = claimed_batch(2)
     WorkItem.objects.filter(pk=b.pk).update(max_attempts=1)
@@ -102,6 +107,7 @@ def test_stale_recovery_failing_the_last_item_while_another_finishes() -> None:
     assert counts(batch_id) == {"succeeded": 1, "failed": 1, "cancelled": 0}
 
 
+@server_db
 def test_a_fan_in_child_is_released_once_when_its_parents_succeed_together() -> None:
     p1 = Record.enqueue({"key": "p1"})
     p2 = Record.enqueue({"key": "p2"})
@@ -118,6 +124,7 @@ def test_a_fan_in_child_is_released_once_when_its_parents_succeed_together() -> 
     assert [i.pk for i in claim(handlers=["record"])] == [child.pk]
 
 
+@server_db
 def test_a_child_enqueued_while_its_parents_success_is_uncommitted_is_due_at_once() -> None:
     parent = Record.enqueue({"key": "p"})
     (running,) = claim(handlers=["record"])
@@ -129,6 +136,7 @@ def test_a_child_enqueued_while_its_parents_success_is_uncommitted_is_due_at_onc
     assert (child.status, child.waiting) == (Status.PENDING, False)
 
 
+@server_db
 def test_a_parents_success_racing_an_uncommitted_child_enqueue_releases_the_child() -> None:
     parent = Record.enqueue({"key": "p"})
     (running,) = claim(handlers=["record"])
@@ -142,6 +150,7 @@ def test_a_parents_success_racing_an_uncommitted_child_enqueue_releases_the_chil
     assert (row.status, row.waiting) == (Status.PENDING, False)
 
 
+@server_db
 def test_a_parents_failure_racing_an_uncommitted_child_enqueue_cancels_the_child() -> None:
     parent = Record.enqueue({"key": "p"})
     (running,) = claim(handlers=["record"])
@@ -152,3 +161,61 @@ def test_a_parents_failure_racing_an_uncommitted_child_enqueue_cancels_the_child
     assert finisher.outcome() is True
     row = WorkItem.objects.get(pk=child.pk)
     assert row.status == Status.CANCELLED and f"#{parent.pk}" in row.last_error
+
+
+# -- operator paths and odd values that held (every database) -----------------------
+
+
+def test_held_run_now_leaves_waiting_rows_waiting() -> None:
+    parent = Record.enqueue({"key": "p"})
+    child = Record.enqueue({"key": "c"}, after=[parent])
+    assert WorkItem.objects.filter(pk__in=[parent.pk, child.pk]).run_now() == 1
+    assert WorkItem.objects.get(pk=child.pk).waiting
+
+
+def test_held_retrying_an_item_of_a_completed_batch_enqueues_no_second_callback() -> None:
+    from django_dbworker.testing import run_until_empty
+
+    with batch(on_complete=BatchDone) as b:
+        dropped = Record.enqueue({"key": "a"}, after=[])  # an empty after= is no condition
+        Noop.enqueue({})
+    WorkItem.objects.filter(pk=dropped.pk).cancel()
+    run_until_empty([Noop])
+    assert counts(b.id) == {"succeeded": 1, "failed": 0, "cancelled": 1}
+    assert WorkItem.objects.filter(pk=dropped.pk).retry() == 1
+    run_until_empty([Record])
+    assert WorkItem.objects.get(pk=dropped.pk).status == Status.SUCCEEDED
+    assert len(callbacks(b.id)) == 1
+    assert counts(b.id) == {"succeeded": 1, "failed": 0, "cancelled": 1}  # as it completed
+
+
+def test_held_a_failed_parent_and_its_cancelled_child_in_one_batch_complete_it_once() -> None:
+    from tests.testapp.workers import NoRetry
+
+    with batch(on_complete=BatchDone) as b:
+        parent = NoRetry.enqueue({"key": "p"})
+        Record.enqueue({"key": "c"}, after=[parent])
+        Record.enqueue({"key": "d"}, after=(x for x in [parent, parent.pk]))
+    from django_dbworker.testing import run_until_empty
+
+    run_until_empty([NoRetry, Record])
+    assert counts(b.id) == {"succeeded": 0, "failed": 1, "cancelled": 2}
+
+
+def test_held_pruning_a_succeeded_parent_lets_its_waiting_child_run() -> None:
+    from datetime import timedelta
+
+    from django.db.models.functions import Now
+
+    from django_dbworker.pruning import prune
+
+    p1 = Record.enqueue({"key": "p1"})
+    p2 = Record.enqueue({"key": "p2"})
+    child = Record.enqueue({"key": "child"}, after=[p1, p2])
+    a, b = sorted(claim(limit=2, handlers=["record"]), key=lambda i: i.pk)
+    succeed(a)
+    WorkItem.objects.filter(pk=p1.pk).update(finished_at=Now() - timedelta(days=30))
+    assert prune(older_than=timedelta(days=7), statuses=[Status.SUCCEEDED]) == 1
+    succeed(b)
+    row = WorkItem.objects.get(pk=child.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False)
