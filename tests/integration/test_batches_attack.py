@@ -459,3 +459,41 @@ def test_an_operator_cancel_racing_a_child_enqueue_cancels_the_child() -> None:
     assert operator.outcome() == 1
     row = WorkItem.objects.get(pk=child.pk)
     assert row.status == Status.CANCELLED, f"the child is {row.status}, waiting={row.waiting}"
+
+
+def test_a_rolled_back_completion_is_not_counted_or_logged_as_completed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An empty batch opened in a transaction that then rolls back (SPEC: "there is no
+    batch, no item and no callback").
+
+    The seal completes the empty batch, and ``completion._complete`` counts
+    ``dbworker_batches_completed_total`` and logs "Batch #n complete ...
+    enqueued batch_done as work item #m" inside the transaction; the
+    rollback takes the batch and the callback away, the count and the line
+    stay. The same for any ending whose transaction rolls back after the
+    completion step (a deadlock retried by the success writer, an operator's
+    cancel in a transaction that fails): the metric counts one batch twice,
+    or a batch that never completed. Fix: count and log in
+    ``transaction.on_commit(..., using=using)``.
+    """
+    from prometheus_client import REGISTRY
+
+    def completed() -> float:
+        labels = {"worker": "batch_done"}
+        return REGISTRY.get_sample_value("dbworker_batches_completed_total", labels) or 0.0
+
+    before = completed()
+
+    def rolled_back() -> None:
+        with transaction.atomic():
+            with batch(on_complete=BatchDone):
+                pass
+            raise RuntimeError("the caller's transaction rolls back")
+
+    caplog.set_level("INFO", logger="django_dbworker")
+    with pytest.raises(RuntimeError, match="rolls back"):
+        rolled_back()
+    assert not WorkItem.objects.exists()
+    lines = [r.getMessage() for r in caplog.records if "complete" in r.getMessage()]
+    assert (completed() - before, lines) == (0, []), "a batch that never existed was completed"
