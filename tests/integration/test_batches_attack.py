@@ -497,3 +497,33 @@ def test_a_rolled_back_completion_is_not_counted_or_logged_as_completed(
     assert not WorkItem.objects.exists()
     lines = [r.getMessage() for r in caplog.records if "complete" in r.getMessage()]
     assert (completed() - before, lines) == (0, []), "a batch that never existed was completed"
+
+
+def test_a_callback_completed_where_its_handler_is_not_registered_keeps_its_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch's callback handler has its own queue (``Echo``: ``echoes``). The last item
+    ends in a process where that handler is not registered (a worker deployment with
+    fewer installed apps, a web process whose admin cancels the last item after a
+    deploy renamed the module).
+
+    completion.py ``_complete`` then writes the callback to queue
+    ``default`` with the default ``MAX_ATTEMPTS``: the workers that serve
+    ``echoes`` never claim it. The queue was known when the batch was
+    opened (``batch()`` refuses an unregistered handler). SPEC: the
+    ``on_complete`` handler is enqueued exactly once; enqueue puts an item on
+    its handler's queue. Fix: store the callback's queue (and max_attempts)
+    on the ``Batch`` row at ``batch()`` (a migration: ask the lead), or
+    resolve them only where the handler is known and keep the row's values
+    otherwise.
+    """
+    from django_dbworker.registry import registry
+    from tests.testapp.workers import Echo
+
+    with batch(on_complete=Echo, payload={"x": 1}) as b:
+        item = Noop.enqueue({})
+    # This process forgets the handler (monkeypatch restores it after the test).
+    monkeypatch.setattr(registry, "_handlers", {k: v for k, v in registry.items() if k != "echo"})
+    WorkItem.objects.filter(pk=item.pk).cancel()
+    (callback,) = WorkItem.objects.filter(handler="echo", payload__batch=b.id)
+    assert (callback.queue, callback.max_attempts) == (Echo.queue, Echo.get_max_attempts())
