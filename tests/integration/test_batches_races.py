@@ -219,3 +219,33 @@ def test_held_pruning_a_succeeded_parent_lets_its_waiting_child_run() -> None:
     succeed(b)
     row = WorkItem.objects.get(pk=child.pk)
     assert (row.status, row.waiting) == (Status.PENDING, False)
+
+
+@pytest.mark.postgres_only
+def test_held_a_callback_insert_that_fails_leaves_nothing_half_done() -> None:
+    """A trigger refuses the callback's row: the last item's success rolls back with it."""
+    from django.db import DatabaseError, connection
+
+    batch_id, (a,) = claimed_batch(1)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_callback() RETURNS trigger AS $$ BEGIN "
+            "IF NEW.handler = 'batch_done' THEN RAISE EXCEPTION 'no callbacks today'; END IF; "
+            "RETURN NEW; END $$ LANGUAGE plpgsql"
+        )
+        cursor.execute(
+            "CREATE TRIGGER refuse_callback BEFORE INSERT ON django_dbworker_workitem "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_callback()"
+        )
+    try:
+        with pytest.raises(DatabaseError, match="no callbacks today"):
+            succeed(a)
+        row = WorkItem.objects.get(pk=a.pk)
+        assert (row.status, row.claim_token) == (Status.CLAIMED, a.claim_token)
+        assert Batch.objects.get(pk=batch_id).completed_at is None
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_callback ON django_dbworker_workitem")
+            cursor.execute("DROP FUNCTION refuse_callback()")
+    assert succeed(a) == {(a.pk, a.claim_token)}
+    assert counts(batch_id) == {"succeeded": 1, "failed": 0, "cancelled": 0}
