@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from django_dbworker import EnqueueError, batch
+from django_dbworker import EnqueueError, batch, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
+from tests.conftest import wait_until
 from tests.factories import claim, run_retries
-from tests.integration.interleave import Held, Racer, wait_for_lock_waiters
+from tests.integration.interleave import Held, Racer, lock_waiters, wait_for_lock_waiters
 from tests.integration.test_batches_races import callbacks, claimed_batch, succeed
 from tests.testapp.workers import AlwaysFail, BatchDone, Noop, Record
 
@@ -527,3 +528,46 @@ def test_a_callback_completed_where_its_handler_is_not_registered_keeps_its_queu
     WorkItem.objects.filter(pk=item.pk).cancel()
     (callback,) = WorkItem.objects.filter(handler="echo", payload__batch=b.id)
     assert (callback.queue, callback.max_attempts) == (Echo.queue, Echo.get_max_attempts())
+
+
+@pytest.mark.server_db
+def test_an_open_transaction_that_enqueued_a_child_does_not_stall_the_success_writer() -> None:
+    """Design risk, proven. A web request enqueues ``after=[p]`` (p is running) inside its
+    ``transaction.atomic()`` and then does slow work before committing; meanwhile the
+    worker's success writer records p and an unrelated item q in one batch.
+
+    dependencies.py ``lock_parents`` takes p's row lock (``FOR UPDATE``) in
+    the caller's transaction and holds it until that transaction ends; the
+    success writer's UPDATE of p waits for it, and with it the whole write
+    of its batch (q's success too, and on MySQL the row locks that block
+    those rows' heartbeats): a user's transaction length leaks into every
+    worker whose writer touches p. Issue 22 asks that bookkeeping "must not
+    become a hot row that serialises the success writer". Suggested fix:
+    mark ``has_dependents`` in a short transaction of its own (committed
+    before the child's insert), and settle the child once more on commit
+    (``transaction.on_commit``), leaving the crash window to the sweep;
+    or document the lock.
+    """
+    parent = Record.enqueue({"key": "p"})
+    other = Record.enqueue({"key": "q"})
+    running = sorted(claim(limit=2, handlers=["record"]), key=lambda i: i.pk)
+    enqueuer = Held(lambda: Record.enqueue({"key": "c"}, after=[parent]))
+    try:
+        writer = Racer(
+            lambda: transitions.succeed(
+                [(i.pk, i.claim_token, None) for i in running],
+                using="default",
+                linked=transitions.linked_rows(running),
+            )
+        )
+        wait_until(
+            lambda: not writer.is_alive() or lock_waiters() >= 1,
+            timeout=30,
+            interval=0.25,
+            what="the success write to end or wait",
+        )
+        recorded = WorkItem.objects.filter(pk=other.pk, status=Status.SUCCEEDED).exists()
+    finally:
+        enqueuer.release()
+    writer.outcome()
+    assert recorded, "q's success waited for a user's transaction that enqueued after p"
