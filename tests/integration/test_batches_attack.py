@@ -12,6 +12,7 @@ connections and explicit transactions, waited on with bounded waits.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -571,3 +572,29 @@ def test_an_open_transaction_that_enqueued_a_child_does_not_stall_the_success_wr
         enqueuer.release()
     writer.outcome()
     assert recorded, "q's success waited for a user's transaction that enqueued after p"
+
+
+def test_after_stops_reading_at_the_limit_of_parents() -> None:
+    """``after=`` given a long iterable of distinct ids (a query's ids by mistake).
+
+    dependencies.py ``parent_ids`` deduplicates with ``pk not in ids`` on a
+    list and checks ``MAX_PARENTS`` only after the loop: it reads the whole
+    iterable and does quadratic work (100,000 ids: about 5 * 10**9
+    comparisons, minutes of a web process's CPU) before raising the
+    ``EnqueueError`` that says at most 1,000 are allowed. Expected: it stops
+    at the 1,001st distinct id. Here a counting generator shows how far it
+    reads. Fix: a ``set`` beside the list, and the check inside the loop.
+    """
+    from django_dbworker.dependencies import MAX_PARENTS
+
+    drawn = 0
+
+    def ids() -> Iterator[int]:
+        nonlocal drawn
+        for pk in range(1, 5 * MAX_PARENTS + 1):
+            drawn += 1
+            yield pk
+
+    with pytest.raises(EnqueueError, match="at most"):
+        Record.enqueue({}, after=ids())
+    assert drawn <= MAX_PARENTS + 1, f"read {drawn} ids to refuse more than {MAX_PARENTS}"
