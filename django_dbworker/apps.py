@@ -34,13 +34,18 @@ class DBWorkerConfig(AppConfig):
         )
         from django_dbworker.completion import settle_rows
         from django_dbworker.db import operations, prepare_session
+        from django_dbworker.dependencies import wait_again
         from django_dbworker.discovery import autodiscover
-        from django_dbworker.models import connect_ending, connect_row_locker
+        from django_dbworker.models import connect_endings, connect_row_locker
 
         # QuerySet.cancel locks the claimed rows it asks as the worker does,
         # and settles what the rows it cancels set off (dependents, batches).
         connect_row_locker(lambda using, ids: operations(using).locked_in_id_order(ids))
-        connect_ending(lambda using, ids: settle_rows(ids, using))
+        connect_endings(
+            transaction=lambda using: operations(using).ending_transaction(),
+            settle=lambda using, ids: settle_rows(ids, using),
+            rewait=lambda using, ids: wait_again(ids, using),
+        )
 
         # Each vendor sets up its new sessions: MySQL's in UTC, so that
         # Django's Now() is the worker's clock (MySQLOperations.prepare_session).

@@ -36,8 +36,12 @@ class Batch(models.Model):
     """
 
     id = models.BigAutoField(primary_key=True)
-    #: The registered name of the ``on_complete`` handler.
+    #: The registered name of the ``on_complete`` handler, and its queue and
+    #: attempts when the block opened: the callback is inserted by whichever
+    #: process ends the last item, which need not have the handler registered.
     on_complete = models.CharField(max_length=200)
+    queue = models.CharField(max_length=100, default="default")
+    max_attempts = models.PositiveIntegerField(default=1)
     #: The callback's payload, before the batch id and the counts are added.
     payload = models.JSONField(default=dict, blank=True)
     #: Items enqueued in the block (set when it exits).
@@ -75,7 +79,12 @@ class Dependency(models.Model):
 
     Only links to parents that were unfinished when the child was enqueued
     are stored: a parent that had succeeded already is no condition, one
-    that had failed cancelled the child at once.
+    that had failed cancelled the child at once. A parent row that no
+    longer exists is no condition either: pruning deletes finished rows
+    only, and a parent that failed had cancelled its waiting children when
+    it ended, so a pruned parent had succeeded; an operator who deletes a
+    parent row removes it as a condition. Pruning deletes the links of the
+    rows it deletes, in the same transaction.
     """
 
     id = models.BigAutoField(primary_key=True)

@@ -63,7 +63,7 @@ def current_batch_id(using: str) -> int | None:
     return open_.batch.pk
 
 
-def _callback_name(on_complete: Any) -> str:
+def _callback_handler(on_complete: Any) -> type[WorkItemHandler]:
     name = getattr(on_complete, "name", None) if isinstance(on_complete, type) else on_complete
     cls = registry.get(name) if isinstance(name, str) else None
     if cls is None or not issubclass(cls, WorkItemHandler):
@@ -71,7 +71,7 @@ def _callback_name(on_complete: Any) -> str:
             f"batch(on_complete=...) takes a registered WorkItemHandler or its name, "
             f"got {str(on_complete)[:80]!r}."
         )
-    return cls.name
+    return cls
 
 
 def _callback_payload(payload: Any) -> dict[str, Any]:
@@ -103,13 +103,18 @@ def batch(
     Yields the ``Batch`` row (``b.id``). ``using``: the database of the work
     table (default: the routers' write alias). Blocks do not nest.
     """
-    name = _callback_name(on_complete)
+    handler = _callback_handler(on_complete)
     data = _callback_payload(payload)
     if _current.get() is not None:
         raise EnqueueError("batch() blocks do not nest: close the open batch first.")
     db = work_db_for_write(using)
     with transaction.atomic(using=db):
-        row = Batch.objects.using(db).create(on_complete=name, payload=data)
+        row = Batch.objects.using(db).create(
+            on_complete=handler.name,
+            payload=data,
+            queue=handler.queue,
+            max_attempts=handler.get_max_attempts(),
+        )
         token = _current.set(_Open(row, db, threading.get_ident()))
         try:
             yield row

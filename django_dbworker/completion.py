@@ -34,12 +34,9 @@ from django.db.models import Count, Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from django_dbworker import metrics
-from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.db.batch_probe import holds_a_pending_item
-from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, Batch, Dependency, Status, WorkItem
-from django_dbworker.registry import registry
 
 logger = logging.getLogger("django_dbworker.completion")
 
@@ -110,7 +107,7 @@ def _follow(parents: set[int], using: str) -> set[int]:
 
 def _resolve(children: Collection[int], using: str) -> dict[int, int | None]:
     """Lock the waiting ``children`` in id order; release those whose parents all
-    succeeded, cancel those with a parent that ended otherwise (or is gone).
+    succeeded (or are gone), cancel those with a parent that failed or was cancelled.
 
     Returns the cancelled ones (id -> batch id): their own dependents follow.
     """
@@ -138,12 +135,12 @@ def _resolve(children: Collection[int], using: str) -> dict[int, int | None]:
     unfinished: set[int] = set()
     for child, parent in links:
         state = states.get(parent)
-        if state == Status.SUCCEEDED:
-            continue
+        if state is None or state == Status.SUCCEEDED:
+            continue  # gone: no condition (Dependency's docstring says why)
         if state in ACTIVE_STATUSES:
             unfinished.add(child)
         else:
-            blamed.setdefault(child, (parent, state or "deleted"))
+            blamed.setdefault(child, (parent, state))
     rows = WorkItem.objects.using(using).filter(status=Status.PENDING, waiting=True)
     released = [row for row in locked if row[0] not in blamed and row[0] not in unfinished]
     if released:
@@ -157,14 +154,14 @@ def _resolve(children: Collection[int], using: str) -> dict[int, int | None]:
     for child, blame in blamed.items():
         by_parent.setdefault(blame, []).append(child)
     for (parent, state), group in sorted(by_parent.items()):
-        ended = "no longer exists" if state == "deleted" else f"ended {state}"
         rows.filter(pk__in=group).update(
             status=Status.CANCELLED,
             waiting=False,
             finished_at=Now(),
             updated_at=Now(),
             last_error=(
-                f"Cancelled without running: it runs after work item #{parent}, which {ended}."
+                f"Cancelled without running: it runs after work item #{parent}, which ended "
+                f"{state}."
             ),
         )
     batch_of = {row[0]: row[1] for row in locked}
@@ -230,18 +227,14 @@ def _complete(batch: Batch, using: str) -> bool:
         "failed": failed,
         "cancelled": cancelled,
     }
-    handler = registry.get(batch.on_complete)
-    if isinstance(handler, type) and issubclass(handler, WorkItemHandler):
-        queue, max_attempts = handler.queue, handler.get_max_attempts()
-    else:
-        # Not registered in this process (a web process that never imported
-        # it): the row is still written, for a worker that knows it.
-        queue, max_attempts = "default", int(dbworker_settings.MAX_ATTEMPTS)
     callback = WorkItem.objects.using(using).create(
-        handler=batch.on_complete, queue=queue, payload=payload, max_attempts=max_attempts
+        handler=batch.on_complete,
+        queue=batch.queue,
+        payload=payload,
+        max_attempts=batch.max_attempts,
     )
     Batch.objects.using(using).filter(pk=batch.pk).update(callback_id=callback.pk)
-    operations(using).notify([queue], 0)
+    operations(using).notify([batch.queue], 0)
 
     def told() -> None:
         # Once committed: a completion that rolls back (and is done again) is not one.

@@ -20,12 +20,15 @@ from typing import Any
 
 from django.db.models.functions import Now
 
-from django_dbworker.completion import waiting_run_after
+from django_dbworker.completion import settle_rows, waiting_run_after
 from django_dbworker.errors import EnqueueError
 from django_dbworker.models import ACTIVE_STATUSES, Dependency, Status, WorkItem
 
 #: Most parents of one item.
 MAX_PARENTS = 1000
+#: Ids are BigAutoField values: anything from here on names no row (and would
+#: overflow the driver's integer before the database could say so).
+MAX_ID = 2**63
 
 
 def parent_ids(after: Any) -> list[int]:
@@ -36,7 +39,7 @@ def parent_ids(after: Any) -> list[int]:
         raise EnqueueError(
             f"after= takes a list of work items or their ids, got {type(after).__name__}."
         )
-    ids: list[int] = []
+    ids: dict[int, None] = {}  # in order, once each
     for parent in after:
         if isinstance(parent, WorkItem):
             pk = parent.pk
@@ -49,11 +52,12 @@ def parent_ids(after: Any) -> list[int]:
                 f"after= takes work items or their ids, got {type(parent).__name__} "
                 f"{str(parent)[:40]!r}."
             )
-        if pk not in ids:
-            ids.append(pk)
-    if len(ids) > MAX_PARENTS:
-        raise EnqueueError(f"after= names {len(ids)} items; at most {MAX_PARENTS} are allowed.")
-    return ids
+        if not 0 < pk < MAX_ID:
+            raise EnqueueError(f"after= names work item #{pk}, which does not exist.")
+        ids[pk] = None
+        if len(ids) > MAX_PARENTS:
+            raise EnqueueError(f"after= names more than {MAX_PARENTS} items, the most allowed.")
+    return list(ids)
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,49 @@ def link(child: int, parents: Parents, using: str) -> None:
         Dependency.objects.using(using).bulk_create(
             [Dependency(child_id=child, parent_id=parent) for parent in parents.unfinished]
         )
+
+
+def wait_again(ids: list[int], using: str) -> None:
+    """Retried rows ``ids`` that have parents wait for the unfinished ones again; a row
+    with a parent that failed or was cancelled is cancelled again (retry that parent
+    too). Call it in the retry's transaction, after its UPDATE."""
+    links = sorted(
+        Dependency.objects.using(using)
+        .filter(child_id__in=ids)
+        .values_list("child_id", "parent_id")
+    )
+    if not links:
+        return
+    states = dict(
+        WorkItem.objects.using(using)
+        .select_for_update()
+        .filter(pk__in={parent for _, parent in links})
+        .order_by("pk")
+        .values_list("pk", "status")
+    )
+    waits: set[int] = set()
+    unfinished: set[int] = set()
+    blamed: dict[int, tuple[int, str]] = {}
+    for child, parent in links:
+        state = states.get(parent)
+        if state in ACTIVE_STATUSES:
+            waits.add(child)
+            unfinished.add(parent)
+        elif state in (Status.FAILED, Status.CANCELLED):
+            blamed.setdefault(child, (parent, state))
+    rows = WorkItem.objects.using(using).filter(status=Status.PENDING)
+    rows.filter(pk__in=waits - set(blamed)).update(waiting=True, run_after=waiting_run_after())
+    WorkItem.objects.using(using).filter(pk__in=unfinished, has_dependents=False).update(
+        has_dependents=True
+    )
+    for child, (parent, state) in sorted(blamed.items()):
+        rows.filter(pk=child).update(
+            status=Status.CANCELLED,
+            finished_at=Now(),
+            last_error=(
+                f"Cancelled without running: it runs after work item #{parent}, which ended "
+                f"{state}; retry that item too."
+            ),
+        )
+    if blamed:
+        settle_rows(sorted(blamed), using)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, models, router, transaction
 from django.db.models import Exists, OuterRef, Q
@@ -36,14 +37,27 @@ def connect_row_locker(locker: RowLocker) -> None:
     _row_locker[:] = [locker]
 
 
-#: Settles what rows of ``ids`` on alias ``using`` set off by ending (their
-#: dependents, their batches): ``completion.settle_rows``, once connected.
-_ending: list[Callable[[str, list[int]], None]] = [lambda using, ids: None]
+@dataclass
+class _Endings:
+    """What the operator verbs hand on, plugged in by ``DBWorkerConfig.ready``
+    (``connect_endings``): the transaction an ending runs in (READ COMMITTED),
+    what rows' endings set off (``completion.settle_rows``), and the parents a
+    retried row waits for again (``dependencies.wait_again``)."""
+
+    transaction: Callable[[str], AbstractContextManager[Any]] = field(
+        default=lambda using: transaction.atomic(using=using)
+    )
+    settle: Callable[[str, list[int]], None] = field(default=lambda using, ids: None)
+    rewait: Callable[[str, list[int]], None] = field(default=lambda using, ids: None)
 
 
-def connect_ending(settle: Callable[[str, list[int]], None]) -> None:
-    """Plug in ``completion.settle_rows`` (``DBWorkerConfig.ready`` does)."""
-    _ending[:] = [settle]
+_endings = _Endings()
+
+
+def connect_endings(**parts: Any) -> None:
+    """Plug in the parts of ``_Endings`` (``DBWorkerConfig.ready`` does)."""
+    for name, part in parts.items():
+        setattr(_endings, name, part)
 
 
 class Status(models.TextChoices):
@@ -129,21 +143,28 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         """pending -> cancelled (waiting rows too). Rows in other states are left alone.
 
         In one transaction with what the endings set off: dependents cancelled,
-        batches completed (``connect_ending``).
+        batches completed. The ids are read first and the rows' links read back
+        after the UPDATE, which waits for a racing ``after=`` enqueue's lock:
+        so a child enqueued meanwhile is found too.
         """
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
-        rows = self.using(db).pending()
-        with transaction.atomic(using=db):
-            linked = list(
-                rows.filter(Q(has_dependents=True) | Q(batch__isnull=False)).values_list(
-                    "pk", flat=True
+        ids = sorted(self.using(db).pending().values_list("pk", flat=True))
+        cancelled = 0
+        with _endings.transaction(db):
+            linked: list[int] = []
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start : start + 1000]
+                rows = WorkItem.objects.using(db).filter(pk__in=chunk)
+                cancelled += rows.filter(status=Status.PENDING).update(
+                    status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
                 )
-            )
-            cancelled = rows.update(
-                status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
-            )
+                linked += (
+                    rows.filter(status=Status.CANCELLED)
+                    .filter(Q(has_dependents=True) | Q(batch__isnull=False))
+                    .values_list("pk", flat=True)
+                )
             if linked:
-                _ending[0](db, linked)
+                _endings.settle(db, linked)
         return cancelled
 
     def request_cancel(self) -> int:
@@ -204,18 +225,22 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
             "snoozes": 0,
             "updated_at": Now(),
         }
-        try:
-            with transaction.atomic(using=db):
-                return rows.filter(pk__in=sorted(ids)).update(**changes)
-        except IntegrityError:
-            changed = 0
-            for pk in sorted(ids):
-                try:
-                    with transaction.atomic(using=db):
-                        changed += rows.filter(pk=pk).update(**changes)
-                except IntegrityError:
-                    continue  # its key is live again: skipped
-            return changed
+        # A retried row with parents (after=) waits for them again, in the same
+        # transaction: retried with them, it runs after them again.
+        with _endings.transaction(db):
+            try:
+                with transaction.atomic(using=db):
+                    changed = rows.filter(pk__in=sorted(ids)).update(**changes)
+            except IntegrityError:
+                changed = 0
+                for pk in sorted(ids):
+                    try:
+                        with transaction.atomic(using=db):
+                            changed += rows.filter(pk=pk).update(**changes)
+                    except IntegrityError:
+                        continue  # its key is live again: skipped
+            _endings.rewait(db, sorted(ids))
+        return changed
 
     def run_now(self) -> int:
         """pending: make due now (DB clock); not rows waiting for their parents."""

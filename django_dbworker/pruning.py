@@ -4,8 +4,8 @@ Batched by primary key, so that no single statement locks or logs millions
 of rows; pending and claimed rows are never touched. A batch row goes
 once it is complete, older than the cut-off and none of its items is left
 (the admin's progress of a batch reads its items); the ``Dependency`` rows
-of deleted items go with them, so the links table never outgrows the work
-table.
+of deleted items go with them in the same transaction, so the links table
+never outgrows the work table.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
+from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
@@ -49,9 +50,11 @@ def prune(
         if not ids:
             _prune_batches(older_than, using)
             return deleted
-        count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
+        with transaction.atomic(using=using):
+            count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
+            links = Q(child_id__in=ids) | Q(parent_id__in=ids)
+            Dependency.objects.using(using).filter(links).delete()
         deleted += count
-        Dependency.objects.using(using).filter(Q(child_id__in=ids) | Q(parent_id__in=ids)).delete()
 
 
 def _prune_batches(older_than: timedelta, using: str | None) -> None:

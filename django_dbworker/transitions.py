@@ -1,12 +1,11 @@
 """The worker's state changes of a ``WorkItem``, each one filtered UPDATE.
 
 This module owns the worker's side of the life cycle of SPEC.md. Writes
-after a claim are fenced: they match ``status='claimed' AND
-claim_token=<the claim's token>`` and report whether the row was still
-theirs, so a late finisher can never overwrite a newer attempt. The
-operator's verbs (cancel, retry, run now) are queryset methods in
-``models.py``, narrowed to eligible states in the same UPDATE. The claim
-and the success write are vendor SQL in ``django_dbworker.db``.
+after a claim are fenced: they match ``status='claimed' AND claim_token=<the
+claim's token>`` and report whether the row was still theirs, so a late
+finisher can never overwrite a newer attempt. The operator's verbs are
+queryset methods in ``models.py``; the claim and the success write are
+vendor SQL in ``django_dbworker.db``.
 
 All times come from the database clock (``Now()``), never the worker host's.
 """
@@ -43,8 +42,7 @@ AttemptKey = tuple[int, UUID]
 
 #: Rows per UPDATE of the stale-recovery pass.
 RECOVERY_BATCH = 500
-#: The exception class path that ``error_history`` gives an attempt whose
-#: worker stopped heartbeating (``django_dbworker.errors.WorkerLost``).
+#: ``error_history``'s class path for an attempt whose worker stopped heartbeating.
 WORKER_LOST = "django_dbworker.errors.WorkerLost"
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
@@ -114,17 +112,13 @@ def succeed(
     """claimed -> succeeded for every attempt still held; returns those recorded.
 
     ``outcomes`` holds ``(id, claim_token, result as JSON text or None)``.
-    The one way a success is written: the worker's success writer passes a
-    batch, an atomic handler its one row inside its own transaction, so both
-    run the same fenced statement (``VendorOperations.succeed_many``). An
-    attempt whose row was recovered and re-claimed meanwhile is not in the
-    answer.
+    The one way a success is written (the success writer's batches, an atomic
+    handler's row in its transaction): one fenced statement; a re-claimed row's
+    attempt is not in the answer.
 
-    ``linked``: the rows of ``outcomes`` whose claim said they end more than
-    themselves (row id -> its batch id, or None for a row with dependents);
-    their write, their dependents' and their batch's settling are one
-    transaction. A row that gained dependents after its claim is settled
-    right after the write (``completion.sweep`` covers a crash between).
+    ``linked`` (``linked_rows``: row id -> batch id, from the claim): their write and
+    what it sets off (dependents, batch) are one transaction. A row that gained
+    dependents after its claim is settled right after (the sweep covers a crash).
     """
     ops = operations(using)
     if not linked:
@@ -173,6 +167,8 @@ def already_succeeded(
     When a success write's connection dies after the commit but before the
     answer, the write is retried and no longer matches ``claimed``;
     ``succeeded`` under the attempt's own token tells it from a fenced one.
+    What those endings set off is settled here (again: it is idempotent),
+    since the lost answer may have hidden dependents found after the claim.
     """
     if not attempts:
         return set()
@@ -181,7 +177,12 @@ def already_succeeded(
         claim_token__in={token for _, token in attempts},
         status=Status.SUCCEEDED,
     )
-    return set(attempts) & set(rows.values_list("pk", "claim_token"))
+    confirmed = set(attempts) & set(rows.values_list("pk", "claim_token"))
+    if confirmed:
+        ops = operations(using)
+        with ops.ending_transaction():
+            completion.settle_rows(sorted(pk for pk, _ in confirmed), ops.using)
+    return confirmed
 
 
 def _back_to_pending(rows: WorkItemQuerySet, *, delay: float, **changes: Any) -> bool:

@@ -47,6 +47,8 @@ class Migration(migrations.Migration):
             fields=[
                 ('id', models.BigAutoField(primary_key=True, serialize=False)),
                 ('on_complete', models.CharField(max_length=200)),
+                ('queue', models.CharField(default='default', max_length=100)),
+                ('max_attempts', models.PositiveIntegerField(default=1)),
                 ('payload', models.JSONField(blank=True, default=dict)),
                 ('total', models.PositiveIntegerField(default=0)),
                 ('sealed_at', models.DateTimeField(blank=True, null=True)),
