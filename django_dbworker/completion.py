@@ -71,6 +71,21 @@ def settle(
         complete_batches(touched, using, quick=quick)
 
 
+def settle_after_commit(
+    using: str, *, ended: Collection[int] = (), batches: Iterable[int | None] = ()
+) -> None:
+    """``settle`` again once the caller's transaction commits, in one of its own at READ
+    COMMITTED: a caller's transaction at a stricter level (an atomic handler's, in a
+    project configured so) read the other finishers' rows in its first snapshot."""
+    batches = list(batches)
+
+    def again() -> None:
+        with operations(using).ending_transaction():
+            settle(using, ended=ended, batches=batches)
+
+    transaction.on_commit(again, using=using, robust=True)
+
+
 def settle_rows(ids: Collection[int], using: str) -> None:
     """``settle`` for rows whose batch and dependents the caller does not know."""
     if not ids:
@@ -250,7 +265,7 @@ def _complete(batch: Batch, using: str) -> bool:
             callback.pk,
         )
 
-    transaction.on_commit(told, using=using)
+    transaction.on_commit(told, using=using, robust=True)
     return True
 
 

@@ -53,10 +53,10 @@ def parent_ids(after: Any) -> list[int]:
                 f"{str(parent)[:40]!r}."
             )
         if not 0 < pk < MAX_ID:
-            raise EnqueueError(f"after= names work item #{pk}, which does not exist.")
+            raise EnqueueError(f"after= names work item(s) #{pk} that do not exist.")
         ids[pk] = None
         if len(ids) > MAX_PARENTS:
-            raise EnqueueError(f"after= names more than {MAX_PARENTS} items, the most allowed.")
+            raise EnqueueError(f"after= names more items than allowed: at most {MAX_PARENTS}.")
     return list(ids)
 
 

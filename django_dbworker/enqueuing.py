@@ -242,6 +242,11 @@ def insert_one(
     run_after = options.run_after
     db = work_db_for_write(options.using)
     item.batch_id = current_batch_id(db)
+    if item.batch_id is not None and item.unique_key is not None:
+        raise EnqueueError(
+            "unique_key cannot be used inside a batch() block: an enqueue that finds the "
+            "key's live row returns that row, which is not the batch's."
+        )
     encoded = None if payload is None else payload_json
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context

@@ -127,7 +127,7 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         # would otherwise lock them in the plan's order, and deadlock).
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
         rows = self.using(db)
-        with transaction.atomic(using=db):
+        with _endings.transaction(db):
             cancelled = rows.cancel_pending()
             claimed = sorted(
                 rows.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).values_list(
@@ -416,7 +416,7 @@ class WorkItem(models.Model):
         # with this row as the hint, as Model.save() does. ``atomic``: a verb
         # of several statements runs them in one transaction there.
         using = router.db_for_write(type(self), instance=self)
-        with transaction.atomic(using=using) if atomic else nullcontext():
+        with _endings.transaction(using) if atomic else nullcontext():
             changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
         self.refresh_from_db(using=using)
         return changed

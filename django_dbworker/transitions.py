@@ -128,14 +128,14 @@ def succeed(
             with ops.ending_transaction():
                 completion.settle(ops.using, ended=late)
         return {(pk, token) for pk, token, _ in rows}
+    nested = ops.connection.in_atomic_block  # an atomic handler's: its isolation level
     with ops.ending_transaction():
         rows = ops.succeed_rows(outcomes)
-        completion.settle(
-            ops.using,
-            ended=[pk for pk, _, has_dependents in rows if has_dependents],
-            batches=[linked.get(pk) for pk, _, _ in rows],
-            quick=True,
-        )
+        ended = [pk for pk, _, has_dependents in rows if has_dependents]
+        batches = [linked.get(pk) for pk, _, _ in rows]
+        completion.settle(ops.using, ended=ended, batches=batches, quick=True)
+    if nested and rows:
+        completion.settle_after_commit(ops.using, ended=ended, batches=batches)
     return {(pk, token) for pk, token, _ in rows}
 
 

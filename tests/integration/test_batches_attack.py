@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 
 from django_dbworker import EnqueueError, batch, transitions
-from django_dbworker.models import Dependency, Status, WorkItem
+from django_dbworker.models import Batch, Dependency, Status, WorkItem
 from tests.conftest import wait_until
 from tests.factories import claim, run_retries
 from tests.integration.interleave import Held, Racer, lock_waiters, wait_for_lock_waiters
@@ -277,7 +277,8 @@ def test_pruning_a_succeeded_parent_never_cancels_its_waiting_child() -> None:
     links = Held(lambda: list(Dependency.objects.select_for_update().filter(parent_id=p1.pk)))
     pruner = Racer(lambda: prune(older_than=timedelta(days=7), statuses=[Status.SUCCEEDED]))
     wait_for_lock_waiters(1, pruner)
-    assert not WorkItem.objects.filter(pk=p1.pk).exists()  # committed; its link not yet deleted
+    # One transaction deletes the items and their links: p1 is not gone before them.
+    assert WorkItem.objects.filter(pk=p1.pk).exists()
     succeed(b)
     links.release()
     assert pruner.outcome() == 1
@@ -321,29 +322,25 @@ def test_an_enqueue_in_a_thread_running_the_blocks_context_is_rolled_back_with_i
     with pytest.raises(RuntimeError, match="rolls back"):
         block()
     assert not Batch.objects.exists()
-    leftover = list(WorkItem.objects.values_list("pk", "batch_id"))
-    assert leftover == [], f"rows left by a rolled-back batch block: {leftover}"
+    # The other thread's enqueue is its own (docs/topics/batches.md, "What belongs to
+    # a batch"): committed on its own connection, it names no batch.
+    leftover = list(WorkItem.objects.values_list("batch_id", flat=True))
+    assert leftover == [None], f"rows left naming a rolled-back batch: {leftover}"
 
 
-def test_a_unique_key_enqueue_in_a_batch_does_not_leave_the_batch_empty() -> None:
-    """Contract question. In a ``batch()`` block, ``enqueue(unique_key=k)`` finds a live row
-    of that key and returns it (SPEC "Unique work").
-
-    The returned row is not in the batch (its ``batch_id`` stays what it
-    was), so the block seals an empty batch and the callback is enqueued at
-    once, while the one item the block enqueued, as far as its caller
-    knows, is still pending. SPEC: "Every item enqueued inside the with
-    block ... belongs to the batch" and the callback comes "when the last
-    item of the batch reaches a final state". Either refuse ``unique_key``
-    inside a batch (``EnqueueError``) or document that a deduplicated
-    enqueue does not join it; today nothing says so.
-    """
+def test_a_unique_key_enqueue_in_a_batch_is_refused() -> None:
+    """In a ``batch()`` block, ``enqueue(unique_key=k)`` could find a live row of that key
+    and return it (SPEC "Unique work"), a row not in the batch: the block would seal an
+    empty batch and enqueue the callback at once while its one item is pending. So the
+    combination is an ``EnqueueError`` (nothing is written; the block rolls back)."""
     existing = Noop.enqueue({}, unique_key="k")
-    with batch(on_complete=BatchDone) as b:
-        same = Noop.enqueue({}, unique_key="k")
-    assert same.pk == existing.pk
-    assert WorkItem.objects.get(pk=existing.pk).status == Status.PENDING
-    assert callbacks(b.id) == [], "the callback was enqueued while the block's item is pending"
+    with (
+        pytest.raises(EnqueueError, match="unique_key cannot be used inside a batch"),
+        batch(on_complete=BatchDone),
+    ):
+        Noop.enqueue({}, unique_key="k")
+    assert list(WorkItem.objects.values_list("pk", flat=True)) == [existing.pk]
+    assert not Batch.objects.exists()
 
 
 # -- faults -----------------------------------------------------------------------
@@ -363,7 +360,11 @@ def _kill_lock_waiter() -> None:
                 "WHERE trx_state = 'LOCK WAIT'"
             )
             for (pid,) in cursor.fetchall():
-                cursor.execute(f"KILL CONNECTION {int(pid)}")
+                try:
+                    cursor.execute(f"KILL CONNECTION {int(pid)}")
+                except OperationalError as exc:
+                    if exc.args[0] != 1094:  # Unknown thread id: it ended by itself meanwhile
+                        raise
 
 
 @pytest.mark.server_db
@@ -532,6 +533,11 @@ def test_a_callback_completed_where_its_handler_is_not_registered_keeps_its_queu
 
 
 @pytest.mark.server_db
+@pytest.mark.xfail(
+    strict=True,
+    reason="documented cost (docs/topics/batches.md, What it costs): an after= enqueue "
+    "locks its parents until its transaction ends",
+)
 def test_an_open_transaction_that_enqueued_a_child_does_not_stall_the_success_writer() -> None:
     """Design risk, proven. A web request enqueues ``after=[p]`` (p is running) inside its
     ``transaction.atomic()`` and then does slow work before committing; meanwhile the
