@@ -116,8 +116,9 @@ class BatchAdmin(_BatchModelAdmin):
         "id",
         "on_complete_display",
         "state",
-        "created",
+        "created_exact",
         "sealed",
+        "completed",
         "progress_bar",
         "items_link",
         "callback_link",
@@ -196,7 +197,7 @@ class BatchAdmin(_BatchModelAdmin):
 
     # -- the columns and fields -----------------------------------------------------
 
-    @admin.display(description="callback handler", ordering="on_complete")
+    @admin.display(description="on complete", ordering="on_complete")
     def on_complete_display(self, obj: Batch) -> SafeString:
         return format_html('<span title="{}">{}</span>', obj.on_complete, obj.on_complete)
 
@@ -207,11 +208,11 @@ class BatchAdmin(_BatchModelAdmin):
 
     @admin.display(description="state", ordering="completed_at")
     def state(self, obj: Batch) -> SafeString:
-        """Completed (when), open (sealed when), or still enqueuing (its block's own view)."""
+        """Completed (and when), open, or still enqueuing (seen from its block's own view)."""
         if obj.completed_at is not None:
             label, colour, when = "completed", STATE_COLOURS["completed"], obj.completed_at
         elif obj.sealed_at is not None:
-            label, colour, when = "open", STATE_COLOURS["open"], obj.sealed_at
+            label, colour, when = "open", STATE_COLOURS["open"], None
         else:  # seen only from inside the block's transaction
             label, colour, when = "enqueuing", STATE_COLOURS["open"], None
         return format_html(
@@ -221,19 +222,27 @@ class BatchAdmin(_BatchModelAdmin):
             label,
             colour,
             label,
-            display.timestamp(when) if when is not None else "",
+            display.short_timestamp(when) if when is not None else "",
         )
 
     @admin.display(description="created", ordering="created_at")
     def created(self, obj: Batch) -> SafeString | str:
+        return display.short_timestamp(obj.created_at)
+
+    @admin.display(description="created")
+    def created_exact(self, obj: Batch) -> SafeString | str:
         return display.timestamp(obj.created_at)
+
+    @admin.display(description="completed")
+    def completed(self, obj: Batch) -> SafeString | str:
+        return display.timestamp(obj.completed_at)
 
     @admin.display(description="sealed")
     def sealed(self, obj: Batch) -> SafeString | str:
         """When the block exited (its items all enqueued); it completes only after."""
         return display.timestamp(obj.sealed_at)
 
-    @admin.display(description="callback item")
+    @admin.display(description="callback")
     def callback_link(self, obj: Batch) -> SafeString | str:
         """The callback's work item and its state: "-" before completion, "—" once pruned."""
         if obj.callback_id is None:
@@ -244,8 +253,14 @@ class BatchAdmin(_BatchModelAdmin):
                 '<span title="Work item #{} (the callback) was pruned.">—</span>', obj.callback_id
             )
         url = reverse("admin:django_dbworker_workitem_change", args=[obj.callback_id])
+        colour = display.STATUS_COLOURS.get(status, display.UNKNOWN_STATUS_COLOUR)
         return format_html(
-            '<a href="{}">#{}</a><br>{}', url, obj.callback_id, display.badge(status)
+            '<a href="{}">#{}</a><br><small class="dbw-status dbw-{}" style="color:{}">{}</small>',
+            url,
+            obj.callback_id,
+            status,
+            colour,
+            status,
         )
 
     @admin.display(description="items")

@@ -170,6 +170,8 @@ class WorkItemColumns:
     # stops at minutes, or at "10 p.m."), the full value on hover.
     @admin.display(description="run after")
     def run_after_exact(self, obj: WorkItem) -> SafeString | str:
+        if obj.status == Status.PENDING and obj.waiting:
+            return "after its parents (see Runs after)"
         return display.timestamp(obj.run_after)
 
     @admin.display(description="created at")

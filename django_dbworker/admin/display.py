@@ -111,6 +111,22 @@ def timestamp(when: datetime | None) -> SafeString | str:
     )
 
 
+def short_timestamp(when: datetime | None) -> SafeString | str:
+    """``timestamp`` for a narrow column: the time alone today, the date alone before.
+
+    The whole value is on hover, as ``timestamp``'s.
+    """
+    if when is None:
+        return "-"
+    local = timezone.localtime(when)
+    shown = local.strftime("%H:%M:%S" if local.date() == timezone.localdate() else "%Y-%m-%d")
+    return format_html(
+        '<span title="{}" style="white-space:nowrap">{}</span>',
+        local.strftime("%Y-%m-%d %H:%M:%S %Z").strip(),
+        shown,
+    )
+
+
 def worker(claimed_by: str) -> SafeString | str:
     """``host:pid`` of a claim, with the thread only where it says something.
 

@@ -35,6 +35,13 @@ def _segment_counts(progress: Progress) -> dict[str, int]:
     }
 
 
+def _count(n: int, label: str, colour: str) -> SafeString:
+    """``n label`` kept on one line, in the state's colour unless it is zero."""
+    if not n:
+        return format_html('<span class="dbw-count">{} {}</span>', n, label)
+    return format_html('<span class="dbw-count" style="color:{}">{} {}</span>', colour, n, label)
+
+
 def progress_bar(progress: Progress, items: str | None = None) -> SafeString:
     """A bar of the batch's items by state, and the counts under it in words.
 
@@ -51,10 +58,12 @@ def progress_bar(progress: Progress, items: str | None = None) -> SafeString:
             if counts[name]
         ),
     )
-    total = format_html("<strong>{}</strong> items", progress.total)
+    total = format_html(
+        "<strong>{}</strong> {}", progress.total, "item" if progress.total == 1 else "items"
+    )
     words = [format_html('<a href="{}">{}</a>', items, total) if items else total]
     words += [
-        format_html('<span style="color:{}">{} {}</span>', colour, n, label)
+        _count(n, label, colour)
         for label, n, colour in (
             ("succeeded", progress.succeeded, SEGMENTS[0][2]),
             ("failed", progress.failed, SEGMENTS[1][2]),
@@ -63,18 +72,11 @@ def progress_bar(progress: Progress, items: str | None = None) -> SafeString:
     ]
     if not progress.completed:
         running = f" ({progress.claimed} running)" if progress.claimed else ""
-        words.append(
-            format_html(
-                '<span style="color:{}">{} pending{}</span>',
-                SEGMENTS[4][2],
-                progress.pending,
-                running,
-            )
-        )
+        words.append(_count(progress.pending, f"pending{running}", SEGMENTS[4][2]))
     if progress.retried:
         words.append(
             format_html(
-                '<span title="{}">{} retried since</span>',
+                '<span class="dbw-count" title="{}">{} retried since</span>',
                 "Pending or claimed again after the batch completed (an operator retried "
                 "them): the batch stays complete and its callback does not run again.",
                 progress.retried,
@@ -83,7 +85,7 @@ def progress_bar(progress: Progress, items: str | None = None) -> SafeString:
     if progress.gone:
         words.append(
             format_html(
-                '<span title="{}">{} gone</span>',
+                '<span class="dbw-count" title="{}">{} gone</span>',
                 "Items of this open batch no longer in the table (deleted by hand): "
                 "the stale-recovery sweep completes the batch without them.",
                 progress.gone,
@@ -98,7 +100,8 @@ def progress_bar(progress: Progress, items: str | None = None) -> SafeString:
         '<small class="dbw-counts">{}</small></div>',
         title,
         segments,
-        SafeString(" · ".join(str(word) for word in words)),
+        # A line breaks after a dot, never before one.
+        SafeString("&nbsp;· ".join(str(word) for word in words)),
     )
 
 

@@ -282,10 +282,11 @@ def test_a_rows_page_shows_its_batch_parents_and_dependents(superuser_client: Cl
     load = Record.enqueue({"key": "l"}, after=[t])
     html = _html(superuser_client, _row_url(t.pk))
     assert "Batch and dependencies" in html
-    assert f'href="{_batch_url(b.pk)}"' in html and "<strong>1</strong> items" in html
+    assert f'href="{_batch_url(b.pk)}"' in html and "<strong>1</strong> item" in html
     assert f'href="{_row_url(a.pk)}"' in html and f'href="{_row_url(other.pk)}"' in html
     assert f'href="{_row_url(load.pk)}"' in html
     assert "Waiting: it is claimed once every one of these has succeeded" in html
+    assert "9999" not in html  # its run_after says "after its parents"
     parents = html[html.index("Runs after") : html.index("Runs before")]
     assert parents.count("dbw-status dbw-pending") == 2
     # A row without batch or links has no such fieldset.
