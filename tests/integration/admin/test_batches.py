@@ -336,3 +336,57 @@ def test_a_rows_page_costs_the_same_queries_for_3_or_60_dependents(
     child = Dependency.objects.filter(parent=many).order_by("-child_id")[0].child_id
     # A child: its batch (row, progress), its parent; no N+1 either way.
     assert _queries(superuser_client, _row_url(child)) <= small + 2
+
+
+def test_every_link_of_the_batch_pages_works_for_viewers(
+    superuser_client: Client, viewer_client: Client
+) -> None:
+    """Filters, sorting, the items links, the callback and row links: none is refused."""
+    import html as html_lib
+
+    done = completed_with_a_failure()
+    running = in_progress()
+    a = Record.enqueue({"key": "a"})
+    with batch(on_complete=BatchDone):
+        child = Record.enqueue({"key": "c"}, after=[a])
+    start = [
+        reverse(BATCHES),
+        reverse(BATCHES) + "?state=open",
+        _batch_url(done.pk),
+        _batch_url(running.pk),
+        _row_url(child.pk),
+        _row_url(a.pk),
+    ]
+    links: set[str] = set()
+    for url in start:
+        page = _html(superuser_client, url)
+        for link in re.findall(r'href="((?:/admin/django_dbworker/[^"#?]*)?\?[^"#]*)"', page):
+            link = html_lib.unescape(link)
+            links.add(url.split("?")[0] + link if link.startswith("?") else link)
+        links |= set(
+            re.findall(r'href="(/admin/django_dbworker/(?:batch|workitem)/\d+/change/)"', page)
+        )
+    for expected in ("state=", "o=", "batch=", "/workitem/", "/batch/"):
+        assert any(expected in link for link in links), expected
+    for link in sorted(links):
+        for client in (superuser_client, viewer_client):
+            assert client.get(link).status_code == 200, link
+
+
+def test_retry_every_failed_item_of_a_batch_with_select_all(superuser_client: Client) -> None:
+    """An operator's retry after the batch completed: the batch stays complete, no 2nd callback."""
+    from tests.integration.admin.test_select_across import _confirm, _select_all
+
+    done = completed_with_a_failure()
+    other = completed_with_a_failure()
+    url = f"{reverse(ITEMS)}?batch={done.pk}&status__exact=failed"
+    failed = WorkItem.objects.get(batch_id=done.pk, status=Status.FAILED)
+    html = _select_all(superuser_client, url, "retry", failed.pk)
+    assert 'id="dbw-confirm"' in html
+    _confirm(superuser_client, url, html)
+    assert WorkItem.objects.get(pk=failed.pk).status == Status.PENDING
+    assert WorkItem.objects.filter(batch_id=other.pk, status=Status.FAILED).count() == 1
+    run_until_empty([NoRetry])
+    assert WorkItem.objects.filter(handler="batch_done", payload__batch=done.pk).count() == 1
+    row = _row(_html(superuser_client, reverse(BATCHES)), done.pk)
+    assert "1 failed" in row and "retried since" not in row
