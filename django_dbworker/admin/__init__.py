@@ -2,8 +2,9 @@
 
 Pages: all work items (``workitems``), claimed ones (``claimed``), failed
 ones (``failed``), a queue summary (``queue_summary``), the schedules of
-periodic handlers (``schedules``) and the queues with Pause/Resume
-(``queues``); what they share is in ``base`` and ``columns``. This module only registers them.
+periodic handlers (``schedules``), the queues with Pause/Resume
+(``queues``) and the batches (``batches``); what they share is in ``base``
+and ``columns``, a row's batch and dependencies in ``relations``. This module only registers them.
 Detail pages are read-only (a form save would race the workers); state
 changes happen only through the actions, which need the change permission.
 List pages defer payload, result and traceback columns, count with an
@@ -16,6 +17,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from django_dbworker.admin.base import BaseWorkItemAdmin, _LightChangeList, _OneStatusAdmin
+from django_dbworker.admin.batches import BatchAdmin
 from django_dbworker.admin.claimed import ClaimedWorkItemAdmin
 from django_dbworker.admin.failed import FailedWorkItemAdmin
 from django_dbworker.admin.queue_summary import QueueSummaryAdmin
@@ -23,6 +25,7 @@ from django_dbworker.admin.queues import QueueAdmin
 from django_dbworker.admin.schedules import ScheduleAdmin
 from django_dbworker.admin.workitems import WorkItemAdmin
 from django_dbworker.models import (
+    Batch,
     ClaimedWorkItem,
     FailedWorkItem,
     PeriodicSchedule,
@@ -33,6 +36,7 @@ from django_dbworker.models import (
 
 __all__ = [
     "BaseWorkItemAdmin",
+    "BatchAdmin",
     "ClaimedWorkItemAdmin",
     "FailedWorkItemAdmin",
     "QueueAdmin",
@@ -49,3 +53,4 @@ admin.site.register(FailedWorkItem, FailedWorkItemAdmin)
 admin.site.register(QueueSummary, QueueSummaryAdmin)
 admin.site.register(PeriodicSchedule, ScheduleAdmin)
 admin.site.register(QueueState, QueueAdmin)
+admin.site.register(Batch, BatchAdmin)

@@ -31,6 +31,7 @@ from django_dbworker.admin import actions, display
 from django_dbworker.admin.columns import WorkItemColumns
 from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
+from django_dbworker.admin.relations import RELATIONS_FIELDSET, Relations
 from django_dbworker.admin.row_buttons import RowButtons
 from django_dbworker.models import WorkItem, handler_match
 
@@ -51,7 +52,7 @@ class _LightChangeList(ChangeList):
         )
 
 
-class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
+class BaseWorkItemAdmin(Relations, RowButtons, WorkItemColumns, _ModelAdmin):
     list_filter = ("status", QueueFilter, HandlerFilter, CancelRequestedFilter)
     # Exact matches only: each is served by an index (pk, handler, unique_key).
     search_fields = ["=id", "=handler", "=unique_key"]
@@ -83,6 +84,11 @@ class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
                     "concurrency_limit",
                 )
             },
+        ),
+        # Only the fields the row has (``relations``); none, no fieldset.
+        (
+            RELATIONS_FIELDSET,
+            {"fields": ("batch_link", "parents_display", "dependents_display")},
         ),
         (
             "Schedule",
@@ -131,6 +137,9 @@ class BaseWorkItemAdmin(RowButtons, WorkItemColumns, _ModelAdmin):
         "unique_key",
         "concurrency_key",
         "concurrency_limit",
+        "batch_link",
+        "parents_display",
+        "dependents_display",
         "run_after_exact",
         "attempts_display",
         "snoozes_display",

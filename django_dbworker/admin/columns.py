@@ -24,6 +24,8 @@ class WorkItemColumns:
     def status_badge(self, obj: WorkItem) -> SafeString:
         if obj.status == Status.CLAIMED and obj.cancel_requested_at is not None:
             return format_html("{} {}", display.badge(obj.status), display.cancel_requested_badge())
+        if obj.status == Status.PENDING and obj.waiting:
+            return format_html("{}<br>{}", display.badge(obj.status), display.waiting_badge())
         return display.badge(obj.status)
 
     @admin.display(description="handler", ordering="handler")
@@ -127,6 +129,8 @@ class WorkItemColumns:
     def next_run(self, obj: WorkItem) -> str:
         if obj.status != Status.PENDING:
             return "-"
+        if obj.waiting:  # due "never" until its last parent succeeds
+            return "after its parents"
         now = display.db_now(obj)
         if now is not None and obj.run_after <= now:
             return "due"
@@ -166,6 +170,8 @@ class WorkItemColumns:
     # stops at minutes, or at "10 p.m."), the full value on hover.
     @admin.display(description="run after")
     def run_after_exact(self, obj: WorkItem) -> SafeString | str:
+        if obj.status == Status.PENDING and obj.waiting:
+            return "after its parents (see Runs after)"
         return display.timestamp(obj.run_after)
 
     @admin.display(description="created at")

@@ -47,6 +47,18 @@ def cancel_requested_badge() -> SafeString:
     )
 
 
+def waiting_badge() -> SafeString:
+    """The mark of a pending row waiting for its parents (``after=``): no worker claims it yet."""
+    return format_html(
+        '<span class="dbw-waiting" title="{}" style="color:{};border:1px solid {};'
+        'padding:0 6px;border-radius:8px;white-space:nowrap">{}</span>',
+        "Waiting for its parents (after=): claimed once every one has succeeded.",
+        STATUS_COLOURS[Status.PENDING.value],
+        STATUS_COLOURS[Status.PENDING.value],
+        "waiting",
+    )
+
+
 def db_now(item: WorkItem) -> datetime | None:
     """The database clock at query time (annotated by the admin's querysets)."""
     return getattr(item, "db_now", None)
@@ -96,6 +108,22 @@ def timestamp(when: datetime | None) -> SafeString | str:
         '<span title="{}" style="white-space:nowrap">{}</span>',
         local.isoformat(),
         local.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+
+
+def short_timestamp(when: datetime | None) -> SafeString | str:
+    """``timestamp`` for a narrow column: the time alone today, the date alone before.
+
+    The whole value is on hover, as ``timestamp``'s.
+    """
+    if when is None:
+        return "-"
+    local = timezone.localtime(when)
+    shown = local.strftime("%H:%M:%S" if local.date() == timezone.localdate() else "%Y-%m-%d")
+    return format_html(
+        '<span title="{}" style="white-space:nowrap">{}</span>',
+        local.strftime("%Y-%m-%d %H:%M:%S %Z").strip(),
+        shown,
     )
 
 

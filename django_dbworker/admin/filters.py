@@ -63,3 +63,45 @@ class CancelRequestedFilter(admin.SimpleListFilter):
         if self.value() == "yes":
             return queryset.filter(status=Status.CLAIMED, cancel_requested_at__isnull=False)
         return queryset
+
+
+class BatchFilter(admin.SimpleListFilter):
+    """The items of one batch (``?batch=<id>``), linked from the Batches page.
+
+    Offers no choices of its own (batches can be many): it shows, with its
+    one choice, once a link has set it. Served by ``dbworker_batch_idx``.
+    """
+
+    title = "batch"
+    parameter_name = "batch"
+
+    def _batch_id(self) -> int | None:
+        value = self.value()
+        if value and value.isascii() and value.isdigit() and len(value) < 19:
+            return int(value)
+        return None
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        return [(value, f"#{value}")] if value else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if not self.value():
+            return queryset
+        batch_id = self._batch_id()
+        return queryset.none() if batch_id is None else queryset.filter(batch_id=batch_id)
+
+
+class WaitingFilter(admin.SimpleListFilter):
+    """Pending rows waiting for their parents (``after=``): ``dbworker_waiting_idx``."""
+
+    title = "waiting for parents"
+    parameter_name = "waiting"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Yes (pending, waiting for their parents)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(status=Status.PENDING, waiting=True)
+        return queryset

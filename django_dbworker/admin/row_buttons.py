@@ -70,7 +70,10 @@ class RowButtons(_Base):
         return [
             verb
             for name, verb in actions.VERBS.items()
-            if name in offered and obj.status in verb.statuses
+            if name in offered
+            and obj.status in verb.statuses
+            # A waiting row is due when its parents say so, not on request.
+            and not (name == actions.RUN_NOW.name and obj.waiting)
         ]
 
     def render_change_form(

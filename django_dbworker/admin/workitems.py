@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.http import HttpRequest
+
 from django_dbworker.admin.base import BaseWorkItemAdmin
+from django_dbworker.admin.filters import BatchFilter, WaitingFilter
 
 
 class WorkItemAdmin(BaseWorkItemAdmin):
@@ -19,3 +24,7 @@ class WorkItemAdmin(BaseWorkItemAdmin):
         "priority",
         "created",
     ]
+
+    # A batch's items (linked from the Batches page) and the rows waiting for parents.
+    def get_list_filter(self, request: HttpRequest) -> Any:
+        return (*self.list_filter, WaitingFilter, BatchFilter)

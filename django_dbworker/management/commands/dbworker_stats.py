@@ -1,5 +1,5 @@
 """``manage.py dbworker_stats``: counts by queue and status, queue lag, paused queues,
-cancel requests and snoozes, orphans, schedules."""
+cancel requests and snoozes, orphans, open batches and waiting rows, schedules."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
+from django_dbworker.batch_stats import open_batches, waiting_count
 from django_dbworker.db import setup_problem
 from django_dbworker.queues import queue_list
 from django_dbworker.routing import work_db_for_read
@@ -20,6 +21,10 @@ from django_dbworker.stats import (
     schedule_stats,
     status_columns,
 )
+
+#: The columns of the open batches' table.
+BATCH_COLUMNS = ["batch", "callback", "created", "ended/total"]
+BATCH_COLUMNS += ["succeeded", "failed", "cancelled", "pending"]
 
 
 class Command(BaseCommand):
@@ -51,6 +56,7 @@ class Command(BaseCommand):
         else:
             self._queues(stats, options)
         self._paused(options)
+        self._batches(options)
         self._schedules(options)
 
     def _queues(self, stats: Any, options: dict[str, Any]) -> None:
@@ -115,6 +121,34 @@ class Command(BaseCommand):
                 for q in paused
             ],
         )
+
+    def _batches(self, options: dict[str, Any]) -> None:
+        """Open batches (how many, the oldest few) and the rows waiting for their parents."""
+        found = open_batches(using=options["database"])
+        waiting = waiting_count(using=options["database"])
+        if found.count:
+            self.stdout.write("")
+            shown = "" if found.count == len(found.oldest) else f", the {len(found.oldest)} oldest"
+            self.stdout.write(f"Open batches: {found.count}{shown} (times in UTC):")
+            self._table(
+                BATCH_COLUMNS,
+                [
+                    [
+                        f"#{b.pk}",
+                        b.on_complete,
+                        _when(b.created_at),
+                        f"{p.done}/{p.total}",
+                        str(p.succeeded),
+                        str(p.failed),
+                        str(p.cancelled),
+                        str(p.pending),
+                    ]
+                    for b, p in found.oldest
+                ],
+            )
+        if waiting:
+            self.stdout.write("")
+            self.stdout.write(f"Items waiting for their parents (after=): {waiting}.")
 
     def _schedules(self, options: dict[str, Any]) -> None:
         schedules = schedule_stats(using=options["database"])

@@ -158,3 +158,50 @@ def test_the_select_all_confirmation_counts_without_a_scan(
     assert 'id="dbw-confirm-matching">at least 10,000<' in html
     with capsys.disabled():
         print(f"\nselect-all confirmation on {ROWS:,} rows: {elapsed * 1000:.1f} ms")
+
+
+def test_the_batches_pages_are_index_driven(
+    big_table: None, superuser_client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 22: the Batches list, a batch's items and a row's dependencies, beside 1M rows."""
+    from django_dbworker import batch
+    from tests.testapp.workers import BatchDone, Noop, Record
+
+    for _ in range(3):
+        with batch(on_complete=BatchDone) as b:
+            Noop.enqueue_many([{}] * 100)
+    parent = Record.enqueue({"key": "p"})
+    with batch(on_complete=BatchDone):
+        child = Record.enqueue({"key": "c"}, after=[parent])
+    items = reverse("admin:django_dbworker_workitem_changelist")
+    pages = [
+        ("batches", reverse("admin:django_dbworker_batch_changelist"), 6),
+        ("batches: open", reverse("admin:django_dbworker_batch_changelist") + "?state=open", 6),
+        ("batch", reverse("admin:django_dbworker_batch_change", args=[b.pk]), 6),
+        ("work items: batch", items + f"?batch={b.pk}", BUDGET),
+        ("work items: waiting", items + "?waiting=yes", BUDGET),
+        ("detail: parent", reverse("admin:django_dbworker_workitem_change", args=[parent.pk]), 6),
+        ("detail: child", reverse("admin:django_dbworker_workitem_change", args=[child.pk]), 8),
+    ]
+    report = []
+    for label, url, budget in pages:
+        superuser_client.get(url)  # warm
+        with CaptureQueriesContext(connection) as ctx:
+            started = time.perf_counter()
+            response = superuser_client.get(url)
+            elapsed = time.perf_counter() - started
+        assert response.status_code == 200, label
+        queries = ctx.captured_queries
+        assert len(queries) <= budget, (label, [q["sql"] for q in queries])
+        assert elapsed < SECONDS, (label, elapsed)
+        for query in queries:
+            sql = query["sql"]
+            if TABLE not in sql or sql.lstrip().upper().startswith("EXPLAIN"):
+                continue
+            with connection.cursor() as cursor:
+                cursor.execute("EXPLAIN " + sql.replace("%", "%%"))
+                plan = "\n".join(row[0] for row in cursor.fetchall())
+            assert f"Seq Scan on {TABLE}" not in plan, (label, sql, plan)
+        report.append(f"{label:28} {len(queries):2} queries  {elapsed * 1000:7.1f} ms")
+    with capsys.disabled():
+        print(f"\nbatch pages beside {ROWS:,} rows:\n  " + "\n  ".join(report))
