@@ -659,3 +659,23 @@ class BatchDone(WorkItemHandler):
     def handle(self, payload: Any) -> dict[str, Any]:
         _record({"key": f"batch:{payload['batch']}"}, "callback")
         return payload
+
+
+class Step(WorkItemHandler):
+    """Records its start and its end, sleeping ``seconds`` between; with ``fail`` in the
+    payload it then raises a ValueError, which it does not retry (fails for good).
+
+    The batch and ``after=`` process tests (tests/process/test_batches.py)
+    read the order of the runs from these records.
+    """
+
+    name = "step"
+    max_attempts = 5
+    retry_on = (ConnectionError,)
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        _record(payload, "end")
+        if payload.get("fail"):
+            raise ValueError(f"step {payload['key']} fails for good")

@@ -1,0 +1,268 @@
+"""Batches and ``after=`` across ``run_workers`` processes (issue 22, SPEC "Batches and
+dependencies"), on every database of the run.
+
+The items are ``step`` handlers, which write a start and an end record
+(``Execution``) per run: the order of the runs is read from those records,
+whose ids the database hands out in commit order of causally ordered
+inserts (a child's start is inserted after its parent's end committed),
+and from their times. The batch's own proof is its rows: one callback
+row, its counts equal to the items' final states, written (DB clock) no
+earlier than the last item's ``finished_at``, run once.
+
+Stale recovery is fast here (``STALE_AFTER`` 1 s, heartbeats every
+0.2 s), so the rows of a SIGKILLed worker come back within about two
+seconds. No test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import pytest
+from django.db import transaction
+from django.db.models import Max
+
+from django_dbworker import batch
+from django_dbworker.models import Batch, Status, WorkItem
+from tests.conftest import WorkerProcess, wait_until
+from tests.testapp.models import Execution
+from tests.testapp.workers import BatchDone, Step
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
+HANDLERS = ("step", "batch_done")
+FINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+StartWorker = Callable[..., WorkerProcess]
+
+
+def _start(start_worker: StartWorker, n: int, *args: str) -> list[WorkerProcess]:
+    workers = [start_worker(*HANDLERS, *args, env=FAST_STALE) for _ in range(n)]
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    return workers
+
+
+def _stop(workers: Iterable[WorkerProcess]) -> None:
+    workers = list(workers)
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        assert worker.wait(timeout=60) == 0, worker.log()
+
+
+def _callbacks(batch_id: int) -> list[WorkItem]:
+    return list(WorkItem.objects.filter(handler="batch_done", payload__batch=batch_id))
+
+
+def _callback_ran(batch_id: int) -> bool:
+    return WorkItem.objects.filter(
+        handler="batch_done", payload__batch=batch_id, status=Status.SUCCEEDED
+    ).exists()
+
+
+def _assert_completed_once(batch_id: int) -> dict[str, int]:
+    """The batch's one callback: its counts are the items' final states, its row was
+    written no earlier than the last item ended (DB clock), it ran once. Returns the counts."""
+    items = WorkItem.objects.filter(batch_id=batch_id)
+    states = Counter(items.values_list("status", flat=True))
+    assert set(states) <= set(FINAL), states
+    counts = {
+        "succeeded": states[Status.SUCCEEDED],
+        "failed": states[Status.FAILED],
+        "cancelled": states[Status.CANCELLED],
+    }
+    row = Batch.objects.get(pk=batch_id)
+    assert row.total == sum(states.values())
+    assert row.completed_at is not None
+    assert (row.succeeded, row.failed, row.cancelled) == tuple(counts.values())
+    callbacks = _callbacks(batch_id)
+    assert len(callbacks) == 1, [c.pk for c in callbacks]
+    (callback,) = callbacks
+    assert callback.pk == row.callback_id
+    assert callback.payload == {**row.payload, "batch": batch_id, **counts}
+    last_ended = items.aggregate(last=Max("finished_at"))["last"]
+    assert last_ended is not None
+    assert callback.created_at >= last_ended, (callback.created_at, last_ended)
+    assert callback.status == Status.SUCCEEDED
+    assert Execution.objects.filter(key=f"batch:{batch_id}", kind="callback").count() == 1
+    return counts
+
+
+def _records(keys: Iterable[str]) -> dict[tuple[str, str], list[Execution]]:
+    """The start and end records of ``keys``, by (key, kind), in insertion order."""
+    found: dict[tuple[str, str], list[Execution]] = {}
+    for record in Execution.objects.filter(key__in=list(keys)).order_by("id"):
+        found.setdefault((record.key, record.kind), []).append(record)
+    return found
+
+
+def _assert_runs_after(
+    records: dict[tuple[str, str], list[Execution]], child: str, parents: Iterable[str]
+) -> None:
+    """``child`` ran once, and started after every one of ``parents`` ended."""
+    (start,) = records[(child, "start")]
+    assert len(records[(child, "end")]) == 1
+    for parent in parents:
+        (end,) = records[(parent, "end")]
+        assert end.id < start.id, f"{child} started before {parent} ended"
+        assert end.created_at <= start.created_at, f"{child} started before {parent} ended"
+
+
+def test_a_batch_under_sigkill_chaos_enqueues_one_callback_with_the_right_counts(
+    start_worker: StartWorker,
+) -> None:
+    """200 items over 3 workers, three of which are SIGKILLed (each while it holds claimed
+    rows) and replaced while the batch runs; an operator cancels some; 20 fail for good."""
+    n = 200
+    workers = _start(start_worker, 3, "--concurrency", "2")
+    with batch(on_complete=BatchDone, payload={"run": "chaos"}) as b:
+        items = Step.enqueue_many(
+            [{"key": f"i{k}", "seconds": 0.05, "fail": k % 10 == 3} for k in range(n)]
+        )
+    assert b.total == n
+    ended = WorkItem.objects.filter(batch_id=b.id, status__in=FINAL)
+    for threshold in (30, 70, 110):
+        wait_until(lambda t=threshold: ended.count() >= t, timeout=60, what=f"{threshold} ended")
+        if threshold == 70:
+            # An operator cancels ten of the last items: pending ones end
+            # cancelled, claimed ones are asked to stop (the handler ignores it).
+            WorkItem.objects.filter(pk__in=[item.pk for item in items[-10:]]).cancel()
+
+        def busy() -> WorkerProcess | None:
+            # A live worker that holds claimed rows of the batch: killing it
+            # leaves them to stale recovery.
+            for worker in workers:
+                if (
+                    worker.proc.poll() is None
+                    and WorkItem.objects.filter(
+                        batch_id=b.id, status=Status.CLAIMED, claimed_by__contains=f":{worker.pid}:"
+                    ).exists()
+                ):
+                    return worker
+            return None
+
+        victim = wait_until(busy, timeout=30, what="a worker holding claimed items")
+        victim.signal(signal.SIGKILL)
+        assert victim.wait() == -signal.SIGKILL
+        workers.remove(victim)
+        workers.append(start_worker(*HANDLERS, "--concurrency", "2", env=FAST_STALE))
+    wait_until(lambda: _callback_ran(b.id), timeout=90, what="the batch's callback to run")
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    _stop(workers)
+
+    counts = _assert_completed_once(b.id)
+    assert sum(counts.values()) == n
+    failing = [item.pk for item in items if item.payload["fail"]]
+    assert WorkItem.objects.filter(pk__in=failing).exclude(status=Status.FAILED).count() <= 1
+    assert counts["failed"] >= len(failing) - 1  # (one of them is among the cancelled ten)
+    # The kills were real: rows of the killed workers were recovered and run again.
+    recovered = WorkItem.objects.filter(batch_id=b.id, error_history__isnull=False)
+    assert any(
+        "Recovered as stale" in entry["error"]
+        for history in recovered.values_list("error_history", flat=True)
+        for entry in history
+    ), "no item of a killed worker was recovered"
+
+
+def test_many_batches_finishing_at_once_get_one_callback_each(
+    start_worker: StartWorker,
+) -> None:
+    """30 batches of 5 items, committed at once to 3 idle workers: their last items end
+    on different workers at the same moments."""
+    workers = _start(start_worker, 3, "--concurrency", "4")
+    expected: dict[int, dict[str, int]] = {}
+    with transaction.atomic():
+        for n in range(30):
+            with batch(on_complete=BatchDone, payload={"n": n}) as b:
+                Step.enqueue_many(
+                    [{"key": f"b{n}-{k}", "fail": k == 4 and n % 3 == 0} for k in range(5)]
+                )
+            expected[b.id] = {"succeeded": 5 - (n % 3 == 0), "failed": int(n % 3 == 0)}
+    wait_until(
+        lambda: all(_callback_ran(pk) for pk in expected),
+        timeout=60,
+        what="every batch's callback to run",
+    )
+    _stop(workers)
+    for pk, want in expected.items():
+        counts = _assert_completed_once(pk)
+        assert counts == {**want, "cancelled": 0}, (pk, counts)
+    assert WorkItem.objects.filter(handler="batch_done").count() == 30
+
+
+def test_a_chain_and_a_fan_in_run_in_order(start_worker: StartWorker) -> None:
+    """A chain of 20 links (each ``after=`` the previous) and one item after 10 parents,
+    over 3 workers: every child started after each of its parents ended."""
+    workers = _start(start_worker, 3, "--concurrency", "2")
+    links, fan = 20, 10
+    with transaction.atomic():
+        previous = Step.enqueue({"key": "link0"})
+        for k in range(1, links):
+            previous = Step.enqueue({"key": f"link{k}"}, after=[previous])
+        parents = Step.enqueue_many([{"key": f"parent{k}", "seconds": 0.05} for k in range(fan)])
+        Step.enqueue({"key": "fan-in"}, after=parents)
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == links + fan + 1,
+        timeout=60,
+        what="the chain and the fan-in to succeed",
+    )
+    _stop(workers)
+    records = _records(
+        [f"link{k}" for k in range(links)] + [f"parent{k}" for k in range(fan)] + ["fan-in"]
+    )
+    for k in range(1, links):
+        _assert_runs_after(records, f"link{k}", [f"link{k - 1}"])
+    _assert_runs_after(records, "fan-in", [f"parent{k}" for k in range(fan)])
+    assert Execution.objects.filter(kind="start").count() == links + fan + 1
+
+
+def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_runs(
+    start_worker: StartWorker,
+) -> None:
+    """``bad`` fails for good: ``c1`` (after it), ``c2`` (after c1), ``c3`` (after ``ok`` and
+    ``bad``) and ``c4`` (after c2 and c3) end cancelled unrun; ``s`` (after ``ok``) runs.
+    All in one batch, whose callback counts them."""
+    workers = _start(start_worker, 2, "--concurrency", "2")
+    with batch(on_complete=BatchDone) as b:
+        bad = Step.enqueue({"key": "bad", "seconds": 0.2, "fail": True})
+        ok = Step.enqueue({"key": "ok"})
+        c1 = Step.enqueue({"key": "c1"}, after=[bad])
+        c2 = Step.enqueue({"key": "c2"}, after=[c1])
+        c3 = Step.enqueue({"key": "c3"}, after=[ok, bad])
+        c4 = Step.enqueue({"key": "c4"}, after=[c2, c3])
+        s = Step.enqueue({"key": "s"}, after=[ok])
+    wait_until(lambda: _callback_ran(b.id), timeout=60, what="the batch's callback to run")
+    _stop(workers)
+
+    rows = {row.pk: row for row in WorkItem.objects.filter(batch_id=b.id)}
+    assert rows[bad.pk].status == Status.FAILED
+    assert rows[ok.pk].status == rows[s.pk].status == Status.SUCCEEDED
+    blamed = {
+        c1: [(bad, "failed")],
+        c2: [(c1, "cancelled")],
+        c3: [(bad, "failed")],
+        c4: [(c2, "cancelled"), (c3, "cancelled")],
+    }
+    for child, parents in blamed.items():
+        row = rows[child.pk]
+        assert (row.status, row.waiting, row.attempts, row.claimed_at) == (
+            Status.CANCELLED,
+            False,
+            0,
+            None,
+        ), child.payload
+        assert row.finished_at is not None
+        assert any(
+            f"work item #{parent.pk}, which ended {state}" in row.last_error
+            for parent, state in parents
+        ), (child.payload, row.last_error)
+    assert not Execution.objects.filter(key__in=["c1", "c2", "c3", "c4"]).exists()
+    records = _records(["ok", "s"])
+    _assert_runs_after(records, "s", ["ok"])
+    counts = _assert_completed_once(b.id)
+    assert counts == {"succeeded": 2, "failed": 1, "cancelled": 4}
