@@ -9,9 +9,15 @@ and from their times. The batch's own proof is its rows: one callback
 row, its counts equal to the items' final states, written (DB clock) no
 earlier than the last item's ``finished_at``, run once.
 
-Stale recovery is fast here (``STALE_AFTER`` 1 s, heartbeats every
-0.2 s), so the rows of a SIGKILLed worker come back within about two
-seconds. No test asserts a duration.
+Under chaos, stale recovery is fast (``STALE_AFTER`` 1 s, heartbeats
+every 0.2 s), so the rows of a SIGKILLed worker come back within about two
+seconds. Elsewhere no worker dies, and stale recovery, whose pass also
+runs ``completion.sweep`` (the safety net that completes a batch no
+ending completed), is slow (``STALE_AFTER`` an hour: a pass at start-up,
+the next after 48 s or more): a completion the endings missed then shows
+as a timed-out wait (30 s), not as a late callback from the sweep. On
+PostgreSQL the batch row's ``xmin`` shows it completed in the transaction
+that wrote the ending of one of its items. No test asserts a duration.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Max
 
 from django_dbworker import batch
@@ -33,14 +39,20 @@ from tests.testapp.workers import BatchDone, Step
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
+#: Stale recovery, and so the sweep, once at start-up and then not for 48 s or more.
+NO_SWEEP = {"DBWORKER_STALE_AFTER": "3600"}
+#: How long the tests without chaos wait for an outcome: well before the next sweep.
+WAIT = 30.0
 HANDLERS = ("step", "batch_done")
 FINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
 StartWorker = Callable[..., WorkerProcess]
 
 
-def _start(start_worker: StartWorker, n: int, *args: str) -> list[WorkerProcess]:
-    workers = [start_worker(*HANDLERS, *args, env=FAST_STALE) for _ in range(n)]
+def _start(
+    start_worker: StartWorker, n: int, *args: str, env: dict[str, str] = NO_SWEEP
+) -> list[WorkerProcess]:
+    workers = [start_worker(*HANDLERS, *args, env=env) for _ in range(n)]
     for worker in workers:
         worker.wait_for_log("Starting worker", timeout=60)
     return workers
@@ -89,7 +101,25 @@ def _assert_completed_once(batch_id: int) -> dict[str, int]:
     assert callback.created_at >= last_ended, (callback.created_at, last_ended)
     assert callback.status == Status.SUCCEEDED
     assert Execution.objects.filter(key=f"batch:{batch_id}", kind="callback").count() == 1
+    if connection.vendor == "postgresql":
+        _assert_completed_by_an_ending(batch_id)
     return counts
+
+
+def _xmins(table: str, where: str, value: int) -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT xmin::text FROM {table} WHERE {where} = %s", [value])
+        return {row[0] for row in cursor.fetchall()}
+
+
+def _assert_completed_by_an_ending(batch_id: int) -> None:
+    """PostgreSQL: the batch row was last written (completed_at, callback_id) by the
+    transaction that wrote the final state of one of its items (which nothing writes
+    after): the completion was that ending's, not a later sweep's."""
+    (completed_by,) = _xmins(Batch._meta.db_table, "id", batch_id)
+    assert completed_by in _xmins(WorkItem._meta.db_table, "batch_id", batch_id), (
+        "the batch was not completed in the transaction of one of its items' endings"
+    )
 
 
 def _records(keys: Iterable[str]) -> dict[tuple[str, str], list[Execution]]:
@@ -118,7 +148,7 @@ def test_a_batch_under_sigkill_chaos_enqueues_one_callback_with_the_right_counts
     """200 items over 3 workers, three of which are SIGKILLed (each while it holds claimed
     rows) and replaced while the batch runs; an operator cancels some; 20 fail for good."""
     n = 200
-    workers = _start(start_worker, 3, "--concurrency", "2")
+    workers = _start(start_worker, 3, "--concurrency", "2", env=FAST_STALE)
     with batch(on_complete=BatchDone, payload={"run": "chaos"}) as b:
         items = Step.enqueue_many(
             [{"key": f"i{k}", "seconds": 0.05, "fail": k % 10 == 3} for k in range(n)]
@@ -185,7 +215,7 @@ def test_many_batches_finishing_at_once_get_one_callback_each(
             expected[b.id] = {"succeeded": 5 - (n % 3 == 0), "failed": int(n % 3 == 0)}
     wait_until(
         lambda: all(_callback_ran(pk) for pk in expected),
-        timeout=60,
+        timeout=WAIT,
         what="every batch's callback to run",
     )
     _stop(workers)
@@ -208,7 +238,7 @@ def test_a_chain_and_a_fan_in_run_in_order(start_worker: StartWorker) -> None:
         Step.enqueue({"key": "fan-in"}, after=parents)
     wait_until(
         lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == links + fan + 1,
-        timeout=60,
+        timeout=WAIT,
         what="the chain and the fan-in to succeed",
     )
     _stop(workers)
@@ -236,7 +266,7 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
         c3 = Step.enqueue({"key": "c3"}, after=[ok, bad])
         c4 = Step.enqueue({"key": "c4"}, after=[c2, c3])
         s = Step.enqueue({"key": "s"}, after=[ok])
-    wait_until(lambda: _callback_ran(b.id), timeout=60, what="the batch's callback to run")
+    wait_until(lambda: _callback_ran(b.id), timeout=WAIT, what="the batch's callback to run")
     _stop(workers)
 
     rows = {row.pk: row for row in WorkItem.objects.filter(batch_id=b.id)}
@@ -266,3 +296,32 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
     _assert_runs_after(records, "s", ["ok"])
     counts = _assert_completed_once(b.id)
     assert counts == {"succeeded": 2, "failed": 1, "cancelled": 4}
+
+
+def _enqueue_then_roll_back() -> None:
+    with batch(on_complete=BatchDone, payload={"block": "rolled back"}):
+        Step.enqueue({"key": "rolled-back"})
+        raise RuntimeError("the block rolls back")
+
+
+def test_an_empty_batch_runs_its_callback_once_and_a_rolled_back_block_leaves_nothing(
+    start_worker: StartWorker,
+) -> None:
+    workers = _start(start_worker, 1)
+    with pytest.raises(RuntimeError, match="rolls back"):
+        _enqueue_then_roll_back()
+    with batch(on_complete=BatchDone, payload={"block": "empty"}) as empty:
+        pass
+    wait_until(lambda: _callback_ran(empty.id), timeout=WAIT, what="the empty batch's callback")
+    _stop(workers)
+    (row,) = Batch.objects.all()
+    assert row.pk == empty.id and row.total == 0
+    (callback,) = WorkItem.objects.all()
+    assert callback.payload == {
+        "block": "empty",
+        "batch": empty.id,
+        "succeeded": 0,
+        "failed": 0,
+        "cancelled": 0,
+    }
+    assert list(Execution.objects.values_list("key", "kind")) == [(f"batch:{empty.id}", "callback")]
