@@ -202,17 +202,25 @@ def test_a_batch_under_sigkill_chaos_enqueues_one_callback_with_the_right_counts
 def test_many_batches_finishing_at_once_get_one_callback_each(
     start_worker: StartWorker,
 ) -> None:
-    """30 batches of 5 items, committed at once to 3 idle workers: their last items end
-    on different workers at the same moments."""
-    workers = _start(start_worker, 3, "--concurrency", "4")
+    """60 batches of 3 items, committed at once to 3 idle workers that run one item at a
+    time and claim no more (no prefetch): consecutive items, so a batch's items, run on
+    different workers side by side, and its last two end at about the same moment; every
+    third batch has an item that fails."""
+    batches, size = 60, 3
+    env = {**NO_SWEEP, "DBWORKER_PREFETCH_HORIZON": "0"}
+    workers = _start(start_worker, 3, "--concurrency", "1", env=env)
     expected: dict[int, dict[str, int]] = {}
     with transaction.atomic():
-        for n in range(30):
+        for n in range(batches):
+            failing = n % 3 == 0
             with batch(on_complete=BatchDone, payload={"n": n}) as b:
                 Step.enqueue_many(
-                    [{"key": f"b{n}-{k}", "fail": k == 4 and n % 3 == 0} for k in range(5)]
+                    [
+                        {"key": f"b{n}-{k}", "seconds": 0.02, "fail": failing and k == n % size}
+                        for k in range(size)
+                    ]
                 )
-            expected[b.id] = {"succeeded": 5 - (n % 3 == 0), "failed": int(n % 3 == 0)}
+            expected[b.id] = {"succeeded": size - failing, "failed": int(failing)}
     wait_until(
         lambda: all(_callback_ran(pk) for pk in expected),
         timeout=WAIT,
@@ -222,7 +230,7 @@ def test_many_batches_finishing_at_once_get_one_callback_each(
     for pk, want in expected.items():
         counts = _assert_completed_once(pk)
         assert counts == {**want, "cancelled": 0}, (pk, counts)
-    assert WorkItem.objects.filter(handler="batch_done").count() == 30
+    assert WorkItem.objects.filter(handler="batch_done").count() == batches
 
 
 def test_a_chain_and_a_fan_in_run_in_order(start_worker: StartWorker) -> None:
