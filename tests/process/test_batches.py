@@ -115,7 +115,8 @@ def _xmins(table: str, where: str, value: int) -> set[str]:
 def _assert_completed_by_an_ending(batch_id: int) -> None:
     """PostgreSQL: the batch row was last written (completed_at, callback_id) by the
     transaction that wrote the final state of one of its items (which nothing writes
-    after): the completion was that ending's, not a later sweep's."""
+    after): the completion was that ending's, not a later sweep's. (``xmin`` names the
+    subtransaction: the endings write the item and the batch under one savepoint.)"""
     (completed_by,) = _xmins(Batch._meta.db_table, "id", batch_id)
     assert completed_by in _xmins(WorkItem._meta.db_table, "batch_id", batch_id), (
         "the batch was not completed in the transaction of one of its items' endings"
