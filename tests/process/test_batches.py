@@ -34,7 +34,7 @@ from django_dbworker import batch
 from django_dbworker.models import Batch, Status, WorkItem
 from tests.conftest import WorkerProcess, wait_until
 from tests.testapp.models import Execution
-from tests.testapp.workers import BatchDone, Step
+from tests.testapp.workers import BatchDone, KillWorker, Step
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -110,6 +110,17 @@ def _xmins(table: str, where: str, value: int) -> set[str]:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT xmin::text FROM {table} WHERE {where} = %s", [value])
         return {row[0] for row in cursor.fetchall()}
+
+
+def _assert_one_transaction(*items: WorkItem) -> None:
+    """PostgreSQL: the final states of ``items`` were written by one transaction (a
+    failure and the cancellations it set off, not a later sweep)."""
+    if connection.vendor == "postgresql":
+        xmins = [_xmins(WorkItem._meta.db_table, "id", item.pk) for item in items]
+        assert all(x == xmins[0] for x in xmins), (
+            f"the endings of {[item.payload['key'] for item in items]} were written by "
+            f"different transactions (xmin {xmins}): a cancellation was not its cause's"
+        )
 
 
 def _assert_completed_by_an_ending(batch_id: int) -> None:
@@ -304,10 +315,78 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
             for parent, state in parents
         ), (child.payload, row.last_error)
     assert not Execution.objects.filter(key__in=["c1", "c2", "c3", "c4"]).exists()
+    _assert_one_transaction(bad, c1, c2, c3, c4)
     records = _records(["ok", "s"])
     _assert_runs_after(records, "s", ["ok"])
     counts = _assert_completed_once(b.id)
     assert counts == {"succeeded": 2, "failed": 1, "cancelled": 4}
+
+
+def test_dependents_of_items_that_kill_their_workers_follow_the_recovered_outcome(
+    start_worker: StartWorker,
+) -> None:
+    """``k`` kills its worker on its first run and succeeds on the next: ``c`` (after it)
+    runs after that. ``doom`` kills its worker on every run, until stale recovery fails it
+    (attempts used up): ``d1`` (after it) and ``d2`` (after d1) end cancelled unrun. One
+    batch holds them all.
+
+    ``doom`` runs in a queue of its own, on a one-thread worker of its own: on a worker
+    that also ran ``k``, its SIGKILL could come before ``k``'s success was written (the
+    success writer commits after the thread moved on), which would run ``k`` again.
+    Each worker is replaced when it dies.
+    """
+    env = {**FAST_STALE, "DBWORKER_PREFETCH_HORIZON": "0"}
+    plain = (*HANDLERS, "kill_worker", "--concurrency", "1", "--queue", "default")
+    dooms = ("kill_worker", "--concurrency", "1", "--queue", "doom")
+    workers = {start_worker(*plain, env=env): plain, start_worker(*dooms, env=env): dooms}
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    with batch(on_complete=BatchDone) as b:
+        a = Step.enqueue({"key": "a"})
+        k = KillWorker.enqueue({"key": "k", "times": 1}, after=[a])
+        c = Step.enqueue({"key": "c"}, after=[k])
+        doom = KillWorker.enqueue({"key": "doom"}, after=[a], queue="doom")
+        d1 = Step.enqueue({"key": "d1"}, after=[doom])
+        d2 = Step.enqueue({"key": "d2"}, after=[d1])
+    deaths = 0
+
+    def done() -> bool:
+        nonlocal deaths
+        for worker, args in list(workers.items()):
+            if worker.proc.poll() is not None:
+                assert worker.proc.returncode == -signal.SIGKILL, worker.log()
+                deaths += 1
+                del workers[worker]
+                workers[start_worker(*args, env=env)] = args
+        return _callback_ran(b.id)
+
+    wait_until(done, timeout=90, what="the batch's callback to run")
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
+    _stop(workers)
+
+    rows = {row.pk: row for row in WorkItem.objects.filter(batch_id=b.id)}
+    assert [rows[item.pk].status for item in (a, k, c)] == [Status.SUCCEEDED] * 3
+    assert rows[k.pk].attempts == 2
+    assert (rows[doom.pk].status, rows[doom.pk].attempts) == (Status.FAILED, 3)
+    assert "attempts used up" in rows[doom.pk].last_error
+    assert deaths == 4  # k once, doom three times
+    runs = list(Execution.objects.order_by("id").values_list("id", "key", "kind"))
+    assert [key for _, key, _ in runs].count("k") == 2
+    assert [key for _, key, _ in runs].count("doom") == 3
+    last_k = max(pk for pk, key, _ in runs if key == "k")
+    first_c = min(pk for pk, key, kind in runs if key == "c" and kind == "start")
+    assert last_k < first_c, "c started before k's surviving run"
+    assert rows[k.pk].finished_at <= rows[c.pk].claimed_at
+    for child, parent in ((d1, doom), (d2, d1)):
+        row = rows[child.pk]
+        assert (row.status, row.attempts, row.claimed_at) == (Status.CANCELLED, 0, None)
+        state = "failed" if parent is doom else "cancelled"
+        assert f"work item #{parent.pk}, which ended {state}" in row.last_error, row.last_error
+    assert not Execution.objects.filter(key__in=["d1", "d2"]).exists()
+    _assert_one_transaction(doom, d1, d2)
+    counts = _assert_completed_once(b.id)
+    assert counts == {"succeeded": 3, "failed": 1, "cancelled": 2}
 
 
 def _enqueue_then_roll_back() -> None:
