@@ -416,3 +416,33 @@ def test_an_empty_batch_runs_its_callback_once_and_a_rolled_back_block_leaves_no
         "cancelled": 0,
     }
     assert list(Execution.objects.values_list("key", "kind")) == [(f"batch:{empty.id}", "callback")]
+
+
+def test_an_item_retried_after_its_batch_completed_runs_again_without_a_second_callback(
+    start_worker: StartWorker,
+) -> None:
+    """A completed batch stays completed: an operator's retry of one of its items runs the
+    item again, and its new ending enqueues no callback and leaves the counts as they were
+    at completion."""
+    workers = _start(start_worker, 1)
+    with batch(on_complete=BatchDone) as b:
+        bad = Step.enqueue({"key": "bad", "fail": True})
+        Step.enqueue({"key": "good"})
+    wait_until(lambda: _callback_ran(b.id), timeout=WAIT, what="the batch's callback to run")
+    completed = _assert_completed_once(b.id)
+    assert completed == {"succeeded": 1, "failed": 1, "cancelled": 0}
+    assert WorkItem.objects.get(pk=bad.pk).retry()
+    starts = Execution.objects.filter(key="bad", kind="start")
+    wait_until(
+        lambda: starts.count() == 2 and WorkItem.objects.get(pk=bad.pk).status == Status.FAILED,
+        timeout=WAIT,
+        what="the retried item to fail again",
+    )
+    _stop(workers)
+    assert WorkItem.objects.get(pk=bad.pk).attempts == 1  # the retry reset it to 0
+    row = Batch.objects.get(pk=b.id)
+    assert (row.succeeded, row.failed, row.cancelled) == (1, 1, 0)
+    (callback,) = _callbacks(b.id)
+    assert callback.pk == row.callback_id
+    assert {key: callback.payload[key] for key in completed} == completed
+    assert Execution.objects.filter(key=f"batch:{b.id}", kind="callback").count() == 1
