@@ -274,6 +274,47 @@ def test_a_chain_and_a_fan_in_run_in_order(start_worker: StartWorker) -> None:
     assert Execution.objects.filter(kind="start").count() == links + fan + 1
 
 
+def test_items_enqueued_after_parents_that_are_running_or_ending_run_in_order(
+    start_worker: StartWorker,
+) -> None:
+    """A chain enqueued one link at a time, each as soon as its parent started, with
+    fan-ins beside it, over 3 workers: each ``after=`` meets its parents claimed,
+    ending or ended (their row lock and ``has_dependents`` decide who settles the child).
+    None is left waiting (no sweep runs here), and each child started after its parents
+    ended."""
+    workers = _start(start_worker, 3, "--concurrency", "2")
+    links = 30
+    chain = [Step.enqueue({"key": "c0"})]
+    fans: dict[str, list[str]] = {}
+    started = Execution.objects.filter(kind="start")
+    for k in range(1, links):
+        parent = chain[-1].payload["key"]
+        wait_until(
+            lambda p=parent: started.filter(key=p).exists(),
+            timeout=WAIT,
+            interval=0.002,
+            what=f"{parent} to start",
+        )
+        # Parents of 0 to 20 ms: the child's enqueue lands anywhere in their ending.
+        chain.append(Step.enqueue({"key": f"c{k}", "seconds": 0.005 * (k % 5)}, after=[chain[-1]]))
+        if k % 6 == 0:
+            parents = chain[-3:]
+            Step.enqueue({"key": f"fan{k}"}, after=parents)
+            fans[f"fan{k}"] = [item.payload["key"] for item in parents]
+    total = links + len(fans)
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == total,
+        timeout=WAIT,
+        what="every item to succeed (a child left waiting times out here)",
+    )
+    _stop(workers)
+    records = _records([f"c{k}" for k in range(links)] + list(fans))
+    for k in range(1, links):
+        _assert_runs_after(records, f"c{k}", [f"c{k - 1}"])
+    for fan, parents in fans.items():
+        _assert_runs_after(records, fan, parents)
+
+
 def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_runs(
     start_worker: StartWorker,
 ) -> None:
