@@ -157,30 +157,43 @@ def _assert_runs_after(
 def test_a_batch_under_sigkill_chaos_enqueues_one_callback_with_the_right_counts(
     start_worker: StartWorker,
 ) -> None:
-    """200 items over 3 workers, four of which are SIGKILLed (each while it holds claimed
-    rows) and replaced while the batch runs; an operator cancels the last ten; one item
-    in ten fails for good. (Four kills, five attempts: no item runs out of attempts.)"""
+    """200 items over 3 workers, which are stopped and replaced while the batch runs, each
+    while it holds claimed rows: four SIGKILLed (their rows left to stale recovery), two
+    SIGTERMed past a 0.1 s shutdown timeout (their rows released). An operator cancels
+    the last ten items; one item in ten fails for good. (Four kills, five attempts: no
+    item runs out of attempts.)"""
     n = 200
-    workers = _start(start_worker, 3, "--concurrency", "2", env=FAST_STALE)
+    args = (*HANDLERS, "--concurrency", "2", "--shutdown-timeout", "0.1")
+    workers = [start_worker(*args, env=FAST_STALE) for _ in range(3)]
+    for worker in workers:
+        worker.wait_for_log("Starting worker", timeout=60)
     with batch(on_complete=BatchDone, payload={"run": "chaos"}) as b:
         items = Step.enqueue_many(
             [{"key": f"i{k}", "seconds": 0.05, "fail": k % 10 == 3} for k in range(n)]
         )
     assert b.total == n
     ended = WorkItem.objects.filter(batch_id=b.id, status__in=FINAL)
-    for threshold in (25, 65, 105, 150):
+    kill, term = signal.SIGKILL, signal.SIGTERM
+    for threshold, signum in (
+        (20, kill),
+        (45, term),
+        (70, kill),
+        (100, term),
+        (130, kill),
+        (160, kill),
+    ):
         wait_until(lambda t=threshold: ended.count() >= t, timeout=60, what=f"{threshold} ended")
-        if threshold == 65:
+        if threshold == 45:
             # An operator cancels ten of the last items: pending ones end
             # cancelled, claimed ones are asked to stop (the handler ignores it).
             WorkItem.objects.filter(pk__in=[item.pk for item in items[-10:]]).cancel()
 
         def busy() -> WorkerProcess | None:
-            # A live worker that holds claimed rows of the batch: killing it
-            # leaves them to stale recovery.
+            # A live, started worker that holds claimed rows of the batch.
             for worker in workers:
                 if (
                     worker.proc.poll() is None
+                    and "Starting worker" in worker.log()
                     and WorkItem.objects.filter(
                         batch_id=b.id, status=Status.CLAIMED, claimed_by__contains=f":{worker.pid}:"
                     ).exists()
@@ -189,10 +202,10 @@ def test_a_batch_under_sigkill_chaos_enqueues_one_callback_with_the_right_counts
             return None
 
         victim = wait_until(busy, timeout=30, what="a worker holding claimed items")
-        victim.signal(signal.SIGKILL)
-        assert victim.wait() == -signal.SIGKILL
+        victim.signal(signum)
+        assert victim.wait() == (-kill if signum == kill else 0), victim.log()
         workers.remove(victim)
-        workers.append(start_worker(*HANDLERS, "--concurrency", "2", env=FAST_STALE))
+        workers.append(start_worker(*args, env=FAST_STALE))
     wait_until(lambda: _callback_ran(b.id), timeout=90, what="the batch's callback to run")
     for worker in workers:
         worker.wait_for_log("Starting worker", timeout=60)
