@@ -333,7 +333,9 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
 ) -> None:
     """``bad`` fails for good: ``c1`` (after it), ``c2`` (after c1), ``c3`` (after ``ok`` and
     ``bad``) and ``c4`` (after c2 and c3) end cancelled unrun; ``s`` (after ``ok``) runs.
-    All in one batch, whose callback counts them."""
+    An operator cancels ``w1`` while it waits for ``slow`` (which runs until the test
+    opens its gate): ``w2`` (after w1) is cancelled too, ``slow`` still succeeds. All in
+    one batch, whose callback counts them."""
     workers = _start(start_worker, 2, "--concurrency", "2")
     with batch(on_complete=BatchDone) as b:
         bad = Step.enqueue({"key": "bad", "seconds": 0.2, "fail": True})
@@ -343,17 +345,28 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
         c3 = Step.enqueue({"key": "c3"}, after=[ok, bad])
         c4 = Step.enqueue({"key": "c4"}, after=[c2, c3])
         s = Step.enqueue({"key": "s"}, after=[ok])
+        slow = Step.enqueue({"key": "slow", "gate": "slow"})
+        w1 = Step.enqueue({"key": "w1"}, after=[slow])
+        w2 = Step.enqueue({"key": "w2"}, after=[w1])
+    wait_until(
+        lambda: Execution.objects.filter(key="slow", kind="start").exists(),
+        timeout=WAIT,
+        what="slow to start",
+    )
+    assert WorkItem.objects.get(pk=w1.pk).cancel()
+    Execution.objects.create(key="slow", kind="open")  # slow may end now
     wait_until(lambda: _callback_ran(b.id), timeout=WAIT, what="the batch's callback to run")
     _stop(workers)
 
     rows = {row.pk: row for row in WorkItem.objects.filter(batch_id=b.id)}
     assert rows[bad.pk].status == Status.FAILED
-    assert rows[ok.pk].status == rows[s.pk].status == Status.SUCCEEDED
+    assert rows[ok.pk].status == rows[s.pk].status == rows[slow.pk].status == Status.SUCCEEDED
     blamed = {
         c1: [(bad, "failed")],
         c2: [(c1, "cancelled")],
         c3: [(bad, "failed")],
         c4: [(c2, "cancelled"), (c3, "cancelled")],
+        w2: [(w1, "cancelled")],
     }
     for child, parents in blamed.items():
         row = rows[child.pk]
@@ -368,12 +381,13 @@ def test_a_failed_parent_cancels_its_dependents_transitively_and_none_of_them_ru
             f"work item #{parent.pk}, which ended {state}" in row.last_error
             for parent, state in parents
         ), (child.payload, row.last_error)
-    assert not Execution.objects.filter(key__in=["c1", "c2", "c3", "c4"]).exists()
+    assert (rows[w1.pk].status, rows[w1.pk].attempts) == (Status.CANCELLED, 0)
+    assert not Execution.objects.filter(key__in=["c1", "c2", "c3", "c4", "w1", "w2"]).exists()
     _assert_one_transaction(bad, c1, c2, c3, c4)
     records = _records(["ok", "s"])
     _assert_runs_after(records, "s", ["ok"])
     counts = _assert_completed_once(b.id)
-    assert counts == {"succeeded": 2, "failed": 1, "cancelled": 4}
+    assert counts == {"succeeded": 3, "failed": 1, "cancelled": 6}
 
 
 def test_dependents_of_items_that_kill_their_workers_follow_the_recovered_outcome(
