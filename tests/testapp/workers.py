@@ -659,3 +659,30 @@ class BatchDone(WorkItemHandler):
     def handle(self, payload: Any) -> dict[str, Any]:
         _record({"key": f"batch:{payload['batch']}"}, "callback")
         return payload
+
+
+class Step(WorkItemHandler):
+    """Records its start and its end, sleeping ``seconds`` between; with ``fail`` in the
+    payload it then raises a ValueError, which it does not retry (fails for good). With
+    ``gate``, it waits (30 s at most) between the two for an Execution of that key and
+    kind "open", which the test writes.
+
+    The batch and ``after=`` process tests (tests/process/test_batches.py)
+    read the order of the runs from these records.
+    """
+
+    name = "step"
+    max_attempts = 5
+    retry_on = (ConnectionError,)
+
+    def handle(self, payload: Any) -> None:
+        _record(payload, "start")
+        time.sleep(float(payload.get("seconds", 0)))
+        if payload.get("gate"):
+            deadline = time.monotonic() + 30
+            gate = Execution.objects.filter(key=payload["gate"], kind="open")
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        _record(payload, "end")
+        if payload.get("fail"):
+            raise ValueError(f"step {payload['key']} fails for good")
