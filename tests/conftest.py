@@ -57,6 +57,21 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
     return int(n)
 
 
+@pytest.fixture
+def slow_retries() -> Iterator[None]:
+    """Retries due 30-60 s after a failure, for in-process tests that run one attempt,
+    look at the retry, then make it due (``factories.make_due``). With the suite's
+    25-50 ms backoff, a loaded machine could let ``run_until_empty`` claim the retry
+    again before it stops."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    with override_settings(
+        DBWORKER={**settings.DBWORKER, "RETRY_BACKOFF": 60.0, "RETRY_BACKOFF_MAX": 120.0}
+    ):
+        yield
+
+
 def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 

@@ -604,6 +604,7 @@ def test_a_task_cancelled_by_its_attempt_shows_that_attempts_error_once() -> Non
     assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_a_task_cancelled_while_pending_after_a_failed_attempt_gets_the_marker() -> None:
     """The failed attempt's error, then the marker of the cancel (no attempt of its own)."""
     result = cs_fails_once.enqueue("retried")

@@ -38,6 +38,7 @@ def test_success_records_the_return_value() -> None:
     assert row.attempts == 1 and row.finished_at is not None
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_failures_retry_with_backoff_until_success() -> None:
     item = Flaky.enqueue({"key": "f", "fail_times": 2})
     assert run_until_empty() == {"retried": 1}
@@ -54,6 +55,7 @@ def test_failures_retry_with_backoff_until_success() -> None:
     assert (row.status, row.attempts, row.result) == (Status.SUCCEEDED, 3, 3)
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_attempts_used_up_end_failed() -> None:
     item = AlwaysFail.enqueue({"key": "a"})
     run_until_empty()

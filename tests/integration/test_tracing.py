@@ -78,6 +78,7 @@ def test_one_trace_from_request_to_job(exporter: Any, client: Client) -> None:
     assert row.trace_context["traceparent"].split("-")[1] == f"{trace_id:032x}"
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_retries_are_separate_spans_of_one_trace_with_errors(exporter: Any) -> None:
     memory, _ = exporter
     Flaky.enqueue({"key": "t", "fail_times": 1})
