@@ -445,6 +445,10 @@ class ClaimLoop:
         while not control.stopping.is_set():
             self.cycled_at = clock.now()
             control.wake.clear()
+            # Burst mode stops only after a claim that began with nothing in flight:
+            # an attempt's ending can enqueue work (a batch's callback, released
+            # dependents) in the same commit, which a claim begun before it misses.
+            settled = not self.ledger
             try:
                 claimed = self.run_once()
             except Exception as exc:
@@ -477,6 +481,7 @@ class ClaimLoop:
             if (
                 self.config.burst
                 and not claimed
+                and settled
                 and not self.ledger
                 and not self._window_soon()
                 and not self._keys_busy()
