@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connection, connections, transaction
+from django.db import connections, transaction
 
-from tests.conftest import wait_until
+from tests.conftest import lock_waiters, wait_until
 
 TIMEOUT = 30.0
 
@@ -90,22 +90,6 @@ class Racer(_Step):
             self.error = exc
         finally:
             connections.close_all()
-
-
-def lock_waiters() -> int:
-    """Transactions of this database server waiting for a row lock right now."""
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-        else:
-            cursor.execute(
-                "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
-            )
-        (n,) = cursor.fetchone()
-    return int(n)
 
 
 def wait_for_lock_waiters(n: int = 1, racer: _Step | None = None) -> None:
