@@ -150,7 +150,8 @@ class PostgresOperations(VendorOperations):
         default say: an ending's reads after its lock must see what the lock's previous
         holder committed. Inside a caller's transaction, the caller's level stays."""
         connection = self.connection
-        if connection.in_atomic_block:
+        if connection.in_atomic_block or not connection.get_autocommit():
+            # Inside a caller's transaction (or AUTOCOMMIT off: always inside one).
             return transaction.atomic(using=self.using)
         return self._read_committed_transaction()
 

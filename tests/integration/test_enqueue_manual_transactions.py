@@ -104,3 +104,20 @@ def test_a_failed_batch_in_a_manual_transaction_leaves_no_rows_to_commit(
             cursor.execute("DROP TRIGGER IF EXISTS dbworker_test_refuse_payload")
         transaction.commit()
     assert list(WorkItem.objects.values_list("payload__n", flat=True)) == ["mine"]
+
+
+def test_a_batch_and_its_endings_in_a_manual_transaction(manual_transaction: None) -> None:
+    """``batch()``, ``after=`` and an operator's cancel with autocommit off: the endings'
+    READ COMMITTED transaction (PostgreSQL: set on psycopg's BEGIN) cannot be set
+    while the caller's is open; they run in the caller's, as a savepoint."""
+    from django_dbworker import batch
+    from tests.testapp.workers import BatchDone, Noop
+
+    with batch(on_complete=BatchDone) as b:
+        item = Noop.enqueue({})
+    child = Noop.enqueue({}, after=[item])
+    item.cancel()
+    transaction.commit()
+    child.refresh_from_db()
+    assert child.status == "cancelled"
+    assert WorkItem.objects.filter(handler="batch_done", payload__batch=b.id).count() == 1
