@@ -1,0 +1,234 @@
+"""Second attack on batches and ``after=`` dependencies (issue 22): each test proves a bug.
+
+Every test here FAILS against the fixes of the first attack round (branch
+h-attack2 at bd9bd75) on the databases its docstring names (the others run
+it as a regression test); its docstring says the scenario, what SPEC
+"Batches and dependencies" and docs/topics/batches.md require, the cause and
+a suggested fix. Real databases only; interleavings are forced with threads
+that own their connections (``interleave.py``), or, where no lock can hold
+one statement back, with Django's ``connection.execute_wrapper`` running
+the other side to its commit just before the statement it must precede.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.db.models.functions import Now
+
+from django_dbworker import batch, completion, transitions
+from django_dbworker.models import Dependency, Status, WorkItem
+from django_dbworker.pruning import prune
+from tests.factories import claim
+from tests.integration.interleave import TIMEOUT, Racer
+from tests.integration.test_batches_races import callbacks, succeed
+from tests.testapp.workers import BatchDone, Noop, Record
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _before_first_write(run: Callable[[], None]) -> Any:
+    """An ``execute_wrapper`` for this thread's connection that calls ``run`` once, just
+    before the first statement that is not a SELECT (a write, or SQLite's BEGIN)."""
+    done: list[bool] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not done and not sql.lstrip().upper().startswith("SELECT"):
+            done.append(True)
+            run()
+        return execute(sql, params, many, context)
+
+    return connection.execute_wrapper(wrapper)
+
+
+def _in_other_thread(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` run to its end (its own connection, its own commits) in another thread."""
+
+    def run() -> None:
+        Racer(fn).outcome()
+
+    return run
+
+
+# -- pruning deletes the links of rows it did not delete --------------------------
+
+
+def test_pruning_racing_a_retry_keeps_the_retried_childs_link_to_its_parent() -> None:
+    """A chain a -> b: a failed, so b was cancelled without running. Retention prunes
+    failed and cancelled rows while an operator retries both (the guide: "retry the
+    parent and its children in one action").
+
+    pruning.py ``prune`` reads a batch of ids, then deletes the rows still
+    finished (``status__in=allowed``: the retried a and b are pending now and
+    stay) and, in the same transaction, the ``Dependency`` rows of *every id
+    it read* (``Q(child_id__in=ids) | Q(parent_id__in=ids)``), including the
+    rows it did not delete. The retried b is left ``waiting`` with no link:
+    the next sweep (every worker's stale-recovery pass) finds a waiting row
+    without an unfinished parent and releases it, and the next claim runs b
+    while a has not run at all. (Were a to fail again, b would not be
+    cancelled either: a's ending finds no link.) SPEC: b "is not claimed
+    until every listed item has succeeded"; Dependency's docstring: "Pruning
+    deletes the links of the rows it deletes". Expected: b's link stays, b
+    keeps waiting, and only a is claimed. Fix: delete the links of the ids
+    actually deleted: read them back after the DELETE (``ids`` minus those
+    still present), or delete the links first with the same status
+    condition (``Dependency.filter(Q(child__in=deletable) |
+    Q(parent__in=deletable))`` where ``deletable`` is the item subquery of
+    the DELETE), in the transaction, with the item rows locked first.
+    """
+    a = Record.enqueue({"key": "a"})
+    b = Record.enqueue({"key": "b"}, after=[a])
+    (running,) = claim(limit=1, handlers=["record"])
+    assert running.pk == a.pk
+    assert transitions.fail(running, error="boom")
+    assert WorkItem.objects.get(pk=b.pk).status == Status.CANCELLED
+    WorkItem.objects.filter(pk__in=[a.pk, b.pk]).update(finished_at=Now() - timedelta(days=30))
+
+    def operator_retries() -> None:
+        assert WorkItem.objects.filter(pk__in=[a.pk, b.pk]).retry() == 2
+
+    with _before_first_write(_in_other_thread(operator_retries)):
+        deleted = prune(older_than=timedelta(days=7), statuses=[Status.FAILED, Status.CANCELLED])
+    assert deleted == 0, "the retried rows are pending: nothing of theirs is deleted"
+    row = WorkItem.objects.get(pk=b.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, True)
+    assert Dependency.objects.filter(child_id=b.pk, parent_id=a.pk).exists(), (
+        "prune deleted the link of a row it did not delete"
+    )
+    completion.sweep("default")  # a worker's stale-recovery pass
+    claimed = {item.pk for item in claim(handlers=["record"])}
+    assert claimed == {a.pk}, f"b (#{b.pk}) was claimed while its parent a (#{a.pk}) is pending"
+
+
+# -- PostgreSQL: the isolation level rides on psycopg's BEGIN -----------------------
+
+
+@pytest.fixture
+def manual_transaction() -> Iterator[None]:
+    """Autocommit off, as ``AUTOCOMMIT: False`` in DATABASES leaves every connection
+    (supported: tests/integration/test_enqueue_manual_transactions.py)."""
+    transaction.set_autocommit(False)
+    try:
+        yield
+    finally:
+        transaction.rollback()
+        connection.needs_rollback = False
+        transaction.set_autocommit(True)
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_an_operator_cancel_in_a_manual_transaction_cancels_and_returns(
+    manual_transaction: None, read_first: bool
+) -> None:
+    """PostgreSQL, Django's manual transaction mode (``AUTOCOMMIT: False``): a script
+    cancels the last pending item of a batch, then commits.
+
+    ``WorkItem.cancel`` runs in ``ending_transaction``; ``in_atomic_block``
+    is False in manual mode although a transaction is (or is about to be)
+    open, so postgresql.py ``_read_committed_transaction`` assigns
+    ``raw.isolation_level``, which psycopg refuses inside a transaction:
+    with a statement run before (``read_first``) the cancel raises
+    ``ProgrammingError: can't change 'isolation_level' now: connection in
+    transaction status INTRANS`` before doing anything; without one, the
+    cancel's savepoint opens the transaction and the *restore* in the
+    ``finally`` raises it, after the cancel and the batch's completion were
+    written (the caller gets an exception for work that was done). Enqueue
+    works in manual mode (test_enqueue_manual_transactions.py), and so did
+    ``cancel`` before ``ending_transaction`` set the level. Expected: the
+    cancel returns True and commits with the caller's ``commit()``, the
+    callback with it. Fix: take the psycopg path only when the connection
+    is in autocommit mode (``connection.get_autocommit()``) and idle; in a
+    caller's (manual or atomic) transaction keep its level, as for
+    ``in_atomic_block``.
+    """
+    with batch(on_complete=BatchDone) as b:
+        last = Noop.enqueue({})
+    transaction.commit()
+    item = WorkItem.objects.get(pk=last.pk) if read_first else last
+    assert item.cancel()
+    transaction.commit()
+    assert WorkItem.objects.get(pk=last.pk).status == Status.CANCELLED
+    assert len(callbacks(b.id)) == 1
+
+
+def test_an_operator_retry_in_a_manual_transaction_returns(manual_transaction: None) -> None:
+    """PostgreSQL, manual transaction mode: ``QuerySet.retry`` of a failed parent and
+    its cancelled child (the guide's "retry the parent and its children in one
+    action"). As above: the retry runs in ``ending_transaction`` (``_Endings``
+    port), whose restore of psycopg's ``isolation_level`` raises
+    ``ProgrammingError`` inside the open transaction. Expected: 2 rows retried,
+    the child waiting for its parent again. Same fix.
+    """
+    a = Record.enqueue({"key": "a"})
+    b = Record.enqueue({"key": "b"}, after=[a])
+    transaction.commit()
+    (running,) = claim(limit=1, handlers=["record"])
+    transaction.commit()
+    assert transitions.fail(running, error="boom")
+    transaction.commit()
+    assert WorkItem.objects.filter(pk__in=[a.pk, b.pk]).retry() == 2
+    transaction.commit()
+    row = WorkItem.objects.get(pk=b.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, True)
+
+
+# -- PostgreSQL REPEATABLE READ: the quick path's share lock ------------------------
+
+
+def _repeatable_read() -> None:
+    """The session a project with ``OPTIONS["isolation_level"] = REPEATABLE READ`` gets."""
+    import psycopg
+
+    connection.ensure_connection()
+    connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+
+
+@pytest.mark.postgres_only
+def test_an_atomic_handler_at_repeatable_read_succeeds_while_its_batch_runs() -> None:
+    """PostgreSQL, a project at REPEATABLE READ (supported: the guide's "What it costs",
+    "at a stricter level its batch and dependents are settled once more right after it
+    commits"): an ``atomic = True`` handler runs item x of a batch; while it runs,
+    another worker claims the batch's other item p.
+
+    The handler's transaction took its snapshot with its first read (p still
+    pending). Its success write is nested in it (``succeed``: ``nested``) and
+    takes the quick path (``complete_batches(quick=True)``): db/batch_probe.py
+    ``SELECT ... WHERE status = 'pending' LIMIT 1 FOR SHARE SKIP LOCKED``
+    finds p pending in that snapshot and tries to lock it; p was updated by a
+    transaction that committed after the snapshot, and at REPEATABLE READ
+    PostgreSQL answers a locking read of such a row with ``could not
+    serialize access due to concurrent update`` (SKIP LOCKED skips only rows
+    locked right now). The whole handler transaction rolls back: the
+    handler's own writes and the success are lost, and the attempt is
+    recorded as a failure. Any busy batch (items claimed while another runs)
+    makes every atomic handler of it fail so. Expected: the success is
+    written (x ``succeeded``), the batch stays open (p is running). Fix: no
+    quick path in a caller's transaction (``nested``: pass ``quick=False``,
+    the batch row's lock does not conflict), or catch the serialization
+    failure of the probe in a savepoint and fall back to the lock.
+    """
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue_many([{}, {}])
+    (x,) = claim(limit=1, handlers=["noop"])
+    ready, go = threading.Event(), threading.Event()
+
+    def atomic_handler_run() -> set[Any]:
+        with transaction.atomic():
+            WorkItem.objects.filter(pk=x.pk).exists()  # the handler reads something
+            ready.set()
+            assert go.wait(TIMEOUT)
+            return succeed(x)
+
+    handler = Racer(atomic_handler_run, session=_repeatable_read)
+    assert ready.wait(TIMEOUT)
+    (p,) = claim(limit=1, handlers=["noop"])  # another worker, committed
+    assert p.pk != x.pk
+    go.set()
+    assert handler.outcome() == {(x.pk, x.claim_token)}
+    assert WorkItem.objects.get(pk=x.pk).status == Status.SUCCEEDED
+    assert not callbacks(b.id)
