@@ -25,7 +25,7 @@ from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
 from tests.factories import claim
-from tests.integration.interleave import TIMEOUT, Racer
+from tests.integration.interleave import TIMEOUT, Racer, wait_for_lock_waiters
 from tests.integration.test_batches_races import callbacks, succeed
 from tests.testapp.workers import BatchDone, Noop, Record
 
@@ -232,3 +232,74 @@ def test_an_atomic_handler_at_repeatable_read_succeeds_while_its_batch_runs() ->
     assert handler.outcome() == {(x.pk, x.claim_token)}
     assert WorkItem.objects.get(pk=x.pk).status == Status.SUCCEEDED
     assert not callbacks(b.id)
+
+
+# -- QuerySet.cancel: the batch row's lock, then the claimed rows' -----------------
+
+
+def _paused_before(marker: str, paused: threading.Event, go: threading.Event) -> Any:
+    """An ``execute_wrapper`` for this thread's connection that waits for ``go`` before the
+    first statement containing ``marker`` (after setting ``paused``)."""
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if marker in sql and not paused.is_set():
+            paused.set()
+            assert go.wait(TIMEOUT)
+        return execute(sql, params, many, context)
+
+    return connection.execute_wrapper(wrapper)
+
+
+@pytest.mark.server_db
+def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_deadlock() -> None:
+    """PostgreSQL and MariaDB: an operator cancels a whole batch
+    (``WorkItem.objects.filter(batch=b).cancel()``: its pending items end, its claimed
+    ones are asked to stop) while a worker writes the success of one of its claimed
+    items.
+
+    ``QuerySet.cancel`` is one transaction: ``cancel_pending`` cancels the
+    pending item p and settles the batch (``complete_batches``: the batch
+    row's lock), then ``request_cancel`` updates the claimed rows, and waits
+    for the row s whose success the worker has written and not committed.
+    The worker's ending, after its write, probes for a pending item (p is
+    locked by the cancel: skipped) and takes the batch row's lock, held by
+    the cancel: the cancel holds the batch row and waits for s, the worker
+    holds s and waits for the batch row. A deadlock, resolved by aborting
+    one of them (``deadlock detected`` / ``Deadlock found when trying to get
+    lock``): the operator's cancel or the worker's success write fails. The
+    same cycle with any ending of a claimed item (a failure, a stale
+    recovery), not only the quick path. SPEC: an operator's cancel is one of
+    the endings, and the worker's success "the transaction that records the
+    last ending". Expected: both commit, p ``cancelled``, s ``succeeded``,
+    one callback. Fix: in ``cancel()``, take the claimed rows'
+    locks (``request_cancel``) before ``cancel_pending``'s settle, i.e.
+    settle once at the very end of ``cancel()`` (item locks first, batch
+    locks last, as every ending takes them); or have ``cancel_pending`` not
+    settle when called from ``cancel()`` and settle after ``request_cancel``.
+    """
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue_many([{}, {}])
+    (s,) = claim(limit=1, handlers=["noop"])
+    probe = "SKIP LOCKED"  # db/batch_probe.py's statement: after the success write
+    paused, go = threading.Event(), threading.Event()
+
+    def worker_success() -> set[Any]:
+        with _paused_before(probe, paused, go):
+            return succeed(s)
+
+    worker = Racer(worker_success)
+    assert paused.wait(TIMEOUT)
+    operator = Racer(lambda: WorkItem.objects.filter(batch_id=b.id).cancel())
+    wait_for_lock_waiters(1, operator)  # the cancel waits for s
+    go.set()
+    errors = []
+    for step in (worker, operator):
+        try:
+            step.outcome()
+        except Exception as exc:  # both must commit
+            errors.append(exc)
+    assert not errors, errors
+    statuses = dict(WorkItem.objects.filter(batch_id=b.id).values_list("pk", "status"))
+    assert statuses[s.pk] == Status.SUCCEEDED
+    assert sorted(statuses.values()) == [Status.CANCELLED, Status.SUCCEEDED]
+    assert len(callbacks(b.id)) == 1
