@@ -303,3 +303,53 @@ def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_de
     assert statuses[s.pk] == Status.SUCCEEDED
     assert sorted(statuses.values()) == [Status.CANCELLED, Status.SUCCEEDED]
     assert len(callbacks(b.id)) == 1
+
+
+@pytest.mark.postgres_only
+def test_a_transaction_opened_on_commit_of_an_ending_runs_at_the_projects_level() -> None:
+    """PostgreSQL, a project at SERIALIZABLE (``OPTIONS["isolation_level"]``): an
+    operator cancels the last item of a batch; a ``post_save`` receiver of the callback's
+    row (an audit trail) registers ``transaction.on_commit`` work that opens a
+    transaction of its own.
+
+    postgresql.py ``_read_committed_transaction`` sets psycopg's
+    ``isolation_level`` to READ COMMITTED and restores it in a ``finally``
+    *after* ``transaction.atomic`` exits; but Django runs the on_commit
+    callbacks inside that exit (``set_autocommit(True)``), so every
+    transaction they open begins at READ COMMITTED: the project's
+    SERIALIZABLE leaks away from code that is not the library's. (The guide:
+    the endings' transactions "run at READ COMMITTED whatever the project
+    configures", only they.) Expected: the receiver's transaction runs at
+    ``serializable``. Fix: restore the level before the commit hooks run,
+    e.g. open the transaction with an explicit ``SET TRANSACTION ISOLATION
+    LEVEL READ COMMITTED`` as its first statement (inside the atomic block:
+    it lasts for that transaction only) instead of the connection
+    attribute, or register the restore as the block's first on_commit
+    callback (Django runs them in order) besides the ``finally``.
+    """
+    import psycopg
+    from django.db.models.signals import post_save
+
+    connection.ensure_connection()
+    connection.connection.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    with batch(on_complete=BatchDone) as b:
+        last = Noop.enqueue({})
+    seen: list[str] = []
+
+    def audit() -> None:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            seen.append(cursor.fetchone()[0])
+
+    def receiver(sender: Any, instance: WorkItem, created: bool, **kwargs: Any) -> None:
+        if created and instance.handler == BatchDone.name:
+            transaction.on_commit(audit)
+
+    post_save.connect(receiver, sender=WorkItem)
+    try:
+        assert last.cancel()
+    finally:
+        post_save.disconnect(receiver, sender=WorkItem)
+        connection.close()  # the next test's connection gets the default level again
+    assert len(callbacks(b.id)) == 1
+    assert seen == ["serializable"]
