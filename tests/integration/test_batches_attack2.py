@@ -25,7 +25,7 @@ from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
 from tests.factories import claim
-from tests.integration.interleave import TIMEOUT, Racer, wait_for_lock_waiters
+from tests.integration.interleave import TIMEOUT, Racer
 from tests.integration.test_batches_races import callbacks, succeed
 from tests.testapp.workers import BatchDone, Noop, Record
 
@@ -250,6 +250,18 @@ def _paused_before(marker: str, paused: threading.Event, go: threading.Event) ->
     return connection.execute_wrapper(wrapper)
 
 
+def _signal_before(marker: str, reached: threading.Event) -> Any:
+    """An ``execute_wrapper`` for this thread's connection that sets ``reached`` just
+    before the first statement containing ``marker`` (and lets it run)."""
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if marker in sql:
+            reached.set()
+        return execute(sql, params, many, context)
+
+    return connection.execute_wrapper(wrapper)
+
+
 @pytest.mark.server_db
 def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_deadlock() -> None:
     """PostgreSQL and MariaDB: an operator cancels a whole batch
@@ -289,15 +301,23 @@ def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_de
 
     worker = Racer(worker_success)
     assert paused.wait(TIMEOUT)
-    operator = Racer(lambda: WorkItem.objects.filter(batch_id=b.id).cancel())
-    wait_for_lock_waiters(1, operator)  # the cancel waits for s
+    reached = threading.Event()
+
+    def operator_cancel() -> int:
+        # Signalled once the batch row is locked (cancel_pending settled): the
+        # claimed rows' read, then their locks and the request's UPDATE.
+        with _signal_before("cancel_requested_at", reached):
+            return WorkItem.objects.filter(batch_id=b.id).cancel()
+
+    operator = Racer(operator_cancel)
+    assert reached.wait(TIMEOUT)
     go.set()
     errors = []
-    for step in (worker, operator):
+    for name, step in (("worker", worker), ("operator", operator)):
         try:
             step.outcome()
         except Exception as exc:  # both must commit
-            errors.append(exc)
+            errors.append((name, exc))
     assert not errors, errors
     statuses = dict(WorkItem.objects.filter(batch_id=b.id).values_list("pk", "status"))
     assert statuses[s.pk] == Status.SUCCEEDED
@@ -353,3 +373,63 @@ def test_a_transaction_opened_on_commit_of_an_ending_runs_at_the_projects_level(
         connection.close()  # the next test's connection gets the default level again
     assert len(callbacks(b.id)) == 1
     assert seen == ["serializable"]
+
+
+# -- retry: the retried rows' locks, then their parents' ----------------------------
+
+
+@pytest.mark.server_db
+def test_retrying_a_child_while_its_parent_succeeds_does_not_deadlock() -> None:
+    """MariaDB: an operator cancelled the waiting child c of a running parent a, then
+    retries c (the guide: "A retried child waits again for those of its parents that
+    are pending or running") at the moment a's success is written.
+
+    The retry (models.py ``retry``) updates c first, then
+    ``dependencies.wait_again`` locks c's parents (``select_for_update`` of
+    a). a's ending locks a (its success write) and then its waiting children
+    (completion.py ``_resolve``: ``SELECT ... FOR UPDATE`` of c). On InnoDB a
+    locking read waits for a row another transaction wrote, whatever its
+    WHERE says: the retry holds c and waits for a, the ending holds a and
+    waits for c, a deadlock; one of them is rolled back (``Deadlock found
+    when trying to get lock``). PostgreSQL evaluates the ``status =
+    'pending'`` of the locking read on the old version of c (cancelled) and
+    does not wait: it passes there. Expected: both commit, a ``succeeded``,
+    c due (not waiting). Fix: lock in one order everywhere, parents before
+    children: in ``retry``, lock the retried rows' parents (read the links
+    first) before the UPDATE of the retried rows; or take the retried rows
+    with ``locked_in_id_order`` together with their parents (parents have
+    lower ids than their children).
+    """
+    a = Record.enqueue({"key": "a"})
+    c = Record.enqueue({"key": "c"}, after=[a])
+    (running,) = claim(limit=1, handlers=["record"])
+    assert running.pk == a.pk
+    assert WorkItem.objects.get(pk=c.pk).cancel()
+    paused, go = threading.Event(), threading.Event()
+
+    def parent_success() -> set[Any]:
+        with _paused_before("django_dbworker_dependency", paused, go):
+            return succeed(running)
+
+    ending = Racer(parent_success)
+    assert paused.wait(TIMEOUT)
+    reached = threading.Event()
+
+    def operator_retry() -> int:
+        # Signalled once c is updated: wait_again's lock of the parents comes next.
+        with _signal_before("FOR UPDATE", reached):
+            return WorkItem.objects.filter(pk=c.pk).retry()
+
+    operator = Racer(operator_retry)
+    assert reached.wait(TIMEOUT)
+    go.set()
+    errors = []
+    for name, step in (("ending", ending), ("operator", operator)):
+        try:
+            step.outcome()
+        except Exception as exc:  # both must commit
+            errors.append((name, exc))
+    assert not errors, errors
+    assert WorkItem.objects.get(pk=a.pk).status == Status.SUCCEEDED
+    row = WorkItem.objects.get(pk=c.pk)
+    assert (row.status, row.waiting) == (Status.PENDING, False)
