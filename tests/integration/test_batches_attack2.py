@@ -25,7 +25,7 @@ from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
 from tests.factories import claim
-from tests.integration.interleave import TIMEOUT, Racer
+from tests.integration.interleave import TIMEOUT, Racer, wait_for_lock_waiters
 from tests.integration.test_batches_races import callbacks, succeed
 from tests.testapp.workers import BatchDone, Noop, Record
 
@@ -433,3 +433,69 @@ def test_retrying_a_child_while_its_parent_succeeds_does_not_deadlock() -> None:
     assert WorkItem.objects.get(pk=a.pk).status == Status.SUCCEEDED
     row = WorkItem.objects.get(pk=c.pk)
     assert (row.status, row.waiting) == (Status.PENDING, False)
+
+
+# -- cancel_pending: the cancelled rows' locks, then their children's ----------------
+
+
+@pytest.mark.server_db
+def test_cancelling_a_parent_and_a_waiting_child_while_another_parent_succeeds() -> None:
+    """PostgreSQL and MariaDB. Two parents a (running) and p (pending); x waits for both
+    (a fan-in), w waits for a. The operator cancels p and w (the admin's Cancel on two
+    selected rows: ``cancel_pending``) while a's success is written.
+
+    The cancel updates p and w (their locks first), then settles: p's
+    dependents, i.e. locks x (completion.py ``_resolve``). a's ending locks
+    a, then its waiting children in id order: x, then w, which the cancel
+    holds. The ending holds x and waits for w; the cancel holds w and waits
+    for x: a deadlock, and one of the two is rolled back (the operator's
+    action errors, or the worker's success write is thrown away). The root
+    is the lock order: endings lock a parent, then its children ascending,
+    level by level; an operator's cancel locks any pending rows, waiting
+    children among them, before their dependents. Expected: both commit; x
+    cancelled (its parent p was), w cancelled (by the operator), a
+    succeeded. Fix: in ``cancel_pending``, lock the waiting rows of the
+    selection (and the dependents it will settle) in one ascending order
+    with the others before updating; or cancel the waiting rows of the
+    selection through ``_resolve``'s order (settle the non-waiting rows
+    first, then cancel the waiting ones that are still pending).
+    """
+    a = Record.enqueue({"key": "a"})
+    p = Record.enqueue({"key": "p"})
+    x = Record.enqueue({"key": "x"}, after=[a, p])
+    w = Record.enqueue({"key": "w"}, after=[a])
+    assert a.pk < p.pk < x.pk < w.pk
+    (running,) = claim(limit=1, handlers=["record"])
+    assert running.pk == a.pk
+    paused, go = threading.Event(), threading.Event()
+
+    def operator_cancel() -> int:
+        with _paused_before("django_dbworker_dependency", paused, go):
+            return WorkItem.objects.filter(pk__in=[p.pk, w.pk]).cancel_pending()
+
+    operator = Racer(operator_cancel)
+    assert paused.wait(TIMEOUT)  # p and w are updated, not committed
+    reached = threading.Event()
+
+    def parent_success() -> set[Any]:
+        with _signal_before("FOR UPDATE", reached):
+            return succeed(running)
+
+    ending = Racer(parent_success)
+    assert reached.wait(TIMEOUT)
+    wait_for_lock_waiters(1, ending)  # the ending holds x, waits for w
+    go.set()
+    errors = []
+    for name, step in (("ending", ending), ("operator", operator)):
+        try:
+            step.outcome()
+        except Exception as exc:  # both must commit
+            errors.append((name, exc))
+    assert not errors, errors
+    statuses = dict(WorkItem.objects.values_list("pk", "status"))
+    assert statuses == {
+        a.pk: Status.SUCCEEDED,
+        p.pk: Status.CANCELLED,
+        x.pk: Status.CANCELLED,
+        w.pk: Status.CANCELLED,
+    }
