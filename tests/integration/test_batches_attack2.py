@@ -499,3 +499,38 @@ def test_cancelling_a_parent_and_a_waiting_child_while_another_parent_succeeds()
         x.pk: Status.CANCELLED,
         w.pk: Status.CANCELLED,
     }
+
+
+# -- cancel_pending: big selections ----------------------------------------------
+
+
+@pytest.mark.sqlite_only
+def test_cancelling_a_big_batch_on_a_standard_sqlite_build() -> None:
+    """SQLite as most builds ship it (``SQLITE_MAX_VARIABLE_NUMBER`` 32,766, the default
+    since 3.32; Debian raises it to 250,000, so the test sets the default on its
+    connection): an operator cancels the pending items of a batch of 33,000 rows
+    (the issue's "run these 10,000 rows" times a few), e.g. ``Batch``'s items.
+
+    models.py ``cancel_pending`` reads the ids and updates them in chunks of
+    1,000, but hands every cancelled row of the selection to
+    ``_endings.settle`` at once: completion.py ``settle_rows`` filters
+    ``pk__in`` all 33,000 ids in one statement, which SQLite refuses (``too
+    many SQL variables``), and the whole cancel rolls back. Expected: the
+    33,000 rows are cancelled and the batch completes, one callback. Fix:
+    chunk ``settle_rows``' read (and ``_follow``'s ``parent_id__in``) as
+    the UPDATE is chunked, or collect the linked rows per chunk with a
+    subquery instead of an id list; the same limit is 65,535 parameters on
+    PostgreSQL with ``OPTIONS["server_side_binding"]``.
+    """
+    import sqlite3
+
+    n = 33_000
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue_many([{}] * n)
+    connection.ensure_connection()
+    connection.connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766)
+    try:
+        assert WorkItem.objects.filter(batch_id=b.id).cancel() == n
+    finally:
+        connection.close()
+    assert len(callbacks(b.id)) == 1
