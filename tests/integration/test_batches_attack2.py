@@ -534,3 +534,40 @@ def test_cancelling_a_big_batch_on_a_standard_sqlite_build() -> None:
     finally:
         connection.close()
     assert len(callbacks(b.id)) == 1
+
+
+# -- after= with a unique_key ------------------------------------------------------
+
+
+def test_an_after_enqueue_that_finds_a_live_unique_key_does_not_hand_back_a_due_row() -> None:
+    """``Record.enqueue(payload, unique_key="k", after=[t])`` while a row with key "k" is
+    live and due (enqueued earlier without parents).
+
+    enqueuing.py ``_save_after`` locks and checks the parents, then ``_save``
+    meets the live key and returns that row (``added`` False): the caller
+    asked for an item that runs only after t succeeded and got one that is
+    claimed at once, before t has run; no link is written (t is marked
+    ``has_dependents`` for nothing). The same reason made unique_key an
+    ``EnqueueError`` inside a batch (the guide: "Such an enqueue may return
+    the key's live row, which is not the batch's"). SPEC: "after=: the item
+    is not claimed until every listed item has succeeded". Expected: an
+    ``EnqueueError`` ("unique_key cannot be combined with after=") before
+    anything is written, as for ``run_after``; or the guide says that the
+    returned row keeps its own parents. Fix: refuse the combination in
+    ``insert_one`` beside the ``run_after`` check (or make the returned
+    row wait too, which changes another caller's row: refusing is simpler).
+    """
+    from django_dbworker import EnqueueError
+
+    t = Record.enqueue({"key": "t"})
+    live = Record.enqueue({"key": "report"}, unique_key="k")
+    try:
+        item = Record.enqueue({"key": "report"}, unique_key="k", after=[t])
+    except EnqueueError:
+        assert list(WorkItem.objects.values_list("pk", flat=True)) == [t.pk, live.pk]
+        return
+    claimed = {row.pk for row in claim(handlers=["record"])}
+    assert item.pk not in claimed, (
+        f"enqueue(after=[#{t.pk}]) returned #{item.pk} (the live key's row, #{live.pk}), "
+        f"claimed beside its parent #{t.pk}: {sorted(claimed)}"
+    )
