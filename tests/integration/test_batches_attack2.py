@@ -571,3 +571,34 @@ def test_an_after_enqueue_that_finds_a_live_unique_key_does_not_hand_back_a_due_
         f"enqueue(after=[#{t.pk}]) returned #{item.pk} (the live key's row, #{live.pk}), "
         f"claimed beside its parent #{t.pk}: {sorted(claimed)}"
     )
+
+
+@pytest.mark.mysql_only
+def test_an_operator_cancel_in_a_manual_transaction_at_repeatable_read_returns() -> None:
+    """MariaDB, a project at REPEATABLE READ (``OPTIONS["isolation_level"]``), in manual
+    transaction mode: a script reads a row, cancels it, commits.
+
+    mysql.py ``_read_committed`` (the ending's transaction, through the
+    ``_Endings`` port) sees ``in_atomic_block`` False and sends ``SET
+    TRANSACTION ISOLATION LEVEL READ COMMITTED`` inside the caller's open
+    transaction: MariaDB refuses it (error 1568, "Transaction
+    characteristics can't be changed while a transaction is in progress").
+    Expected: the cancel works in the caller's transaction, at its level,
+    as inside ``atomic()``. Fix: treat ``not connection.get_autocommit()``
+    like ``in_atomic_block`` there (and in postgresql.py).
+    """
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    connection.isolation_level = "repeatable read"  # what Django records at connect
+    with batch(on_complete=BatchDone) as b:
+        last = Noop.enqueue({})
+    transaction.set_autocommit(False)
+    try:
+        assert WorkItem.objects.get(pk=last.pk).cancel()
+        transaction.commit()
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+        connection.close()
+    assert WorkItem.objects.get(pk=last.pk).status == Status.CANCELLED
+    assert len(callbacks(b.id)) == 1
