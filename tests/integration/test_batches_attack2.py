@@ -602,3 +602,62 @@ def test_an_operator_cancel_in_a_manual_transaction_at_repeatable_read_returns()
         connection.close()
     assert WorkItem.objects.get(pk=last.pk).status == Status.CANCELLED
     assert len(callbacks(b.id)) == 1
+
+
+# -- an operator's verb inside a caller's stricter transaction -----------------------
+
+
+def _session_at_repeatable_read() -> None:
+    """The session of a project with ``OPTIONS["isolation_level"]`` REPEATABLE READ."""
+    connection.ensure_connection()
+    if connection.vendor == "postgresql":
+        _repeatable_read()
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        connection.isolation_level = "repeatable read"  # what Django records at connect
+
+
+@pytest.mark.server_db
+def test_a_cancel_in_a_request_transaction_at_repeatable_read_completes_the_batch() -> None:
+    """PostgreSQL and MariaDB, a project at REPEATABLE READ with ``ATOMIC_REQUESTS`` (the
+    admin's actions then run in the request's transaction): the admin cancels the last
+    pending item p of a batch; the request read something first (the session, the
+    changelist), and meanwhile a worker committed the success of the batch's other
+    item a.
+
+    The worker's ending probed p (pending, not locked) and skipped the batch
+    row: p's ending must see a. The cancel runs in ``ending_transaction``,
+    which keeps the caller's level inside a caller's transaction: its check
+    after the batch row's lock reads the request's snapshot, a still
+    claimed, and does not complete the batch; nothing settles it again
+    after the request commits (``settle_after_commit`` is only in
+    ``succeed``, for atomic handlers). No callback until a worker's sweep
+    (up to ``STALE_AFTER / 4``, 15 s by default). The guide ("What it
+    costs", Isolation): the endings' reads after a lock must see what the
+    lock's previous holder committed, "whatever the project configures".
+    Expected: the callback once the request commits. Fix: in the operator
+    verbs (``cancel_pending``, ``retry``'s ``rewait``), when
+    ``ending_transaction`` joined a caller's transaction, also register
+    ``completion.settle_after_commit`` for the rows they ended (as
+    ``succeed`` does for a nested write).
+    """
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue_many([{}, {}])
+    (a,) = claim(limit=1, handlers=["noop"])
+    (p,) = WorkItem.objects.filter(batch_id=b.id).exclude(pk=a.pk)
+    ready, go = threading.Event(), threading.Event()
+
+    def admin_request() -> int:
+        with transaction.atomic():  # ATOMIC_REQUESTS
+            WorkItem.objects.filter(batch_id=b.id).count()  # the changelist's first read
+            ready.set()
+            assert go.wait(TIMEOUT)
+            return WorkItem.objects.filter(pk=p.pk).cancel()
+
+    request = Racer(admin_request, session=_session_at_repeatable_read)
+    assert ready.wait(TIMEOUT)
+    assert succeed(a) == {(a.pk, a.claim_token)}  # the worker, committed
+    go.set()
+    assert request.outcome() == 1
+    assert len(callbacks(b.id)) == 1, "every item ended and no callback was enqueued"
