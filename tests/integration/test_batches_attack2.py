@@ -24,7 +24,7 @@ from django.db.models.functions import Now
 from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
-from tests.factories import claim
+from tests.factories import age_heartbeat, claim
 from tests.integration.interleave import TIMEOUT, Racer, wait_for_lock_waiters
 from tests.integration.test_batches_races import callbacks, succeed
 from tests.testapp.workers import BatchDone, Noop, Record
@@ -661,3 +661,80 @@ def test_a_cancel_in_a_request_transaction_at_repeatable_read_completes_the_batc
     go.set()
     assert request.outcome() == 1
     assert len(callbacks(b.id)) == 1, "every item ended and no callback was enqueued"
+
+
+# -- the worker's stale-recovery pass: one transaction at the session's level ----------
+
+
+@pytest.mark.server_db
+def test_stale_recovery_failing_the_last_item_at_repeatable_read_completes_the_batch() -> None:
+    """PostgreSQL and MariaDB, a project at REPEATABLE READ: the worker that ran item x of
+    a batch died (x used its last attempt); a stale-recovery pass fails x while another
+    worker's success of the batch's other item a is being committed.
+
+    The worker runs the whole pass in one ``transaction.atomic`` of its own
+    (worker/recovery.py, around ``transitions.recover_stale``): at the
+    session's level, not ``ending_transaction``'s READ COMMITTED; the
+    ending inside it (``recover_stale``'s ``ending_transaction``) is nested
+    and keeps that level. The pass's snapshot is taken by its first read
+    (the stale rows; a still claimed). a's ending holds the batch row's
+    lock (it saw x claimed); the pass fails x, waits for the batch row, and
+    once a's success commits reads the items in its old snapshot: a
+    claimed, no completion; its ``sweep`` at the end reads the same
+    snapshot. No callback until the next pass of some worker (``STALE_AFTER
+    / 4`` later), not in the transaction of the last ending (issue 22; the
+    guide: the endings run at READ COMMITTED "whatever the project
+    configures"). Expected: one callback once the pass commits. Fix: open
+    the pass's transaction with ``operations(using).ending_transaction()``
+    instead of ``transaction.atomic`` in recovery.py.
+    """
+    batch_id, (a, x) = claimed_batch_of_two()
+    WorkItem.objects.filter(pk=x.pk).update(max_attempts=1)  # its last attempt ran
+    age_heartbeat(x, 600)
+    paused, go = threading.Event(), threading.Event()
+
+    def finisher_success() -> set[Any]:
+        # Its own ending transaction (not nested in a test's atomic block, whose
+        # commit would settle again): held after its check under the batch row's lock.
+        with _paused_after_batch_check(paused, go):
+            return succeed(a)
+
+    finisher = Racer(finisher_success)
+    assert paused.wait(TIMEOUT)
+
+    def recovery_pass() -> int:
+        with transaction.atomic():  # as worker/recovery.py runs it
+            return transitions.recover_stale(stale_after=60, using="default", log=False).failed
+
+    recovery = Racer(recovery_pass, session=_session_at_repeatable_read)
+    wait_for_lock_waiters(1, recovery)
+    go.set()
+    finisher.outcome()
+    assert recovery.outcome() == 1
+    statuses = sorted(WorkItem.objects.filter(batch_id=batch_id).values_list("status", flat=True))
+    assert statuses == [Status.FAILED, Status.SUCCEEDED]
+    assert len(callbacks(batch_id)) == 1, "every item ended and no callback was enqueued"
+
+
+def _paused_after_batch_check(paused: threading.Event, go: threading.Event) -> Any:
+    """An ``execute_wrapper`` that holds this thread's ending after the statement that
+    follows its lock of a batch row (the check for unfinished items), before its commit."""
+    locked: list[bool] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if locked and not paused.is_set():
+            paused.set()
+            assert go.wait(TIMEOUT)
+        if "django_dbworker_batch" in sql and "FOR UPDATE" in sql:
+            locked.append(True)
+        return result
+
+    return connection.execute_wrapper(wrapper)
+
+
+def claimed_batch_of_two() -> tuple[int, tuple[WorkItem, WorkItem]]:
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue_many([{}, {}])
+    a, x = sorted(claim(limit=2, handlers=["noop"]), key=lambda i: i.pk)
+    return b.id, (a, x)
