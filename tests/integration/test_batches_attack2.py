@@ -738,3 +738,58 @@ def claimed_batch_of_two() -> tuple[int, tuple[WorkItem, WorkItem]]:
         Noop.enqueue_many([{}, {}])
     a, x = sorted(claim(limit=2, handlers=["noop"]), key=lambda i: i.pk)
     return b.id, (a, x)
+
+
+@pytest.mark.server_db
+def test_a_recovery_pass_of_several_chunks_does_not_deadlock_with_a_zombies_success() -> None:
+    """PostgreSQL and MariaDB: a stale-recovery pass over more stale rows than one chunk
+    (``RECOVERY_BATCH``, 500; 1 here) while a zombie worker (alive, heartbeat late) writes
+    the success of one of them. x1 and x2 are items of one batch: x1 used its last
+    attempt, x2 is x1's neighbour in the next chunk and the zombie's.
+
+    The worker runs the whole pass in one transaction (worker/recovery.py),
+    so the locks of every chunk are held to its end: chunk 1 fails x1 and
+    settles its batch (the batch row's lock); chunk 2 updates x2, which the
+    zombie's success write holds: the pass waits for the zombie. The
+    zombie's ending, after its write, takes the batch row's lock, held by
+    the pass: a deadlock, one of them rolled back (the whole pass, or the
+    zombie's success). recover_stale's comment says its locks are "taken in
+    one ascending order, as every other bulk writer takes them, so recovery
+    cannot deadlock with them"; the batch rows' locks taken between chunks
+    break that order. Expected: both commit (x2's success kept, x1
+    failed). Fix: in ``recover_stale``, settle the ended rows of every
+    chunk once, after the last chunk's writes (collect ``ended`` and call
+    ``settle_rows`` at the end), so that the batch rows are locked last;
+    or commit per chunk.
+    """
+    batch_id, (x1, x2) = claimed_batch_of_two()
+    WorkItem.objects.filter(pk=x1.pk).update(max_attempts=1)  # its last attempt ran
+    age_heartbeat(x1, 600)
+    age_heartbeat(x2, 600)
+    paused, go = threading.Event(), threading.Event()
+
+    def zombie_success() -> set[Any]:
+        with _paused_before("django_dbworker_batch", paused, go):
+            return succeed(x2)
+
+    zombie = Racer(zombie_success)
+    assert paused.wait(TIMEOUT)  # x2 written, the batch row not locked yet
+
+    def recovery_pass() -> Any:
+        with transaction.atomic():  # as worker/recovery.py runs it
+            return transitions.recover_stale(
+                stale_after=60, using="default", log=False, batch_size=1
+            )
+
+    recovery = Racer(recovery_pass)
+    wait_for_lock_waiters(1, recovery)  # chunk 2 waits for x2
+    go.set()
+    errors = []
+    for name, step in (("zombie", zombie), ("recovery", recovery)):
+        try:
+            step.outcome()
+        except Exception as exc:  # both must commit
+            errors.append((name, exc))
+    assert not errors, errors
+    statuses = dict(WorkItem.objects.filter(batch_id=batch_id).values_list("pk", "status"))
+    assert statuses == {x1.pk: Status.FAILED, x2.pk: Status.SUCCEEDED}
