@@ -24,8 +24,9 @@ from django.db.models.functions import Now
 from django_dbworker import batch, completion, transitions
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
+from tests.conftest import wait_until
 from tests.factories import age_heartbeat, claim
-from tests.integration.interleave import TIMEOUT, Racer, wait_for_lock_waiters
+from tests.integration.interleave import TIMEOUT, Racer
 from tests.integration.test_batches_races import callbacks, succeed
 from tests.testapp.workers import BatchDone, Noop, Record
 
@@ -53,6 +54,61 @@ def _in_other_thread(fn: Callable[[], Any]) -> Callable[[], None]:
         Racer(fn).outcome()
 
     return run
+
+
+def _session_id() -> int:
+    """This thread's connection's server-side id (PostgreSQL's backend pid, MariaDB's
+    connection id)."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_backend_pid()")
+        else:
+            cursor.execute("SELECT CONNECTION_ID()")
+        return int(cursor.fetchone()[0])
+
+
+def _wait_until_blocked(session: list[int], step: Racer) -> None:
+    """Until the connection ``session[0]`` waits for a row lock (bounded). By its id:
+    InnoDB's ``innodb_trx`` may answer from a cache up to 0.1 s old, which can hold
+    another test's waiter, never this new connection's."""
+
+    def blocked() -> bool:
+        if not step.is_alive():
+            return True
+        if not session:
+            return False
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %s "
+                    "AND wait_event_type = 'Lock'",
+                    [session[0]],
+                )
+            else:
+                cursor.execute(
+                    "SELECT count(*) FROM information_schema.innodb_trx "
+                    "WHERE trx_mysql_thread_id = %s AND trx_state = 'LOCK WAIT'",
+                    [session[0]],
+                )
+            return bool(cursor.fetchone()[0])
+
+    wait_until(blocked, timeout=TIMEOUT, interval=0.25, what="the step waiting for a lock")
+    if not step.is_alive():
+        step.outcome()
+        raise AssertionError("the step ended without waiting for the lock")
+
+
+def _signal_after(marker: str, reached: threading.Event) -> Any:
+    """An ``execute_wrapper`` that sets ``reached`` once a statement containing ``marker``
+    has run (its snapshot taken, its locks held)."""
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if marker in sql:
+            reached.set()
+        return result
+
+    return connection.execute_wrapper(wrapper)
 
 
 # -- pruning deletes the links of rows it did not delete --------------------------
@@ -475,15 +531,14 @@ def test_cancelling_a_parent_and_a_waiting_child_while_another_parent_succeeds()
 
     operator = Racer(operator_cancel)
     assert paused.wait(TIMEOUT)  # p and w are updated, not committed
-    reached = threading.Event()
+    session: list[int] = []
 
     def parent_success() -> set[Any]:
-        with _signal_before("FOR UPDATE", reached):
-            return succeed(running)
+        session.append(_session_id())
+        return succeed(running)
 
     ending = Racer(parent_success)
-    assert reached.wait(TIMEOUT)
-    wait_for_lock_waiters(1, ending)  # the ending holds x, waits for w
+    _wait_until_blocked(session, ending)  # the ending holds x, waits for w
     go.set()
     errors = []
     for name, step in (("ending", ending), ("operator", operator)):
@@ -706,8 +761,14 @@ def test_stale_recovery_failing_the_last_item_at_repeatable_read_completes_the_b
         with transaction.atomic():  # as worker/recovery.py runs it
             return transitions.recover_stale(stale_after=60, using="default", log=False).failed
 
-    recovery = Racer(recovery_pass, session=_session_at_repeatable_read)
-    wait_for_lock_waiters(1, recovery)
+    read = threading.Event()
+
+    def recovery_pass_signalled() -> int:
+        with _signal_after("django_dbworker_workitem", read):  # the pass's snapshot
+            return recovery_pass()
+
+    recovery = Racer(recovery_pass_signalled, session=_session_at_repeatable_read)
+    assert read.wait(TIMEOUT)
     go.set()
     finisher.outcome()
     assert recovery.outcome() == 1
@@ -781,8 +842,14 @@ def test_a_recovery_pass_of_several_chunks_does_not_deadlock_with_a_zombies_succ
                 stale_after=60, using="default", log=False, batch_size=1
             )
 
-    recovery = Racer(recovery_pass)
-    wait_for_lock_waiters(1, recovery)  # chunk 2 waits for x2
+    locked = threading.Event()
+
+    def recovery_pass_signalled() -> Any:
+        with _signal_after("django_dbworker_batch", locked):  # chunk 1 settled: batch locked
+            return recovery_pass()
+
+    recovery = Racer(recovery_pass_signalled)
+    assert locked.wait(TIMEOUT)
     go.set()
     errors = []
     for name, step in (("zombie", zombie), ("recovery", recovery)):
