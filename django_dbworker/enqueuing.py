@@ -234,6 +234,11 @@ def insert_one(
     cls = _handler_class(handler)
     item, payload_json, _ = _build(cls, payload, options)
     parents = dependencies.parent_ids(options.after)
+    if parents and options.unique_key is not None:
+        raise EnqueueError(
+            "unique_key and after= cannot be combined: an enqueue that finds the key's live "
+            "row returns that row, which does not wait for these parents."
+        )
     if parents and options.run_after is not None:
         raise EnqueueError(
             "run_after and after= cannot be combined: an item with parents runs as soon as "

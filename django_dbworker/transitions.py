@@ -133,7 +133,8 @@ def succeed(
         rows = ops.succeed_rows(outcomes)
         ended = [pk for pk, _, has_dependents in rows if has_dependents]
         batches = [linked.get(pk) for pk, _, _ in rows]
-        completion.settle(ops.using, ended=ended, batches=batches, quick=True)
+        # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
+        completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
     if nested and rows:
         completion.settle_after_commit(ops.using, ended=ended, batches=batches)
     return {(pk, token) for pk, token, _ in rows}
@@ -358,11 +359,9 @@ def recover_stale(
 ) -> Recovered:
     """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
 
-    Idempotent and safe to run from many processes at once: each UPDATE
-    repeats the staleness condition, so a row that another process already
-    recovered (or whose owner heartbeated meanwhile) is not touched again. The
-    lost run counts as an attempt, so a job that kills its worker every time
-    ends ``failed`` instead of looping forever.
+    Idempotent and safe from many processes at once: each UPDATE repeats the
+    staleness condition, so a row recovered by another process (or heartbeated
+    meanwhile) is not touched again. The lost run counts as an attempt.
     """
     seconds = float(dbworker_settings.STALE_AFTER if stale_after is None else stale_after)
     base = WorkItem.objects.using(using).stale(timedelta(seconds=seconds))
@@ -372,12 +371,10 @@ def recover_stale(
     result = Recovered()
     ops = operations(using)
     after = 0
-    # Batches in ascending id order, each locked as a whole before it is
-    # written (VendorOperations.locked_in_id_order: MySQL takes the locks
-    # first, where its plans would not): all the locks of a pass, which the
-    # worker runs in one transaction, are taken in one ascending order, as
-    # every other bulk writer takes them, so recovery cannot deadlock with
-    # them.
+    ended: list[int] = []
+    # Batches in ascending id order, each locked whole before it is written
+    # (locked_in_id_order): a pass's locks, one transaction, are taken in one
+    # ascending order, as every bulk writer takes them: no deadlock with them.
     while True:
         batch = list(
             base.filter(pk__gt=after)
@@ -399,12 +396,14 @@ def recover_stale(
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
-        with ops.ending_transaction(), ops.locked_in_id_order([pk for pk, *_ in batch]):
-            ended = _cancel_asked(base, asked, message, result) if asked else []
+        with ops.locked_in_id_order([pk for pk, *_ in batch]):
+            ended += _cancel_asked(base, asked, message, result) if asked else []
             ended += _recover_batch(base, last, by_handler, message, using, result)
-            completion.settle_rows(ended, ops.using)
         if len(batch) < batch_size:
             break
+    # Once, after every chunk: batch rows locked after all the item rows, as endings do.
+    with ops.ending_transaction():
+        completion.settle_rows(ended, ops.using)
     completion.sweep(ops.using)
     if log:
         result.log()

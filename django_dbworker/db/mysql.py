@@ -408,9 +408,10 @@ class MySQLOperations(VendorOperations):
             # error breaks the caller's transaction (a deadlock rolls all of
             # it back on MySQL anyway).
             return transaction.atomic(using=self.using, savepoint=False)
-        # Django sets ``isolation_level`` when it connects.
+        # Django sets ``isolation_level`` when it connects. With AUTOCOMMIT off a
+        # transaction is open already: SET TRANSACTION would be refused (1568).
         connection.ensure_connection()
-        if connection.isolation_level != "read committed":
+        if connection.isolation_level != "read committed" and connection.get_autocommit():
             with connection.cursor() as cursor:
                 cursor.execute(SET_READ_COMMITTED.sql)
         return transaction.atomic(using=self.using)

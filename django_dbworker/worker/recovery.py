@@ -13,9 +13,8 @@ import logging
 import math
 from collections.abc import Callable
 
-from django.db import transaction
-
 from django_dbworker import transitions
+from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
@@ -86,7 +85,9 @@ class Recovery:
         started = self.clock.now()
         handlers = self.handlers()
         try:
-            with transaction.atomic(using=cfg.using):
+            # At READ COMMITTED (ending_transaction): the endings it settles read
+            # after their locks what the locks' previous holders committed.
+            with operations(cfg.using).ending_transaction():
                 recovered = transitions.recover_stale(
                     handlers=list(handlers),
                     stale_after=cfg.stale_after,
