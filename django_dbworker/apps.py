@@ -32,9 +32,9 @@ class DBWorkerConfig(AppConfig):
             checks,  # noqa: F401 - checks register on import
             retention,  # noqa: F401 - its handler registers on import
         )
-        from django_dbworker.completion import settle_rows
+        from django_dbworker.completion import settle_rows, settle_rows_after_commit
         from django_dbworker.db import operations, prepare_session
-        from django_dbworker.dependencies import wait_again
+        from django_dbworker.dependencies import lock_parents_of, wait_again
         from django_dbworker.discovery import autodiscover
         from django_dbworker.models import connect_endings, connect_row_locker
 
@@ -44,7 +44,9 @@ class DBWorkerConfig(AppConfig):
         connect_endings(
             transaction=lambda using: operations(using).ending_transaction(),
             settle=lambda using, ids: settle_rows(ids, using),
+            settle_later=lambda using, ids: settle_rows_after_commit(ids, using),
             rewait=lambda using, ids: wait_again(ids, using),
+            lock_parents=lambda using, ids: lock_parents_of(ids, using),
         )
 
         # Each vendor sets up its new sessions: MySQL's in UTC, so that

@@ -24,7 +24,7 @@ enqueue, are settled there from the rows' states alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,6 +42,14 @@ logger = logging.getLogger("django_dbworker.completion")
 
 #: Rows and batches one sweep settles at most.
 SWEEP_LIMIT = 500
+
+
+def _chunks(ids: Iterable[int], size: int = 1000) -> Iterator[list[int]]:
+    """``ids`` sorted, ``size`` at a time: a statement's parameters stay far below every
+    database's limit (SQLite's 32,766 by default; PostgreSQL's 65,535)."""
+    ordered = sorted(set(ids))
+    for start in range(0, len(ordered), size):
+        yield ordered[start : start + size]
 
 
 def waiting_run_after() -> datetime:
@@ -86,17 +94,27 @@ def settle_after_commit(
     transaction.on_commit(again, using=using, robust=True)
 
 
+def settle_rows_after_commit(ids: Collection[int], using: str) -> None:
+    """``settle_rows`` again once the caller's transaction commits, at READ COMMITTED."""
+    ids = list(ids)
+
+    def again() -> None:
+        with operations(using).ending_transaction():
+            settle_rows(ids, using)
+
+    transaction.on_commit(again, using=using, robust=True)
+
+
 def settle_rows(ids: Collection[int], using: str) -> None:
     """``settle`` for rows whose batch and dependents the caller does not know."""
-    if not ids:
-        return
-    linked = (
-        WorkItem.objects.using(using)
-        .filter(pk__in=list(ids))
-        .filter(Q(has_dependents=True) | Q(batch__isnull=False))
-        .values_list("pk", "has_dependents", "batch_id")
-    )
-    rows = list(linked)
+    rows: list[tuple[int, bool, int | None]] = []
+    for chunk in _chunks(ids):
+        rows += (
+            WorkItem.objects.using(using)
+            .filter(pk__in=chunk)
+            .filter(Q(has_dependents=True) | Q(batch__isnull=False))
+            .values_list("pk", "has_dependents", "batch_id")
+        )
     if rows:
         settle(
             using,
@@ -109,12 +127,16 @@ def _follow(parents: set[int], using: str) -> set[int]:
     """Settle the dependents of ``parents``, transitively; the batches of those cancelled."""
     touched: set[int] = set()
     while parents:
-        children = set(
-            Dependency.objects.using(using)
-            .filter(parent_id__in=parents)
-            .values_list("child_id", flat=True)
-        )
-        cancelled = _resolve(children, using) if children else {}
+        children: set[int] = set()
+        for chunk in _chunks(parents):
+            children.update(
+                Dependency.objects.using(using)
+                .filter(parent_id__in=chunk)
+                .values_list("child_id", flat=True)
+            )
+        cancelled: dict[int, int | None] = {}
+        for chunk in _chunks(children):
+            cancelled |= _resolve(chunk, using)
         touched |= {batch for batch in cancelled.values() if batch is not None}
         parents = set(cancelled)
     return touched

@@ -120,6 +120,25 @@ def link(child: int, parents: Parents, using: str) -> None:
         )
 
 
+def lock_parents_of(ids: list[int], using: str) -> None:
+    """Lock the parents of the rows ``ids`` in id order (a retry does, before its UPDATE)."""
+    parents = sorted(
+        set(
+            Dependency.objects.using(using)
+            .filter(child_id__in=ids)
+            .values_list("parent_id", flat=True)
+        )
+    )
+    if parents:
+        list(
+            WorkItem.objects.using(using)
+            .select_for_update()
+            .filter(pk__in=parents)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+
+
 def wait_again(ids: list[int], using: str) -> None:
     """Retried rows ``ids`` that have parents wait for the unfinished ones again; a row
     with a parent that failed or was cancelled is cancelled again (retry that parent
@@ -157,6 +176,7 @@ def wait_again(ids: list[int], using: str) -> None:
         rows.filter(pk=child).update(
             status=Status.CANCELLED,
             finished_at=Now(),
+            updated_at=Now(),
             last_error=(
                 f"Cancelled without running: it runs after work item #{parent}, which ended "
                 f"{state}; retry that item too."

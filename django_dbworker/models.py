@@ -4,60 +4,28 @@ The worker's state changes (claim, heartbeat, outcomes, stale recovery) are
 fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
 retry, run now) are queryset verbs here, each one UPDATE narrowed to the
 eligible states, shared by the model methods and the admin actions; so
-this module imports nothing from the package but ``validation``'s constants,
-and ``transitions`` may import it (the vendor's row locking that
-``cancel`` needs is plugged in at start, ``connect_row_locker``).
+this module imports nothing from the package but ``validation``'s constants
+and ``ports``, and ``transitions`` may import it (the row locking, ending
+transaction and settling the verbs need are plugged in at start, ``ports``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
-from django.db import IntegrityError, models, router, transaction
+from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
+from django_dbworker.ports import connect_endings as connect_endings
+from django_dbworker.ports import connect_row_locker as connect_row_locker
+from django_dbworker.ports import endings, row_locker, settle_ended
 from django_dbworker.validation import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
     from datetime import timedelta
-
-
-#: Locks rows of ``ids`` on alias ``using`` in ascending id order, for the
-#: length of a ``with`` block (``connect_row_locker``; no-op until connected).
-RowLocker = Callable[[str, Collection[int]], AbstractContextManager[None]]
-_row_locker: list[RowLocker] = [lambda using, ids: nullcontext()]
-
-
-def connect_row_locker(locker: RowLocker) -> None:
-    """Plug in the vendor's ``locked_in_id_order`` (``DBWorkerConfig.ready`` does)."""
-    _row_locker[:] = [locker]
-
-
-@dataclass
-class _Endings:
-    """What the operator verbs hand on, plugged in by ``DBWorkerConfig.ready``
-    (``connect_endings``): the transaction an ending runs in (READ COMMITTED),
-    what rows' endings set off (``completion.settle_rows``), and the parents a
-    retried row waits for again (``dependencies.wait_again``)."""
-
-    transaction: Callable[[str], AbstractContextManager[Any]] = field(
-        default=lambda using: transaction.atomic(using=using)
-    )
-    settle: Callable[[str, list[int]], None] = field(default=lambda using, ids: None)
-    rewait: Callable[[str, list[int]], None] = field(default=lambda using, ids: None)
-
-
-_endings = _Endings()
-
-
-def connect_endings(**parts: Any) -> None:
-    """Plug in the parts of ``_Endings`` (``DBWorkerConfig.ready`` does)."""
-    for name, part in parts.items():
-        setattr(_endings, name, part)
 
 
 class Status(models.TextChoices):
@@ -127,16 +95,19 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         # would otherwise lock them in the plan's order, and deadlock).
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
         rows = self.using(db)
-        with _endings.transaction(db):
-            cancelled = rows.cancel_pending()
+        nested = connections[db].in_atomic_block
+        with endings.transaction(db):
+            cancelled, linked = rows._cancel_pending_rows(db)
             claimed = sorted(
                 rows.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).values_list(
                     "pk", flat=True
                 )
             )
             if claimed:
-                with _row_locker[0](db, claimed):
+                with row_locker[0](db, claimed):
                     WorkItem.objects.using(db).filter(pk__in=claimed).request_cancel()
+            # Last: batch rows after every item row, the order endings lock them in.
+            settle_ended(db, linked, nested)
         return cancelled
 
     def cancel_pending(self) -> int:
@@ -148,24 +119,29 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         so a child enqueued meanwhile is found too.
         """
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        nested = connections[db].in_atomic_block
+        with endings.transaction(db):
+            cancelled, linked = self._cancel_pending_rows(db)
+            settle_ended(db, linked, nested)
+        return cancelled
+
+    def _cancel_pending_rows(self, db: str) -> tuple[int, list[int]]:
+        """``cancel_pending``'s writes: how many, and those in a batch or with dependents."""
         ids = sorted(self.using(db).pending().values_list("pk", flat=True))
         cancelled = 0
-        with _endings.transaction(db):
-            linked: list[int] = []
-            for start in range(0, len(ids), 1000):
-                chunk = ids[start : start + 1000]
-                rows = WorkItem.objects.using(db).filter(pk__in=chunk)
-                cancelled += rows.filter(status=Status.PENDING).update(
-                    status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
-                )
-                linked += (
-                    rows.filter(status=Status.CANCELLED)
-                    .filter(Q(has_dependents=True) | Q(batch__isnull=False))
-                    .values_list("pk", flat=True)
-                )
-            if linked:
-                _endings.settle(db, linked)
-        return cancelled
+        linked: list[int] = []
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            rows = WorkItem.objects.using(db).filter(pk__in=chunk)
+            cancelled += rows.filter(status=Status.PENDING).update(
+                status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
+            )
+            linked += (
+                rows.filter(status=Status.CANCELLED)
+                .filter(Q(has_dependents=True) | Q(batch__isnull=False))
+                .values_list("pk", flat=True)
+            )
+        return cancelled, linked
 
     def request_cancel(self) -> int:
         """Claimed rows not asked yet get ``cancel_requested_at`` (DB clock); they stay claimed.
@@ -226,8 +202,10 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
             "updated_at": Now(),
         }
         # A retried row with parents (after=) waits for them again, in the same
-        # transaction: retried with them, it runs after them again.
-        with _endings.transaction(db):
+        # transaction: retried with them, it runs after them again. The parents are
+        # locked first, as endings lock a parent before its children.
+        with endings.transaction(db):
+            endings.lock_parents(db, sorted(ids))
             try:
                 with transaction.atomic(using=db):
                     changed = rows.filter(pk__in=sorted(ids)).update(**changes)
@@ -239,7 +217,7 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
                             changed += rows.filter(pk=pk).update(**changes)
                     except IntegrityError:
                         continue  # its key is live again: skipped
-            _endings.rewait(db, sorted(ids))
+            endings.rewait(db, sorted(ids))
         return changed
 
     def run_now(self) -> int:
@@ -416,7 +394,7 @@ class WorkItem(models.Model):
         # with this row as the hint, as Model.save() does. ``atomic``: a verb
         # of several statements runs them in one transaction there.
         using = router.db_for_write(type(self), instance=self)
-        with _endings.transaction(using) if atomic else nullcontext():
+        with endings.transaction(using) if atomic else nullcontext():
             changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
         self.refresh_from_db(using=using)
         return changed

@@ -52,7 +52,12 @@ def prune(
             return deleted
         with transaction.atomic(using=using):
             count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
-            links = Q(child_id__in=ids) | Q(parent_id__in=ids)
+            # Only the links of rows deleted here: one retried meanwhile stays, linked.
+            kept = set(
+                WorkItem.objects.using(using).filter(pk__in=ids).values_list("pk", flat=True)
+            )
+            gone = [pk for pk in ids if pk not in kept]
+            links = Q(child_id__in=gone) | Q(parent_id__in=gone)
             Dependency.objects.using(using).filter(links).delete()
         deleted += count
 

@@ -408,8 +408,7 @@ class MySQLOperations(VendorOperations):
             # error breaks the caller's transaction (a deadlock rolls all of
             # it back on MySQL anyway).
             return transaction.atomic(using=self.using, savepoint=False)
-        # Django sets ``isolation_level`` when it connects. With AUTOCOMMIT off a
-        # transaction is open already: SET TRANSACTION would be refused (1568).
+        # Django sets ``isolation_level`` when it connects. AUTOCOMMIT off: one is open.
         connection.ensure_connection()
         if connection.isolation_level != "read committed" and connection.get_autocommit():
             with connection.cursor() as cursor:

@@ -162,13 +162,21 @@ class PostgresOperations(VendorOperations):
         connection.ensure_connection()
         raw = connection.connection
         previous = raw.isolation_level
+
+        def restore() -> None:
+            if not raw.closed and raw.isolation_level != previous:
+                raw.isolation_level = previous
+
         raw.isolation_level = IsolationLevel.READ_COMMITTED
         try:
             with transaction.atomic(using=self.using):
+                # First of the commit's callbacks: a transaction that a later one
+                # opens (a receiver of the callback row's save) runs at the
+                # project's level again.
+                transaction.on_commit(restore, using=self.using)
                 yield
         finally:
-            if not raw.closed:
-                raw.isolation_level = previous
+            restore()
 
     def _refuse_snapshot_isolation(self, connection: Any) -> None:
         """Refuse the keyed claim in a caller's transaction stricter than READ COMMITTED."""

@@ -22,9 +22,10 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from django_dbworker import batch, completion, transitions
+from django_dbworker.db import operations
 from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
-from tests.conftest import wait_until
+from tests.conftest import lock_waiters, wait_until
 from tests.factories import age_heartbeat, claim
 from tests.integration.interleave import TIMEOUT, Racer
 from tests.integration.test_batches_races import callbacks, succeed
@@ -495,6 +496,12 @@ def test_retrying_a_child_while_its_parent_succeeds_does_not_deadlock() -> None:
 
 
 @pytest.mark.server_db
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: an operator's cancel of a parent and a waiting child can deadlock with "
+    "another parent's ending; the database rolls one back (a worker's write is retried, "
+    "the operator's action shows the error and changed nothing)",
+)
 def test_cancelling_a_parent_and_a_waiting_child_while_another_parent_succeeds() -> None:
     """PostgreSQL and MariaDB. Two parents a (running) and p (pending); x waits for both
     (a fan-in), w waits for a. The operator cancels p and w (the admin's Cancel on two
@@ -619,7 +626,7 @@ def test_an_after_enqueue_that_finds_a_live_unique_key_does_not_hand_back_a_due_
     try:
         item = Record.enqueue({"key": "report"}, unique_key="k", after=[t])
     except EnqueueError:
-        assert list(WorkItem.objects.values_list("pk", flat=True)) == [t.pk, live.pk]
+        assert sorted(WorkItem.objects.values_list("pk", flat=True)) == [t.pk, live.pk]
         return
     claimed = {row.pk for row in claim(handlers=["record"])}
     assert item.pk not in claimed, (
@@ -758,7 +765,8 @@ def test_stale_recovery_failing_the_last_item_at_repeatable_read_completes_the_b
     assert paused.wait(TIMEOUT)
 
     def recovery_pass() -> int:
-        with transaction.atomic():  # as worker/recovery.py runs it
+        # As worker/recovery.py runs it (since the fix: ending_transaction, READ COMMITTED).
+        with operations("default").ending_transaction():
             return transitions.recover_stale(stale_after=60, using="default", log=False).failed
 
     read = threading.Event()
@@ -837,7 +845,8 @@ def test_a_recovery_pass_of_several_chunks_does_not_deadlock_with_a_zombies_succ
     assert paused.wait(TIMEOUT)  # x2 written, the batch row not locked yet
 
     def recovery_pass() -> Any:
-        with transaction.atomic():  # as worker/recovery.py runs it
+        # As worker/recovery.py runs it (since the fix: ending_transaction, READ COMMITTED).
+        with operations("default").ending_transaction():
             return transitions.recover_stale(
                 stale_after=60, using="default", log=False, batch_size=1
             )
@@ -849,7 +858,14 @@ def test_a_recovery_pass_of_several_chunks_does_not_deadlock_with_a_zombies_succ
             return recovery_pass()
 
     recovery = Racer(recovery_pass_signalled)
-    assert locked.wait(TIMEOUT)
+    # Before the fix the pass locked the batch row after chunk 1 (``locked``), then
+    # waited for x2: a deadlock once the zombie went on. Since, it waits for x2 first.
+    wait_until(
+        lambda: locked.is_set() or lock_waiters() >= 1,
+        timeout=TIMEOUT,
+        interval=0.25,
+        what="the recovery pass to lock the batch row or wait for x2",
+    )
     go.set()
     errors = []
     for name, step in (("zombie", zombie), ("recovery", recovery)):
