@@ -5,7 +5,8 @@ after a claim are fenced: they match ``status='claimed' AND claim_token=<the
 claim's token>`` and report whether the row was still theirs, so a late
 finisher can never overwrite a newer attempt. The operator's verbs are
 queryset methods in ``models.py``; the claim and the success write are
-vendor SQL in ``django_dbworker.db``.
+vendor SQL in ``django_dbworker.db``; stale recovery is ``stale.py``
+(its names are importable from here too).
 
 All times come from the database clock (``Now()``), never the worker host's.
 """
@@ -13,37 +14,33 @@ All times come from the database clock (``Now()``), never the worker host's.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 from uuid import UUID
 
 from django.db.models import Case, CharField, F, Q, TextField, Value, When
-from django.db.models.functions import Concat, JSONObject, Now
+from django.db.models.functions import Now
 
 from django_dbworker import completion
-from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
-from django_dbworker.db.expressions import AppendCapped
 from django_dbworker.errors import MAX_SNOOZES
+from django_dbworker.history import WORKER_LOST as WORKER_LOST
+from django_dbworker.history import with_history
 from django_dbworker.models import (
-    ERROR_HISTORY_LIMIT,
     Status,
     WorkItem,
     WorkItemQuerySet,
 )
+from django_dbworker.stale import RECOVERY_BATCH as RECOVERY_BATCH
+from django_dbworker.stale import Recovered as Recovered
+from django_dbworker.stale import recover_stale as recover_stale
 
 logger = logging.getLogger("django_dbworker.transitions")
 
 #: An attempt: a row id and the claim token of one claim of it.
 AttemptKey = tuple[int, UUID]
 
-#: Rows per UPDATE of the stale-recovery pass.
-RECOVERY_BATCH = 500
-#: ``error_history``'s class path for an attempt whose worker stopped heartbeating.
-WORKER_LOST = "django_dbworker.errors.WorkerLost"
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
 
@@ -53,19 +50,6 @@ def _fenced(item: WorkItem) -> WorkItemQuerySet:
     return WorkItem.objects.using(item._state.db).filter(
         pk=item.pk, status=Status.CLAIMED, claim_token=item.claim_token
     )
-
-
-def _with_history(error: Any, class_path: Any) -> AppendCapped:
-    """``error_history`` with the attempt that just ended appended (DB values, DB clock)."""
-    entry = JSONObject(
-        attempt=F("attempts"),
-        worker=F("claimed_by"),
-        started_at=F("claimed_at"),
-        finished_at=Now(),
-        exception_class_path=class_path,
-        error=error,
-    )
-    return AppendCapped(F("error_history"), entry, limit=ERROR_HISTORY_LIMIT)
 
 
 # -- worker transitions (fenced) ----------------------------------------------------
@@ -213,7 +197,7 @@ def retry_later(
         _fenced(item),
         delay=delay,
         last_error=error,
-        error_history=_with_history(Value(error), Value(error_class)),
+        error_history=with_history(Value(error), Value(error_class)),
     )
 
 
@@ -246,7 +230,7 @@ def fail(
     """
     changes: dict[str, Any] = {"last_error": error}
     if history:
-        changes["error_history"] = _with_history(Value(error), Value(error_class))
+        changes["error_history"] = with_history(Value(error), Value(error_class))
     rows = _fenced(item)
     if unless_cancel_requested:
         rows = rows.filter(cancel_requested_at__isnull=True)
@@ -277,7 +261,7 @@ def cancel_running(
         finished_at=Now(),
         claim_token=None,
         last_error=error,
-        error_history=_with_history(Value(error), Value(error_class)),
+        error_history=with_history(Value(error), Value(error_class)),
         updated_at=Now(),
     )
 
@@ -320,179 +304,3 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
         )
         completion.settle_rows(list(claims), ops.using)  # those that ended cancelled
     return released
-
-
-@dataclass
-class Recovered:
-    """What one stale-recovery pass did."""
-
-    requeued: int = 0
-    failed: int = 0
-    #: Rows whose cancellation was requested: ended ``cancelled`` instead.
-    cancelled: int = 0
-    by_handler: dict[str, int] = field(default_factory=dict)
-    #: (id, handler) of the rows this pass failed (attempts used up).
-    failed_rows: list[tuple[int, str]] = field(default_factory=list)
-
-    @property
-    def total(self) -> int:
-        return self.requeued + self.failed + self.cancelled
-
-    def log(self) -> None:
-        if self.total:
-            logger.warning(
-                "Recovered %d stale work item(s): %d back to pending, %d failed%s.",
-                self.total,
-                self.requeued,
-                self.failed,
-                f", {self.cancelled} cancelled (by request)" if self.cancelled else "",
-            )
-
-
-def recover_stale(
-    *,
-    handlers: Sequence[str] | None = None,
-    stale_after: float | None = None,
-    using: str | None = None,
-    batch_size: int = RECOVERY_BATCH,
-    log: bool = True,
-) -> Recovered:
-    """Return rows of crashed workers to ``pending``, or ``failed`` if attempts are used up.
-
-    Idempotent and safe from many processes at once: each UPDATE repeats the
-    staleness condition, so a row recovered by another process (or heartbeated
-    meanwhile) is not touched again. The lost run counts as an attempt.
-    """
-    seconds = float(dbworker_settings.STALE_AFTER if stale_after is None else stale_after)
-    base = WorkItem.objects.using(using).stale(timedelta(seconds=seconds))
-    if handlers is not None:
-        base = base.filter(handler__in=list(handlers))
-    message = f"Recovered as stale: no heartbeat for more than {seconds:g}s from worker "
-    result = Recovered()
-    ops = operations(using)
-    after = 0
-    ended: list[int] = []
-    # Batches in ascending id order, each locked whole before it is written
-    # (locked_in_id_order): a pass's locks, one transaction, are taken in one
-    # ascending order, as every bulk writer takes them: no deadlock with them.
-    while True:
-        batch = list(
-            base.filter(pk__gt=after)
-            .order_by("pk")
-            .values_list("pk", "handler", "attempts", "max_attempts", "cancel_requested_at")[
-                :batch_size
-            ]
-        )
-        if not batch:
-            break
-        after = batch[-1][0]
-        by_handler: dict[str, list[int]] = {}
-        last: list[tuple[int, str]] = []
-        asked: list[tuple[int, str]] = []
-        for pk, handler, attempts, max_attempts, requested in batch:
-            if requested is not None:
-                asked.append((pk, handler))
-                continue
-            by_handler.setdefault(handler, []).append(pk)
-            if attempts >= max_attempts:
-                last.append((pk, handler))
-        with ops.locked_in_id_order([pk for pk, *_ in batch]):
-            ended += _cancel_asked(base, asked, message, result) if asked else []
-            ended += _recover_batch(base, last, by_handler, message, using, result)
-        if len(batch) < batch_size:
-            break
-    # Once, after every chunk: batch rows locked after all the item rows, as endings do.
-    with ops.ending_transaction():
-        completion.settle_rows(ended, ops.using)
-    completion.sweep(ops.using)
-    if log:
-        result.log()
-    return result
-
-
-def _cancel_asked(
-    base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
-) -> list[int]:
-    """Stale rows asked to stop end ``cancelled``: running them again would run work an
-    operator cancelled. Only when such rows exist."""
-    lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
-    handlers = dict(asked)
-    rows = base.filter(pk__in=list(handlers), cancel_requested_at__isnull=False)
-    ids = list(rows.values_list("pk", flat=True))
-    cancelled = rows.filter(pk__in=ids).update(
-        status=Status.CANCELLED,
-        finished_at=Now(),
-        claim_token=None,
-        updated_at=Now(),
-        last_error=lost,
-        error_history=_with_history(lost, Value(WORKER_LOST)),
-    )
-    result.cancelled += cancelled
-    if cancelled:
-        for pk in ids:
-            handler = handlers[pk]
-            result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
-    return ids if cancelled else []
-
-
-def _recover_batch(
-    base: WorkItemQuerySet,
-    last: list[tuple[int, str]],
-    by_handler: dict[str, list[int]],
-    message: str,
-    using: str | None,
-    result: Recovered,
-) -> list[int]:
-    """One batch of stale rows: those out of attempts failed (their ids returned), the
-    others back to pending."""
-    ended: list[int] = []
-    # Rows whose attempts are used up end failed, in one UPDATE that marks
-    # them with a token of this pass (claim tokens are unique), so that
-    # exactly the rows this pass failed, and no other recoverer's, are read
-    # back for the handlers' attempt_recorded; then the mark goes. Two more
-    # statements, only when such rows exist.
-    if last:
-        lost_failed = Concat(Value(message), F("claimed_by"), Value("; attempts used up."))
-        marker = uuid.uuid4()
-        candidates = [pk for pk, _ in last]
-        failed = (
-            base.filter(pk__in=candidates)
-            .filter(attempts__gte=F("max_attempts"))
-            .update(
-                status=Status.FAILED,
-                finished_at=Now(),
-                claim_token=marker,
-                updated_at=Now(),
-                last_error=lost_failed,
-                error_history=_with_history(lost_failed, Value(WORKER_LOST)),
-            )
-        )
-        if failed:
-            marked = WorkItem.objects.using(using).filter(pk__in=candidates, claim_token=marker)
-            rows = list(marked.values_list("pk", "handler"))
-            marked.update(claim_token=None)
-            result.failed += len(rows)
-            result.failed_rows.extend(rows)
-            ended = [pk for pk, _ in rows]
-            for _, handler in rows:
-                result.by_handler[handler] = result.by_handler.get(handler, 0) + 1
-    # The rest go back to pending: one UPDATE per handler (usually one or
-    # two), exact counts per handler for the metrics, bounded by the batch.
-    lost = Concat(Value(message), F("claimed_by"), Value("."))
-    for handler, ids in by_handler.items():
-        requeued = (
-            base.filter(pk__in=ids)
-            .exclude(attempts__gte=F("max_attempts"))
-            .update(
-                status=Status.PENDING,
-                run_after=Now(),
-                claim_token=None,
-                updated_at=Now(),
-                last_error=lost,
-                error_history=_with_history(lost, Value(WORKER_LOST)),
-            )
-        )
-        result.requeued += requeued
-        if requeued:
-            result.by_handler[handler] = result.by_handler.get(handler, 0) + requeued
-    return ended
