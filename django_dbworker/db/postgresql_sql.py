@@ -26,31 +26,20 @@ from django_dbworker.db.sql import Statement
 
 # -- statements ---------------------------------------------------------------------
 #
-# The claim is one UPDATE around a LIMITed subquery: the LIMIT keeps the
-# subquery from being pulled up (it runs once), and SKIP LOCKED lets
-# concurrent claimers take disjoint rows instead of queueing behind each
-# other's locks. Its WHERE and ORDER BY are WorkItem.objects.ready().in_order().
-# The wake-up channel is "django_dbworker"; the payload names the queue and
-# the rows' priority (``wakers.wake_payload``).
-# Rows of a paused queue (a QueueState row with ``paused``) are not
-# claimable: the NOT IN runs once per statement as a hashed subplan over the
-# few QueueState rows, checked per candidate row read from the claim index,
-# so a pause holds on every worker from its commit and the plan keeps its
-# index path (tests/integration/test_claim_plans.py).
+# The claim: one UPDATE joined to a MATERIALIZED CTE, which runs once (a FROM
+# subquery rerun as a nested loop's inner side locked new rows each time: a
+# claim of 1 took 3); SKIP LOCKED lets claimers take disjoint rows; WHERE and
+# ORDER BY are WorkItem.objects.ready().in_order(). Wake-ups: channel
+# "django_dbworker", payload queue and priority (``wakers.wake_payload``).
+# A paused queue's rows (QueueState ``paused``) are not claimable: the NOT IN
+# is a hashed subplan over the few QueueState rows, checked per candidate
+# from the claim index, so the plan keeps its index path (test_claim_plans).
 
 CLAIM = Statement(
     "claim",
     "Claim the next ready rows of some handlers, in any queue.",
     """
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM (
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -59,7 +48,16 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
@@ -74,15 +72,7 @@ CLAIM_IN_QUEUE = Statement(
     "claim_in_queue",
     "Claim the next ready rows of some handlers in one queue.",
     """
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM (
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -92,7 +82,16 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
@@ -104,15 +103,7 @@ CLAIM_IN_QUEUES = Statement(
     "claim_in_queues",
     "Claim the next ready rows of some handlers in several queues.",
     """
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM (
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -122,7 +113,16 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,

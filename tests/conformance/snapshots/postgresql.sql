@@ -5,15 +5,7 @@
 
 -- name: claim
 -- Claim the next ready rows of some handlers, in any queue.
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM (
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -22,14 +14,7 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
-
--- name: claim_in_queue
--- Claim the next ready rows of some handlers in one queue.
+)
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -38,7 +23,15 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM (
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
+
+-- name: claim_in_queue
+-- Claim the next ready rows of some handlers in one queue.
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -48,14 +41,7 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
-
--- name: claim_in_queues
--- Claim the next ready rows of some handlers in several queues.
+)
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -64,7 +50,15 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM (
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;
+
+-- name: claim_in_queues
+-- Claim the next ready rows of some handlers in several queues.
+WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
@@ -74,7 +68,16 @@ FROM (
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS c
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
