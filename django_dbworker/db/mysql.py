@@ -83,9 +83,9 @@ MICROSECOND = timedelta(microseconds=1)
 #: Deadlock found when trying to get lock; Lock wait timeout exceeded.
 DEADLOCK = 1213
 LOCK_WAIT_TIMEOUT = 1205
-#: How often a claim or a success write that a deadlock or lock wait
-#: timeout rolled back is run again here, in autocommit, before it raises.
-LOCK_RETRIES = 5
+#: Runs again of a claim, success write or enqueue that a deadlock or lock wait
+#: timeout rolled back, in autocommit (a hot unique key's enqueues needed > 5).
+LOCK_RETRIES = 10
 
 
 def unsupported_version(*, is_mariadb: bool, version: tuple[int, ...]) -> str | None:
@@ -442,7 +442,7 @@ class MySQLOperations(VendorOperations):
                     or self.connection.in_atomic_block
                 ):
                     raise
-                delay = random.uniform(0.0, 0.01 * 2**attempt)
+                delay = random.uniform(0.0, min(0.5, 0.01 * 2**attempt))
                 logger.info("%s: %s; trying again in %.3fs.", what.capitalize(), exc, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
