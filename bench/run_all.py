@@ -382,6 +382,11 @@ def versus(
             peer_col(rows, pq, "w6", f"{q}_ms"),
             2,
         )
+    for field, what in (
+        ("to_claim_p50_ms", "commit to the claim statement's start"),
+        ("claim_to_start_p50_ms", "the claim's start to handler start (claim, free thread)"),
+    ):
+        time_row(f"W6 p50 part: {what}, ms", col(rows, "w6", field), [], 2)
     time_row(
         "Start-up: spawn to first job done, s (median of 5)",
         col(rows, "startup", "first_job_s_median"),

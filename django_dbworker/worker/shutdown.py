@@ -81,7 +81,12 @@ class Shutdown:
             writing = writer is not None and writer.is_alive()
             if not writing and not self.ledger.any_recording():
                 break
-            clock.wait(control.aborting, 0.05)
+            if writer is not None and writing:
+                # Returns the moment the writer's last batch is written
+                # (a burst run's exit waits on nothing else).
+                writer.join(0.05)
+            else:
+                clock.wait(control.aborting, 0.01)
         for loop in loops:
             loop.drain(max(0.0, deadline - clock.now()), control.aborting)
         leftovers = self.ledger.withdraw_leftovers(everything=control.aborting.is_set())

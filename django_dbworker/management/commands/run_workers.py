@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pkgutil
 import signal
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable, Sequence
@@ -10,9 +11,11 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from django.apps import apps
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.recorder import MigrationRecorder
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
@@ -218,19 +221,14 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         except DatabaseError as exc:
             raise CommandError(_unreachable(using, exc)) from None
-        connection = connections[using]
         try:
-            executor = MigrationExecutor(connection)
-            targets = [
-                key for key in executor.loader.graph.leaf_nodes() if key[0] == "django_dbworker"
-            ]
-            plan = executor.migration_plan(targets)
+            pending = _pending_migrations(connections[using])
         except Exception as exc:
             raise CommandError(_unreachable(using, exc)) from None
-        if plan:
+        if pending:
             raise CommandError(
                 f"django_dbworker migrations are not applied to database {using!r} "
-                f"({len(plan)} pending). Run `manage.py migrate` first."
+                f"({pending} pending). Run `manage.py migrate` first."
             )
 
     def _start_metrics_server(self, options: dict[str, Any]) -> None:
@@ -369,3 +367,26 @@ def _ensure_log_output(verbosity: int) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     pkg.addHandler(handler)
     pkg.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)
+
+
+def _pending_migrations(connection: Any) -> int:
+    """How many of django_dbworker's migrations ``connection``'s database has not applied.
+
+    The shipped migration files against one read of ``django_migrations``:
+    building the migration graph instead (every installed app's migrations
+    imported and linked) took about a tenth of the worker's start, for the
+    same answer. A project that moved the app's migrations elsewhere
+    (``MIGRATION_MODULES``) gets the graph.
+    """
+    if "django_dbworker" in settings.MIGRATION_MODULES:
+        executor = MigrationExecutor(connection)
+        targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "django_dbworker"]
+        return len(executor.migration_plan(targets))
+    from django_dbworker import migrations
+
+    shipped = {m.name for m in pkgutil.iter_modules(migrations.__path__) if m.name[:4].isdigit()}
+    recorder = MigrationRecorder(connection)
+    if not recorder.has_table():
+        return len(shipped)
+    applied = recorder.migration_qs.filter(app="django_dbworker").values_list("name", flat=True)
+    return len(shipped - set(applied))
