@@ -76,6 +76,37 @@ def key_overlaps(handler: str) -> int:
     return overlaps
 
 
+def links(handler: str) -> dict[str, float]:
+    """Where a key's chain of items spends its time (medians over every link, ms).
+
+    *held*: an item's claim to its success write (the claim's commit, the
+    wait in the buffer and for a thread, the run, the hand-over to the
+    writer); *free*: that write to the next item's claim (the write's
+    commit, and the wait for a claim that sees the slot free). A key moves
+    one item per held + free; the plain W1 stream has no such chain.
+    """
+    import statistics
+
+    from django_dbworker.models import WorkItem
+
+    rows = WorkItem.objects.filter(handler=handler).order_by("concurrency_key", "claimed_at")
+    held: list[float] = []
+    free: list[float] = []
+    last: dict[str, Any] = {}
+    for key, claimed_at, finished_at in rows.values_list(
+        "concurrency_key", "claimed_at", "finished_at"
+    ):
+        held.append((finished_at - claimed_at).total_seconds() * 1000.0)
+        previous = last.get(key)
+        if previous is not None:
+            free.append((claimed_at - previous).total_seconds() * 1000.0)
+        last[key] = finished_at
+    return {
+        "slot_held_p50_ms": statistics.median(held),
+        "slot_free_p50_ms": statistics.median(free),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--items", type=int, default=10_000)
@@ -103,6 +134,7 @@ def main() -> None:
         keyed_done = WorkItem.objects.filter(handler="bench_keyed", status="succeeded").count()
         keyed_active = span("bench_keyed")
         overlaps = key_overlaps("bench_keyed")
+        chain = links("bench_keyed")
 
         for start in range(0, args.items, 5000):
             BenchNoop.enqueue_many([None] * min(5000, args.items - start))
@@ -127,6 +159,7 @@ def main() -> None:
                 "keyed_commits_per_item": keyed_commits / args.items,
                 "plain_commits_per_item": plain_commits / args.items,
                 "key_overlaps": overlaps,
+                **chain,
                 "exit_codes": keyed_codes + plain_codes,
             },
         )
