@@ -41,6 +41,10 @@ def run(script: str, *args: str) -> list[dict]:
         text=True,
         timeout=3600,
     )
+    with (RESULTS / "stderr.log").open("a") as log:
+        # What the scripts and their workers said (warnings of a run that
+        # measured oddly), kept beside results.jsonl.
+        log.write(f"== {time.strftime('%H:%M:%S')} {script} {' '.join(args)}\n{out.stderr}")
     if out.returncode != 0:
         raise SystemExit(f"{script} {args} failed:\n{out.stderr[-3000:]}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
