@@ -15,12 +15,16 @@ INSTALLED_APPS = [
     "django_dbworker",
     "bench.benchapp",
 ]
-# Django's Tasks framework: built in from Django 6, the backport on 5.2.
-if django.VERSION < (6, 0):
-    INSTALLED_APPS.append("django_tasks")
-# The @task functions of bench/benchapp/tasks.py run on django-dbworker
-# (bench/tasks_compare.py); run_workers then also knows them by import path.
-TASKS = {"default": {"BACKEND": "django_dbworker.tasks.DBWorkerBackend"}}
+# Django's Tasks framework, for bench/tasks_compare.py only (it sets
+# BENCH_TASKS): the @task functions of bench/benchapp/tasks.py run on
+# django-dbworker, and run_workers then also knows them by import path. The
+# other benchmarks measure the package's own API, in a project that has no
+# use for the backport on Django 5.2 (importing it and django_stubs_ext was
+# 25-35 ms of every worker's start).
+if os.environ.get("BENCH_TASKS"):
+    if django.VERSION < (6, 0):
+        INSTALLED_APPS.append("django_tasks")
+    TASKS = {"default": {"BACKEND": "django_dbworker.tasks.DBWorkerBackend"}}
 DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
     # A mysql:// URL (scripts/mariadbcluster.py start --durable): utf8mb4, and

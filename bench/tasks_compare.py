@@ -211,6 +211,7 @@ def main() -> None:
         save.parent.mkdir(parents=True, exist_ok=True)
     url = start_postgres()
     os.environ["DATABASE_URL"] = url
+    os.environ["BENCH_TASKS"] = "1"  # bench/settings.py: the Tasks framework, here and in workers
     rows: list[dict[str, Any]] = []
 
     def record(run: int, workload: str, side: str, result: dict[str, Any]) -> None:
