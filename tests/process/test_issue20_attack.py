@@ -10,9 +10,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
 from tests.factories import claim
 from tests.testapp.models import Execution
 from tests.testapp.workers import Record
@@ -45,3 +47,30 @@ def test_a_burst_worker_recovers_and_runs_a_dead_workers_rows(start_worker) -> N
     statuses = dict(WorkItem.objects.filter(pk__in=pks).values_list("pk", "status"))
     assert set(statuses.values()) == {Status.SUCCEEDED}, (statuses, worker.log())
     assert Execution.objects.filter(kind="run").count() == 3
+
+
+def test_stale_rows_are_recovered_while_claims_keep_failing(start_worker) -> None:
+    """A claim statement that fails every time (here: a table it reads is gone) skips no pass.
+
+    The pass is best effort and independent of the claim ("claiming must go
+    on", and the other way round): before issue 20 it ran before each claim,
+    so a dead worker's rows went back to pending for the workers that can
+    claim. Now it runs after the claim, and a claim that raises skips it.
+    """
+    pks = _left_by_a_dead_worker(2)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE django_dbworker_queuestate RENAME TO dbworker_attack_moved")
+    try:
+        worker = start_worker("record", env={"DBWORKER_STALE_AFTER": "1.0"})
+        worker.wait_for_log("while claiming", timeout=30)
+        wait_until(
+            lambda: (
+                set(WorkItem.objects.filter(pk__in=pks).values_list("status", flat=True))
+                == {Status.PENDING}
+            ),
+            timeout=20,
+            what="the dead worker's rows back to pending",
+        )
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE dbworker_attack_moved RENAME TO django_dbworker_queuestate")
