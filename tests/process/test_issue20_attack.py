@@ -62,7 +62,7 @@ def test_stale_rows_are_recovered_while_claims_keep_failing(start_worker) -> Non
         cursor.execute("ALTER TABLE django_dbworker_queuestate RENAME TO dbworker_attack_moved")
     try:
         worker = start_worker("record", env={"DBWORKER_STALE_AFTER": "1.0"})
-        worker.wait_for_log("while claiming", timeout=30)
+        worker.wait_for_log("retrying in", timeout=30)  # the claim failed
         wait_until(
             lambda: (
                 set(WorkItem.objects.filter(pk__in=pks).values_list("status", flat=True))
