@@ -1,13 +1,13 @@
 """The WorkItem claim loop: how many rows to claim, claiming them, and dispatch.
 
-Runs on the worker's calling (main) thread. Each step gives back buffered
-rows it cannot start soon, claims a batch in one short statement sized to
-the free threads plus a prefetch buffer (``prefetch.py``: what they can
-start within PREFETCH_HORIZON), records the rows as attempts in the ledger,
-queues them on the pool, then recovers stale rows if due (``recovery.py``).
-Between steps it sleeps on the wake-up event that LISTEN/NOTIFY, a buffer
-running low and signals set. Handler code never runs here, and nothing
-here holds a row lock beyond its claim statement.
+Runs on the worker's calling (main) thread. Each step recovers stale rows
+if due (``recovery.py``), gives back buffered rows it cannot start soon,
+claims a batch in one short statement sized to the free threads plus a
+prefetch buffer (``prefetch.py``: what the threads can start within
+PREFETCH_HORIZON), records the rows as attempts in the ledger and queues
+them on the pool. Between steps it sleeps on the wake-up event that
+LISTEN/NOTIFY, a buffer running low and signals set. Handler code never
+runs here, and nothing here holds a row lock beyond its claim statement.
 """
 
 from __future__ import annotations
@@ -125,18 +125,13 @@ class ClaimLoop:
     # -- one step --------------------------------------------------------------
 
     def run_once(self) -> int:
-        """Claim and submit a batch, then recover stale rows if due; returns rows claimed.
+        """One claim-and-dispatch step: recover stale rows if due, claim a batch, submit it.
 
-        Recovery second: a fresh worker's first claim need not wait for it.
+        Returns the number of rows claimed.
         """
         if not self.healthy():
             return 0
-        claimed = self._claim_step()
-        if self.recovery.maybe_recover():
-            self.control.wake.set()
-        return claimed
-
-    def _claim_step(self) -> int:
+        self.recovery.maybe_recover()
         self._shed_hoard()
         self._give_back_paused()
         limit = self._claim_limit()

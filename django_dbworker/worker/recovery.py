@@ -62,10 +62,8 @@ class Recovery:
         if seconds > self.config.heartbeat_interval:
             self._slow_write_at = self.clock.now()
 
-    def maybe_recover(self) -> bool:
+    def maybe_recover(self) -> None:
         """Run the stale-recovery pass if it is due, unless heartbeats may be held up.
-
-        True if the pass handed rows back to pending (claimable now).
 
         On SQLite every write waits while any transaction holds the database
         write lock (a long atomic handler, in any process): no heartbeat gets
@@ -78,12 +76,12 @@ class Recovery:
         cfg = self.config
         now = self.clock.now()
         if now < self._next:
-            return False
+            return
         self._next = now + self.interval()
         overdue = self._deferred_since is not None and now - self._deferred_since > cfg.stale_after
         if not overdue and now - self._slow_write_at < 2 * cfg.heartbeat_interval:
             self._defer(now, "this worker's own writes were waiting")
-            return False
+            return
         started = self.clock.now()
         handlers = self.handlers()
         try:
@@ -100,20 +98,19 @@ class Recovery:
                     raise _RecoveryWaited
         except _RecoveryWaited:
             self._defer(now, "the recovery pass itself had to wait")
-            return False
+            return
         except Exception as exc:
             # Recovery is best effort per pass; claiming must go on.
             self.observe_write(math.inf)
             if not report_error(self.config.using, "stale recovery", exc):
                 logger.warning("Stale recovery failed (%s); trying again later.", exc)
-            return False
+            return
         self._deferred_since = None
         recovered.log()
         self.metrics.recover_took(WORK_ITEM_LOOP, self.clock.now() - started)
         for name, count in recovered.by_handler.items():
             self.metrics.recovered(name, count)
         self._tell_failures(handlers, recovered.failed_rows)
-        return recovered.requeued > 0
 
     def _tell_failures(
         self, handlers: dict[str, WorkItemHandler], rows: list[tuple[int, str]]
