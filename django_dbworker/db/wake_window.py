@@ -67,6 +67,11 @@ class WakeWindow:
             self._sent[key] = (now, priority)
             return True
 
+    def clear(self) -> None:
+        """Forget every wake-up sent (a test's fresh start)."""
+        with self._lock:
+            self._sent.clear()
+
     def forget(self, using: str, queue: str) -> None:
         """The wake-up counted by ``due`` was not sent: the next enqueue sends one."""
         with self._lock:
