@@ -36,6 +36,7 @@ from django_dbworker.db import (
     parse_wake_payload,
     remove_local_waker,
 )
+from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.connections import Backoff, outage, report_error
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -153,6 +154,11 @@ class Listener(threading.Thread):
         self._trailing: tuple[float, int] | None = None
         self.stopped = threading.Event()
         self.listening = threading.Event()
+
+    @classmethod
+    def of(cls, config: WorkerConfig, *, wake: Callable[[int | None], None]) -> Listener:
+        """The listener of a worker told ``config``: its alias, queues and WAKEUP_WINDOW."""
+        return cls(using=config.using, queues=config.queues, wake=wake, window=config.wakeup_window)
 
     def run(self) -> None:
         ops = operations(self.using)
