@@ -7,14 +7,18 @@ item at a time in autocommit (each its own transaction) for ``--seconds``
 seconds. Three modes, alternating, ``--rounds`` times: ``WAKEUP_WINDOW`` 0
 (a NOTIFY inside every enqueue, as before the setting existed), the
 window, and ``WAKEUPS`` off (no NOTIFY). Reports enqueues per second per
-mode (each round and the median) and the NOTIFYs a LISTEN connection of
-its own received, so that the saving is seen to come from fewer NOTIFYs.
+mode (each round and the median) and the NOTIFYs that a LISTEN connection
+received (in a process of its own, as a worker's is: with no listener at
+all, NOTIFY costs less), so that the saving is seen to come from fewer
+NOTIFYs.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -61,28 +65,41 @@ def _run(threads: int, seconds: float) -> int:
     return sum(counts)
 
 
-class Notifies(threading.Thread):
-    """Counts the wake-ups sent, on a LISTEN connection of its own."""
+#: The counter's own process (as a worker's LISTEN is): it counts the wake-ups
+#: until a NOTIFY on its stop channel, which arrives after every earlier commit's.
+COUNTER = """
+import sys, psycopg
+conn = psycopg.connect(sys.argv[1], autocommit=True)
+conn.execute("LISTEN django_dbworker")
+conn.execute("LISTEN w10_stop")
+print("listening", flush=True)
+count = 0
+for note in conn.notifies():
+    if note.channel == "w10_stop":
+        break
+    count += 1
+print(count, flush=True)
+"""
 
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        import psycopg
-        from django.db import connection
 
-        self.conn = psycopg.connect(**connection.get_connection_params(), autocommit=True)
-        self.conn.execute("LISTEN django_dbworker")
-        self.count = 0
-        self.stopped = threading.Event()
+class Notifies:
+    """Counts the wake-ups sent, on a LISTEN connection of a process of its own."""
 
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            self.count += sum(1 for _ in self.conn.notifies(timeout=0.2))
+    def __init__(self, url: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", COUNTER, url], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "listening":
+            raise SystemExit("the NOTIFY counter did not start")
 
     def stop(self) -> int:
-        self.stopped.set()
-        self.join()
-        self.conn.close()
-        return self.count
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("NOTIFY w10_stop")
+        out, _ = self.proc.communicate(timeout=60)
+        return int(out.strip())
 
 
 def main() -> None:
@@ -109,10 +126,8 @@ def main() -> None:
             for name, values in modes.items():
                 reset_table()
                 with override_settings(DBWORKER={**settings.DBWORKER, **values}):
-                    counter = Notifies()
-                    counter.start()
+                    counter = Notifies(url)
                     done = _run(args.threads, args.seconds)
-                    time.sleep(0.3)  # the last wake-ups' delivery
                     notifies[name].append(counter.stop())
                 rates[name].append(done / args.seconds)
         result: dict[str, Any] = {"threads": args.threads, "seconds": args.seconds}
