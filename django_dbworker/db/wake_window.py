@@ -51,6 +51,8 @@ class WakeWindow:
         self.clock = clock
         self._sent: dict[tuple[str, str], tuple[float, int]] = {}
         self._lock = threading.Lock()
+        #: A failed send was logged as a warning (later ones go to debug).
+        self.warned = threading.Event()
 
     def due(self, using: str, queue: str, priority: int, window: float) -> bool:
         """Whether to send a wake-up for a row of ``priority`` now; if so, it counts as sent.
@@ -68,9 +70,10 @@ class WakeWindow:
             return True
 
     def clear(self) -> None:
-        """Forget every wake-up sent (a test's fresh start)."""
+        """Forget every wake-up sent, and the warning (a test's fresh start)."""
         with self._lock:
             self._sent.clear()
+        self.warned.clear()
 
     def forget(self, using: str, queue: str) -> None:
         """The wake-up counted by ``due`` was not sent: the next enqueue sends one."""
@@ -80,8 +83,6 @@ class WakeWindow:
 
 #: This process's window (the one every alias's enqueues share).
 WINDOW = WakeWindow()
-
-_warned = threading.Event()
 
 
 def wake_after_commit(
@@ -111,10 +112,10 @@ def _send(using: str, queue: str, priority: int, send: Callable[[], None]) -> No
         send()
     except Exception as exc:
         WINDOW.forget(using, queue)
-        if _warned.is_set():
+        if WINDOW.warned.is_set():
             logger.debug("Could not send a wake-up for queue %r.", queue, exc_info=True)
         else:
-            _warned.set()
+            WINDOW.warned.set()
             logger.warning(
                 "Could not send a wake-up for queue %r after its enqueue committed (%s); "
                 "workers find the rows when they next poll or claim.",

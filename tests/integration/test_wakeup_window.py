@@ -213,3 +213,36 @@ def test_a_window_of_zero_notifies_inside_every_enqueue_as_before(
     # PostgreSQL folds identical payloads of one transaction; separate
     # transactions each notify.
     assert notifications.collect(0.5) == ["default", "default 3", "default", "default"]
+
+
+def test_a_failed_notify_after_the_commit_is_logged_not_raised(
+    window: Callable[..., None], notifications: Notifications, caplog: pytest.LogCaptureFixture
+) -> None:
+    window(5.0)
+    pid = connection.cursor().connection.info.backend_pid
+
+    def kill_the_session() -> None:
+        # Runs before the wake-up's callback (registered first): its NOTIFY
+        # then meets a connection the server has closed.
+        with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", [pid])
+            wait_until(
+                lambda: (
+                    not other.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]
+                    ).fetchone()
+                ),
+                timeout=10,
+                what="the session to end",
+            )
+
+    with transaction.atomic():
+        transaction.on_commit(kill_the_session)
+        item = Record.enqueue({"key": "committed"})  # raises nothing
+    assert "Could not send a wake-up for queue 'default'" in caplog.text
+    connection.close()
+    assert WorkItem.objects.filter(pk=item.pk).exists()
+    assert notifications.collect(0.3) == []
+    # Not counted as sent: the next enqueue notifies.
+    Record.enqueue({"key": "next"})
+    assert notifications.collect(0.5) == ["default"]
