@@ -44,6 +44,10 @@ DBWORKER = {
     "CONCURRENCY": int(os.environ.get("BENCH_CONCURRENCY", "8")),
     "POLL_INTERVAL": 1.0,
 }
+# BENCH_WAKEUP_WINDOW=seconds: WAKEUP_WINDOW for the enqueuers and the workers
+# alike (bench/w3_latency.py measured with and without it, issue 23).
+if os.environ.get("BENCH_WAKEUP_WINDOW"):
+    DBWORKER["WAKEUP_WINDOW"] = float(os.environ["BENCH_WAKEUP_WINDOW"])
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -19,6 +19,12 @@ from django_dbworker.validation import DEFAULT_RETENTION
 CONCURRENCY = 8
 #: Seconds between idle polls when no wake-up arrives.
 POLL_INTERVAL = 1.0
+#: Whether enqueues wake idle workers of other processes (PostgreSQL's
+#: LISTEN/NOTIFY); False: no NOTIFY is sent, workers do not LISTEN and poll.
+WAKEUPS = True
+#: Seconds within which this process sends at most one wake-up per queue
+#: (a more urgent row still sends one); 0 notifies inside every enqueue.
+WAKEUP_WINDOW = 0.0
 #: Most rows per claim query; 0 means "as many as the free threads and the
 #: prefetch buffer need".
 BATCH_SIZE = 0
@@ -53,6 +59,8 @@ RETENTION: dict[str, float | None] | None = dict(DEFAULT_RETENTION)
 DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": CONCURRENCY,
     "POLL_INTERVAL": POLL_INTERVAL,
+    "WAKEUPS": WAKEUPS,
+    "WAKEUP_WINDOW": WAKEUP_WINDOW,
     "BATCH_SIZE": BATCH_SIZE,
     "PREFETCH_HORIZON": PREFETCH_HORIZON,
     "HEARTBEAT_INTERVAL": HEARTBEAT_INTERVAL,

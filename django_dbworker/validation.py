@@ -240,6 +240,9 @@ SETTINGS: Mapping[str, Validator] = {
     "CONCURRENCY": positive_int,
     # Seconds that reach a thread's wait (Condition.wait, Event.wait).
     "POLL_INTERVAL": timeout_seconds,
+    "WAKEUPS": boolean,
+    # A worker waits this long after a wake-up for its trailing claim.
+    "WAKEUP_WINDOW": wait_or_zero_seconds,
     "BATCH_SIZE": non_negative_int,
     "PREFETCH_HORIZON": non_negative_number,
     "HEARTBEAT_INTERVAL": timeout_seconds,
@@ -268,6 +271,8 @@ TASK_OPTIONS: Mapping[str, Validator] = {
 WORKER_CONFIG: Mapping[str, Validator] = {
     "concurrency": SETTINGS["CONCURRENCY"],
     "poll_interval": SETTINGS["POLL_INTERVAL"],
+    "wakeups": SETTINGS["WAKEUPS"],
+    "wakeup_window": SETTINGS["WAKEUP_WINDOW"],
     "batch_size": SETTINGS["BATCH_SIZE"],
     "prefetch_horizon": SETTINGS["PREFETCH_HORIZON"],
     "heartbeat_interval": SETTINGS["HEARTBEAT_INTERVAL"],

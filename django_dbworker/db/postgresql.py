@@ -1,7 +1,8 @@
 """PostgreSQL: the operations that run its statements (``postgresql_sql.py``).
 
 One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes,
-inserts that carry their own NOTIFY (a large batch goes in by COPY), LISTEN
+inserts that carry their own NOTIFY or, with WAKEUP_WINDOW, send it after
+the commit (``wake_window.py``; a large batch goes in by COPY), LISTEN
 wake-ups and planner estimates. The claims and the success writes bind
 their array parameters on the server, on a psycopg cursor that Django
 wraps as its own; the enqueue statements do where the connection allows
@@ -34,7 +35,9 @@ from django_dbworker.db.postgresql_sql import (
     ESTIMATE_COUNT,
     HEARTBEAT,
     INSERT_ITEM,
+    INSERT_ITEM_QUIET,
     INSERT_ITEMS,
+    INSERT_ITEMS_QUIET,
     LISTEN,
     NOTIFY,
     READ_COMMITTED,
@@ -46,7 +49,14 @@ from django_dbworker.db.postgresql_sql import (
     candidates_statement,
     claim_statement,
 )
+from django_dbworker.db.postgresql_text import (
+    copy_nullable,
+    copy_payload,
+    copy_text,
+    parse_text_array,
+)
 from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
+from django_dbworker.db.wake_window import IN_TRANSACTION, OFF, mode, wake_after_commit
 from django_dbworker.db.wakers import wake_payload
 from django_dbworker.models import WorkItem
 
@@ -235,13 +245,18 @@ class PostgresOperations(VendorOperations):
         payload_json: str | None,
     ) -> bool:
         # One round trip and, in autocommit, one commit: the INSERT and the
-        # NOTIFY run as one statement.
+        # NOTIFY run as one statement (WAKEUP_WINDOW 0; else it follows).
         params = self._insert_params(item, run_after)
         params["payload"] = payload_json
+        wakes = mode()
         with self._insert_cursor() as cursor:
-            cursor.execute(INSERT_ITEM.sql, params)
+            cursor.execute(
+                (INSERT_ITEM if wakes == IN_TRANSACTION else INSERT_ITEM_QUIET).sql, params
+            )
             rows = cursor.fetchall()
         self._assign(rows, [item])
+        if wakes != IN_TRANSACTION:
+            self._wake(wakes, item.queue, item.priority)
         return True
 
     def insert_items(
@@ -256,10 +271,15 @@ class PostgresOperations(VendorOperations):
             self._copy_items(items, params, payloads_json)
             return True
         params["payloads"] = list(payloads_json)
+        wakes = mode()
         with self._insert_cursor() as cursor:
-            cursor.execute(INSERT_ITEMS.sql, params)
+            cursor.execute(
+                (INSERT_ITEMS if wakes == IN_TRANSACTION else INSERT_ITEMS_QUIET).sql, params
+            )
             rows = cursor.fetchall()
         self._assign(rows, items)
+        if wakes != IN_TRANSACTION:
+            self._wake(wakes, items[0].queue, items[0].priority)
         return True
 
     def _copy_items(
@@ -287,8 +307,8 @@ class PostgresOperations(VendorOperations):
             # Every column but id and payload, as one piece of COPY text.
             shared = "\t".join(
                 [
-                    _copy_text(params["handler"]),
-                    _copy_text(params["queue"]),
+                    copy_text(params["handler"]),
+                    copy_text(params["queue"]),
                     "pending",
                     str(params["priority"]),
                     run_after_value.isoformat(),
@@ -296,9 +316,9 @@ class PostgresOperations(VendorOperations):
                     str(params["max_attempts"]),
                     "",
                     "",
-                    _copy_text(params["trace_context"]),
-                    _copy_nullable(params["concurrency_key"]),
-                    _copy_nullable(params["concurrency_limit"]),
+                    copy_text(params["trace_context"]),
+                    copy_nullable(params["concurrency_key"]),
+                    copy_nullable(params["concurrency_limit"]),
                     now.isoformat(),
                     now.isoformat(),
                 ]
@@ -312,10 +332,13 @@ class PostgresOperations(VendorOperations):
                     )
                     copy.write(
                         "".join(
-                            [f"{pk}\t{_copy_payload(payload)}\t{shared}\n" for pk, payload in rows]
+                            [f"{pk}\t{copy_payload(payload)}\t{shared}\n" for pk, payload in rows]
                         )
                     )
-            cursor.execute(NOTIFY.sql, {"wake": params["wake"]})
+            if (wakes := mode()) == IN_TRANSACTION:
+                cursor.execute(NOTIFY.sql, {"wake": params["wake"]})
+            else:  # on the commit of this transaction (or the caller's)
+                self._wake(wakes, params["queue"], params["priority"])
         self._assign([(pk, run_after_value, now, now) for pk in ids], items)
 
     def _insert_cursor(self) -> CursorWrapper:
@@ -387,9 +410,25 @@ class PostgresOperations(VendorOperations):
     def notify(self, queues: Sequence[str], priority: int = 0) -> None:
         # Delivered only if (and when) the enclosing transaction commits,
         # savepoint rollbacks included.
+        if (wakes := mode()) != IN_TRANSACTION:
+            for queue in sorted(set(queues)):
+                self._wake(wakes, queue, priority)
+            return
         with self.connection.cursor() as cursor:
             for queue in sorted(set(queues)):
                 cursor.execute(NOTIFY.sql, {"wake": wake_payload(queue, priority)})
+
+    def _wake(self, wakes: str, queue: str, priority: int) -> None:
+        """The wake-up of a committed (or committing) enqueue, but inside it (``wake_window``)."""
+        if wakes == OFF:  # this process's workers only (they do not LISTEN)
+            super().notify([queue], priority)
+            return
+
+        def send() -> None:
+            with self.connection.cursor() as cursor:
+                cursor.execute(NOTIFY.sql, {"wake": wake_payload(queue, priority)})
+
+        wake_after_commit(self.connection, self.using, queue, priority, send)
 
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)
@@ -423,7 +462,7 @@ class PostgresOperations(VendorOperations):
         for _, name, values, freqs, n_distinct in rows:
             if name is None:
                 continue
-            parsed = _parse_text_array(values) if values else []
+            parsed = parse_text_array(values) if values else []
             distinct = float(n_distinct or 0)
             if distinct < 0:  # a negative n_distinct is a fraction of the rows
                 distinct = -distinct * reltuples
@@ -457,35 +496,3 @@ class PostgresSubscription:
 
     def close(self) -> None:
         self._conn.close()
-
-
-def _copy_text(value: str) -> str:
-    """``value`` as a field of COPY's text format (backslash escapes)."""
-    return (
-        value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    )
-
-
-def _copy_nullable(value: str | int | None) -> str:
-    """A text or integer value as a COPY field; None is SQL NULL."""
-    return "\\N" if value is None else _copy_text(str(value))
-
-
-def _copy_payload(payload_json: str | None) -> str:
-    """A payload's JSON text as a COPY field; None (a JSON null payload) is SQL NULL."""
-    # JSON from json.dumps holds no raw control characters, only backslashes
-    # need doubling; _copy_text escapes all four anyway, so any text stays exact.
-    if payload_json is None:
-        return "\\N"
-    return _copy_text(payload_json)
-
-
-def _parse_text_array(text: str) -> list[str]:
-    """Parse PostgreSQL's text form of a one-dimensional text array."""
-    import csv
-
-    inner = text[1:-1] if text.startswith("{") and text.endswith("}") else text
-    if not inner:
-        return []
-    reader = csv.reader([inner], delimiter=",", quotechar='"', escapechar="\\")
-    return next(reader)

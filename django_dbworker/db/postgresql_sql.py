@@ -1,20 +1,17 @@
 """PostgreSQL's statements: every SQL text that ``postgresql.py`` runs, named and explained.
 
-Every statement is fixed text: lists travel as array parameters
-(``= ANY(%(handlers)s)``, ``unnest(%(payloads)s::jsonb[])``), so a reader
-sees exactly what runs and the server parses a handful of distinct texts.
-Django's psycopg backend binds parameters on the client by default, so the
-planner sees the arrays as constants, as it did the IN lists they replace.
+Every statement is fixed text: lists travel as array parameters (``= ANY(%(handlers)s)``,
+``unnest(%(payloads)s::jsonb[])``), so a reader sees exactly what runs and the server parses a
+handful of distinct texts. Django's psycopg backend binds parameters on the client by default, so
+the planner sees the arrays as constants, as it did the IN lists.
 
-The claim statements must keep their plans on a table of millions of
-finished rows: an index scan of the partial claim index
-``dbworker_claim_idx`` (or ``dbworker_claim_queue_idx`` for one queue) in
-claim order, stopped by the LIMIT; the status and handler indexes leave
-pending rows out so that nothing else can be chosen (see models.py).
+The claim statements must keep their plans on a table of millions of finished rows: an index scan
+of the partial claim index ``dbworker_claim_idx`` (or ``dbworker_claim_queue_idx`` for one queue)
+in claim order, stopped by the LIMIT; the status and handler indexes leave pending rows out so that
+nothing else can be chosen.
 
-Text only, read top to bottom (tests/conformance/snapshots/postgresql.sql
-pins each statement as it runs): this module must not import Django, the
-driver or the operations, and runs nothing.
+Text only, read top to bottom (tests/conformance/snapshots/postgresql.sql pins each statement as it
+runs): this module must not import Django, the driver or the operations, and runs nothing.
 """
 
 from __future__ import annotations
@@ -25,16 +22,12 @@ from typing import Any
 from django_dbworker.db.sql import Statement
 
 # -- statements ---------------------------------------------------------------------
-#
-# The claim: one UPDATE joined to a MATERIALIZED CTE, which runs once (a FROM
-# subquery rerun as a nested loop's inner side locked new rows each time: a
-# claim of 1 took 3); SKIP LOCKED lets claimers take disjoint rows; WHERE and
-# ORDER BY are WorkItem.objects.ready().in_order(). Wake-ups: channel
-# "django_dbworker", payload queue and priority (``wakers.wake_payload``).
-# A paused queue's rows (QueueState ``paused``) are not claimable: the NOT IN
-# is a hashed subplan over the few QueueState rows, checked per candidate
-# from the claim index, so the plan keeps its index path (test_claim_plans).
-
+# The claim: one UPDATE joined to a MATERIALIZED CTE, which runs once (a FROM subquery rerun as a
+# nested loop's inner side locked new rows each time: a claim of 1 took 3); SKIP LOCKED lets
+# claimers take disjoint rows; WHERE and ORDER BY are WorkItem.objects.ready().in_order(). Wake-ups:
+# channel "django_dbworker", payload queue and priority (``wakers.wake_payload``). A paused queue's
+# rows are not claimable: the NOT IN is a hashed subplan over the few QueueState rows, checked per
+# candidate from the claim index, so the plan keeps its index path (test_claim_plans).
 CLAIM = Statement(
     "claim",
     "Claim the next ready rows of some handlers, in any queue.",
@@ -65,9 +58,9 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 """,
 )
 
-# A plain equality, not "= ANY" of one queue: only an equality on the
-# index's leading column lets dbworker_claim_queue_idx return rows in claim
-# order, so the LIMIT stops the scan instead of a sort reading them all.
+# A plain equality, not "= ANY" of one queue: only an equality on the index's leading
+# column lets dbworker_claim_queue_idx return rows in claim order, so the LIMIT stops
+# the scan instead of a sort reading them all.
 CLAIM_IN_QUEUE = Statement(
     "claim_in_queue",
     "Claim the next ready rows of some handlers in one queue.",
@@ -131,10 +124,10 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 )
 
 # -- the keyed claim (per-key concurrency limits), one READ COMMITTED transaction:
-# CLAIM_CANDIDATES* lock the candidates (SKIP LOCKED) but keys at their limit
-# (a hashed subplan over dbworker_key_slots_idx), then an advisory xact lock
-# per key, sorted; CLAIM_WITHIN_LIMITS counts slots after the locks (seeing
-# the previous holder's commit) and claims what fits. A slot is a claimed row.
+# CLAIM_CANDIDATES* lock the candidates (SKIP LOCKED) but keys at their limit (a hashed
+# subplan over dbworker_key_slots_idx), then an advisory xact lock per key, sorted;
+# CLAIM_WITHIN_LIMITS counts slots after the locks (seeing the previous holder's
+# commit) and claims what fits. A slot is a claimed row.
 
 KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
 
@@ -214,8 +207,8 @@ TRANSACTION_ISOLATION = Statement(
     "SHOW transaction_isolation\n",
 )
 
-# Candidates as arrays in claim order (n) with their handlers' current limits;
-# one fits while its key's claimed rows plus its rank stay within the limit.
+# Candidates as arrays in claim order (n) with their handlers' current limits; one fits
+# while its key's claimed rows plus its rank stay within the limit.
 CLAIM_WITHIN_LIMITS = Statement(
     "claim_within_limits",
     "Count the candidates' keys' slots and claim the candidates that fit, in claim order.",
@@ -263,8 +256,8 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 """,
 )
 
-# The separate "w.id = ANY(ids)" pins the plan to primary-key lookups,
-# whatever the planner thinks of the join with the unnested arrays.
+# The separate "w.id = ANY(ids)" pins the plan to primary-key lookups, whatever the
+# planner thinks of the join with the unnested arrays.
 SUCCEED_MANY = Statement(
     "succeed_many",
     "Record the successes of several attempts, each fenced by its own id, token and status.",
@@ -299,10 +292,9 @@ RETURNING id, claim_token, cancel_requested_at IS NOT NULL
 """,
 )
 
-# NOTIFY is transactional: delivered if the insert commits. run_at is an
-# absolute time, or NULL for "delay after now". pg_notify() in RETURNING runs
-# once, for the one row: cheaper to parse and plan than a WITH joining the
-# insert to the NOTIFY (Django prepares no statements by default).
+# NOTIFY is transactional: delivered if the insert commits. run_at is an absolute time,
+# or NULL for "delay after now". pg_notify() in RETURNING runs once, for the one row:
+# cheaper to parse and plan than a WITH joining the insert to the NOTIFY.
 INSERT_ITEM = Statement(
     "insert_item",
     "Insert one pending row and notify its queue, in one round trip.",
@@ -321,10 +313,9 @@ RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(
 """,
 )
 
-# All payloads travel as one jsonb[] parameter: one statement whatever the
-# batch size (no 65,535-parameter ceiling). Ids come from the sequence in
-# insertion order, which follows ORDER BY u.n; the outer ORDER BY id lines
-# the returned rows up with the payloads.
+# All payloads travel as one jsonb[] parameter: one statement whatever the batch size (no
+# 65,535-parameter ceiling). Ids come from the sequence in insertion order, which follows ORDER BY
+# u.n; the outer ORDER BY id lines the returned rows up with the payloads.
 INSERT_ITEMS = Statement(
     "insert_items",
     "Insert pending rows sharing all but their payloads, and notify their queue.",
@@ -350,14 +341,24 @@ ORDER BY ins.id
 """,
 )
 
-# A large batch goes in by COPY, which skips the per-row work of the
-# executor and of a giant array parameter. COPY cannot return anything, so
-# the ids are taken from the table's own sequence first: nextval() hands
-# every caller distinct values, whoever else inserts meanwhile, and one
-# session's values increase, so the batch's ids follow its payloads. The
-# times every row shares (created_at, updated_at, run_after) are read from
-# the database clock by the same statement and written into the rows, so
-# the returned items hold exactly what is stored.
+# WAKEUP_WINDOW > 0 or WAKEUPS off: the inserts without NOTIFY (db/wake_window.py sends it after).
+INSERT_ITEM_QUIET = Statement(
+    "insert_item_quiet",
+    "Insert one pending row; its wake-up, if any, is sent after the commit.",
+    INSERT_ITEM.sql.replace(", pg_notify('django_dbworker', %(wake)s)", ""),
+)
+INSERT_ITEMS_QUIET = Statement(
+    "insert_items_quiet",
+    "Insert pending rows sharing all but their payloads; the wake-up follows the commit.",
+    INSERT_ITEMS.sql.replace(", (SELECT pg_notify('django_dbworker', %(wake)s)) AS wake", ""),
+)
+
+# A large batch goes in by COPY, which skips the per-row work of the executor and of a giant array
+# parameter. COPY cannot return anything, so the ids are taken from the table's own sequence first:
+# nextval() hands every caller distinct values, whoever else inserts meanwhile, and one session's
+# values increase, so the batch's ids follow its payloads. The times every row shares (created_at,
+# updated_at, run_after) are read from the database clock by the same statement and written into
+# the rows, so the returned items hold exactly what is stored.
 RESERVE_IDS = Statement(
     "reserve_ids",
     "Take ids for a batch from the table's sequence, and the database times its rows get.",
@@ -388,7 +389,7 @@ FROM STDIN
 
 NOTIFY = Statement(
     "notify",
-    "Wake idle workers of a queue when the current transaction commits.",
+    "Wake idle workers of a queue when the current transaction (or this statement) commits.",
     """
 SELECT pg_notify('django_dbworker', %(wake)s)
 """,
@@ -443,10 +444,9 @@ WHERE c.oid = to_regclass('django_dbworker_workitem')
 """,
 )
 
-
-# Both percentiles from one sort per handler (an array of fractions). The
-# finished_at range is a scan of the partial dbworker_finished_idx; status
-# and claimed_at are checked on the rows it finds (one hour of them).
+# Both percentiles from one sort per handler (an array of fractions). The finished_at
+# range is a scan of the partial dbworker_finished_idx; status and claimed_at are
+# checked on the rows it finds (one hour of them).
 RUN_TIMES = Statement(
     "run_times",
     "p50 and p95 run time per handler of the rows that succeeded in the last N seconds.",

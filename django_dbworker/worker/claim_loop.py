@@ -39,7 +39,7 @@ from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
 from django_dbworker.worker.shutdown import Shutdown
-from django_dbworker.worker.wakeup import AdaptivePoll
+from django_dbworker.worker.wakeup import AdaptivePoll, polls_adaptively
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -102,7 +102,7 @@ class ClaimLoop:
         #: When the loop last began a cycle (the health file's sign of life).
         self.cycled_at = clock.now()
         self._poll = AdaptivePoll(
-            config.poll_interval, enabled=ops.poll_adaptively, clock=clock.now
+            config.poll_interval, enabled=polls_adaptively(ops, config.wakeups), clock=clock.now
         )
         #: The claim loop is woken to refill when this few rows are buffered.
         self._refill_at = 0

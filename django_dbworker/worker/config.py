@@ -35,6 +35,11 @@ class WorkerConfig:
 
     concurrency: int = field(default_factory=lambda: int(dbworker_settings.CONCURRENCY))
     poll_interval: float = field(default_factory=lambda: float(dbworker_settings.POLL_INTERVAL))
+    #: LISTEN for other processes' wake-ups (WAKEUPS); False: poll only.
+    wakeups: bool = field(default_factory=lambda: bool(dbworker_settings.WAKEUPS))
+    #: Seconds after each wake-up at which the worker claims once more
+    #: (WAKEUP_WINDOW): enqueuers skip wake-ups within that window.
+    wakeup_window: float = field(default_factory=lambda: float(dbworker_settings.WAKEUP_WINDOW))
     batch_size: int = field(default_factory=lambda: int(dbworker_settings.BATCH_SIZE))
     heartbeat_interval: float = field(
         default_factory=lambda: float(dbworker_settings.HEARTBEAT_INTERVAL)

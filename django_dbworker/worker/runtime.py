@@ -292,8 +292,8 @@ class Worker:
         self.watchdog.watch("heartbeat", heartbeat)
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
-            if self.ops.supports_notify:
-                self.listener = Listener(using=cfg.using, queues=cfg.queues, wake=self._announced)
+            if self.ops.supports_notify and cfg.wakeups:
+                self.listener = Listener.of(cfg, wake=self._announced)
                 self.listener.start()
                 started.append(self.listener)
             else:

@@ -7,6 +7,12 @@ module holds the thread, its reconnects and backoff; it holds no SQL and no
 driver API. Losing the subscription only costs latency: the claim loop
 still polls at POLL_INTERVAL.
 
+With WAKEUP_WINDOW above 0, enqueuers send at most one wake-up per queue per
+window (``db/wake_window.py``); the listener then wakes the loop once more
+that long after the last wake-up it received (the trailing claim), which
+finds the rows whose wake-ups were skipped. With WAKEUPS off nothing is
+listened for: the loop polls adaptively, as on MySQL.
+
 Where the database has no such notifications (SQLite, MySQL), an enqueue
 committed in the worker's own process wakes it at once (``LocalWaker``);
 on MySQL the claim loop also polls adaptively (``AdaptivePoll``: often for
@@ -24,11 +30,13 @@ from collections.abc import Callable, Sequence
 
 from django_dbworker.db import (
     Subscription,
+    VendorOperations,
     add_local_waker,
     operations,
     parse_wake_payload,
     remove_local_waker,
 )
+from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.connections import Backoff, outage, report_error
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -88,6 +96,11 @@ class AdaptivePoll:
         return delay
 
 
+def polls_adaptively(ops: VendorOperations, wakeups: bool) -> bool:
+    """Whether the idle loop polls adaptively: where the vendor asks, or LISTEN is off."""
+    return ops.poll_adaptively or (ops.supports_notify and not wakeups)
+
+
 class LocalWaker:
     """Wakes the claim loop when this process commits an enqueue for one of its queues.
 
@@ -116,18 +129,36 @@ class Listener(threading.Thread):
 
     ``wake(priority)``: the priority the wake-up announced (0 when it names
     none), or None after a reconnect, when wake-ups may have been missed and
-    nothing is known of what is pending.
+    nothing is known of what is pending. With a ``window`` (WAKEUP_WINDOW),
+    ``window`` seconds after the last wake-up received it wakes the loop
+    once more with the highest priority announced since (the trailing
+    claim): an enqueuer skips wake-ups for that long after one it sent.
     """
 
     def __init__(
-        self, *, using: str, queues: Sequence[str] | None, wake: Callable[[int | None], None]
+        self,
+        *,
+        using: str,
+        queues: Sequence[str] | None,
+        wake: Callable[[int | None], None],
+        window: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="dbworker-listener", daemon=True)
         self.using = using
         self.queues = set(queues) if queues else None
         self.wake = wake
+        self.window = window
+        self.clock = clock
+        #: When the trailing claim is due, and the priority it announces.
+        self._trailing: tuple[float, int] | None = None
         self.stopped = threading.Event()
         self.listening = threading.Event()
+
+    @classmethod
+    def of(cls, config: WorkerConfig, *, wake: Callable[[int | None], None]) -> Listener:
+        """The listener of a worker told ``config``: its alias, queues and WAKEUP_WINDOW."""
+        return cls(using=config.using, queues=config.queues, wake=wake, window=config.wakeup_window)
 
     def run(self) -> None:
         ops = operations(self.using)
@@ -143,10 +174,7 @@ class Listener(threading.Thread):
                 # were not listening are lost, the rows they announced are not.
                 self.wake(None)
                 while not self.stopped.is_set():
-                    for payload in subscription.receive(timeout=1.0):
-                        queue, priority = parse_wake_payload(payload)
-                        if self.queues is None or queue in self.queues:
-                            self.wake(priority)
+                    self._receive(subscription)
             except Exception as exc:
                 self.listening.clear()
                 if self.stopped.is_set():
@@ -165,6 +193,23 @@ class Listener(threading.Thread):
                         subscription.close()
                     except Exception:
                         logger.debug("Ignoring an error closing the listener.", exc_info=True)
+
+    def _receive(self, subscription: Subscription) -> None:
+        """Wake the loop for what arrives within a second (or until the trailing claim)."""
+        trailing = self._trailing
+        timeout = 1.0 if trailing is None else min(1.0, max(0.0, trailing[0] - self.clock()))
+        for payload in subscription.receive(timeout=timeout):
+            queue, priority = parse_wake_payload(payload)
+            if self.queues is None or queue in self.queues:
+                self.wake(priority)
+                if self.window > 0:
+                    top = priority if trailing is None else max(priority, trailing[1])
+                    self._trailing = (self.clock() + self.window, top)
+                    break  # wait again, until the new trailing claim at most
+        trailing = self._trailing
+        if trailing is not None and self.clock() >= trailing[0]:
+            self._trailing = None
+            self.wake(trailing[1])
 
     def stop(self) -> None:
         self.stopped.set()

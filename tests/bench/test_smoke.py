@@ -25,6 +25,11 @@ SCRIPTS = [
     ("w1_throughput.py", ["--items", "300"], "w1_throughput"),
     ("w1_throughput.py", ["--items", "300", "--processes", "2"], "w1_throughput"),
     ("w2_enqueue.py", ["--single", "30", "--many", "100"], "w2_enqueue"),
+    (
+        "w10_notify.py",
+        ["--threads", "2", "--seconds", "0.2", "--rounds", "1"],
+        "w10_notify",
+    ),
     ("w3_latency.py", ["--items", "5", "--rate", "50"], "w3_latency"),
     (
         "w6_priority.py",

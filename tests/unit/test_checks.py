@@ -30,6 +30,9 @@ def test_test_settings_are_clean() -> None:
         ({"POLL_INTERVAL": 0}, ["django_dbworker.E004"]),
         ({"SHUTDOWN_TIMEOUT": -1}, ["django_dbworker.E004"]),
         ({"BATCH_SIZE": -1}, ["django_dbworker.E004"]),
+        ({"WAKEUP_WINDOW": -0.1}, ["django_dbworker.E004"]),
+        ({"WAKEUP_WINDOW": "0.1"}, ["django_dbworker.E003"]),
+        ({"WAKEUPS": 0}, ["django_dbworker.E003"]),
         ({"METRICS_PORT": 70000}, ["django_dbworker.E005"]),
         ({"METRICS_ADDR": ""}, ["django_dbworker.E006"]),
         ({"STALE_AFTER": 5.0, "HEARTBEAT_INTERVAL": 5.0}, ["django_dbworker.E007"]),
@@ -42,7 +45,8 @@ def test_bad_settings_are_reported(value: Any, expected: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["POLL_INTERVAL", "HEARTBEAT_INTERVAL", "STALE_AFTER", "SHUTDOWN_TIMEOUT"]
+    "key",
+    ["POLL_INTERVAL", "HEARTBEAT_INTERVAL", "STALE_AFTER", "SHUTDOWN_TIMEOUT", "WAKEUP_WINDOW"],
 )
 @pytest.mark.parametrize("value", [math.inf, 1e10])
 def test_waits_no_thread_can_wait_for_are_reported(key: str, value: float) -> None:

@@ -309,6 +309,41 @@ SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
 FROM ins, (SELECT pg_notify('django_dbworker', %(wake)s)) AS wake
 ORDER BY ins.id;
 
+-- name: insert_item_quiet
+-- Insert one pending row; its wake-up, if any, is sent after the commit.
+INSERT INTO django_dbworker_workitem (
+    handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    created_at, updated_at)
+VALUES (
+    %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
+    coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+    0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+    statement_timestamp(), statement_timestamp())
+RETURNING id, run_after, created_at, updated_at;
+
+-- name: insert_items_quiet
+-- Insert pending rows sharing all but their payloads; the wake-up follows the commit.
+WITH ins AS (
+    INSERT INTO django_dbworker_workitem (
+        handler, queue, payload, status, priority, run_after, attempts, max_attempts,
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        created_at, updated_at)
+    SELECT
+        %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
+        coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
+        0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+        statement_timestamp(), statement_timestamp()
+    FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
+    ORDER BY u.n
+    RETURNING id, run_after, created_at, updated_at
+)
+SELECT ins.id, ins.run_after, ins.created_at, ins.updated_at
+FROM ins
+ORDER BY ins.id;
+
 -- name: reserve_ids
 -- Take ids for a batch from the table's sequence, and the database times its rows get.
 SELECT statement_timestamp(),
@@ -329,7 +364,7 @@ COPY django_dbworker_workitem (
 FROM STDIN;
 
 -- name: notify
--- Wake idle workers of a queue when the current transaction commits.
+-- Wake idle workers of a queue when the current transaction (or this statement) commits.
 SELECT pg_notify('django_dbworker', %(wake)s);
 
 -- name: listen
