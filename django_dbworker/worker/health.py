@@ -87,7 +87,11 @@ class HealthFile(threading.Thread):
         problem: Callable[[], str | None],
         stopping: threading.Event,
     ) -> None:
-        super().__init__(name="dbworker-health-file", daemon=True)
+        # Not a daemon: the interpreter waits for it at exit, so the file is
+        # gone when the process is (a stopping worker sets ``stopping``, and
+        # this thread then removes the file and ends at once). As a daemon it
+        # raced the exit and, once the exit got fast, left the file behind.
+        super().__init__(name="dbworker-health-file", daemon=False)
         self.path = Path(path)
         self.interval = interval
         #: None when healthy, else why not (logged once per change).
