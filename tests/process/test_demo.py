@@ -1,4 +1,5 @@
-"""scripts/demo's start: a taken port is refused before anything starts.
+"""scripts/demo's start and stop: a taken port is refused before anything starts; a signal
+stops everything it started.
 
 The demo runs in a copy of the repository whose ``.venv/bin/python`` is a
 stub that does nothing, so that only the script's own logic runs (no
@@ -7,11 +8,14 @@ install, no server): its port check uses ``$PYTHON``, the real interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,3 +71,54 @@ def test_a_port_that_is_not_a_number_is_refused(demo: Path) -> None:
     done = _run(demo, "80a")
     assert done.returncode == 1
     assert "DEMO_PORT='80a' is not a port number" in done.stderr
+
+
+#: A python that, as the development server, the worker or the stream, runs
+#: until SIGTERM and then notes which one stopped (in $DEMO_LOG).
+_LONG_RUNNING_STUB = """#!/bin/sh
+case "$2" in
+  runserver|run_workers|demo_stream)
+    trap 'echo "$2 stopped" >> "$DEMO_LOG"; exit 0' TERM
+    echo "$2 started" >> "$DEMO_LOG"
+    echo "$$" >> "$DEMO_LOG.pids"
+    while :; do sleep 0.05; done ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_demo_stops_the_server_the_worker_and_the_stream(
+    demo: Path, tmp_path: Path, signum: signal.Signals
+) -> None:
+    """``kill <pid of scripts/demo>`` stops it as Ctrl-C does: with the development
+    server in the foreground, bash ran no trap until the server exited by itself."""
+    stub = tmp_path / ".venv" / "bin" / "python"
+    stub.write_text(_LONG_RUNNING_STUB)
+    log = tmp_path / "demo.log"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHON": sys.executable, "DEMO_PORT": str(port), "DEMO_LOG": str(log)}
+    proc = subprocess.Popen(
+        ["bash", str(demo)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        started = {"runserver started", "run_workers started", "demo_stream started"}
+        while not (log.exists() and started <= set(log.read_text().splitlines())):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        output, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in Path(f"{log}.pids").read_text().split() if Path(f"{log}.pids").exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    assert proc.returncode == 0, output
+    stopped = {"runserver stopped", "run_workers stopped", "demo_stream stopped"}
+    assert stopped <= set(log.read_text().splitlines()), log.read_text()
