@@ -34,6 +34,7 @@ FIGURES = {
     "w1_throughput": ("items_per_second_whole", "items_per_second_active"),
     "w3_latency": ("p50_ms", "p99_ms"),
     "w2_enqueue": ("single_per_second", "many_per_second"),
+    "w6_priority": ("p50_ms", "p99_ms", "to_claim_p50_ms", "claim_to_start_p50_ms"),
 }
 
 

@@ -9,6 +9,12 @@ each in its own transaction, ``--rate`` per second (a password-reset e-mail
 during a newsletter). Their handler returns the time it started; latency =
 that minus the time the enqueuing commit returned. The backlog is not
 waited for: the worker is stopped once the urgent items ran.
+
+``--stale-stats`` makes the table's statistics wrong the way autovacuum
+can, for certain: the columns analyzed with an earlier backlog, then an
+ANALYZE while the backlog's enqueue_many is uncommitted, which counts the
+table's pages but none of its rows (the planner then expects one pending
+row). W6's slow mode in some run_all runs was this state, reached by chance.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 from common import (
     report,
@@ -30,12 +37,29 @@ from common import (
 from w3_latency import percentile
 
 
+def stale_statistics(enqueue: Callable[[], object]) -> None:
+    """Run ``enqueue`` so that the table's statistics count its pages but none of its rows."""
+    import psycopg
+    from django.db import connection, transaction
+
+    enqueue()
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_workitem")
+    reset_table()
+    with transaction.atomic():
+        enqueue()
+        params = connection.get_connection_params()
+        with psycopg.connect(**params, autocommit=True) as other:
+            other.execute("ANALYZE django_dbworker_workitem")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backlog", type=int, default=20_000)
     parser.add_argument("--job-ms", type=float, default=10.0)
     parser.add_argument("--urgent", type=int, default=40)
     parser.add_argument("--rate", type=float, default=10.0)
+    parser.add_argument("--stale-stats", action="store_true")
     args = parser.parse_args()
     url = start_postgres()
     try:
@@ -43,8 +67,12 @@ def main() -> None:
         from bench.benchapp.workers import BenchLatency, BenchSleep
         from django_dbworker.models import WorkItem
 
+        backlog = [{"seconds": args.job_ms / 1000.0}] * args.backlog
         reset_table()
-        BenchSleep.enqueue_many([{"seconds": args.job_ms / 1000.0}] * args.backlog, priority=0)
+        if args.stale_stats:
+            stale_statistics(lambda: BenchSleep.enqueue_many(backlog, priority=0))
+        else:
+            BenchSleep.enqueue_many(backlog, priority=0)
         proc = subprocess.Popen(worker_command("bench_sleep", "bench_latency"), env=worker_env())
         # Draining: a few hundred backlog items done, the buffer sized from them.
         deadline = time.monotonic() + 60
@@ -81,6 +109,7 @@ def main() -> None:
             "w6_priority",
             {
                 "backlog": args.backlog,
+                "stale_stats": args.stale_stats,
                 "job_ms": args.job_ms,
                 "urgent": args.urgent,
                 "backlog_left_pending": left,

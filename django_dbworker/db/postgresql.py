@@ -24,15 +24,14 @@ import psycopg
 from django.db import transaction
 from django.db.backends.postgresql.psycopg_any import IsolationLevel, register_tzloader
 from django.db.backends.utils import CursorWrapper
-from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, current_limits
+from django_dbworker.db.base import Claimed, as_uuid, current_limits
+from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_sql import (
+    CLAIM_PLAN,
     CLAIM_WITHIN_LIMITS,
     COPY_ITEMS,
-    DISTINCT_QUEUES,
-    ESTIMATE_COUNT,
     HEARTBEAT,
     INSERT_ITEM,
     INSERT_ITEM_QUIET,
@@ -42,20 +41,18 @@ from django_dbworker.db.postgresql_sql import (
     NOTIFY,
     READ_COMMITTED,
     RESERVE_IDS,
-    RUN_TIMES,
     SUCCEED_MANY,
-    TABLE_ESTIMATE,
     TRANSACTION_ISOLATION,
     candidates_statement,
     claim_statement,
+    index_ordered,
 )
 from django_dbworker.db.postgresql_text import (
     copy_nullable,
     copy_payload,
     copy_text,
-    parse_text_array,
 )
-from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
+from django_dbworker.db.types import UnsupportedDatabase
 from django_dbworker.db.wake_window import IN_TRANSACTION, OFF, mode, wake_after_commit
 from django_dbworker.db.wakers import wake_payload
 from django_dbworker.models import WorkItem
@@ -79,7 +76,7 @@ TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 # -- operations ---------------------------------------------------------------------
 
 
-class PostgresOperations(VendorOperations):
+class PostgresOperations(PostgresEstimates):
     vendor = "postgresql"
     supports_notify = True
     supports_skip_locked = True
@@ -110,6 +107,11 @@ class PostgresOperations(VendorOperations):
                 limit=limit, handlers=handlers, queues=queues, worker=worker, limits=limits
             )
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
+        connection = self.connection
+        if index_ordered(sql) and connection.get_autocommit() and not connection.in_atomic_block:
+            # An implicit transaction of its own: CLAIM_PLAN's settings end with it.
+            return self._rows_to_items(self._fetch_last(CLAIM_PLAN.sql + sql, params))
+        # Inside a caller's transaction the settings would outlive the claim: as planned.
         return self._rows_to_items(self._fetch_bound(sql, params))
 
     def _claim_keyed(
@@ -236,6 +238,20 @@ class PostgresOperations(VendorOperations):
         with self._binding_cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
+
+    def _fetch_last(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """The rows of the last of several statements sent in one message (``CLAIM_PLAN``).
+
+        A ``ClientCursor``: parameters quoted into the text, which goes as one
+        simple-protocol message (server-side binding takes one statement per
+        message). Outside a transaction block the server runs the statements as
+        one implicit transaction.
+        """
+        with self._binding_cursor(psycopg.ClientCursor) as cursor:
+            cursor.execute(sql, params or None)
+            while cursor.nextset():
+                pass
+            return list(cursor.fetchall()) if cursor.description else []
 
     def insert_item(
         self,
@@ -367,7 +383,9 @@ class PostgresOperations(VendorOperations):
             return connection.cursor()
         return self._binding_cursor()
 
-    def _binding_cursor(self) -> CursorWrapper:
+    def _binding_cursor(
+        self, cursor_class: type[psycopg.Cursor[Any]] = psycopg.Cursor
+    ) -> CursorWrapper:
         """A plain ``psycopg.Cursor`` of this alias's connection, wrapped as Django wraps its own.
 
         Parameters are bound on the server (and the statement prepared if
@@ -381,7 +399,7 @@ class PostgresOperations(VendorOperations):
         raw = connection.connection
         with connection.wrap_database_errors:
             # Any: django-stubs types make_cursor's argument as a CursorWrapper.
-            cursor: Any = psycopg.Cursor(raw)
+            cursor: Any = cursor_class(raw)
             loader = raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
             if connection.timezone != getattr(loader, "timezone", None):
                 register_tzloader(connection.timezone, cursor)
@@ -432,44 +450,6 @@ class PostgresOperations(VendorOperations):
 
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)
-
-    def distinct_queues(self) -> list[str]:
-        return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
-
-    def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
-        sql, params = queryset.order_by().query.get_compiler(using=self.using).as_sql()
-        ((plan,),) = self._fetch(ESTIMATE_COUNT.render(query=sql), params)
-        # Django's psycopg setup loads json as text on some versions, as objects on others.
-        if isinstance(plan, str):
-            plan = json.loads(plan)
-        return int(plan[0]["Plan"]["Plan Rows"])
-
-    def run_times(self, since: timedelta, sample: int) -> list[RunTimes]:
-        # All the rows of the window: the database sorts them, nothing is sampled.
-        rows = self._fetch(RUN_TIMES.sql, {"seconds": since.total_seconds()})
-        return [
-            RunTimes(handler, count, max(0.0, p50), max(0.0, p95))
-            for handler, count, (p50, p95) in rows
-        ]
-
-    def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
-        rows = self._fetch(TABLE_ESTIMATE.sql, {"columns": list(columns)})
-        # reltuples is -1 (or 0) before the first ANALYZE: nothing to estimate from.
-        if not rows or rows[0][0] is None or rows[0][0] <= 0:
-            return None
-        reltuples = float(rows[0][0])
-        stats: dict[str, ColumnStats] = {}
-        for _, name, values, freqs, n_distinct in rows:
-            if name is None:
-                continue
-            parsed = parse_text_array(values) if values else []
-            distinct = float(n_distinct or 0)
-            if distinct < 0:  # a negative n_distinct is a fraction of the rows
-                distinct = -distinct * reltuples
-            stats[name] = ColumnStats(dict(zip(parsed, freqs or [], strict=False)), distinct)
-        if set(stats) != set(columns):
-            return None
-        return TableEstimate(reltuples, stats)
 
 
 class PostgresSubscription:

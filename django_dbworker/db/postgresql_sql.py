@@ -21,6 +21,7 @@ from typing import Any
 
 from django_dbworker.db.sql import Statement
 
+
 # -- statements ---------------------------------------------------------------------
 # The claim: one UPDATE joined to a MATERIALIZED CTE, which runs once (a FROM subquery rerun as a
 # nested loop's inner side locked new rows each time: a claim of 1 took 3); SKIP LOCKED lets
@@ -28,15 +29,18 @@ from django_dbworker.db.sql import Statement
 # channel "django_dbworker", payload queue and priority (``wakers.wake_payload``). A paused queue's
 # rows are not claimable: the NOT IN is a hashed subplan over the few QueueState rows, checked per
 # candidate from the claim index, so the plan keeps its index path (test_claim_plans).
-CLAIM = Statement(
-    "claim",
-    "Claim the next ready rows of some handlers, in any queue.",
-    """
+def _claim(queue_filter: str) -> str:
+    return _CLAIM_HEAD + queue_filter + _CLAIM_TAIL
+
+
+_CLAIM_HEAD = """
 WITH c AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE status = 'pending'
       AND run_after <= statement_timestamp()
-      AND handler = ANY(%(handlers)s::text[])
+      AND handler = ANY(%(handlers)s::text[])"""
+
+_CLAIM_TAIL = """
       AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
@@ -55,7 +59,12 @@ WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents
-""",
+"""
+
+CLAIM = Statement(
+    "claim",
+    "Claim the next ready rows of some handlers, in any queue.",
+    _claim(""),
 )
 
 # A plain equality, not "= ANY" of one queue: only an equality on the index's leading
@@ -64,63 +73,30 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 CLAIM_IN_QUEUE = Statement(
     "claim_in_queue",
     "Claim the next ready rows of some handlers in one queue.",
-    """
-WITH c AS MATERIALIZED (
-    SELECT id FROM django_dbworker_workitem
-    WHERE status = 'pending'
-      AND run_after <= statement_timestamp()
-      AND handler = ANY(%(handlers)s::text[])
-      AND queue = %(queue)s
-      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-    ORDER BY priority DESC, run_after, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents
-""",
+    _claim("\n      AND queue = %(queue)s"),
 )
 
 CLAIM_IN_QUEUES = Statement(
     "claim_in_queues",
     "Claim the next ready rows of some handlers in several queues.",
-    """
-WITH c AS MATERIALIZED (
-    SELECT id FROM django_dbworker_workitem
-    WHERE status = 'pending'
-      AND run_after <= statement_timestamp()
-      AND handler = ANY(%(handlers)s::text[])
-      AND queue = ANY(%(queues)s::text[])
-      AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-    ORDER BY priority DESC, run_after, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    _claim("\n      AND queue = ANY(%(queues)s::text[])"),
 )
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents
-""",
+
+# The claim's plan must not follow the table's statistics where they are wrong. After an
+# ANALYZE that counted the table's pages but none of its rows (autovacuum, while a large
+# enqueue_many was uncommitted; or a table emptied by TRUNCATE or a prune, then refilled), the
+# planner expects one pending row, and for one row a scan of every pending row and a sort looks
+# as cheap as the claim index read in order: each claim then reads the whole backlog (15-20 ms
+# at 20,000 rows in W6, docs/internals/benchmarks.md) until autovacuum analyzes again. Sent in
+# the same message as the claim (one round trip; SET LOCAL: that transaction only), these
+# leave the index path as the only plan without a sort. Not for the claims over several
+# queues, whose plan is a top-N sort by design (test_claim_plans), nor for the keyed claim,
+# whose statements sort their candidates and key locks whatever the plan: tried, a process
+# test of keys (test_a_hot_key_at_the_head...) took 5-11 s instead of 2.4 s.
+CLAIM_PLAN = Statement(
+    "claim_plan",
+    "Plan the claim that follows in its index's order, never a sort (its transaction only).",
+    "SET LOCAL enable_sort = off;\nSET LOCAL enable_incremental_sort = off;\n",
 )
 
 # -- the keyed claim (per-key concurrency limits), one READ COMMITTED transaction:
@@ -498,3 +474,11 @@ def claim_statement(
     if len(queues) == 1:
         return CLAIM_IN_QUEUE.sql, {**params, "queue": queues[0]}
     return CLAIM_IN_QUEUES.sql, {**params, "queues": list(queues)}
+
+
+def index_ordered(sql: str) -> bool:
+    """Whether ``sql`` is a claim whose rows come in claim order from an index (``CLAIM_PLAN``)."""
+    return sql in _INDEX_ORDERED
+
+
+_INDEX_ORDERED = frozenset((CLAIM.sql, CLAIM_IN_QUEUE.sql))

@@ -37,7 +37,7 @@ EXAMPLE_QUERY = (
 #: with two values in each list.
 EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
     "postgresql": {
-        "estimate_count": lambda: postgresql.ESTIMATE_COUNT.render(query=EXAMPLE_QUERY),
+        "estimate_count": lambda: postgresql_sql.ESTIMATE_COUNT.render(query=EXAMPLE_QUERY),
     },
     "mysql": {
         "claim_select": lambda: mysql.claim_select_sql(handlers=2, queues=0),

@@ -83,6 +83,11 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents;
 
+-- name: claim_plan
+-- Plan the claim that follows in its index's order, never a sort (its transaction only).
+SET LOCAL enable_sort = off;
+SET LOCAL enable_incremental_sort = off;;
+
 -- name: claim_candidates
 -- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
 WITH c AS (
