@@ -1,0 +1,183 @@
+"""A queue database of its own: the shipped router, transactions across two databases.
+
+The work tables live on the ``work`` alias (a second database on the same
+server, tests/settings.py), sent there by ``django_dbworker.routing.QueueRouter``;
+the project's other tables stay on ``default``. Transactions are per alias,
+so an enqueue is atomic only with a transaction on the work alias: what it
+says when the caller has one open on ``default`` instead, and the two
+patterns that do what such a caller means.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import User
+from django.db import router, transaction
+from django.test import override_settings
+
+from django_dbworker import batch
+from django_dbworker.checks import check_work_database, not_atomic_warnings
+from django_dbworker.models import Batch, Dependency, QueueState, WorkItem
+from django_dbworker.routing import NOT_ATOMIC_CHECK, QueueRouter
+from tests.routers import WORK_ALIAS
+from tests.testapp.models import Effect
+from tests.testapp.workers import Noop
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
+
+ROUTER = "tests.routers.QueueOnWork"
+
+
+@pytest.fixture
+def routed() -> Iterator[None]:
+    with override_settings(DATABASE_ROUTERS=[ROUTER]):
+        yield
+
+
+def rows(alias: str) -> Any:
+    return WorkItem.objects.using(alias)
+
+
+# -- the router ---------------------------------------------------------------
+
+
+def test_queue_router_keeps_the_work_tables_and_only_them_on_its_alias() -> None:
+    r = QueueRouter()
+    for model in (WorkItem, Batch, Dependency, QueueState):
+        assert r.db_for_read(model) == r.db_for_write(model) == "queue"
+        assert r.allow_migrate("queue", "django_dbworker", model._meta.model_name) is True
+        assert r.allow_migrate("default", "django_dbworker", model._meta.model_name) is False
+    # Everything else is the next router's (default without one), never the queue's.
+    for model in (User, LogEntry, Effect):
+        assert r.db_for_read(model) is None and r.db_for_write(model) is None
+        assert r.allow_migrate("queue", model._meta.app_label) is False
+        assert r.allow_migrate("default", model._meta.app_label) is None
+    # RunPython/RunSQL in the app's migrations ask without a model.
+    assert r.allow_migrate("queue", "django_dbworker") is True
+    assert r.allow_migrate("default", "django_dbworker") is False
+    item, user = WorkItem(handler="noop"), User(username="u")
+    assert r.allow_relation(item, Batch()) is True
+    assert r.allow_relation(item, user) is False
+    assert r.allow_relation(user, LogEntry()) is None
+
+
+def test_a_subclass_names_another_alias(routed: None) -> None:
+    assert router.db_for_write(WorkItem) == router.db_for_read(Batch) == WORK_ALIAS
+    assert router.db_for_write(User) == "default"
+    assert router.allow_migrate_model(WORK_ALIAS, WorkItem)
+    assert not router.allow_migrate_model("default", WorkItem)
+    assert not router.allow_migrate_model(WORK_ALIAS, User)
+
+
+# -- the system check -----------------------------------------------------------
+
+
+def test_no_warning_while_the_work_is_on_default() -> None:
+    assert check_work_database() == []
+
+
+def test_the_check_warns_when_the_work_is_on_another_alias(routed: None) -> None:
+    [warning] = check_work_database()
+    assert warning.id == NOT_ATOMIC_CHECK == "django_dbworker.W006"
+    assert "written to database 'work'" in warning.msg
+    assert "not 'default'" in warning.msg
+    assert "ATOMIC_REQUESTS" not in warning.msg
+    assert "transaction.on_commit(lambda: Handler.enqueue(...), using='default')" in str(
+        warning.hint
+    )
+    assert "transaction.atomic(using='work')" in str(warning.hint)
+
+
+def test_the_check_names_atomic_requests(settings: Any) -> None:
+    databases = {**settings.DATABASES}
+    databases["default"] = {**databases["default"], "ATOMIC_REQUESTS": True}
+    [warning] = not_atomic_warnings(WORK_ALIAS, databases)
+    assert "every request: ATOMIC_REQUESTS on 'default'" in warning.msg
+    # The work on default and requests atomic on default: one transaction, nothing to say.
+    assert not_atomic_warnings("default", databases) == []
+    # Requests atomic on the work alias only: default's atomic() is still another one.
+    databases = {**settings.DATABASES}
+    databases[WORK_ALIAS] = {**databases[WORK_ALIAS], "ATOMIC_REQUESTS": True}
+    [warning] = not_atomic_warnings(WORK_ALIAS, databases)
+    assert "ATOMIC_REQUESTS" not in warning.msg
+
+
+# -- enqueue inside a transaction of another database ---------------------------------
+
+
+def test_enqueue_in_atomic_on_default_commits_at_once_and_says_so(routed: None) -> None:
+    with transaction.atomic():
+        Effect.objects.create(key="order")
+        with pytest.warns(RuntimeWarning, match="writes to database 'work', where no transaction"):
+            Noop.enqueue({"n": 1})
+        transaction.set_rollback(True)
+    # The caller's data rolled back; the item did not: it was never part of it.
+    assert not Effect.objects.filter(key="order").exists()
+    assert rows(WORK_ALIAS).count() == 1
+
+
+def test_the_warning_points_at_the_enqueuing_line(routed: None) -> None:
+    with pytest.warns(RuntimeWarning) as record, transaction.atomic():
+        Noop.enqueue_many([{"n": 1}, {"n": 2}])
+    assert record[0].filename == __file__
+
+
+def test_every_way_in_warns(routed: None) -> None:
+    from django_dbworker import enqueue
+    from tests.testapp.tasks import add
+
+    with transaction.atomic():
+        with pytest.warns(RuntimeWarning):
+            enqueue("noop", {"n": 1})
+        with pytest.warns(RuntimeWarning):
+            add.enqueue(1, 2)
+        # Once, for the batch; its items are in its transaction.
+        with pytest.warns(RuntimeWarning) as record, batch(on_complete=Noop):
+            Noop.enqueue({"n": 2})
+        assert len(record) == 1
+    assert rows(WORK_ALIAS).count() == 3
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_on_commit_enqueues_only_once_the_data_has_committed(routed: None, commit: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic():
+            Effect.objects.create(key="order")
+            transaction.on_commit(lambda: Noop.enqueue({"n": 1}), using="default")
+            assert not rows(WORK_ALIAS).exists()
+            transaction.set_rollback(not commit)
+    assert rows(WORK_ALIAS).count() == int(commit)
+
+
+def test_atomic_on_the_work_alias_groups_enqueues(routed: None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic(), transaction.atomic(using=WORK_ALIAS):
+            Noop.enqueue({"n": 1})
+            Noop.enqueue_many([{"n": 2}])
+            transaction.set_rollback(True, using=WORK_ALIAS)
+    assert not rows(WORK_ALIAS).exists()
+
+
+def test_no_warning_without_a_transaction_or_once_silenced(routed: None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Noop.enqueue({"n": 1})
+        with override_settings(SILENCED_SYSTEM_CHECKS=[NOT_ATOMIC_CHECK]), transaction.atomic():
+            Noop.enqueue({"n": 2})
+    assert rows(WORK_ALIAS).count() == 2
+
+
+def test_no_warning_when_work_and_transaction_share_the_alias() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic():
+            Noop.enqueue({"n": 1})
+            transaction.set_rollback(True)
+    assert not rows("default").exists()
