@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from django.apps import apps
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.recorder import MigrationRecorder
 from django.utils import timezone
@@ -197,11 +197,13 @@ class Command(BaseCommand):
         worker = Worker([registry[n] for n in names], config, watchers=watchers)
 
         logger.info(
-            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s",
+            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s",
             ",".join(names),
             ",".join(config.queues) if config.queues else "all",
             config.concurrency,
             operations(using).vendor,
+            # The alias too where the work is not on default (a queue database).
+            "" if using == DEFAULT_DB_ALIAS else f" alias={using}",
             " (burst)" if config.burst else "",
         )
         _log_schedules([registry[n] for n in names], config.queues)
