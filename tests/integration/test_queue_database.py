@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
+from django.core.management import call_command
 from django.db import router, transaction
+from django.db.models.functions import Now
 from django.test import override_settings
 
 from django_dbworker import batch
 from django_dbworker.checks import check_work_database, not_atomic_warnings
-from django_dbworker.models import Batch, Dependency, QueueState, WorkItem
+from django_dbworker.contrib.prometheus.collector import register
+from django_dbworker.models import Batch, Dependency, QueueState, Status, WorkItem
+from django_dbworker.retention import PruneFinished
 from django_dbworker.routing import NOT_ATOMIC_CHECK, QueueRouter
 from tests.routers import WORK_ALIAS
 from tests.testapp.models import Effect
@@ -181,3 +186,29 @@ def test_no_warning_when_work_and_transaction_share_the_alias() -> None:
             Noop.enqueue({"n": 1})
             transaction.set_rollback(True)
     assert not rows("default").exists()
+
+
+# -- the retention run prunes where it runs ---------------------------------------------
+
+
+@pytest.fixture
+def queue_collector() -> Iterator[None]:
+    # run_workers takes the web process's queue collector off the global registry.
+    yield
+    register()
+
+
+def test_the_retention_run_prunes_the_database_its_worker_runs_on(queue_collector: None) -> None:
+    """``run_workers --database work`` without routers: its hourly retention run prunes ``work``."""
+    old = {}
+    for alias in ("default", WORK_ALIAS):
+        old[alias] = WorkItem.objects.using(alias).create(
+            handler="noop", payload={}, max_attempts=1, status=Status.SUCCEEDED
+        )
+        WorkItem.objects.using(alias).filter(pk=old[alias].pk).update(
+            finished_at=Now() - timedelta(days=10)
+        )
+    PruneFinished.enqueue(using=WORK_ALIAS)
+    call_command("run_workers", PruneFinished.name, "--burst", "--database", WORK_ALIAS)
+    assert not rows(WORK_ALIAS).filter(pk=old[WORK_ALIAS].pk).exists()
+    assert rows("default").filter(pk=old["default"].pk).exists()
