@@ -19,19 +19,23 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import router, transaction
+from django.db import connections, router, transaction
 from django.db.models.functions import Now
 from django.test import override_settings
 
-from django_dbworker import batch
+from django_dbworker import batch, enqueue
 from django_dbworker.checks import check_work_database, not_atomic_warnings
 from django_dbworker.contrib.prometheus.collector import register
+from django_dbworker.db import operations
 from django_dbworker.models import Batch, Dependency, QueueState, Status, WorkItem
+from django_dbworker.pruning import prune
 from django_dbworker.retention import PruneFinished
 from django_dbworker.routing import NOT_ATOMIC_CHECK, QueueRouter
+from django_dbworker.stale import recover_stale
+from tests.factories import age_heartbeat
 from tests.routers import WORK_ALIAS
 from tests.testapp.models import Effect
-from tests.testapp.workers import Noop
+from tests.testapp.workers import Echo, Noop
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
 
@@ -133,7 +137,6 @@ def test_the_warning_points_at_the_enqueuing_line(routed: None) -> None:
 
 
 def test_every_way_in_warns(routed: None) -> None:
-    from django_dbworker import enqueue
     from tests.testapp.tasks import add
 
     with transaction.atomic():
@@ -212,3 +215,39 @@ def test_the_retention_run_prunes_the_database_its_worker_runs_on(queue_collecto
     call_command("run_workers", PruneFinished.name, "--burst", "--database", WORK_ALIAS)
     assert not rows(WORK_ALIAS).filter(pk=old[WORK_ALIAS].pk).exists()
     assert rows("default").filter(pk=old["default"].pk).exists()
+
+
+# -- internal entry points without an alias follow the routers as a whole ------------------
+
+
+def test_stale_recovery_without_an_alias_settles_on_the_routed_alias(routed: None) -> None:
+    """A row recovered for the last time ends its batch there, not on ``default``."""
+
+    with batch(on_complete=Echo) as b:
+        item = enqueue("noop", {"n": 1}, max_attempts=1)
+    [claimed] = operations(WORK_ALIAS).claim(
+        limit=1, handlers=["noop"], queues=None, worker="test:1:main", limits=None
+    )
+    assert claimed._state.db == WORK_ALIAS
+    age_heartbeat(item, 3600)
+    assert recover_stale(stale_after=60, log=False).failed == 1
+    assert rows(WORK_ALIAS).get(pk=item.pk).status == Status.FAILED
+    assert Batch.objects.using(WORK_ALIAS).get(pk=b.pk).completed_at is not None
+
+
+def test_prune_without_an_alias_opens_its_transactions_on_the_routed_alias(routed: None) -> None:
+
+    old = Noop.enqueue({"n": 1})
+    rows(WORK_ALIAS).filter(pk=old.pk).update(
+        status=Status.SUCCEEDED, finished_at=Now() - timedelta(days=10)
+    )
+    seen: list[bool] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith("DELETE"):
+            seen.append(connections["default"].in_atomic_block)
+        return execute(sql, params, many, context)
+
+    with connections[WORK_ALIAS].execute_wrapper(record):
+        assert prune(older_than=timedelta(days=7), statuses=[Status.SUCCEEDED]) == 1
+    assert seen and not any(seen), "a transaction on default around the queue's deletes"
