@@ -339,8 +339,8 @@ def not_atomic_warnings(
             f"Work items are written to database {work!r} (the routers' "
             f"db_for_write(WorkItem)), not {names}: an enqueue inside transaction.atomic() "
             f"on {names}{in_requests} commits on {work!r} at once, whether or not that "
-            "transaction commits, and an atomic handler's transaction is on "
-            f"{work!r} only.",
+            "transaction commits; and an atomic handler's transaction, which records its "
+            f"success, is on {work!r}: its writes to {names} are not exactly-once.",
             hint=(
                 "To enqueue only once your data has committed: transaction.on_commit(lambda: "
                 f"Handler.enqueue(...), using={callers[0]!r}). To make enqueues atomic together: "

@@ -30,6 +30,7 @@ from django_dbworker.db.wakers import (
     remove_local_waker,
     wake_payload,
 )
+from django_dbworker.routing import work_db_for_write
 
 __all__ = [
     "ServerProblem",
@@ -78,9 +79,10 @@ def operations(using: str | None = None) -> VendorOperations:
 
     One instance per alias and vendor, shared by all threads: it holds only
     a cache of Django's column converters (connections are looked up per
-    thread on each use).
+    thread on each use). Without ``using``: the alias the routers write the
+    work table to, as its querysets without one do.
     """
-    alias = using or DEFAULT_DB_ALIAS
+    alias = work_db_for_write(using)
     vendor = connections[alias].vendor
     ops = _instances.get((alias, vendor))
     if ops is not None:

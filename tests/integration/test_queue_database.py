@@ -251,3 +251,8 @@ def test_prune_without_an_alias_opens_its_transactions_on_the_routed_alias(route
     with connections[WORK_ALIAS].execute_wrapper(record):
         assert prune(older_than=timedelta(days=7), statuses=[Status.SUCCEEDED]) == 1
     assert seen and not any(seen), "a transaction on default around the queue's deletes"
+
+
+def test_vendor_operations_without_an_alias_are_the_routed_alias(routed: None) -> None:
+    assert operations().using == WORK_ALIAS
+    assert operations("default").using == "default"
