@@ -21,7 +21,8 @@ from django_dbworker import batch
 from django_dbworker.models import Batch, Dependency, PeriodicSchedule, QueueState, WorkItem
 from tests.conftest import wait_until
 from tests.routers import WORK_ALIAS
-from tests.testapp.workers import Echo, Noop
+from tests.testapp.models import Execution
+from tests.testapp.workers import Echo, Noop, NoRetry
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
 
@@ -87,13 +88,21 @@ def test_a_burst_runs_the_queue_databases_work_and_leaves_default_alone(
     child = Noop.enqueue({"n": "child"}, after=[items[0]])
     with batch(on_complete=Echo, payload={"import": 7}) as b:
         Noop.enqueue_many([{"n": "in batch"}, {"n": "in batch too"}])
+    # Its handler writes to default (the project's table); its failure is the queue's.
+    failing = NoRetry.enqueue({"key": "fails"})
     before = _default_work_table_activity()
 
-    worker = start_worker("noop", "echo", "--burst", "--concurrency", "2", env=queue_env)
+    worker = start_worker(
+        "noop", "echo", "no_retry", "--burst", "--concurrency", "2", env=queue_env
+    )
     assert worker.wait(60) == 0, worker.log()
 
     assert "alias=work" in worker.log(), worker.log()
     done = WorkItem.objects.using(WORK_ALIAS)
+    failed = done.get(pk=failing.pk)
+    assert failed.status == "failed" and "not a retryable error" in failed.last_error
+    assert Execution.objects.filter(key="fails").count() == 1
+    done = done.exclude(pk=failing.pk)
     assert set(done.values_list("status", flat=True)) == {"succeeded"}, worker.log()
     assert done.count() == len(items) + 1 + 2 + 1  # the batch's callback too
     assert done.get(pk=child.pk).status == "succeeded"
