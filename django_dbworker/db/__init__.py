@@ -122,6 +122,13 @@ def server_problems(using: str) -> list[ServerProblem]:
     return ops.server_problems()
 
 
+def migrate_command(using: str) -> str:
+    """The command that migrates the work tables on ``using`` (one alias at a time)."""
+    if using == DEFAULT_DB_ALIAS:
+        return "manage.py migrate"
+    return f"manage.py migrate --database {using}"
+
+
 def setup_problem(using: str, exc: BaseException) -> str | None:
     """What a first-day mistake behind ``exc`` is, and its fix, in one sentence; or None.
 
@@ -134,7 +141,7 @@ def setup_problem(using: str, exc: BaseException) -> str | None:
     if is_missing_table(exc):
         return (
             f"The django_dbworker tables do not exist in database {using!r} ({said}): "
-            "run `manage.py migrate` first."
+            f"run `{migrate_command(using)}` first."
         )
     conn = connections[using]
     name = str(conn.settings_dict.get("NAME") or "")

@@ -19,14 +19,14 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import connections, router, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
 from django.test import override_settings
 
 from django_dbworker import batch, enqueue
 from django_dbworker.checks import check_work_database, not_atomic_warnings
 from django_dbworker.contrib.prometheus.collector import register
-from django_dbworker.db import operations
+from django_dbworker.db import operations, setup_problem
 from django_dbworker.models import Batch, Dependency, QueueState, Status, WorkItem
 from django_dbworker.pruning import prune
 from django_dbworker.retention import PruneFinished
@@ -256,3 +256,16 @@ def test_prune_without_an_alias_opens_its_transactions_on_the_routed_alias(route
 def test_vendor_operations_without_an_alias_are_the_routed_alias(routed: None) -> None:
     assert operations().using == WORK_ALIAS
     assert operations("default").using == "default"
+
+
+def test_a_missing_work_table_on_the_queue_database_names_its_migrate_command() -> None:
+    def missing_table(alias: str) -> DatabaseError:
+        with pytest.raises(DatabaseError) as missing, connections[alias].cursor() as cursor:
+            cursor.execute("SELECT id FROM django_dbworker_no_such_table")
+        return missing.value
+
+    problem = setup_problem(WORK_ALIAS, missing_table(WORK_ALIAS))
+    assert problem is not None and "`manage.py migrate --database work`" in problem
+    assert "run `manage.py migrate` first" in str(
+        setup_problem("default", missing_table("default"))
+    )

@@ -20,7 +20,7 @@ from django.db.migrations.recorder import MigrationRecorder
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
-from django_dbworker.db import UnsupportedDatabase, operations, setup_problem
+from django_dbworker.db import UnsupportedDatabase, migrate_command, operations, setup_problem
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
@@ -246,7 +246,7 @@ class Command(BaseCommand):
         if pending:
             raise CommandError(
                 f"django_dbworker migrations are not applied to database {using!r} "
-                f"({pending} pending). Run `manage.py migrate` first."
+                f"({pending} pending). Run `{migrate_command(using)}` first."
             )
 
     def _start_metrics_server(self, options: dict[str, Any]) -> None:
