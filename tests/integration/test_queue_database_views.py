@@ -182,3 +182,16 @@ def test_a_completed_batch_is_pruned_with_its_items(nothing_on_default: None) ->
     call_command("dbworker_prune", "--older-than", "7d", stdout=StringIO())
     assert not rows().exists()
     assert not Batch.objects.using(WORK_ALIAS).filter(pk=b.pk).exists()
+
+
+def test_the_tasks_backend_enqueues_and_reads_results_on_the_queue_database(
+    nothing_on_default: None,
+) -> None:
+    from django_dbworker.testing import run_until_empty
+    from tests.testapp.tasks import add
+
+    result = add.enqueue(2, 3)
+    assert rows().filter(pk=int(result.id)).exists()
+    assert run_until_empty() == {"succeeded": 1}
+    fetched = add.get_result(result.id)
+    assert fetched.status == "SUCCESSFUL" and fetched.return_value == 5
