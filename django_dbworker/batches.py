@@ -28,7 +28,7 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Batch, WorkItem
 from django_dbworker.payloads import encode_payload
 from django_dbworker.registry import registry
-from django_dbworker.routing import work_db_for_write
+from django_dbworker.routing import warn_if_outside_transaction, work_db_for_write
 
 #: Keys of the callback's payload that the batch fills in.
 RESERVED_KEYS = ("batch", "succeeded", "failed", "cancelled")
@@ -108,6 +108,7 @@ def batch(
     if _current.get() is not None:
         raise EnqueueError("batch() blocks do not nest: close the open batch first.")
     db = work_db_for_write(using)
+    warn_if_outside_transaction(db)
     with transaction.atomic(using=db):
         row = Batch.objects.using(db).create(
             on_complete=handler.name,

@@ -8,7 +8,8 @@ Django's tasks checks), E018 for a database server too old to run the worker
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
 ``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
 ``concurrency_limit``, W001-W009 for risky but
-working configurations (W004: a MySQL binary log that is not row-based).
+working configurations (W004: a MySQL binary log that is not row-based; W006:
+work written to another database than the one transactions are opened on).
 Checks read settings only and never connect, except the database checks
 (``Tags.database``), which Django runs only when asked (``migrate``,
 ``check --database``). Each value is validated by ``validation.SETTINGS``, the
@@ -22,6 +23,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import DEFAULT_DB_ALIAS
 
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
@@ -29,6 +31,7 @@ from django_dbworker.db import server_problems
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.periodic import periodic_handlers
 from django_dbworker.registry import registry
+from django_dbworker.routing import NOT_ATOMIC_CHECK, work_db_for_write
 
 #: Check ids of keys whose own id predates the shared validators; other keys
 #: report E003 (wrong type) or E004 (out of range).
@@ -300,3 +303,51 @@ def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
             )
         )
     return errors
+
+
+@register(Tags.compatibility)
+def check_work_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Say that enqueue is not atomic with the project's transactions when the work is elsewhere.
+
+    The routers write ``WorkItem`` to one alias; ``transaction.atomic()``
+    opens on ``default``, and ``ATOMIC_REQUESTS`` on its own aliases. An
+    enqueue on another alias than those commits at once, whatever becomes of
+    the caller's transaction: a warning, silenced once that is intended
+    (which silences the enqueue-time ``RuntimeWarning`` too). Reads settings
+    and routers only.
+    """
+    return not_atomic_warnings(work_db_for_write(), getattr(settings, "DATABASES", {}))
+
+
+def not_atomic_warnings(
+    work: str, databases: Mapping[str, Mapping[str, Any]]
+) -> list[CheckMessage]:
+    """W006 for work written to ``work`` under these ``DATABASES``, if it applies."""
+    atomic_requests = [alias for alias, conf in databases.items() if conf.get("ATOMIC_REQUESTS")]
+    callers = sorted({DEFAULT_DB_ALIAS, *atomic_requests} - {work})
+    if not callers:
+        return []
+    names = " and ".join(repr(alias) for alias in callers)
+    requests = [alias for alias in callers if alias in atomic_requests]
+    in_requests = (
+        f" (and every request: ATOMIC_REQUESTS on {', '.join(map(repr, requests))})"
+        if requests
+        else ""
+    )
+    return [
+        Warning(
+            f"Work items are written to database {work!r} (the routers' "
+            f"db_for_write(WorkItem)), not {names}: an enqueue inside transaction.atomic() "
+            f"on {names}{in_requests} commits on {work!r} at once, whether or not that "
+            "transaction commits; and an atomic handler's transaction, which records its "
+            f"success, is on {work!r}: its writes to {names} are not exactly-once.",
+            hint=(
+                "To enqueue only once your data has committed: transaction.on_commit(lambda: "
+                f"Handler.enqueue(...), using={callers[0]!r}). To make enqueues atomic together: "
+                f"transaction.atomic(using={work!r}). If this is what you want, add "
+                f"{NOT_ATOMIC_CHECK!r} to SILENCED_SYSTEM_CHECKS (this also silences the "
+                "RuntimeWarning of an enqueue inside a transaction on another database)."
+            ),
+            id=NOT_ATOMIC_CHECK,
+        )
+    ]

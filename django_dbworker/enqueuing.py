@@ -39,7 +39,7 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 from django_dbworker.payloads import encode_payload
 from django_dbworker.registry import registry
-from django_dbworker.routing import work_db_for_write
+from django_dbworker.routing import warn_if_outside_transaction, work_db_for_write
 
 #: A unique_key conflict whose holder finishes before we can read it is retried this often.
 UNIQUE_RETRIES = 5
@@ -252,6 +252,7 @@ def insert_one(
             "unique_key cannot be used inside a batch() block: an enqueue that finds the "
             "key's live row returns that row, which is not the batch's."
         )
+    warn_if_outside_transaction(db)
     encoded = None if payload is None else payload_json
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
@@ -438,6 +439,7 @@ def insert_many(
         return []
     run_after = options.run_after
     db = work_db_for_write(options.using)
+    warn_if_outside_transaction(db)
     batch_id = current_batch_id(db)
     if batch_id is not None:
         for item in items:

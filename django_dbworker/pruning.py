@@ -18,6 +18,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from django_dbworker.models import FINISHED_STATUSES, Batch, Dependency, WorkItem
+from django_dbworker.routing import work_db_for_write
 
 
 def prune(
@@ -36,6 +37,7 @@ def prune(
     ``queues`` narrows it to those queues; ``dry_run`` counts the rows it
     would delete and deletes none.
     """
+    using = work_db_for_write(using)  # the deletes and their transactions: one alias
     allowed = [s for s in statuses if s in FINISHED_STATUSES]
     base = WorkItem.objects.using(using).filter(
         status__in=allowed, finished_at__lt=Now() - older_than

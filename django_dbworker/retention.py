@@ -16,8 +16,9 @@ so a run over millions of rows never holds a lock for long.
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django_dbworker import validation
 from django_dbworker.conf import dbworker_settings
@@ -26,7 +27,13 @@ from django_dbworker.periodic import PeriodicHandler
 from django_dbworker.pruning import prune
 from django_dbworker.routing import work_db_for_write
 
+if TYPE_CHECKING:
+    from django_dbworker.models import WorkItem
+
 logger = logging.getLogger("django_dbworker.retention")
+
+#: The database of the run's own work item, while it runs (this thread's).
+_running_on: ContextVar[str | None] = ContextVar("dbworker_retention_db", default=None)
 
 #: Rows deleted per statement (and per transaction).
 BATCH_SIZE = 1000
@@ -50,9 +57,18 @@ class PruneFinished(PeriodicHandler):
         ages = retention_ages()
         return ages is not None and any(age is not None for age in ages.values())
 
+    def handle_item(self, item: WorkItem) -> Any:
+        # Prune the table this run's item came from: a worker started with
+        # --database runs it there, whatever the routers say.
+        token = _running_on.set(item._state.db)
+        try:
+            return super().handle_item(item)
+        finally:
+            _running_on.reset(token)
+
     def run(self) -> dict[str, Any]:
         ages = retention_ages() or {}
-        using = work_db_for_write(None)
+        using = work_db_for_write(_running_on.get())
         deleted: dict[str, int] = {}
         for status, age in ages.items():
             if age is None:

@@ -25,6 +25,7 @@ from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
 from django_dbworker.history import WORKER_LOST, with_history
 from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
+from django_dbworker.routing import work_db_for_write
 
 logger = logging.getLogger("django_dbworker.transitions")
 
@@ -73,6 +74,9 @@ def recover_stale(
     staleness condition, so a row recovered by another process (or heartbeated
     meanwhile) is not touched again. The lost run counts as an attempt.
     """
+    # One alias for the rows, their settling and the transaction: without
+    # one, the routers' write alias (the pass writes).
+    using = work_db_for_write(using)
     seconds = float(dbworker_settings.STALE_AFTER if stale_after is None else stale_after)
     base = WorkItem.objects.using(using).stale(timedelta(seconds=seconds))
     if handlers is not None:

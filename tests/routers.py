@@ -1,4 +1,4 @@
-"""A router that puts the work table on the ``work`` alias (tests/settings.py).
+"""Routers that put the work tables on the ``work`` alias (tests/settings.py).
 
 Active only where a test turns it on with ``override_settings(DATABASE_ROUTERS=...)``.
 """
@@ -6,6 +6,8 @@ Active only where a test turns it on with ``override_settings(DATABASE_ROUTERS=.
 from __future__ import annotations
 
 from typing import Any
+
+from django_dbworker.routing import QueueRouter
 
 WORK_ALIAS = "work"
 
@@ -16,3 +18,9 @@ class WorkOnSecondAlias:
 
     db_for_read = _route
     db_for_write = _route
+
+
+class QueueOnWork(QueueRouter):
+    """The shipped router (django_dbworker.routing.QueueRouter), on the ``work`` alias."""
+
+    database = WORK_ALIAS

@@ -125,6 +125,12 @@ else:
 # Process tests point run_workers subprocesses at the test database by name.
 if os.environ.get("DBWORKER_TEST_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
+if os.environ.get("DBWORKER_TEST_WORK_DB_NAME"):
+    DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_WORK_DB_NAME"]
+# ... and, for a queue database of its own (tests/process/test_queue_database.py),
+# at the router that puts the work there.
+if os.environ.get("DBWORKER_TEST_ROUTERS"):
+    DATABASE_ROUTERS = os.environ["DBWORKER_TEST_ROUTERS"].split(",")
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -30,6 +30,7 @@ from django_dbworker.db.wakers import (
     remove_local_waker,
     wake_payload,
 )
+from django_dbworker.routing import work_db_for_write
 
 __all__ = [
     "ServerProblem",
@@ -78,9 +79,10 @@ def operations(using: str | None = None) -> VendorOperations:
 
     One instance per alias and vendor, shared by all threads: it holds only
     a cache of Django's column converters (connections are looked up per
-    thread on each use).
+    thread on each use). Without ``using``: the alias the routers write the
+    work table to, as its querysets without one do.
     """
-    alias = using or DEFAULT_DB_ALIAS
+    alias = work_db_for_write(using)
     vendor = connections[alias].vendor
     ops = _instances.get((alias, vendor))
     if ops is not None:
@@ -120,6 +122,13 @@ def server_problems(using: str) -> list[ServerProblem]:
     return ops.server_problems()
 
 
+def migrate_command(using: str) -> str:
+    """The command that migrates the work tables on ``using`` (one alias at a time)."""
+    if using == DEFAULT_DB_ALIAS:
+        return "manage.py migrate"
+    return f"manage.py migrate --database {using}"
+
+
 def setup_problem(using: str, exc: BaseException) -> str | None:
     """What a first-day mistake behind ``exc`` is, and its fix, in one sentence; or None.
 
@@ -132,7 +141,7 @@ def setup_problem(using: str, exc: BaseException) -> str | None:
     if is_missing_table(exc):
         return (
             f"The django_dbworker tables do not exist in database {using!r} ({said}): "
-            "run `manage.py migrate` first."
+            f"run `{migrate_command(using)}` first."
         )
     conn = connections[using]
     name = str(conn.settings_dict.get("NAME") or "")

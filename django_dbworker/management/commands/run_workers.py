@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 from django.apps import apps
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.recorder import MigrationRecorder
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
-from django_dbworker.db import UnsupportedDatabase, operations, setup_problem
+from django_dbworker.db import UnsupportedDatabase, migrate_command, operations, setup_problem
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
@@ -197,11 +197,13 @@ class Command(BaseCommand):
         worker = Worker([registry[n] for n in names], config, watchers=watchers)
 
         logger.info(
-            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s",
+            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s",
             ",".join(names),
             ",".join(config.queues) if config.queues else "all",
             config.concurrency,
             operations(using).vendor,
+            # The alias too where the work is not on default (a queue database).
+            "" if using == DEFAULT_DB_ALIAS else f" alias={using}",
             " (burst)" if config.burst else "",
         )
         _log_schedules([registry[n] for n in names], config.queues)
@@ -244,7 +246,7 @@ class Command(BaseCommand):
         if pending:
             raise CommandError(
                 f"django_dbworker migrations are not applied to database {using!r} "
-                f"({pending} pending). Run `manage.py migrate` first."
+                f"({pending} pending). Run `{migrate_command(using)}` first."
             )
 
     def _start_metrics_server(self, options: dict[str, Any]) -> None:

@@ -1,0 +1,145 @@
+"""``run_workers`` on a queue database of its own: claims, outcomes, batches, wake-ups.
+
+The subprocess runs with ``DATABASE_ROUTERS = ["tests.routers.QueueOnWork"]``
+(the shipped ``QueueRouter`` on the ``work`` alias, a second database of the
+same server): every row it claims and records is there, and it leaves the
+work tables of ``default`` untouched, not read, not written (on PostgreSQL,
+the server's own table statistics say so). Its wake-ups are LISTENed to on
+the queue database, where enqueues NOTIFY.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.test import override_settings
+
+from django_dbworker import batch
+from django_dbworker.models import Batch, Dependency, PeriodicSchedule, QueueState, WorkItem
+from tests.conftest import wait_until
+from tests.routers import WORK_ALIAS
+from tests.testapp.models import Execution
+from tests.testapp.workers import Echo, Noop, NoRetry
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
+
+ROUTER = "tests.routers.QueueOnWork"
+WORK_MODELS = (WorkItem, Batch, Dependency, QueueState, PeriodicSchedule)
+
+
+@pytest.fixture
+def routed() -> Iterator[None]:
+    with override_settings(DATABASE_ROUTERS=[ROUTER]):
+        yield
+
+
+@pytest.fixture
+def queue_env(worker_env: dict[str, str]) -> dict[str, str]:
+    """The subprocess's settings: the same router, the ``work`` alias at its test database."""
+    return {
+        **worker_env,
+        "DBWORKER_TEST_ROUTERS": ROUTER,
+        "DBWORKER_TEST_WORK_DB_NAME": str(connections[WORK_ALIAS].settings_dict["NAME"]),
+    }
+
+
+def _other_backends(alias: str) -> int:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _default_work_table_activity() -> int | None:
+    """Scans, inserts, updates and deletes the server counted on default's work tables.
+
+    None off PostgreSQL. Read once no other session is connected to default:
+    a session's counts reach the statistics when it ends, at the latest (this
+    test's own session too: it starts a new one).
+    """
+    if connections["default"].vendor != "postgresql":
+        return None
+    connections["default"].close()
+    wait_until(lambda: _other_backends("default") == 0, timeout=30, what="default to be idle")
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT coalesce(sum(coalesce(seq_scan, 0) + coalesce(idx_scan, 0) + n_tup_ins"
+            " + n_tup_upd + n_tup_del), 0) FROM pg_stat_user_tables"
+            " WHERE relname LIKE 'django\\_dbworker\\_%%'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _nothing_on_default() -> None:
+    for model in WORK_MODELS:
+        assert not model.objects.using("default").exists(), model.__name__
+
+
+def test_a_burst_runs_the_queue_databases_work_and_leaves_default_alone(
+    routed: None, queue_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    items = Noop.enqueue_many([{"n": n} for n in range(5)])
+    child = Noop.enqueue({"n": "child"}, after=[items[0]])
+    with batch(on_complete=Echo, payload={"import": 7}) as b:
+        Noop.enqueue_many([{"n": "in batch"}, {"n": "in batch too"}])
+    # Its handler writes to default (the project's table); its failure is the queue's.
+    failing = NoRetry.enqueue({"key": "fails"})
+    before = _default_work_table_activity()
+
+    worker = start_worker(
+        "noop", "echo", "no_retry", "--burst", "--concurrency", "2", env=queue_env
+    )
+    assert worker.wait(60) == 0, worker.log()
+
+    assert "alias=work" in worker.log(), worker.log()
+    done = WorkItem.objects.using(WORK_ALIAS)
+    failed = done.get(pk=failing.pk)
+    assert failed.status == "failed" and "not a retryable error" in failed.last_error
+    assert Execution.objects.filter(key="fails").count() == 1
+    done = done.exclude(pk=failing.pk)
+    assert set(done.values_list("status", flat=True)) == {"succeeded"}, worker.log()
+    assert done.count() == len(items) + 1 + 2 + 1  # the batch's callback too
+    assert done.get(pk=child.pk).status == "succeeded"
+    finished = Batch.objects.using(WORK_ALIAS).get(pk=b.pk)
+    assert finished.completed_at is not None
+    callback = done.get(pk=finished.callback_id)
+    assert callback.payload["succeeded"] == 2
+    assert _default_work_table_activity() == before
+    _nothing_on_default()
+
+
+@pytest.mark.postgres_only
+def test_wakeups_are_listened_to_on_the_queue_database(
+    routed: None, queue_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    before = _default_work_table_activity()
+    # A 30 s poll: only a wake-up can bring the item to the worker in time.
+    worker = start_worker("noop", env={**queue_env, "DBWORKER_POLL_INTERVAL": "30"})
+
+    def listening(alias: str) -> int:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE btrim(query, E' \\n') = 'LISTEN django_dbworker'"
+                " AND datname = current_database()"
+            )
+            return int(cursor.fetchone()[0])
+
+    wait_until(lambda: listening(WORK_ALIAS) == 1, timeout=30, what="the worker to LISTEN")
+    assert listening("default") == 0
+    item = Noop.enqueue({"n": 1})
+    wait_until(
+        lambda: WorkItem.objects.using(WORK_ALIAS).filter(pk=item.pk, status="succeeded").exists(),
+        timeout=10,
+        what="the woken worker to run the item",
+    )
+    worker.signal(15)
+    assert worker.wait(30) == 0, worker.log()
+    assert _default_work_table_activity() == before
+    _nothing_on_default()
