@@ -232,20 +232,36 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 """,
 )
 
-# The separate "w.id = ANY(ids)" pins the plan to primary-key lookups, whatever the
-# planner thinks of the join with the unnested arrays.
+# A worker's success writes and heartbeats update the same claimed rows from two
+# connections: both lock them first, in id order (a LockRows over a sort), so one waits
+# for the other. Each locking in the order its plan met the rows (the success write in
+# its arrays' order, the heartbeat in the table's) deadlocked, once in 12 drains of
+# 50,000 items (bench/scale_processes.py): an error after deadlock_timeout, one second.
+_LOCKED_IN_ID_ORDER = """
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+)"""
+
+# The separate "w.id = l.id" from the locked ids pins the plan to primary-key lookups,
+# whatever the planner thinks of the join with the unnested arrays.
 SUCCEED_MANY = Statement(
     "succeed_many",
     "Record the successes of several attempts, each fenced by its own id, token and status.",
-    """
+    _LOCKED_IN_ID_ORDER
+    + """
 UPDATE django_dbworker_workitem AS w
 SET status = 'succeeded',
     result = v.result,
     finished_at = statement_timestamp(),
     updated_at = statement_timestamp(),
     last_error = ''
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
-WHERE w.id = ANY(%(ids)s::bigint[])
+FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = l.id
   AND w.id = v.id
   AND w.claim_token = v.token
   AND w.status = 'claimed'
@@ -258,13 +274,13 @@ RETURNING w.id, w.claim_token, w.has_dependents
 HEARTBEAT = Statement(
     "heartbeat",
     "Refresh the heartbeats of the attempts still held; return them with their cancel requests.",
-    """
-UPDATE django_dbworker_workitem
+    _LOCKED_IN_ID_ORDER
+    + """
+UPDATE django_dbworker_workitem AS w
 SET heartbeat_at = statement_timestamp()
-WHERE id = ANY(%(ids)s::bigint[])
-  AND claim_token = ANY(%(tokens)s::uuid[])
-  AND status = 'claimed'
-RETURNING id, claim_token, cancel_requested_at IS NOT NULL
+FROM l
+WHERE w.id = l.id
+RETURNING w.id, w.claim_token, w.cancel_requested_at IS NOT NULL
 """,
 )
 

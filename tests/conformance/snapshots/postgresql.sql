@@ -257,14 +257,22 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+)
 UPDATE django_dbworker_workitem AS w
 SET status = 'succeeded',
     result = v.result,
     finished_at = statement_timestamp(),
     updated_at = statement_timestamp(),
     last_error = ''
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
-WHERE w.id = ANY(%(ids)s::bigint[])
+FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = l.id
   AND w.id = v.id
   AND w.claim_token = v.token
   AND w.status = 'claimed'
@@ -272,12 +280,19 @@ RETURNING w.id, w.claim_token, w.has_dependents;
 
 -- name: heartbeat
 -- Refresh the heartbeats of the attempts still held; return them with their cancel requests.
-UPDATE django_dbworker_workitem
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE django_dbworker_workitem AS w
 SET heartbeat_at = statement_timestamp()
-WHERE id = ANY(%(ids)s::bigint[])
-  AND claim_token = ANY(%(tokens)s::uuid[])
-  AND status = 'claimed'
-RETURNING id, claim_token, cancel_requested_at IS NOT NULL;
+FROM l
+WHERE w.id = l.id
+RETURNING w.id, w.claim_token, w.cancel_requested_at IS NOT NULL;
 
 -- name: insert_item
 -- Insert one pending row and notify its queue, in one round trip.
