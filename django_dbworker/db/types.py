@@ -97,6 +97,14 @@ class Subscription(Protocol):
         """
         ...
 
+    def probed(self, token: str) -> bool:
+        """Whether the probe ``token`` (``VendorOperations.send_probe``) arrived.
+
+        Probes arrive on a channel of their own, read by ``receive``
+        alongside the wake-ups and never yielded by it.
+        """
+        ...
+
     def close(self) -> None:
         """Stop listening and close the connection."""
         ...
