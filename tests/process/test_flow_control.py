@@ -83,6 +83,7 @@ def test_a_pause_stops_every_worker_survives_a_restart_and_resume_restarts_them(
     assert Execution.objects.filter(kind="pausable").count() == 10
 
 
+@pytest.mark.pgbouncer
 def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     n, items = 20, 70
     workers = [start_worker("rated", "--concurrency", "4") for _ in range(2)]
