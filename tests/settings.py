@@ -155,7 +155,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
     SILENCED_SYSTEM_CHECKS = ["models.W036", "models.W037", "models.W043"]
 
 # Fast clocks for the process tests; the suite never waits on production defaults.
-DBWORKER = {
+DBWORKER: dict[str, object] = {
     "POLL_INTERVAL": float(os.environ.get("DBWORKER_POLL_INTERVAL", "0.2")),
     "HEARTBEAT_INTERVAL": float(os.environ.get("DBWORKER_HEARTBEAT_INTERVAL", "0.3")),
     "STALE_AFTER": float(os.environ.get("DBWORKER_STALE_AFTER", "60")),
