@@ -362,17 +362,6 @@ class VendorOperations(ABC):
         """
         raise NotImplementedError(f"{self.vendor} has no cross-process wake-ups")
 
-    def send_probe(self, token: str) -> None:
-        """Send ``token`` to the subscriptions of this database, on a connection of its own.
-
-        The check that wake-ups reach a listener (``Subscription.probed``):
-        sent the way enqueuers send wake-ups, on this alias's database, but
-        on a fresh autocommit connection, never the listener's own (through
-        a pooler that one may share a server session with the listener's
-        LISTEN). Only where ``supports_notify``.
-        """
-        raise NotImplementedError(f"{self.vendor} has no cross-process wake-ups")
-
     # -- statistics for the admin and the stats ----------------------------------
 
     @abstractmethod

@@ -3,7 +3,7 @@
 One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes,
 inserts that carry their own NOTIFY or, with WAKEUP_WINDOW, send it after
 the commit (``wake_window.py``; a large batch goes in by COPY), LISTEN
-wake-ups and planner estimates. The claims and the success writes bind
+wake-ups (``postgresql_listen.py``) and planner estimates. The claims and the success writes bind
 their array parameters on the server, on a psycopg cursor that Django
 wraps as its own; the enqueue statements do where the connection allows
 prepared statements. This module writes no SQL: every text it runs is a
@@ -28,6 +28,7 @@ from django.db.models import QuerySet
 from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, current_limits
+from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
     CLAIM_WITHIN_LIMITS,
     COPY_ITEMS,
@@ -38,10 +39,7 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEM_QUIET,
     INSERT_ITEMS,
     INSERT_ITEMS_QUIET,
-    LISTEN,
-    LISTEN_PROBE,
     NOTIFY,
-    NOTIFY_PROBE,
     READ_COMMITTED,
     RESERVE_IDS,
     RUN_TIMES,
@@ -74,9 +72,6 @@ COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
 COPY_CHUNK = 1000
-
-#: The channel of the listeners' probes (``LISTEN_PROBE``, ``NOTIFY_PROBE``).
-PROBE_CHANNEL = "django_dbworker_probe"
 
 #: The type whose loader Django sets to its time zone (``create_cursor``).
 TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
@@ -438,15 +433,6 @@ class PostgresOperations(VendorOperations):
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)
 
-    def send_probe(self, token: str) -> None:
-        wrapper = self.connection
-        conn = wrapper.get_new_connection(wrapper.get_connection_params())
-        try:
-            conn.autocommit = True
-            conn.execute(NOTIFY_PROBE.sql, {"token": token})
-        finally:
-            conn.close()
-
     def distinct_queues(self) -> list[str]:
         return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
 
@@ -484,42 +470,3 @@ class PostgresOperations(VendorOperations):
         if set(stats) != set(columns):
             return None
         return TableEstimate(reltuples, stats)
-
-
-class PostgresSubscription:
-    """A dedicated autocommit connection LISTENing for wake-ups (and for its probes).
-
-    Outside Django's per-thread connections: it lives as long as the
-    listener thread, and LISTEN only works outside a transaction block.
-    LISTEN is session state: through a pooler in transaction mode
-    (PgBouncer's ``pool_mode = transaction``) the statement succeeds, but
-    the server session it ran in is handed to other clients, and nothing
-    notified reaches this connection. The probes (``send_probe``) are how
-    the worker finds out.
-    """
-
-    def __init__(self, wrapper: Any) -> None:
-        self._conn = wrapper.get_new_connection(wrapper.get_connection_params())
-        self._probes: set[str] = set()
-        try:
-            self._conn.autocommit = True
-            self._conn.execute(LISTEN.sql)
-            self._conn.execute(LISTEN_PROBE.sql)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def receive(self, timeout: float) -> Iterator[str]:
-        # psycopg 3's notifies() yields each notification as it arrives and
-        # returns after ``timeout`` seconds in all.
-        for note in self._conn.notifies(timeout=timeout):
-            if note.channel == PROBE_CHANNEL:
-                self._probes.add(note.payload)
-            else:
-                yield note.payload
-
-    def probed(self, token: str) -> bool:
-        return token in self._probes
-
-    def close(self) -> None:
-        self._conn.close()

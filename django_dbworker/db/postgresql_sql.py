@@ -403,26 +403,6 @@ LISTEN django_dbworker
 """,
 )
 
-# The start-up check that wake-ups reach the listener (worker/wakeup.py): a
-# channel of its own, so that no other worker takes a probe for a wake-up.
-# Through a pooler in transaction mode the LISTEN lasts one transaction and
-# the probe never arrives; that silence is what the check detects.
-LISTEN_PROBE = Statement(
-    "listen_probe",
-    "Receive the probes that check wake-ups reach this listener (on its own connection).",
-    """
-LISTEN django_dbworker_probe
-""",
-)
-
-NOTIFY_PROBE = Statement(
-    "notify_probe",
-    "Send a listener's probe, on the work table's database, as enqueuers send wake-ups.",
-    """
-SELECT pg_notify('django_dbworker_probe', %(token)s)
-""",
-)
-
 # SELECT DISTINCT queue reads every row (or index entry); this recursive
 # query jumps from one queue to the next through dbworker_queue_idx.
 DISTINCT_QUEUES = Statement(

@@ -97,12 +97,15 @@ class Subscription(Protocol):
         """
         ...
 
-    def probed(self, token: str) -> bool:
-        """Whether the probe ``token`` (``VendorOperations.send_probe``) arrived.
+    def probe(self, token: str, via: str) -> None:
+        """Notify ``token`` as a probe on alias ``via``'s database, on a connection of its own.
 
-        Probes arrive on a channel of their own, read by ``receive``
-        alongside the wake-ups and never yielded by it.
+        Sent the way an enqueuer sends a wake-up; ``probed`` says whether it arrived.
         """
+        ...
+
+    def probed(self, token: str) -> bool:
+        """Whether the probe ``token`` arrived (read by ``receive``, never yielded by it)."""
         ...
 
     def close(self) -> None:

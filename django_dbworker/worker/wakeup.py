@@ -260,9 +260,9 @@ class Listener(threading.Thread):
     def _check(self, subscription: Subscription) -> None:
         """Probe once that wake-ups reach this subscription; warn if they do not.
 
-        A probe is a notification of its own channel, sent on
-        ``probe_using``'s database on a fresh connection
-        (``VendorOperations.send_probe``), as an enqueuer would wake this
+        A probe is a notification on the wake-up channel whose payload
+        names no queue, sent on ``probe_using``'s database on a fresh
+        connection (``Subscription.probe``), as an enqueuer would wake this
         worker. Not arriving within ``probe_timeout`` means the LISTEN does
         not hold: a pooler in transaction mode, or a WAKEUP_DATABASE that
         reaches another database. The worker still works, polling.
@@ -275,7 +275,7 @@ class Listener(threading.Thread):
                 return
             token = uuid.uuid4().hex
             try:
-                operations(self.probe_using).send_probe(token)
+                subscription.probe(token, self.probe_using)
             except Exception:
                 # The work table's database is away: try again later.
                 self._next_probe = now + self.probe_timeout
