@@ -60,21 +60,6 @@ def wake_payload(queue: str, priority: int = 0) -> str:
     return queue if priority == 0 else f"{queue} {priority}"
 
 
-# A listener's probe (worker/wakeup.py: does a notification reach it?) goes
-# on the wake-up channel with a payload that cannot be a queue name ("!" is
-# not in a queue name's characters), so no worker takes it for a wake-up.
-PROBE_PREFIX = "!probe "
-
-
-def probe_payload(token: str) -> str:
-    return PROBE_PREFIX + token
-
-
-def probe_token(payload: str) -> str | None:
-    """The token of a probe's payload; None for a wake-up."""
-    return payload.removeprefix(PROBE_PREFIX) if payload.startswith(PROBE_PREFIX) else None
-
-
 def parse_wake_payload(payload: str) -> tuple[str, int]:
     """``(queue, priority)``; a payload that names no valid priority announces 0."""
     queue, _, priority = payload.partition(" ")

@@ -260,10 +260,10 @@ class Listener(threading.Thread):
     def _check(self, subscription: Subscription) -> None:
         """Probe once that wake-ups reach this subscription; warn if they do not.
 
-        A probe is a notification on the wake-up channel whose payload
-        names no queue, sent on ``probe_using``'s database on a fresh
-        connection (``Subscription.probe``), as an enqueuer would wake this
-        worker. Not arriving within ``probe_timeout`` means the LISTEN does
+        A probe is a notification on a channel of its own (so that nothing
+        takes it for a wake-up), sent on ``probe_using``'s database on a
+        fresh connection (``Subscription.probe``), as an enqueuer would wake
+        this worker. Not arriving within ``probe_timeout`` means the LISTEN does
         not hold: a pooler in transaction mode, or a WAKEUP_DATABASE that
         reaches another database. The worker still works, polling.
         """
