@@ -203,7 +203,21 @@ class Listener(threading.Thread):
         )
 
     def run(self) -> None:
-        ops = operations(self.using)
+        try:
+            ops = operations(self.using)
+            usable = ops.supports_notify
+        except Exception as exc:  # an alias not in DATABASES (system check W005)
+            usable, ops = False, None
+            logger.debug("No operations for %r: %s", self.using, exc)
+        if not usable or ops is None:
+            logger.warning(
+                "Wake-ups cannot reach this worker: WAKEUP_DATABASE %r is not a PostgreSQL "
+                "alias of DATABASES; the worker polls every POLL_INTERVAL (%ss).",
+                self.using,
+                "?" if self.poll_interval is None else f"{self.poll_interval:g}",
+            )
+            self.checked.set()
+            return
         backoff = Backoff(first=0.5, cap=10.0)
         while not self.stopped.is_set():
             subscription: Subscription | None = None
@@ -287,11 +301,10 @@ class Listener(threading.Thread):
         if subscription.probed(token):
             self._probe = None
             self.reached = True
-            self.checked.set()
             logger.debug("Wake-ups reach the listener on database %r.", self.using)
+            self.checked.set()  # after the log line: the outcome is reported
         elif now >= deadline:
             self._probe = None
-            self.checked.set()
             logger.warning(
                 "Wake-ups cannot reach this worker: a probe notification sent on database "
                 "%r did not arrive within %.0fs at the LISTEN connection of database %r (%s). "
@@ -308,6 +321,7 @@ class Listener(threading.Thread):
                 else "WAKEUP_DATABASE is not set",
                 "?" if self.poll_interval is None else f"{self.poll_interval:g}",
             )
+            self.checked.set()
 
     def stop(self) -> None:
         self.stopped.set()

@@ -73,3 +73,17 @@ def test_a_wakeup_database_of_another_database_is_a_warning(
     assert "sent on database 'default'" in message
     assert "WAKEUP_DATABASE 'work'" in message
     assert "POLL_INTERVAL (30s)" in message
+
+
+def test_a_wakeup_database_that_is_no_alias_is_one_warning_not_a_dead_thread(
+    started: list[Listener], caplog: pytest.LogCaptureFixture
+) -> None:
+    each = listener("nope")
+    started.append(each)
+    with caplog.at_level(logging.WARNING, logger="django_dbworker"):
+        each.start()
+        each.join(20)
+    assert each.checked.is_set() and not each.reached
+    (record,) = [r for r in caplog.records if "Wake-ups cannot reach" in r.getMessage()]
+    assert "WAKEUP_DATABASE 'nope' is not a PostgreSQL alias of DATABASES" in record.getMessage()
+    assert "polls every POLL_INTERVAL (30s)" in record.getMessage()
