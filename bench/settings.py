@@ -40,7 +40,7 @@ if os.environ.get("BENCH_PREPARE_THRESHOLD"):
         "prepare_threshold": int(os.environ["BENCH_PREPARE_THRESHOLD"])
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-DBWORKER = {
+DBWORKER: dict[str, object] = {
     "CONCURRENCY": int(os.environ.get("BENCH_CONCURRENCY", "8")),
     "POLL_INTERVAL": 1.0,
 }
@@ -48,6 +48,17 @@ DBWORKER = {
 # alike (bench/w3_latency.py measured with and without it, issue 23).
 if os.environ.get("BENCH_WAKEUP_WINDOW"):
     DBWORKER["WAKEUP_WINDOW"] = float(os.environ["BENCH_WAKEUP_WINDOW"])
+# BENCH_DIRECT_URL: a "direct" alias (PostgreSQL, not through a pooler) for
+# WAKEUP_DATABASE, and BENCH_POLL_INTERVAL (bench/pgbouncer_wakeups.py).
+if os.environ.get("BENCH_DIRECT_URL"):
+    DATABASES["direct"] = {
+        **dj_database_url.parse(os.environ["BENCH_DIRECT_URL"]),
+        "NAME": DATABASES["default"]["NAME"],  # NOTIFY reaches listeners of its database only
+    }
+if os.environ.get("BENCH_WAKEUP_DATABASE"):
+    DBWORKER["WAKEUP_DATABASE"] = os.environ["BENCH_WAKEUP_DATABASE"]
+if os.environ.get("BENCH_POLL_INTERVAL"):
+    DBWORKER["POLL_INTERVAL"] = float(os.environ["BENCH_POLL_INTERVAL"])
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

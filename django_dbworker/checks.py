@@ -8,7 +8,8 @@ Django's tasks checks), E018 for a database server too old to run the worker
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
 ``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
 ``concurrency_limit``, W001-W009 for risky but
-working configurations (W004: a MySQL binary log that is not row-based; W006:
+working configurations (W004: a MySQL binary log that is not row-based;
+W005: a WAKEUP_DATABASE that is no PostgreSQL alias of DATABASES; W006:
 work written to another database than the one transactions are opened on).
 Checks read settings only and never connect, except the database checks
 (``Tags.database``), which Django runs only when asked (``migrate``,
@@ -100,6 +101,47 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
         )
     return errors
+
+
+@register(Tags.compatibility)
+def check_wakeup_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W005: WAKEUP_DATABASE names no alias of DATABASES, or one that is not PostgreSQL.
+
+    A warning, not an error: the worker still runs, polling (its listener
+    cannot connect, or has nothing to LISTEN on) and saying so in its log.
+    """
+    raw = getattr(settings, "DBWORKER", {})
+    alias = raw.get("WAKEUP_DATABASE") if isinstance(raw, dict) else None
+    if not isinstance(alias, str) or not alias:
+        return []  # unset, or a bad value that check_settings reports
+    databases = getattr(settings, "DATABASES", {})
+    hint = (
+        "Name an alias of DATABASES that connects to the work table's PostgreSQL database "
+        "directly (not through a pooler in transaction mode), or remove the key: workers "
+        "then LISTEN on the work table's own alias."
+    )
+    if alias not in databases:
+        return [
+            Warning(
+                f"DBWORKER['WAKEUP_DATABASE'] is {alias!r}, which is not an alias of DATABASES "
+                f"({', '.join(sorted(databases))}): wake-ups cannot reach the workers, "
+                "which poll every POLL_INTERVAL.",
+                hint=hint,
+                id="django_dbworker.W005",
+            )
+        ]
+    engine = str(databases[alias].get("ENGINE", ""))
+    if "postgresql" not in engine and "postgis" not in engine:
+        return [
+            Warning(
+                f"DBWORKER['WAKEUP_DATABASE'] is {alias!r}, whose ENGINE {engine!r} is not "
+                "PostgreSQL: only PostgreSQL sends wake-ups (LISTEN/NOTIFY); the workers "
+                "poll every POLL_INTERVAL.",
+                hint=hint,
+                id="django_dbworker.W005",
+            )
+        ]
+    return []
 
 
 @register(Tags.compatibility)

@@ -25,6 +25,11 @@ WAKEUPS = True
 #: Seconds within which this process sends at most one wake-up per queue
 #: (a more urgent row still sends one); 0 notifies inside every enqueue.
 WAKEUP_WINDOW = 0.0
+#: The database alias whose connection workers LISTEN on for wake-ups; None
+#: is the work table's alias. Point it at an alias that reaches PostgreSQL
+#: directly where the work alias goes through a pooler in transaction mode
+#: (PgBouncer), which loses notifications.
+WAKEUP_DATABASE: str | None = None
 #: Most rows per claim query; 0 means "as many as the free threads and the
 #: prefetch buffer need".
 BATCH_SIZE = 0
@@ -61,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "POLL_INTERVAL": POLL_INTERVAL,
     "WAKEUPS": WAKEUPS,
     "WAKEUP_WINDOW": WAKEUP_WINDOW,
+    "WAKEUP_DATABASE": WAKEUP_DATABASE,
     "BATCH_SIZE": BATCH_SIZE,
     "PREFETCH_HORIZON": PREFETCH_HORIZON,
     "HEARTBEAT_INTERVAL": HEARTBEAT_INTERVAL,

@@ -243,6 +243,8 @@ SETTINGS: Mapping[str, Validator] = {
     "WAKEUPS": boolean,
     # A worker waits this long after a wake-up for its trailing claim.
     "WAKEUP_WINDOW": wait_or_zero_seconds,
+    # An alias of DATABASES (checks.py says when it is not one, or not PostgreSQL).
+    "WAKEUP_DATABASE": optional(non_empty_str),
     "BATCH_SIZE": non_negative_int,
     "PREFETCH_HORIZON": non_negative_number,
     "HEARTBEAT_INTERVAL": timeout_seconds,
@@ -273,6 +275,7 @@ WORKER_CONFIG: Mapping[str, Validator] = {
     "poll_interval": SETTINGS["POLL_INTERVAL"],
     "wakeups": SETTINGS["WAKEUPS"],
     "wakeup_window": SETTINGS["WAKEUP_WINDOW"],
+    "wakeup_database": SETTINGS["WAKEUP_DATABASE"],
     "batch_size": SETTINGS["BATCH_SIZE"],
     "prefetch_horizon": SETTINGS["PREFETCH_HORIZON"],
     "heartbeat_interval": SETTINGS["HEARTBEAT_INTERVAL"],

@@ -95,6 +95,33 @@ def _vendor_markers(request: pytest.FixtureRequest) -> None:
         pytest.skip(f"about SQLite's database write lock; this leg runs on {connection.vendor}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pgbouncer_lets_go_of_the_test_database(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In the PgBouncer leg: end PgBouncer's server sessions on the test database at the end.
+
+    PgBouncer keeps idle server connections to the test database after its
+    clients closed theirs, so pytest-django's DROP DATABASE would fail
+    ("being accessed by other users"). Set up after the test databases,
+    this is torn down before them: it terminates those sessions over the
+    direct connection (DBWORKER_DIRECT_URL), then the DROP goes through.
+    """
+    direct = os.environ.get("DBWORKER_DIRECT_URL")
+    if not direct:
+        yield
+        return
+    request.getfixturevalue("django_db_setup")
+    name = str(connection.settings_dict["NAME"])
+    yield
+    import psycopg
+
+    with psycopg.connect(direct, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            [name],
+        )
+
+
 def kill_other_connections() -> int:
     """Kill every other connection to the test database (as a failover or a DBA would).
 

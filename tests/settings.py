@@ -122,9 +122,27 @@ else:
         "TEST": {"NAME": _work_file},
     }
 
+# The PgBouncer leg (scripts/test): DATABASE_URL goes through PgBouncer in
+# transaction mode (scripts/pgbouncer.py), DBWORKER_DIRECT_URL to the same
+# cluster directly. As the docs tell users (Deployment, "PgBouncer and other
+# poolers"): no prepared statements (psycopg's prepare_threshold None, which
+# is Django's default, spelled out) and no server-side cursors; "direct"
+# is the alias WAKEUP_DATABASE names. It mirrors "default" in tests: the
+# same test database, reached without the pooler.
+if os.environ.get("DBWORKER_DIRECT_URL"):
+    DATABASES["default"]["OPTIONS"] = {"prepare_threshold": None}
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    DATABASES["direct"] = {
+        **dj_database_url.parse(os.environ["DBWORKER_DIRECT_URL"]),
+        "NAME": DATABASES["default"]["NAME"],
+        "TEST": {"MIRROR": "default"},
+    }
+
 # Process tests point run_workers subprocesses at the test database by name.
 if os.environ.get("DBWORKER_TEST_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
+    if "direct" in DATABASES:
+        DATABASES["direct"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
 if os.environ.get("DBWORKER_TEST_WORK_DB_NAME"):
     DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_WORK_DB_NAME"]
 # ... and, for a queue database of its own (tests/process/test_queue_database.py),
@@ -143,7 +161,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
     SILENCED_SYSTEM_CHECKS = ["models.W036", "models.W037", "models.W043"]
 
 # Fast clocks for the process tests; the suite never waits on production defaults.
-DBWORKER = {
+DBWORKER: dict[str, object] = {
     "POLL_INTERVAL": float(os.environ.get("DBWORKER_POLL_INTERVAL", "0.2")),
     "HEARTBEAT_INTERVAL": float(os.environ.get("DBWORKER_HEARTBEAT_INTERVAL", "0.3")),
     "STALE_AFTER": float(os.environ.get("DBWORKER_STALE_AFTER", "60")),
@@ -158,6 +176,8 @@ if os.environ.get("DBWORKER_WAKEUP_WINDOW"):
     DBWORKER["WAKEUP_WINDOW"] = float(os.environ["DBWORKER_WAKEUP_WINDOW"])
 if os.environ.get("DBWORKER_WAKEUPS"):
     DBWORKER["WAKEUPS"] = os.environ["DBWORKER_WAKEUPS"] == "1"
+if os.environ.get("DBWORKER_WAKEUP_DATABASE"):
+    DBWORKER["WAKEUP_DATABASE"] = os.environ["DBWORKER_WAKEUP_DATABASE"]
 if os.environ.get("DBWORKER_MAX_ABANDONED_THREADS"):
     DBWORKER["MAX_ABANDONED_THREADS"] = int(os.environ["DBWORKER_MAX_ABANDONED_THREADS"])
 

@@ -3,7 +3,7 @@
 One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes,
 inserts that carry their own NOTIFY or, with WAKEUP_WINDOW, send it after
 the commit (``wake_window.py``; a large batch goes in by COPY), LISTEN
-wake-ups and planner estimates. The claims and the success writes bind
+wake-ups (``postgresql_listen.py``) and planner estimates. The claims and the success writes bind
 their array parameters on the server, on a psycopg cursor that Django
 wraps as its own; the enqueue statements do where the connection allows
 prepared statements. This module writes no SQL: every text it runs is a
@@ -28,6 +28,7 @@ from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
+from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
     CLAIM_PLAN,
     CLAIM_WITHIN_LIMITS,
@@ -37,7 +38,6 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEM_QUIET,
     INSERT_ITEMS,
     INSERT_ITEMS_QUIET,
-    LISTEN,
     NOTIFY,
     READ_COMMITTED,
     RESERVE_IDS,
@@ -450,29 +450,3 @@ class PostgresOperations(PostgresEstimates):
 
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)
-
-
-class PostgresSubscription:
-    """A dedicated autocommit connection LISTENing for wake-ups.
-
-    Outside Django's per-thread connections: it lives as long as the
-    listener thread, and LISTEN only works outside a transaction block.
-    """
-
-    def __init__(self, wrapper: Any) -> None:
-        self._conn = wrapper.get_new_connection(wrapper.get_connection_params())
-        try:
-            self._conn.autocommit = True
-            self._conn.execute(LISTEN.sql)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def receive(self, timeout: float) -> Iterator[str]:
-        # psycopg 3's notifies() yields each notification as it arrives and
-        # returns after ``timeout`` seconds in all.
-        for note in self._conn.notifies(timeout=timeout):
-            yield note.payload
-
-    def close(self) -> None:
-        self._conn.close()

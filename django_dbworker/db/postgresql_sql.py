@@ -382,17 +382,17 @@ FROM STDIN
 NOTIFY = Statement(
     "notify",
     "Wake idle workers of a queue when the current transaction (or this statement) commits.",
-    """
-SELECT pg_notify('django_dbworker', %(wake)s)
-""",
+    "SELECT pg_notify('django_dbworker', %(wake)s)\n",
 )
-
+# Does a NOTIFY reach a listener? (postgresql_listen.py) A channel of its own: no wake-up.
+NOTIFY_PROBE = Statement(
+    "notify_probe", "A listener's probe.", "SELECT pg_notify('django_dbworker_probe', %(wake)s)\n"
+)
+LISTEN_PROBE = Statement("listen_probe", "Receive the probes.", "LISTEN django_dbworker_probe\n")
 LISTEN = Statement(
     "listen",
     "Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).",
-    """
-LISTEN django_dbworker
-""",
+    "LISTEN django_dbworker\n",
 )
 
 # SELECT DISTINCT queue reads every row (or index entry); this recursive

@@ -97,6 +97,17 @@ class Subscription(Protocol):
         """
         ...
 
+    def probe(self, token: str, via: str) -> None:
+        """Notify ``token`` as a probe on alias ``via``'s database, on a connection of its own.
+
+        Sent the way an enqueuer sends a wake-up; ``probed`` says whether it arrived.
+        """
+        ...
+
+    def probed(self, token: str) -> bool:
+        """Whether the probe ``token`` arrived (read by ``receive``, never yielded by it)."""
+        ...
+
     def close(self) -> None:
         """Stop listening and close the connection."""
         ...

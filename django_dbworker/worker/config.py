@@ -40,6 +40,9 @@ class WorkerConfig:
     #: Seconds after each wake-up at which the worker claims once more
     #: (WAKEUP_WINDOW): enqueuers skip wake-ups within that window.
     wakeup_window: float = field(default_factory=lambda: float(dbworker_settings.WAKEUP_WINDOW))
+    #: The alias whose connection the worker LISTENs on (WAKEUP_DATABASE);
+    #: None: ``using``. See ``listen_using``.
+    wakeup_database: str | None = field(default_factory=lambda: dbworker_settings.WAKEUP_DATABASE)
     batch_size: int = field(default_factory=lambda: int(dbworker_settings.BATCH_SIZE))
     heartbeat_interval: float = field(
         default_factory=lambda: float(dbworker_settings.HEARTBEAT_INTERVAL)
@@ -76,6 +79,11 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         # The same validators as the system checks and run_workers' flags.
         validation.validate_worker_config(self)
+
+    @property
+    def listen_using(self) -> str:
+        """The alias the wake-up listener connects with: WAKEUP_DATABASE, else ``using``."""
+        return self.wakeup_database or self.using
 
     @property
     def abandoned_cap(self) -> int:

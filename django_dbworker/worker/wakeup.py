@@ -13,6 +13,14 @@ that long after the last wake-up it received (the trailing claim), which
 finds the rows whose wake-ups were skipped. With WAKEUPS off nothing is
 listened for: the loop polls adaptively, as on MySQL.
 
+The listener connects with WAKEUP_DATABASE's alias (default: the work
+table's). LISTEN is session state, which a pooler in transaction mode
+(PgBouncer) does not keep: there the LISTEN succeeds and nothing ever
+arrives. So once subscribed, the listener sends a probe on the work table's
+alias (as an enqueuer sends a wake-up) and waits a bounded time for it; if
+it does not arrive, a WARNING says that wake-ups cannot reach this worker,
+that it polls every POLL_INTERVAL, and what to set.
+
 Where the database has no such notifications (SQLite, MySQL), an enqueue
 committed in the worker's own process wakes it at once (``LocalWaker``);
 on MySQL the claim loop also polls adaptively (``AdaptivePoll``: often for
@@ -26,6 +34,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from django_dbworker.db import (
@@ -47,6 +56,11 @@ FIRST_POLL = 0.01
 #: How long after the last claim that found work the loop keeps polling at
 #: FIRST_POLL, in seconds.
 BUSY_WINDOW = 1.0
+#: Seconds the listener waits for its probe before it warns that wake-ups
+#: cannot reach it. On a direct connection the probe arrives within
+#: milliseconds; the margin is for a loaded server, so that a working
+#: connection is not reported as broken.
+PROBE_TIMEOUT = 5.0
 
 
 class AdaptivePoll:
@@ -133,6 +147,11 @@ class Listener(threading.Thread):
     ``window`` seconds after the last wake-up received it wakes the loop
     once more with the highest priority announced since (the trailing
     claim): an enqueuer skips wake-ups for that long after one it sent.
+
+    ``using`` is the alias it LISTENs with (WAKEUP_DATABASE, or the work
+    table's), ``probe_using`` the alias enqueuers notify on (the work
+    table's): the probe goes from the one to the other, as wake-ups do, so
+    it also finds a WAKEUP_DATABASE that reaches another database.
     """
 
     def __init__(
@@ -142,6 +161,10 @@ class Listener(threading.Thread):
         queues: Sequence[str] | None,
         wake: Callable[[int | None], None],
         window: float = 0.0,
+        probe_using: str | None = None,
+        probe_timeout: float = PROBE_TIMEOUT,
+        poll_interval: float | None = None,
+        wakeup_database: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="dbworker-listener", daemon=True)
@@ -149,30 +172,66 @@ class Listener(threading.Thread):
         self.queues = set(queues) if queues else None
         self.wake = wake
         self.window = window
+        self.probe_using = probe_using or using
+        self.probe_timeout = probe_timeout
+        self.poll_interval = poll_interval
+        self.wakeup_database = wakeup_database
         self.clock = clock
         #: When the trailing claim is due, and the priority it announces.
         self._trailing: tuple[float, int] | None = None
+        #: The probe in flight (its token, when it is overdue), if any.
+        self._probe: tuple[str, float] | None = None
+        #: Not before this time is a probe sent again (one could not be sent).
+        self._next_probe = -math.inf
         self.stopped = threading.Event()
         self.listening = threading.Event()
+        #: Set once the probe arrived (``reached``) or was given up on (warned).
+        self.checked = threading.Event()
+        self.reached = False
 
     @classmethod
     def of(cls, config: WorkerConfig, *, wake: Callable[[int | None], None]) -> Listener:
-        """The listener of a worker told ``config``: its alias, queues and WAKEUP_WINDOW."""
-        return cls(using=config.using, queues=config.queues, wake=wake, window=config.wakeup_window)
+        """The listener of a worker told ``config``: its aliases, queues and WAKEUP_WINDOW."""
+        return cls(
+            using=config.listen_using,
+            queues=config.queues,
+            wake=wake,
+            window=config.wakeup_window,
+            probe_using=config.using,
+            poll_interval=config.poll_interval,
+            wakeup_database=config.wakeup_database,
+        )
 
     def run(self) -> None:
-        ops = operations(self.using)
+        try:
+            ops = operations(self.using)
+            usable = ops.supports_notify
+        except Exception as exc:  # an alias not in DATABASES (system check W005)
+            usable, ops = False, None
+            logger.debug("No operations for %r: %s", self.using, exc)
+        if not usable or ops is None:
+            logger.warning(
+                "Wake-ups cannot reach this worker: WAKEUP_DATABASE %r is not a PostgreSQL "
+                "alias of DATABASES; the worker polls every POLL_INTERVAL (%ss).",
+                self.using,
+                "?" if self.poll_interval is None else f"{self.poll_interval:g}",
+            )
+            self.checked.set()
+            return
         backoff = Backoff(first=0.5, cap=10.0)
         while not self.stopped.is_set():
             subscription: Subscription | None = None
             try:
                 subscription = ops.listen()
+                # A probe sent to an earlier subscription may have been lost with it.
+                self._probe = None
                 self.listening.set()
                 backoff.reset()
                 outage.back(self.using, reached=True)
                 # Wake once after (re)connecting: notifications sent while we
                 # were not listening are lost, the rows they announced are not.
                 self.wake(None)
+                self._check(subscription)  # the probe goes out at once
                 while not self.stopped.is_set():
                     self._receive(subscription)
             except Exception as exc:
@@ -210,6 +269,59 @@ class Listener(threading.Thread):
         if trailing is not None and self.clock() >= trailing[0]:
             self._trailing = None
             self.wake(trailing[1])
+        self._check(subscription)
+
+    def _check(self, subscription: Subscription) -> None:
+        """Probe once that wake-ups reach this subscription; warn if they do not.
+
+        A probe is a notification on a channel of its own (so that nothing
+        takes it for a wake-up), sent on ``probe_using``'s database on a
+        fresh connection (``Subscription.probe``), as an enqueuer would wake
+        this worker. Not arriving within ``probe_timeout`` means the LISTEN does
+        not hold: a pooler in transaction mode, or a WAKEUP_DATABASE that
+        reaches another database. The worker still works, polling.
+        """
+        if self.checked.is_set():
+            return
+        now = self.clock()
+        if self._probe is None:
+            if now < self._next_probe:
+                return
+            token = uuid.uuid4().hex
+            try:
+                subscription.probe(token, self.probe_using)
+            except Exception:
+                # The work table's database is away: try again later.
+                self._next_probe = now + self.probe_timeout
+                logger.debug("Could not send the wake-up probe.", exc_info=True)
+                return
+            self._probe = (token, now + self.probe_timeout)
+            return
+        token, deadline = self._probe
+        if subscription.probed(token):
+            self._probe = None
+            self.reached = True
+            logger.debug("Wake-ups reach the listener on database %r.", self.using)
+            self.checked.set()  # after the log line: the outcome is reported
+        elif now >= deadline:
+            self._probe = None
+            logger.warning(
+                "Wake-ups cannot reach this worker: a probe notification sent on database "
+                "%r did not arrive within %.0fs at the LISTEN connection of database %r (%s). "
+                "LISTEN needs a session of its own, which a connection pooler in transaction "
+                "mode (PgBouncer) does not keep, so enqueued work waits for the next poll: "
+                "the worker polls every POLL_INTERVAL (%ss). Set DBWORKER['WAKEUP_DATABASE'] "
+                "to an alias of DATABASES that connects to PostgreSQL directly, to the same "
+                "database.",
+                self.probe_using,
+                self.probe_timeout,
+                self.using,
+                f"WAKEUP_DATABASE {self.wakeup_database!r}"
+                if self.wakeup_database
+                else "WAKEUP_DATABASE is not set",
+                "?" if self.poll_interval is None else f"{self.poll_interval:g}",
+            )
+            self.checked.set()
 
     def stop(self) -> None:
         self.stopped.set()

@@ -10,7 +10,8 @@ from django.db.models.functions import Now
 from django_dbworker.models import Status, WorkItem
 from tests.factories import claim, make_item
 
-pytestmark = pytest.mark.django_db
+# The PgBouncer leg runs these too: claims and transitions through a transaction-mode pooler.
+pytestmark = [pytest.mark.django_db, pytest.mark.pgbouncer]
 
 
 def test_claim_marks_rows_claimed_with_fresh_tokens_and_counts_the_attempt() -> None:

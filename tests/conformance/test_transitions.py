@@ -12,7 +12,8 @@ from django_dbworker import transitions
 from django_dbworker.models import Status, WorkItem
 from tests.factories import age_heartbeat, claim, make_item
 
-pytestmark = pytest.mark.django_db
+# The PgBouncer leg runs these too: claims and transitions through a transaction-mode pooler.
+pytestmark = [pytest.mark.django_db, pytest.mark.pgbouncer]
 
 
 def test_succeed_records_result_and_finish_time() -> None:

@@ -261,6 +261,7 @@ def test_many_batches_finishing_at_once_get_one_callback_each(
     assert WorkItem.objects.filter(handler="batch_done").count() == batches
 
 
+@pytest.mark.pgbouncer
 def test_a_chain_and_a_fan_in_run_in_order(start_worker: StartWorker) -> None:
     """A chain of 20 links (each ``after=`` the previous) and one item after 10 parents,
     over 3 workers: every child started after each of its parents ended."""

@@ -24,6 +24,7 @@ from tests.testapp.workers import (
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.pgbouncer
 def test_a_running_item_cancelled_from_outside_ends_cancelled_after_one_attempt(
     start_worker,
 ) -> None:
@@ -55,6 +56,7 @@ def test_a_running_item_cancelled_from_outside_ends_cancelled_after_one_attempt(
     assert WorkItem.objects.get(pk=item.pk).status == Status.CANCELLED
 
 
+@pytest.mark.pgbouncer
 def test_a_snoozing_item_runs_again_without_using_an_attempt(start_worker) -> None:
     """``max_attempts = 1``: a snooze counted as an attempt would leave none for the rerun."""
     item = SnoozeOnce.enqueue({"key": "later", "seconds": 1.5})

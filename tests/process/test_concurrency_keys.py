@@ -22,6 +22,7 @@ from tests.testapp.workers import Keyed
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.pgbouncer
 def test_three_processes_run_one_item_per_key_at_a_time_and_keys_side_by_side(
     start_worker,
 ) -> None:
@@ -53,6 +54,7 @@ def test_three_processes_run_one_item_per_key_at_a_time_and_keys_side_by_side(
     assert Execution.objects.values("pid").distinct().count() >= 2
 
 
+@pytest.mark.pgbouncer
 def test_a_killed_workers_slot_is_freed_only_by_stale_recovery(start_worker) -> None:
     env = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
     first = Keyed.enqueue({"key": "solo", "first_seconds": 60}, concurrency_key="solo")

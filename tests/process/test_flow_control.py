@@ -89,12 +89,18 @@ def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     for worker in workers:
         worker.wait_for_log("Starting worker", timeout=60)
     Rated.enqueue_many([{"key": str(i)} for i in range(items)])
-    wait_until(
-        lambda: Execution.objects.filter(kind="rated").count() == items,
-        timeout=60,
-        what=f"all {items} rated items to run",
-    )
     rows = WorkItem.objects.filter(handler="rated")
+    # Succeeded, not only run: the start is read from the result, which the
+    # success writer records a moment after the handler's own record (later
+    # still through a pooler: the PgBouncer leg saw a result still None).
+    wait_until(
+        lambda: (
+            Execution.objects.filter(kind="rated").count() == items
+            and rows.filter(status=Status.SUCCEEDED).count() == items
+        ),
+        timeout=60,
+        what=f"all {items} rated items to run and succeed",
+    )
     # The claims (the database's clock) never took more than 20 in one second,
     claims = list(rows.values_list("claimed_at", flat=True))
     assert _most_in_a_window(claims, 1.0) <= n

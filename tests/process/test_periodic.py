@@ -46,6 +46,7 @@ def slot_table() -> list[tuple[str, int, int, str]]:
 
 
 @pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.pgbouncer
 def test_every_slot_runs_once_across_several_processes(start_worker, processes: int) -> None:
     workers = [start_worker("tick", "--concurrency", "2") for _ in range(processes)]
     for worker in workers:

@@ -30,6 +30,7 @@ def assert_each_key_ran_once(n: int) -> None:
     assert {c["n"] for c in counts} == {1}
 
 
+@pytest.mark.pgbouncer
 def test_burst_runs_everything_and_exits_zero(start_worker) -> None:
     Record.enqueue_many([{"key": str(i)} for i in range(20)])
     worker = start_worker("record", "--burst", "--concurrency", "2")
@@ -62,6 +63,7 @@ def test_unmigrated_database_is_a_clear_startup_error(start_worker, tmp_path: Pa
     assert "manage.py migrate" in worker.log()
 
 
+@pytest.mark.pgbouncer
 def test_three_processes_run_each_item_exactly_once(start_worker) -> None:
     # Enough work that it outlasts one process's prefetch buffer (what its
     # threads start within PREFETCH_HORIZON), so the claims spread.
@@ -86,6 +88,7 @@ def test_three_processes_run_each_item_exactly_once(start_worker) -> None:
     assert Execution.objects.values("pid").distinct().count() >= 2
 
 
+@pytest.mark.pgbouncer
 def test_sigkill_mid_job_is_recovered_and_the_lost_run_counts(start_worker) -> None:
     item = Sleep.enqueue({"key": "k", "seconds": 1.0})
     first = start_worker("sleep")
@@ -107,6 +110,7 @@ def test_sigkill_mid_job_is_recovered_and_the_lost_run_counts(start_worker) -> N
     assert second.wait() == 0
 
 
+@pytest.mark.pgbouncer
 def test_a_job_that_kills_its_worker_every_time_ends_failed(start_worker) -> None:
     item = KillWorker.enqueue({"key": "doom"})
     for _ in range(6):
@@ -127,6 +131,7 @@ def test_a_job_that_kills_its_worker_every_time_ends_failed(start_worker) -> Non
     assert Execution.objects.filter(key="doom").count() == 3
 
 
+@pytest.mark.pgbouncer
 def test_sigterm_lets_running_items_finish(start_worker) -> None:
     item = Sleep.enqueue({"key": "t", "seconds": 1.0})
     worker = start_worker("sleep", "--shutdown-timeout", "20")
@@ -137,6 +142,7 @@ def test_sigterm_lets_running_items_finish(start_worker) -> None:
     assert "SIGTERM received" in worker.log()
 
 
+@pytest.mark.pgbouncer
 def test_sigterm_past_the_shutdown_timeout_releases_rows(start_worker) -> None:
     item = Sleep.enqueue({"key": "r", "seconds": 30})
     worker = start_worker("sleep", "--shutdown-timeout", "0.5")
@@ -171,6 +177,7 @@ def _terminate_other_backends() -> int:
 
 
 @pytest.mark.server_db
+@pytest.mark.pgbouncer
 def test_worker_survives_killed_connections(start_worker) -> None:
     Sleep.enqueue_many([{"key": str(i), "seconds": 0.05} for i in range(150)])
     worker = start_worker("sleep", "--concurrency", "4", env=FAST_STALE)
@@ -298,6 +305,7 @@ def test_pending_rows_no_handler_runs_are_warned_about_at_start(start_worker) ->
     assert "workers.py" in log
 
 
+@pytest.mark.pgbouncer
 def test_burst_ends_with_a_one_line_summary(start_worker) -> None:
     from tests.testapp.workers import AlwaysFail
 

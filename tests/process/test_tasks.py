@@ -18,6 +18,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0"}
 
 
+@pytest.mark.pgbouncer
 def test_a_task_killed_mid_run_is_recovered_and_finishes(start_worker) -> None:
     result = tasks.kill_worker.enqueue("k", times=1)
     first = start_worker("tests.testapp.tasks.kill_worker")

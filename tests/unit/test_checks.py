@@ -7,7 +7,12 @@ import pytest
 from django.core.checks import run_checks
 from django.test import override_settings
 
-from django_dbworker.checks import check_settings, check_time_zone_support, sqlite_warnings
+from django_dbworker.checks import (
+    check_settings,
+    check_time_zone_support,
+    check_wakeup_database,
+    sqlite_warnings,
+)
 from django_dbworker.conf import dbworker_settings
 
 
@@ -33,6 +38,8 @@ def test_test_settings_are_clean() -> None:
         ({"WAKEUP_WINDOW": -0.1}, ["django_dbworker.E004"]),
         ({"WAKEUP_WINDOW": "0.1"}, ["django_dbworker.E003"]),
         ({"WAKEUPS": 0}, ["django_dbworker.E003"]),
+        ({"WAKEUP_DATABASE": ""}, ["django_dbworker.E003"]),
+        ({"WAKEUP_DATABASE": 1}, ["django_dbworker.E003"]),
         ({"METRICS_PORT": 70000}, ["django_dbworker.E005"]),
         ({"METRICS_ADDR": ""}, ["django_dbworker.E006"]),
         ({"STALE_AFTER": 5.0, "HEARTBEAT_INTERVAL": 5.0}, ["django_dbworker.E007"]),
@@ -57,6 +64,29 @@ def test_waits_no_thread_can_wait_for_are_reported(key: str, value: float) -> No
     assert message.id == "django_dbworker.E019"
     assert key in message.msg
     assert "finite number of seconds" in message.msg and "TIMEOUT_MAX" in message.msg
+
+
+def test_wakeup_database_must_be_a_postgresql_alias() -> None:
+    # Wake-ups through a pooler are lost (issue 23): WAKEUP_DATABASE names the
+    # alias to LISTEN on; one that is no alias, or not PostgreSQL, is a warning.
+    assert check_wakeup_database() == []
+    postgres = {"ENGINE": "django.db.backends.postgresql", "NAME": "app"}
+    sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x.sqlite3"}
+    with override_settings(DBWORKER={"WAKEUP_DATABASE": "direct"}):
+        (message,) = check_wakeup_database()
+        assert "django_dbworker.W005" in ids(run_checks())  # registered, not only defined
+    assert message.id == "django_dbworker.W005"
+    assert "'direct'" in message.msg and "not an alias of DATABASES" in message.msg
+    with override_settings(
+        DBWORKER={"WAKEUP_DATABASE": "direct"}, DATABASES={"default": postgres, "direct": sqlite}
+    ):
+        (message,) = check_wakeup_database()
+    assert message.id == "django_dbworker.W005" and "not PostgreSQL" in message.msg
+    with override_settings(
+        DBWORKER={"WAKEUP_DATABASE": "direct"},
+        DATABASES={"default": postgres, "direct": postgres},
+    ):
+        assert check_wakeup_database() == []
 
 
 def test_use_tz_is_required() -> None:

@@ -387,6 +387,14 @@ FROM STDIN;
 -- Wake idle workers of a queue when the current transaction (or this statement) commits.
 SELECT pg_notify('django_dbworker', %(wake)s);
 
+-- name: notify_probe
+-- A listener's probe.
+SELECT pg_notify('django_dbworker_probe', %(wake)s);
+
+-- name: listen_probe
+-- Receive the probes.
+LISTEN django_dbworker_probe;
+
 -- name: listen
 -- Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).
 LISTEN django_dbworker;
