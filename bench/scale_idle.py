@@ -1,10 +1,12 @@
 """Scale: what idle ``run_workers`` processes cost the database.
 
     .venv/bin/python bench/scale_idle.py [--workers 50] [--window 30] [--settle 15]
+        [--handlers bench_noop]
 
-Starts ``--workers`` long-running ``run_workers`` processes (every handler,
-the bench settings' ``POLL_INTERVAL``, no work in the table), waits until
-their connections are all open and steady and ``--settle`` seconds more,
+Starts ``--workers`` long-running ``run_workers`` processes (every handler
+of the bench app, or only ``--handlers``; the bench settings'
+``POLL_INTERVAL``; no work in the table), waits until their connections
+are all open and steady and ``--settle`` seconds more,
 then counts what they do in ``--window`` seconds: statements
 (``pg_stat_statements``, exact), transactions (``pg_stat_database``
 ``xact_commit``; idle backends flush it every ~10 s, so the window should be
@@ -73,9 +75,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=50)
     parser.add_argument("--window", type=float, default=30.0, help="seconds counted")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds after start-up")
+    parser.add_argument(
+        "--handlers",
+        default="",
+        help="comma-separated handler names for run_workers (default: every registered one)",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupted)
     use_state("idle")
+    names = [n for n in args.handlers.split(",") if n]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         url = start_cluster()
@@ -100,7 +108,9 @@ def main() -> None:
         time.sleep(2)
         baseline = window(url, args.window)
         started = time.perf_counter()
-        procs = [subprocess.Popen(worker_command(), env=worker_env()) for _ in range(args.workers)]
+        procs = [
+            subprocess.Popen(worker_command(*names), env=worker_env()) for _ in range(args.workers)
+        ]
         connections = wait_steady(url, procs, timeout=60 + 3 * args.workers)
         up = time.perf_counter() - started
         time.sleep(args.settle)
@@ -119,6 +129,7 @@ def main() -> None:
         per = n * intervals
         result = {
             "workers": n,
+            "handlers": names or "all",
             "poll_interval": poll,
             "window_seconds": secs,
             "start_up_seconds": up,
