@@ -1,7 +1,7 @@
 """Scale: W1 with 1, 2, 4 and 8 ``run_workers`` processes against one durable PostgreSQL.
 
     .venv/bin/python bench/scale_processes.py [--items 50000] [--processes 1,2,4,8]
-        [--rounds 1] [--concurrency 8]
+        [--rounds 1] [--concurrency 8] [--stream-rate 200] [--stream-seconds 10]
 
 For each process count: ``--items`` no-op items enqueued in bulk (not
 timed), then that many ``run_workers --burst`` processes drain them. Per
@@ -12,8 +12,12 @@ time), and what the drain cost the database per job: commits and
 rollbacks (``pg_stat_database``; the workers have exited, so their counts
 are flushed), statements (``pg_stat_statements``: all, and without
 BEGIN/COMMIT/SAVEPOINT/RELEASE), rows inserted/updated/deleted/returned.
-Then the raw ceiling (``raw_ceiling.py``) on the same cluster, the
-machine's commit rate as the other benchmarks state it.
+Then a steady stream to each process count (``--stream-rate`` items/s for
+``--stream-seconds``, each enqueued in its own transaction, to
+long-running workers): the same costs per job, enqueue included, where
+no claim finds more than a few rows. Then the raw ceiling
+(``raw_ceiling.py``) on the same cluster, the machine's commit rate as the
+other benchmarks state it.
 
 Uses a durable cluster of its own (``.tmp/pg-scale-processes.json``, see
 ``scale_common.py``) and stops it at the end (unless BENCH_KEEP_PG is set).
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from common import machine, reset_table, setup_django, worker_command, worker_env
 from scale_common import (
+    client_backends,
     commit_hash,
     snapshot,
     start_cluster,
@@ -102,6 +107,56 @@ def drain(url: str, items: int, processes: int, concurrency: int) -> dict[str, o
     }
 
 
+def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, object]:
+    """A steady stream: ``rate`` items/s, one per transaction, to long-running workers."""
+    from bench.benchapp.workers import BenchNoop
+    from django_dbworker.models import WorkItem
+
+    reset_table()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs = [
+            subprocess.Popen(worker_command("bench_noop"), env=worker_env())
+            for _ in range(processes)
+        ]
+        deadline = time.monotonic() + 120
+        while client_backends(url) < 2 * processes + 1:  # theirs, and this one's
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit("the stream's workers did not start")
+            time.sleep(0.2)
+        time.sleep(3)
+        before = snapshot(url)
+        count, next_at = 0, time.monotonic()
+        end = next_at + seconds
+        while time.monotonic() < end:
+            BenchNoop.enqueue(None)  # autocommit: its own transaction
+            count += 1
+            next_at += 1.0 / rate
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        while WorkItem.objects.filter(status="succeeded").count() < count:
+            if time.monotonic() > end + 60:
+                raise SystemExit("streamed items did not finish")
+            time.sleep(0.05)
+        after = snapshot(url)
+    finally:
+        stop_processes(procs)
+    delta = after.delta(before)
+    per = float(count)
+    return {
+        "mode": "stream",
+        "processes": processes,
+        "rate": rate,
+        "items": count,
+        "seconds": delta["seconds"],
+        "server_cpu_ms_per_job": delta["server_cpu_seconds"] * 1000 / per,
+        "server_cpu_share_of_wall": delta["server_cpu_seconds"] / delta["seconds"],
+        "commits_per_job": delta["xact_commit"] / per,
+        "statements_per_job": delta["statements"] / per,
+        "queries_per_job": (delta["statements"] - delta["statements_control"]) / per,
+        "top_statements_per_job": [(q[:160], round(n / per, 3)) for q, n in delta["top"]],
+    }
+
+
 def raw_ceiling(url: str) -> dict[str, object]:
     env = dict(os.environ, DATABASE_URL=url)
     out = subprocess.run(
@@ -121,6 +176,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--no-raw", action="store_true", help="skip the raw ceiling")
+    parser.add_argument(
+        "--stream-rate", type=float, default=200.0, help="items/s of the stream (0: none)"
+    )
+    parser.add_argument("--stream-seconds", type=float, default=10.0)
     args = parser.parse_args()
     counts = [int(p) for p in args.processes.split(",")]
     use_state("processes")
@@ -147,6 +206,18 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+        for count in counts if args.stream_rate else ():
+            result = stream(url, count, args.stream_rate, args.stream_seconds)
+            print(json.dumps({"bench": "scale_processes", **result}), flush=True)
+            print(
+                f"  stream {args.stream_rate:g}/s to {count} processes: "
+                f"server CPU {result['server_cpu_ms_per_job']:.3f} ms/job; "
+                f"{result['commits_per_job']:.3f} commits, "
+                f"{result['statements_per_job']:.2f} statements "
+                f"({result['queries_per_job']:.2f} queries) per job",
+                file=sys.stderr,
+                flush=True,
+            )
         if not args.no_raw:
             raw = raw_ceiling(url)
             print(json.dumps(raw), flush=True)
