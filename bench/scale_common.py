@@ -15,6 +15,7 @@ the server itself:
 * transactions and rows: ``pg_stat_database`` (a backend flushes these at
   most once a second while busy, within about 10 s when idle, and always
   when it exits);
+* WAL: ``pg_current_wal_lsn()`` (the whole cluster's, autovacuum's too);
 * statements: ``pg_stat_statements`` (counted in shared memory as each
   statement ends: exact and immediate), the measuring connection's own
   queries left out (they all name ``pg_stat``).
@@ -175,8 +176,9 @@ def snapshot(url: str) -> Snapshot:
     """Read the counters on a connection of its own (its own queries name pg_stat)."""
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            f"SELECT {', '.join(DB_COUNTERS)} FROM pg_stat_database "
-            "WHERE datname = current_database()"
+            f"SELECT {', '.join(DB_COUNTERS)}, "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint AS wal_bytes "
+            "FROM pg_stat_database WHERE datname = current_database()"
         ).fetchone()
         assert row is not None
         statements = {
@@ -191,7 +193,7 @@ def snapshot(url: str) -> Snapshot:
         return Snapshot(
             at=time.perf_counter(),
             cpu=cpu,
-            db=dict(zip(DB_COUNTERS, (int(v) for v in row), strict=True)),
+            db=dict(zip((*DB_COUNTERS, "wal_bytes"), (int(v) for v in row), strict=True)),
             statements=statements,
         )
 

@@ -12,8 +12,9 @@ Quick run: ``--finished 1000000``.
    per transaction for ``--stream-seconds``; per item, *start latency*
    (enqueue commit returned -> handler started, as W3) and *claim latency*
    (``claimed_at - created_at``, the rows' own DB-clock timestamps); and
-   the claim statement's own execution time (``pg_stat_statements``, reset
-   before each phase: calls, mean, max).
+   the claim statement's own execution time and the buffers it touches
+   (``pg_stat_statements``, reset before each phase: calls, mean, max,
+   shared blocks per call: the one figure the machine's load cannot move).
 2. ``--finished`` finished rows (95% succeeded, 5% failed with a short
    traceback, five queues, ``finished_at`` spread over the past
    ``--finished`` / 2 seconds: 58 days at 10M) loaded with INSERT ... SELECT
@@ -135,18 +136,25 @@ def free_space(url: str) -> dict[str, float]:
 
 
 def claim_stats(url: str) -> dict[str, float]:
-    """The claim statement(s) since the last reset: calls, mean and max milliseconds."""
+    """The claim statement(s) since the last reset: calls, mean and max ms, buffers per call.
+
+    Buffers (shared blocks hit + read) per claim do not depend on the
+    machine's load: they say how much of the table and its indexes one
+    claim touches.
+    """
     rows = sql(
         url,
-        "SELECT sum(calls), sum(total_exec_time) / nullif(sum(calls), 0), max(max_exec_time) "
+        "SELECT sum(calls), sum(total_exec_time) / nullif(sum(calls), 0), max(max_exec_time), "
+        "sum(shared_blks_hit + shared_blks_read)::float / nullif(sum(calls), 0) "
         "FROM pg_stat_statements WHERE query LIKE %s",
         CLAIM_PREFIX + "%",
     )
-    calls, mean, peak = rows[0]
+    calls, mean, peak, blocks = rows[0]
     return {
         "claim_calls": int(calls or 0),
         "claim_mean_ms": float(mean or 0),
         "claim_max_ms": float(peak or 0),
+        "claim_buffers_per_call": float(blocks or 0),
     }
 
 

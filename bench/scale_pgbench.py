@@ -73,6 +73,7 @@ def main() -> None:
             "server_cpu_share": delta["server_cpu_seconds"] / delta["seconds"],
             "server_cpu_ms_per_transaction": delta["server_cpu_seconds"] * 1000 / xacts,
             "statements_per_transaction": delta["statements"] / xacts,
+            "wal_bytes_per_transaction": delta["wal_bytes"] / xacts,
             "commit": commit_hash(),
             "argv": sys.argv,
             "machine": machine(),

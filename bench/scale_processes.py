@@ -99,6 +99,7 @@ def drain(url: str, items: int, processes: int, concurrency: int) -> dict[str, o
         "rollbacks_per_job": delta["xact_rollback"] / per,
         "statements_per_job": delta["statements"] / per,
         "queries_per_job": (delta["statements"] - delta["statements_control"]) / per,
+        "wal_bytes_per_job": delta["wal_bytes"] / per,
         "rows_inserted_per_job": delta["tup_inserted"] / per,
         "rows_updated_per_job": delta["tup_updated"] / per,
         "rows_deleted_per_job": delta["tup_deleted"] / per,
@@ -153,6 +154,7 @@ def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, o
         "commits_per_job": delta["xact_commit"] / per,
         "statements_per_job": delta["statements"] / per,
         "queries_per_job": (delta["statements"] - delta["statements_control"]) / per,
+        "wal_bytes_per_job": delta["wal_bytes"] / per,
         "top_statements_per_job": [(q[:160], round(n / per, 3)) for q, n in delta["top"]],
     }
 
