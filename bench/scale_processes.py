@@ -129,9 +129,12 @@ def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, o
         before = snapshot(url)
         count, next_at = 0, time.monotonic()
         end = next_at + seconds
+        connections = 0
         while time.monotonic() < end:
             BenchNoop.enqueue(None)  # autocommit: its own transaction
             count += 1
+            if count % 100 == 0:  # every process has run jobs: its threads are connected
+                connections = max(connections, client_backends(url) - 1)
             next_at += 1.0 / rate
             time.sleep(max(0.0, next_at - time.monotonic()))
         while WorkItem.objects.filter(status="succeeded").count() < count:
@@ -146,6 +149,7 @@ def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, o
     return {
         "mode": "stream",
         "processes": processes,
+        "connections_per_process": connections / processes,
         "rate": rate,
         "items": count,
         "seconds": delta["seconds"],
