@@ -74,20 +74,20 @@ SELECT
     jsonb_build_object('n', g),
     CASE WHEN g %% 20 = 0 THEN 'failed' ELSE 'succeeded' END,
     (g %% 7) - 3,
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3600),
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3600),
     1, 3,
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3600),
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3600),
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3600),
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3600),
     'bighost:' || (g %% 10) || ':MainThread',
     NULL,
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3599),
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3599),
     CASE WHEN g %% 20 = 0
          THEN 'ValueError: row ' || g || ' failed' || E'\\n\\n' || repeat('Traceback line ', 20)
          ELSE '' END,
     NULL, NULL, '{{}}'::jsonb,
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3600),
-    now() - make_interval(secs => (%(n)s - g) / 2.0 + 3600)
-FROM generate_series(%(lo)s, %(hi)s) AS g
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3600),
+    now() - make_interval(secs => (%(n)s::bigint - g) / 2.0 + 3600)
+FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g
 """
 
 
