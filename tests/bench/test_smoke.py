@@ -132,3 +132,42 @@ def test_ab_script_compares_two_trees(tmp_path: Path) -> None:
     table = out_file.read_text()
     assert "| `w1_throughput.py --items 200` | items_per_second_whole |" in table
     assert "| `w1_throughput.py --items 200` | items_per_second_active |" in table
+
+
+#: The scale scripts (issue 23) start a durable cluster of their own, with
+#: pg_stat_statements loaded (a restart the test cluster must not take).
+SCALE_SCRIPTS = [
+    (
+        "scale_processes.py",
+        ["--items", "300", "--processes", "1,2", "--stream-rate", "50", "--stream-seconds", "1"],
+        "scale_processes",
+    ),
+    ("scale_idle.py", ["--workers", "2", "--window", "1", "--settle", "0"], "scale_idle"),
+    (
+        "scale_history.py",
+        ["--finished", "3000", "--items", "300", "--stream-seconds", "1", "--rate", "20"],
+        "scale_history",
+    ),
+    ("scale_pgbench.py", ["--scale", "1", "--clients", "2", "--seconds", "1"], "scale_pgbench"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "name"), SCALE_SCRIPTS)
+def test_scale_script_runs(script: str, args: list[str], name: str, tmp_path: Path) -> None:
+    env = bench_env()
+    env.pop("DATABASE_URL")
+    env["BENCH_SCALE_STATE"] = str(tmp_path / "pg.json")
+    out = subprocess.run(
+        [sys.executable, str(BENCH / script), "--no-raw", *args]
+        if script == "scale_processes.py"
+        else [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = [json.loads(line)["bench"] for line in out.stdout.splitlines() if line.startswith("{")]
+    assert name in names
+    assert not (tmp_path / "pg.json").exists()  # the cluster was stopped
