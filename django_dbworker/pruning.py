@@ -47,8 +47,14 @@ def prune(
     if dry_run:
         return base.count()
     deleted = 0
+    todo = base
     while True:
-        ids = list(base.order_by("pk").values_list("pk", flat=True)[:batch_size])
+        # After the last id chosen: the rows deleted before stay in the index as
+        # dead entries until VACUUM, and a choice from the start walked them all
+        # again (a batch's choice 38 ms against its DELETE's 5 ms, 3.7 million
+        # rows into a prune of 10 million, docs/scale.md). A row that becomes
+        # eligible behind us waits for the next prune.
+        ids = list(todo.order_by("pk").values_list("pk", flat=True)[:batch_size])
         if not ids:
             _prune_batches(older_than, using)
             return deleted
@@ -62,6 +68,7 @@ def prune(
             links = Q(child_id__in=gone) | Q(parent_id__in=gone)
             Dependency.objects.using(using).filter(links).delete()
         deleted += count
+        todo = base.filter(pk__gt=ids[-1])
 
 
 def _prune_batches(older_than: timedelta, using: str | None) -> None:
