@@ -1,0 +1,87 @@
+"""Attack (session 7) on a queue database of its own: ``run_workers`` on the ``work`` alias.
+
+With the work tables on a database of their own, the handlers' data is on
+another one (``default``): the very case the queue database exists for. The
+worker tidies and checks only the connection of the alias its rows are on, so
+a handler thread's connection to ``default`` that the server dropped between
+jobs (a failover, ``pg_terminate_backend``, a proxy's idle timeout) is never
+closed and reopened: every later job of that thread fails on it, each attempt
+with "the connection is closed", until the item ends ``failed``. With the work
+on ``default`` (the control test) the same kill costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.test import override_settings
+
+from django_dbworker import enqueue
+from django_dbworker.models import WorkItem
+from tests.conftest import kill_other_connections, wait_until
+from tests.routers import WORK_ALIAS
+from tests.testapp.models import Execution
+
+pytestmark = [
+    pytest.mark.server_db,
+    pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS]),
+]
+
+ROUTER = "tests.routers.QueueOnWork"
+
+
+@pytest.fixture
+def routed() -> Iterator[None]:
+    with override_settings(DATABASE_ROUTERS=[ROUTER]):
+        yield
+
+
+@pytest.fixture
+def queue_env(worker_env: dict[str, str]) -> dict[str, str]:
+    return {
+        **worker_env,
+        "DBWORKER_TEST_ROUTERS": ROUTER,
+        "DBWORKER_TEST_WORK_DB_NAME": str(connections[WORK_ALIAS].settings_dict["NAME"]),
+    }
+
+
+def _finished(alias: str, pk: int) -> WorkItem | None:
+    row = WorkItem.objects.using(alias).get(pk=pk)
+    return row if row.status in ("succeeded", "failed") else None
+
+
+def _a_dropped_default_connection(
+    alias: str, env: dict[str, str], start_worker: Callable[..., Any]
+) -> WorkItem:
+    """One thread runs ``record`` (it writes to default) once, loses its default
+    connection while idle, then runs ``record`` again with three attempts."""
+    worker = start_worker("record", "--concurrency", "1", env=env)
+    first = enqueue("record", {"key": "first"})
+    wait_until(lambda: _finished(alias, first.pk), timeout=30, what="the first item")
+    assert Execution.objects.filter(key="first").count() == 1, worker.log()
+    # The handler thread's connection to default (the worker's only one there when
+    # the work is elsewhere; with the work on default its claim loop's too).
+    assert kill_other_connections() >= 1
+    second = enqueue("record", {"key": "second"}, max_attempts=3)
+    done = wait_until(lambda: _finished(alias, second.pk), timeout=60, what="the second item")
+    worker.signal(15)
+    assert worker.wait(30) == 0, worker.log()
+    return done
+
+
+def test_a_handler_thread_survives_losing_its_default_connection_on_a_queue_database(
+    routed: None, queue_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    done = _a_dropped_default_connection(WORK_ALIAS, queue_env, start_worker)
+    assert done.status == "succeeded", (done.attempts, done.last_error[:300])
+    assert Execution.objects.filter(key="second").count() == 1
+
+
+def test_control_the_same_kill_with_the_work_on_default(
+    worker_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    done = _a_dropped_default_connection("default", worker_env, start_worker)
+    assert done.status == "succeeded", (done.attempts, done.last_error[:300])
