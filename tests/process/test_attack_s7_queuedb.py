@@ -12,6 +12,7 @@ on ``default`` (the control test) the same kill costs nothing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from django_dbworker import enqueue
 from django_dbworker.models import WorkItem
 from tests.conftest import kill_other_connections, wait_until
 from tests.routers import WORK_ALIAS
-from tests.testapp.models import Execution
+from tests.testapp.models import Execution, Invoice
 
 pytestmark = [
     pytest.mark.server_db,
@@ -85,3 +86,40 @@ def test_control_the_same_kill_with_the_work_on_default(
 ) -> None:
     done = _a_dropped_default_connection("default", worker_env, start_worker)
     assert done.status == "succeeded", (done.attempts, done.last_error[:300])
+
+
+def _own_table_after_a_dropped_connection(
+    env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    """``invoice-mailer`` (a ``Handler[Invoice]`` over default's own table) sends one
+    invoice, loses its connections to default, and must send the next one."""
+    worker = start_worker("invoice-mailer", env=env)
+    first = Invoice.objects.create()
+    wait_until(
+        lambda: Invoice.objects.filter(pk=first.pk, status="sent").exists(),
+        timeout=30,
+        what="the first invoice to be sent",
+    )
+    assert kill_other_connections() >= 1
+    second = Invoice.objects.create()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if Invoice.objects.filter(pk=second.pk, status="sent").exists():
+            break
+        time.sleep(0.1)
+    worker.signal(15)
+    assert worker.wait(30) == 0, worker.log()
+    errors = [line for line in worker.log().splitlines() if "Error:" in line]
+    assert Invoice.objects.get(pk=second.pk).status == "sent", (len(errors), errors[-1:])
+
+
+def test_an_own_table_loop_survives_losing_its_default_connection_on_a_queue_database(
+    routed: None, queue_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    _own_table_after_a_dropped_connection(queue_env, start_worker)
+
+
+def test_control_the_own_table_loop_with_the_work_on_default(
+    worker_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    _own_table_after_a_dropped_connection(worker_env, start_worker)
