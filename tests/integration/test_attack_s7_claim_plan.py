@@ -194,3 +194,48 @@ def test_fresh_statistics_on_a_big_table_keep_the_index_path(
     (plan,) = _claim_plans(queues, limit=8)
     assert f"Index Scan using {index}" in plan, plan
     assert "Sort" not in plan and f"Seq Scan on {TABLE}" not in plan, plan
+
+
+FIELDS = (
+    "pk",
+    "handler",
+    "queue",
+    "payload",
+    "priority",
+    "run_after",
+    "attempts",
+    "max_attempts",
+    "claimed_by",
+    "claim_token",
+    "trace_context",
+    "batch_id",
+    "has_dependents",
+)
+
+
+def _fields(item: WorkItem) -> dict[str, tuple[type, Any]]:
+    return {f: (type(getattr(item, f)), getattr(item, f)) for f in FIELDS}
+
+
+@pytest.mark.parametrize("time_zone", ["UTC", "America/New_York", "Asia/Kolkata"])
+def test_both_paths_read_rows_alike_whatever_the_time_zone(time_zone: str) -> None:
+    from django.test import override_settings
+
+    with override_settings(TIME_ZONE=time_zone):
+        connection.close()  # a new session, in the new setting's time zone
+        try:
+            a = make_item("noop", payload={"k": "é"}, trace_context={"traceparent": "x"})
+            [one_message] = _claim(["noop"])  # CLAIM_PLAN, ClientCursor
+            b = make_item("noop", payload={"k": "é"}, trace_context={"traceparent": "x"})
+            with transaction.atomic():
+                [bound] = _claim(["noop"])  # server-side binding
+        finally:
+            connection.close()
+    got_a, got_b = _fields(one_message), _fields(bound)
+    for field in FIELDS:
+        assert got_a[field][0] is got_b[field][0], (field, got_a[field], got_b[field])
+    for item, stored in ((one_message, a), (bound, b)):
+        stored.refresh_from_db()
+        assert item.run_after == stored.run_after
+        assert item.run_after.utcoffset() is not None
+        assert item.run_after.tzinfo == stored.run_after.tzinfo
