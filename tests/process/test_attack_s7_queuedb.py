@@ -123,3 +123,39 @@ def test_control_the_own_table_loop_with_the_work_on_default(
     worker_env: dict[str, str], start_worker: Callable[..., Any]
 ) -> None:
     _own_table_after_a_dropped_connection(worker_env, start_worker)
+
+
+def test_schedules_rates_keys_and_cancel_all_live_on_the_queue_database(
+    routed: None, queue_env: dict[str, str], start_worker: Callable[..., Any]
+) -> None:
+    """Periodic slots, rate-limit starts, concurrency-key slots and a cancel of a running
+    item: every row they need is on the queue database, none on default."""
+    from django_dbworker.flow_models import FlowLock, RateStart
+    from django_dbworker.models import PeriodicSchedule, QueueState
+    from tests.testapp.workers import Keyed, Rated, StopWhenCancelled
+
+    rated = Rated.enqueue_many([{"key": f"r{n}"} for n in range(3)])
+    keyed = [Keyed.enqueue({"key": "k", "seconds": 0.05}, concurrency_key="k") for _ in range(3)]
+    running = StopWhenCancelled.enqueue({"key": "c"})
+    worker = start_worker("tick", "rated", "keyed", "stop_when_cancelled", env=queue_env)
+    work = WorkItem.objects.using(WORK_ALIAS)
+    wait_until(
+        lambda: Execution.objects.filter(kind="tick").count() >= 2,
+        timeout=30,
+        what="two ticks",
+    )
+    wait_until(lambda: Execution.objects.filter(key="c", kind="run").exists(), timeout=30, what="c")
+    assert work.get(pk=running.pk).cancel()
+    wait_until(lambda: work.get(pk=running.pk).status == "cancelled", timeout=30, what="the cancel")
+    ids = [i.pk for i in [*rated, *keyed]]
+    wait_until(
+        lambda: work.filter(pk__in=ids, status="succeeded").count() == len(ids),
+        timeout=30,
+        what="the rated and keyed items",
+    )
+    worker.signal(15)
+    assert worker.wait(30) == 0, worker.log()
+    assert PeriodicSchedule.objects.using(WORK_ALIAS).filter(name="tick").exists()
+    assert work.filter(handler="tick", status="succeeded").count() >= 2
+    for model in (WorkItem, PeriodicSchedule, QueueState, FlowLock, RateStart):
+        assert not model.objects.using("default").exists(), model.__name__
