@@ -239,3 +239,38 @@ def test_both_paths_read_rows_alike_whatever_the_time_zone(time_zone: str) -> No
         assert item.run_after == stored.run_after
         assert item.run_after.utcoffset() is not None
         assert item.run_after.tzinfo == stored.run_after.tzinfo
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"server_side_binding": True}, {"prepare_threshold": 0}, {"isolation_level": 3}],
+    ids=["server_side_binding", "prepare_threshold", "serializable"],
+)
+def test_connection_options_keep_the_claim_and_its_settings_to_itself(
+    options: dict[str, Any],
+) -> None:
+    """OPTIONS that change Django's cursors or transactions (set on a new session)."""
+    saved = dict(connection.settings_dict["OPTIONS"])
+    connection.close()
+    connection.settings_dict["OPTIONS"] = {**saved, **options}
+    try:
+        make_item("noop")
+        make_item("noop")
+        raw = connection.connection
+        if "prepare_threshold" in options:
+            assert raw.prepare_threshold == 0
+        if "isolation_level" in options:
+            assert int(raw.isolation_level) == 3
+        if "server_side_binding" in options:
+            assert raw.cursor_factory is not psycopg.ClientCursor
+        for _ in range(2):  # twice: a prepared statement would be used the second time
+            with CaptureQueriesContext(connection) as queries:
+                assert len(_claim(["noop"], limit=1)) == 1
+            assert any("SET LOCAL" in q["sql"] for q in queries.captured_queries)
+            assert _show("enable_sort") == "on"
+            assert connection.connection.info.transaction_status == TransactionStatus.IDLE
+        with transaction.atomic():
+            assert _show("enable_sort") == "on"
+    finally:
+        connection.close()
+        connection.settings_dict["OPTIONS"] = saved
