@@ -64,3 +64,60 @@ def test_control_an_enqueue_in_any_other_package_is_pointed_at(routed: None) -> 
     with pytest.warns(RuntimeWarning) as record:
         _run_as(views)
     assert record[0].filename == views
+
+
+# -- held: a view under ATOMIC_REQUESTS, on_commit callbacks, threads ------------------
+
+
+def _enqueuing_view(request: object) -> object:
+    from django.http import HttpResponse
+
+    Noop.enqueue({"n": "view"})  # the line the warning must name
+    return HttpResponse("ok")
+
+
+urlpatterns = [__import__("django.urls").urls.path("enqueue/", _enqueuing_view)]
+
+
+def test_a_view_under_atomic_requests_is_warned_at_its_enqueue(routed: None) -> None:
+    from django.db import connections
+    from django.test import Client
+
+    default = connections["default"]
+    default.settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        with (
+            override_settings(ROOT_URLCONF=__name__),
+            pytest.warns(RuntimeWarning, match="open on 'default'") as record,
+        ):
+            assert Client().get("/enqueue/").status_code == 200
+    finally:
+        default.settings_dict["ATOMIC_REQUESTS"] = False
+    assert record[0].filename == __file__
+    assert record[0].lineno == _enqueuing_view.__code__.co_firstlineno + 3
+
+
+def test_no_warning_in_an_on_commit_callback_or_another_thread(routed: None) -> None:
+    import threading
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic():
+            transaction.on_commit(lambda: Noop.enqueue({"n": "later"}))
+            errors: list[BaseException] = []
+
+            def elsewhere() -> None:
+                try:
+                    Noop.enqueue({"n": "thread"})
+                except BaseException as exc:
+                    errors.append(exc)
+                finally:
+                    from django.db import connections
+
+                    connections.close_all()
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join(30)
+            assert errors == []
