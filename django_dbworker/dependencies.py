@@ -31,8 +31,12 @@ MAX_PARENTS = 1000
 MAX_ID = 2**63
 
 
-def parent_ids(after: Any) -> list[int]:
-    """The ids ``after=`` names (work items or ids), in order, once each; checked only."""
+def parent_ids(after: Any, using: str | None = None) -> list[int]:
+    """The ids ``after=`` names (work items or ids), in order, once each; checked only.
+
+    A work item loaded from another database than ``using`` (the child's) is
+    refused: ids are per database, so its id would name another row there.
+    """
     if after is None:
         return []
     if isinstance(after, (str, bytes, dict, WorkItem)) or not isinstance(after, Iterable):
@@ -45,6 +49,11 @@ def parent_ids(after: Any) -> list[int]:
             pk = parent.pk
             if pk is None:
                 raise EnqueueError("after= names an unsaved work item; enqueue it first.")
+            if using is not None and parent._state.db not in (None, using):
+                raise EnqueueError(
+                    f"after= names work item #{pk} of database {parent._state.db!r}; this "
+                    f"item goes to {using!r}. An item and its parents share a database."
+                )
         elif isinstance(parent, int) and not isinstance(parent, bool):
             pk = parent
         else:

@@ -233,7 +233,8 @@ def insert_one(
     """``insert`` with its options in one object: what the layers above pass on."""
     cls = _handler_class(handler)
     item, payload_json, _ = _build(cls, payload, options)
-    parents = dependencies.parent_ids(options.after)
+    db = work_db_for_write(options.using)
+    parents = dependencies.parent_ids(options.after, db)
     if parents and options.unique_key is not None:
         raise EnqueueError(
             "unique_key and after= cannot be combined: an enqueue that finds the key's live "
@@ -245,7 +246,6 @@ def insert_one(
             "the last of them succeeds."
         )
     run_after = options.run_after
-    db = work_db_for_write(options.using)
     item.batch_id = current_batch_id(db)
     if item.batch_id is not None and item.unique_key is not None:
         raise EnqueueError(

@@ -22,6 +22,7 @@ here opens a connection.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -42,7 +43,14 @@ APP_LABEL = "django_dbworker"
 NOT_ATOMIC_CHECK = "django_dbworker.W006"
 
 #: Frames of this package and of Django's (``Task.enqueue``) are not the enqueuing line.
-_LIBRARIES = (str(Path(__file__).resolve().parent), str(Path(django.__file__).resolve().parent))
+#: Folders with a separator ("django_myapp/" is not Django's), as imported and resolved.
+_LIBRARIES = tuple(
+    {
+        str(folder) + os.sep
+        for module in (__file__, django.__file__)
+        for folder in (Path(module).absolute().parent, Path(module).resolve().parent)
+    }
+)
 
 
 def work_db_for_write(using: str | None = None) -> str:

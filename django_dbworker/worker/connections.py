@@ -94,6 +94,30 @@ def refresh_if_idle(using: str = DEFAULT_DB_ALIAS, conn: BaseDatabaseWrapper | N
         close_quietly(using)
 
 
+def tidy_all(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
+    """``tidy`` the work alias's connection and every other one this thread opened.
+
+    A handler of a project whose work lives on a database of its own writes
+    to ``default`` (or any alias): that connection needs the same care, or a
+    server that dropped it fails every later job of the thread, and
+    ``CONN_MAX_AGE`` is never honoured there. Another alias inside an atomic
+    block is left alone: it may be a caller's (a test's transaction around
+    ``run_until_empty``).
+    """
+    tidy(using, conn)
+    for other in connections.all(initialized_only=True):
+        if other.alias != using and not other.in_atomic_block:
+            tidy(other.alias, other)
+
+
+def refresh_all_if_idle(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
+    """``refresh_if_idle`` for the work alias's connection and every other one of this thread."""
+    refresh_if_idle(using, conn)
+    for other in connections.all(initialized_only=True):
+        if other.alias != using:
+            refresh_if_idle(other.alias, other)
+
+
 def guarded(using: str, write: Callable[[], T]) -> T:
     """``write`` in a savepoint when a caller's transaction is open.
 

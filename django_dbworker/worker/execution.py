@@ -40,8 +40,8 @@ from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.connections import (
     close_thread_connections,
     guarded,
-    refresh_if_idle,
-    tidy,
+    refresh_all_if_idle,
+    tidy_all,
 )
 from django_dbworker.worker.endings import SILENT, Ending, Observer
 from django_dbworker.worker.failures import record_failure, record_refused_result
@@ -229,10 +229,10 @@ def _run_and_record(
 
     def tidy_if_owned() -> None:
         if owned:
-            tidy(db, conn)
+            tidy_all(db, conn)
 
     if owned:
-        refresh_if_idle(db, conn)
+        refresh_all_if_idle(db, conn)
     # Failures are recorded after the except blocks, not in them: the
     # handler's exception is then no longer "being handled", so nothing that
     # runs while recording (the attempt_recorded hook, signal receivers that

@@ -17,7 +17,11 @@ from django_dbworker.errors import NoTask
 from django_dbworker.handlers import Handler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.outcomes import Outcome
-from django_dbworker.worker.connections import close_thread_connections, tidy
+from django_dbworker.worker.connections import (
+    close_thread_connections,
+    refresh_all_if_idle,
+    tidy_all,
+)
 from django_dbworker.worker.pool import Pool
 
 logger = logging.getLogger("django_dbworker.worker")
@@ -91,6 +95,7 @@ class HandlerLoop(threading.Thread):
         """One ``claim()``: the item, or ``_NOTHING`` on NoTask or any error."""
         name = self.handler.name
         started = time.perf_counter()
+        refresh_all_if_idle(self.using)
         try:
             return self.handler.claim()
         except NoTask:
@@ -101,7 +106,7 @@ class HandlerLoop(threading.Thread):
             return _NOTHING
         finally:
             self.metrics.claim_took(name, time.perf_counter() - started)
-            tidy(self.using)
+            tidy_all(self.using)
 
     def _recover(self) -> None:
         started = time.perf_counter()
@@ -112,6 +117,7 @@ class HandlerLoop(threading.Thread):
         name = self.handler.name
 
         def run() -> None:
+            refresh_all_if_idle(self.using)
             started = time.perf_counter()
             with self.metrics.running(name):
                 ok = self._call("process", lambda: self.handler.process(item))
@@ -129,7 +135,7 @@ class HandlerLoop(threading.Thread):
             logger.exception("%s() of handler %s raised.", what, self.handler.name)
             return False
         finally:
-            tidy(self.using)
+            tidy_all(self.using)
 
     def drain(self, timeout: float, abort: threading.Event) -> bool:
         return self.pool.wait_idle(timeout, abort=abort)
