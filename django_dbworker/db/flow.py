@@ -93,6 +93,12 @@ def claim_rated(
     """
     if limit <= 0:
         return RatedClaim()
+    # Nothing of the handler ready: one indexed read, no transaction, no lock
+    # (idle processes took the FlowLock row at every poll, docs/scale.md). A
+    # superset of what the claim could take (any queue): a row enqueued after
+    # it is the next poll's or wake-up's, as after any claim that found none.
+    if not WorkItem.objects.using(using).ready().filter(handler=handler).exists():
+        return RatedClaim()
     window = timedelta(seconds=period + allowance)
     with transaction():
         now = lock_flow(using, f"rate:{handler}")
