@@ -1,0 +1,81 @@
+"""Attack s7b: prune deletes only rows older than the cut-off, even rows retried meanwhile.
+
+prune chooses a batch's ids (status and ``finished_at`` older than the cut-off),
+then deletes ``pk__in=ids, status__in=allowed``: the DELETE repeats the status but
+not the age. A row chosen while it was an old failure, then retried and failed
+again before the DELETE (here: its DELETE waits for the lock of the transaction
+that does so, then re-checks its WHERE on the new version), is deleted though it
+finished a moment ago: ``dbworker_prune --older-than 7d`` erases a failure the
+operator has not seen yet.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, connections
+from django.db.models.functions import Now
+
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.pruning import prune
+from tests.conftest import wait_until
+from tests.factories import make_item
+
+TABLE = "django_dbworker_workitem"
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_row_failed_again_while_the_prune_waits_is_not_deleted() -> None:
+    item = make_item("noop")
+    WorkItem.objects.filter(pk=item.pk).update(
+        status=Status.FAILED, finished_at=Now() - timedelta(days=10)
+    )
+    holder = psycopg.connect(**connection.get_connection_params(), autocommit=False)
+    watcher = psycopg.connect(**connection.get_connection_params(), autocommit=True)
+    errors: list[BaseException] = []
+    counts: list[int] = []
+
+    def run() -> None:
+        try:
+            counts.append(
+                prune(older_than=timedelta(days=7), statuses=[Status.FAILED], batch_size=10)
+            )
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def waiting() -> Any:
+        row = watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchone()
+        return row == (1,)
+
+    thread = threading.Thread(target=run)
+    try:
+        # Retried and failed again (one transaction here, the state is the same): the
+        # row is a failure of a moment ago when the prune's DELETE gets its lock.
+        holder.execute(
+            f"UPDATE {TABLE} SET status = 'pending', finished_at = NULL WHERE id = %s", [item.pk]
+        )
+        thread.start()
+        wait_until(waiting, timeout=10, what="the prune's DELETE to wait for the row")
+        holder.execute(
+            f"UPDATE {TABLE} SET status = 'failed', finished_at = now() WHERE id = %s", [item.pk]
+        )
+        holder.commit()
+    finally:
+        holder.close()
+        thread.join(20)
+        watcher.close()
+    assert not errors, errors
+    assert WorkItem.objects.filter(pk=item.pk).exists(), (
+        f"prune --older-than 7d deleted row {item.pk}, which failed a moment ago "
+        f"(deleted {counts}): its DELETE re-checks the status, not finished_at"
+    )
