@@ -87,7 +87,10 @@ def _release(pks: list[int], items: list[WorkItem]) -> object:
     [_admin_cancel, _queryset_cancel, _stale_recovery, _release],
     ids=["admin-cancel", "queryset-cancel", "stale-recovery", "release"],
 )
-def test_a_bulk_writer_of_claimed_rows_and_a_heartbeat_do_not_deadlock(writer: Any) -> None:
+@pytest.mark.parametrize("ordered", ["heartbeat", "succeed_rows"])
+def test_a_bulk_writer_of_claimed_rows_and_a_heartbeat_do_not_deadlock(
+    writer: Any, ordered: str
+) -> None:
     for _ in range(2):
         make_item("noop")
     lo, hi = sorted(claim(limit=2, handlers=["noop"]), key=lambda i: i.pk)
@@ -103,10 +106,17 @@ def test_a_bulk_writer_of_claimed_rows_and_a_heartbeat_do_not_deadlock(writer: A
         # The bulk writer of the two claimed rows (plan order): waits on the higher one.
         threads.append(_in_thread(lambda: writer([lo.pk, hi.pk], [lo, hi]), errors))
         wait_until(lambda: _lock_waiters(watcher) == 1, timeout=10, what="the writer to wait")
-        # The worker's heartbeat of both: locks the lower row, then waits for the higher.
+        # The worker's heartbeat (or success write) of both: locks the lower row, then
+        # waits for the higher.
         threads.append(
             _in_thread(
-                lambda: operations().heartbeat([(lo.pk, lo.claim_token), (hi.pk, hi.claim_token)]),
+                lambda: (
+                    operations().heartbeat([(lo.pk, lo.claim_token), (hi.pk, hi.claim_token)])
+                    if ordered == "heartbeat"
+                    else operations().succeed_rows(
+                        [(hi.pk, hi.claim_token, None), (lo.pk, lo.claim_token, None)]
+                    )
+                ),
                 errors,
             )
         )
@@ -118,6 +128,6 @@ def test_a_bulk_writer_of_claimed_rows_and_a_heartbeat_do_not_deadlock(writer: A
             thread.join(20)
         watcher.close()
     assert not errors, (
-        f"{writer.__name__} (plan order: the heap's) and a heartbeat (id order) "
+        f"{writer.__name__} (plan order: the heap's) and {ordered} (id order) "
         f"deadlocked: {errors!r}"
     )
