@@ -15,9 +15,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 import pytest
-from django.db import connection, connections
+from django.db import connections
 from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
@@ -26,17 +25,33 @@ from tests.conftest import wait_until
 from tests.factories import make_item
 
 TABLE = "django_dbworker_workitem"
+NOW = {"postgresql": "now()", "mysql": "UTC_TIMESTAMP(6)"}
 
 
-@pytest.mark.postgres_only
+def _lock_waits(watcher: Any) -> int:
+    with watcher.cursor() as cursor:
+        if watcher.vendor == "postgresql":
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        else:
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
+            )
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.server_db
 @pytest.mark.django_db(transaction=True)
 def test_a_row_failed_again_while_the_prune_waits_is_not_deleted() -> None:
     item = make_item("noop")
     WorkItem.objects.filter(pk=item.pk).update(
         status=Status.FAILED, finished_at=Now() - timedelta(days=10)
     )
-    holder = psycopg.connect(**connection.get_connection_params(), autocommit=False)
-    watcher = psycopg.connect(**connection.get_connection_params(), autocommit=True)
+    holder = connections.create_connection("default")
+    watcher = connections.create_connection("default")
+    holder.set_autocommit(False)
     errors: list[BaseException] = []
     counts: list[int] = []
 
@@ -50,25 +65,26 @@ def test_a_row_failed_again_while_the_prune_waits_is_not_deleted() -> None:
         finally:
             connections.close_all()
 
-    def waiting() -> Any:
-        row = watcher.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        ).fetchone()
-        return row == (1,)
+    def waiting() -> bool:
+        return _lock_waits(watcher) == 1
 
     thread = threading.Thread(target=run)
     try:
         # Retried and failed again (one transaction here, the state is the same): the
         # row is a failure of a moment ago when the prune's DELETE gets its lock.
-        holder.execute(
-            f"UPDATE {TABLE} SET status = 'pending', finished_at = NULL WHERE id = %s", [item.pk]
-        )
+        with holder.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {TABLE} SET status = 'pending', finished_at = NULL WHERE id = %s",
+                [item.pk],
+            )
         thread.start()
         wait_until(waiting, timeout=10, what="the prune's DELETE to wait for the row")
-        holder.execute(
-            f"UPDATE {TABLE} SET status = 'failed', finished_at = now() WHERE id = %s", [item.pk]
-        )
+        with holder.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {TABLE} SET status = 'failed', finished_at = {NOW[holder.vendor]}"
+                " WHERE id = %s",
+                [item.pk],
+            )
         holder.commit()
     finally:
         holder.close()
