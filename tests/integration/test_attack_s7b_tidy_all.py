@@ -66,3 +66,15 @@ def test_run_until_empty_keeps_an_atomic_block_on_another_alias() -> None:
         Noop.enqueue({"n": 1})
         assert run_until_empty().get("succeeded") == 1
     assert WorkItem.objects.using(WORK_ALIAS).filter(pk=mine.pk).exists()
+
+
+@pytest.mark.django_db(transaction=False, databases="__all__")
+def test_run_until_empty_in_a_testcase_on_every_alias_keeps_its_writes() -> None:
+    """Control (holds): a TestCase's transactions on every alias are left alone."""
+    mine = WorkItem.objects.using(WORK_ALIAS).create(
+        handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
+    )
+    Noop.enqueue({"n": 1})
+    assert run_until_empty().get("succeeded") == 1
+    assert connections[WORK_ALIAS].in_atomic_block
+    assert WorkItem.objects.using(WORK_ALIAS).filter(pk=mine.pk).exists()
