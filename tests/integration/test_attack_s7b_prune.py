@@ -11,6 +11,7 @@ operator has not seen yet.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from django.db import connections
 from django.db.models.functions import Now
 
-from django_dbworker.models import Status, WorkItem
+from django_dbworker.models import Dependency, Status, WorkItem
 from django_dbworker.pruning import prune
 from tests.conftest import wait_until
 from tests.factories import make_item
@@ -95,3 +96,42 @@ def test_a_row_failed_again_while_the_prune_waits_is_not_deleted() -> None:
         f"prune --older-than 7d deleted row {item.pk}, which failed a moment ago "
         f"(deleted {counts}): its DELETE re-checks the status, not finished_at"
     )
+
+
+@pytest.mark.server_db
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_prunes_delete_every_row_once_with_their_links() -> None:
+    """Holds: two prunes at once, each walking after its own last id, leave nothing."""
+    WorkItem.objects.bulk_create(
+        WorkItem(handler="noop", payload={}, max_attempts=3, status=Status.SUCCEEDED)
+        for _ in range(1200)
+    )
+    ids = sorted(WorkItem.objects.values_list("pk", flat=True))
+    WorkItem.objects.update(finished_at=Now() - timedelta(days=2))
+    Dependency.objects.bulk_create(
+        Dependency(parent_id=a, child_id=b) for a, b in itertools.pairwise(ids)
+    )
+    counts: list[int] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run() -> None:
+        try:
+            start.wait(10)
+            counts.append(
+                prune(older_than=timedelta(days=1), statuses=[Status.SUCCEEDED], batch_size=50)
+            )
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert sum(counts) == 1200, counts
+    assert not WorkItem.objects.exists()
+    assert not Dependency.objects.exists()
