@@ -8,6 +8,11 @@ lock in the plan's order: the heap's, for a seq or bitmap scan. When a row with 
 lower id sits later in the heap (it was updated after the higher one, e.g. by a
 heartbeat of one row), such an UPDATE takes the higher row first, the heartbeat
 the lower one first: a real deadlock, run here with real transactions, no race.
+
+With 2bea049 reverted (``git show 2bea049 -- django_dbworker/db/postgresql_sql.py |
+git apply -R``) the four heartbeat cases pass (its plan met the rows in the heap's
+order too) and the four success-write cases fail: the heartbeat's deadlocks with
+the admin's Cancel, QuerySet.cancel, stale recovery and release are new in 2bea049.
 """
 
 from __future__ import annotations
