@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import router
 from django.db.models.functions import Now
 
 from django_dbworker.completion import settle_rows, waiting_run_after
@@ -49,7 +50,7 @@ def parent_ids(after: Any, using: str | None = None) -> list[int]:
             pk = parent.pk
             if pk is None:
                 raise EnqueueError("after= names an unsaved work item; enqueue it first.")
-            if using is not None and parent._state.db not in (None, using):
+            if using is not None and not _same_rows(parent, using):
                 raise EnqueueError(
                     f"after= names work item #{pk} of database {parent._state.db!r}; this "
                     f"item goes to {using!r}. An item and its parents share a database."
@@ -67,6 +68,16 @@ def parent_ids(after: Any, using: str | None = None) -> list[int]:
         if len(ids) > MAX_PARENTS:
             raise EnqueueError(f"after= names more items than allowed: at most {MAX_PARENTS}.")
     return list(ids)
+
+
+def _same_rows(parent: WorkItem, using: str) -> bool:
+    """Whether ``parent``'s id names the same row on ``using``: loaded from it, or from a
+    database the routers relate to it (a replica of it: ``allow_relation``)."""
+    if parent._state.db in (None, using):
+        return True
+    child = WorkItem()
+    child._state.db = using
+    return bool(router.allow_relation(parent, child))
 
 
 @dataclass(frozen=True)

@@ -150,9 +150,18 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         the handler's ``cancel_requested`` for that attempt; the row ends
         ``cancelled`` if the handler then raises (SPEC "Flow control").
         """
-        return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).update(
-            cancel_requested_at=Now(), updated_at=Now()
-        )
+        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
+        asked = self.using(db).filter(status=Status.CLAIMED, cancel_requested_at__isnull=True)
+        ids = sorted(asked.values_list("pk", flat=True))
+        if not ids:
+            return 0
+        # Locked first in id order, as heartbeats and outcome writes lock them.
+        with row_locker[0](db, ids):
+            return (
+                WorkItem.objects.using(db)
+                .filter(pk__in=ids, status=Status.CLAIMED, cancel_requested_at__isnull=True)
+                .update(cancel_requested_at=Now(), updated_at=Now())
+            )
 
     def retry(self) -> int:
         """failed | cancelled -> pending, attempts and snoozes reset to 0, due now.

@@ -59,7 +59,13 @@ def prune(
             _prune_batches(older_than, using)
             return deleted
         with transaction.atomic(using=using):
-            count, _ = WorkItem.objects.using(using).filter(pk__in=ids, status__in=allowed).delete()
+            # Both conditions again: a row retried and ended anew since it was
+            # chosen is no longer old (its DELETE waited for its lock).
+            count, _ = (
+                WorkItem.objects.using(using)
+                .filter(pk__in=ids, status__in=allowed, finished_at__lt=Now() - older_than)
+                .delete()
+            )
             # Only the links of rows deleted here: one retried meanwhile stays, linked.
             kept = set(
                 WorkItem.objects.using(using).filter(pk__in=ids).values_list("pk", flat=True)

@@ -83,7 +83,10 @@ class QueueRouter:
     def allow_relation(self, obj1: Any, obj2: Any, **hints: Any) -> bool | None:
         ours = [obj._meta.app_label == APP_LABEL for obj in (obj1, obj2)]
         if all(ours):
-            return True
+            # Rows loaded from two databases (a queue database and default, where
+            # ids name other rows): not ours to allow; a replica's router may.
+            dbs = {obj._state.db for obj in (obj1, obj2)} - {None}
+            return True if len(dbs) <= 1 else None
         # A foreign key between the work tables and a model of another
         # database cannot hold (no database checks it).
         return False if any(ours) else None

@@ -38,6 +38,7 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEM_QUIET,
     INSERT_ITEMS,
     INSERT_ITEMS_QUIET,
+    LOCK_ROWS,
     NOTIFY,
     READ_COMMITTED,
     RESERVE_IDS,
@@ -214,6 +215,17 @@ class PostgresOperations(PostgresEstimates):
         }
         rows = self._fetch_bound(SUCCEED_MANY.sql, params)
         return [(pk, as_uuid(token), linked) for pk, token, linked in rows]
+
+    @contextmanager
+    def locked_in_id_order(self, ids: Collection[int]) -> Iterator[None]:
+        # The bulk writers of claimed rows lock them in the plan's order (the
+        # table's) unless locked first: against the id order of the heartbeat
+        # and the success write, a deadlock (tests/integration/test_attack_s7b_pg_lock_order.py).
+        ordered = sorted(set(ids))
+        with transaction.atomic(using=self.using, savepoint=False):
+            if ordered:
+                self._fetch_bound(LOCK_ROWS.sql, {"ids": ordered})
+            yield
 
     def heartbeat(self, claims: Collection[tuple[int, UUID]]) -> list[tuple[int, UUID, bool]]:
         params = {"ids": [pk for pk, _ in claims], "tokens": [token for _, token in claims]}

@@ -82,17 +82,12 @@ CLAIM_IN_QUEUES = Statement(
     _claim("\n      AND queue = ANY(%(queues)s::text[])"),
 )
 
-# The claim's plan must not follow the table's statistics where they are wrong. After an
-# ANALYZE that counted the table's pages but none of its rows (autovacuum, while a large
-# enqueue_many was uncommitted; or a table emptied by TRUNCATE or a prune, then refilled), the
-# planner expects one pending row, and for one row a scan of every pending row and a sort looks
-# as cheap as the claim index read in order: each claim then reads the whole backlog (15-20 ms
-# at 20,000 rows in W6, docs/internals/benchmarks.md) until autovacuum analyzes again. Sent in
-# the same message as the claim (one round trip; SET LOCAL: that transaction only), these
-# leave the index path as the only plan without a sort. Not for the claims over several
-# queues, whose plan is a top-N sort by design (test_claim_plans), nor for the keyed claim,
-# whose statements sort their candidates and key locks whatever the plan: tried, a process
-# test of keys (test_a_hot_key_at_the_head...) took 5-11 s instead of 2.4 s.
+# The claim's plan must not follow wrong statistics: after an ANALYZE that counted the pages
+# but none of the rows (autovacuum during an uncommitted enqueue_many; a table emptied, then
+# refilled), the planner expects one pending row and sorts the whole backlog on each claim (W6's
+# slow mode, docs/internals/benchmarks.md). Sent with the claim in one message (SET LOCAL: its
+# implicit transaction only). Not for several queues (a top-N sort by design) nor the keyed
+# claim (it sorts candidates anyway; tried, a keyed process test took 5-11 s instead of 2.4 s).
 CLAIM_PLAN = Statement(
     "claim_plan",
     "Plan the claim that follows in its index's order, never a sort (its transaction only).",
@@ -232,11 +227,18 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 """,
 )
 
-# A worker's success writes and heartbeats update the same claimed rows from two
-# connections: both lock them first, in id order (a LockRows over a sort), so one waits
-# for the other. Each locking in the order its plan met the rows (the success write in
-# its arrays' order, the heartbeat in the table's) deadlocked, once in 12 drains of
-# 50,000 items (bench/scale_processes.py): an error after deadlock_timeout, one second.
+# Every bulk writer of claimed rows (stale recovery, release, an operator's cancel) locks
+# them first in id order, as SUCCEED_MANY and HEARTBEAT do (``locked_in_id_order``).
+LOCK_ROWS = Statement(
+    "lock_rows",
+    "Lock rows by id, in ascending id order, until the transaction ends.",
+    """
+SELECT id FROM django_dbworker_workitem WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+""",
+)
+
+# Success writes and heartbeats lock their rows first, in id order (a LockRows over a sort):
+# locking in their plans' orders (arrays', table's), a worker's two deadlocked (docs/scale.md).
 _LOCKED_IN_ID_ORDER = """
 WITH l AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
@@ -345,12 +347,10 @@ INSERT_ITEMS_QUIET = Statement(
     INSERT_ITEMS.sql.replace(", (SELECT pg_notify('django_dbworker', %(wake)s)) AS wake", ""),
 )
 
-# A large batch goes in by COPY, which skips the per-row work of the executor and of a giant array
-# parameter. COPY cannot return anything, so the ids are taken from the table's own sequence first:
-# nextval() hands every caller distinct values, whoever else inserts meanwhile, and one session's
-# values increase, so the batch's ids follow its payloads. The times every row shares (created_at,
-# updated_at, run_after) are read from the database clock by the same statement and written into
-# the rows, so the returned items hold exactly what is stored.
+# A large batch goes in by COPY (no per-row executor work, no giant array). COPY returns nothing,
+# so the ids come first from the table's sequence (distinct for every caller, increasing in one
+# session: they follow the payloads), with the times every row shares, read from the database
+# clock by the same statement: the returned items hold exactly what is stored.
 RESERVE_IDS = Statement(
     "reserve_ids",
     "Take ids for a batch from the table's sequence, and the database times its rows get.",

@@ -101,12 +101,14 @@ def tidy_all(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
     to ``default`` (or any alias): that connection needs the same care, or a
     server that dropped it fails every later job of the thread, and
     ``CONN_MAX_AGE`` is never honoured there. Another alias inside an atomic
-    block is left alone: it may be a caller's (a test's transaction around
-    ``run_until_empty``).
+    block, or with autocommit off, is left alone: it may be a caller's
+    transaction (a test's around ``run_until_empty``).
     """
     tidy(using, conn)
     for other in connections.all(initialized_only=True):
-        if other.alias != using and not other.in_atomic_block:
+        if other.alias == using or other.in_atomic_block or other.connection is None:
+            continue
+        if other.get_autocommit():  # not a caller's manual transaction (set_autocommit)
             tidy(other.alias, other)
 
 

@@ -37,9 +37,17 @@ def _lock_waits(watcher: Any) -> int:
                 " WHERE wait_event_type = 'Lock' AND datname = current_database()"
             )
         else:
+            # INNODB_TRX does not always list the waiting DELETE's transaction yet
+            # (seen on MariaDB 10.11): the statement in the process list counts too.
             cursor.execute(
                 "SELECT count(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
             )
+            waits = int(cursor.fetchone()[0])
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.PROCESSLIST"
+                f" WHERE info LIKE 'DELETE FROM `{TABLE}`%%'"
+            )
+            return max(waits, int(cursor.fetchone()[0]))
         return int(cursor.fetchone()[0])
 
 

@@ -57,6 +57,8 @@ def test_run_until_empty_keeps_a_manual_transaction_on_another_alias(
     )
 
 
+# The enqueue on default inside work's atomic block is meant: the warning says so.
+@pytest.mark.filterwarnings("ignore:This enqueue writes to database:RuntimeWarning")
 def test_run_until_empty_keeps_an_atomic_block_on_another_alias() -> None:
     """Control (holds): the caller's ``atomic()`` on the other alias is left alone."""
     with transaction.atomic(using=WORK_ALIAS):

@@ -255,6 +255,10 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents;
 
+-- name: lock_rows
+-- Lock rows by id, in ascending id order, until the transaction ends.
+SELECT id FROM django_dbworker_workitem WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
+
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
 WITH l AS MATERIALIZED (
