@@ -105,6 +105,8 @@ def tidy_all(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
     transaction (a test's around ``run_until_empty``).
     """
     tidy(using, conn)
+    if not _other_aliases(using):
+        return
     for other in connections.all(initialized_only=True):
         if other.alias == using or other.in_atomic_block or other.connection is None:
             continue
@@ -115,9 +117,18 @@ def tidy_all(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
 def refresh_all_if_idle(using: str, conn: BaseDatabaseWrapper | None = None) -> None:
     """``refresh_if_idle`` for the work alias's connection and every other one of this thread."""
     refresh_if_idle(using, conn)
+    if not _other_aliases(using):
+        return
     for other in connections.all(initialized_only=True):
         if other.alias != using:
             refresh_if_idle(other.alias, other)
+
+
+def _other_aliases(using: str) -> bool:
+    """Whether DATABASES has aliases besides ``using``: a one-database project (most)
+    pays nothing per job for looking at the others (the thread-local lookups cost
+    more than the tidying)."""
+    return len(connections.settings) > 1 or using not in connections.settings
 
 
 def guarded(using: str, write: Callable[[], T]) -> T:
