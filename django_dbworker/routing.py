@@ -110,6 +110,8 @@ def warn_if_outside_transaction(db: str) -> None:
     ``SILENCED_SYSTEM_CHECKS``, the project's word that it means it.
     Looks only at connections this thread already has.
     """
+    if len(connections.settings) == 1:  # one database (most projects): nothing to warn of
+        return
     conn = connections[db]
     if conn.in_atomic_block or conn.settings_dict.get("AUTOCOMMIT") is False:
         return
