@@ -37,6 +37,7 @@ from django_dbworker.db.flow import (
     flow_lock_name,
     within_limits,
 )
+from django_dbworker.db.handover import NoHandOver
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -114,7 +115,7 @@ Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
 
 
-class VendorOperations(ABC):
+class VendorOperations(NoHandOver, ABC):
     """Vendor-specific database operations for one connection alias.
 
     The rest of the package calls these and never looks at
@@ -246,8 +247,7 @@ class VendorOperations(ABC):
     ) -> set[tuple[int, UUID]]:
         """Record ``(id, claim_token, result JSON)`` successes in one fenced UPDATE; return
         the attempts recorded. Each row matches its own id, token and ``claimed`` status:
-        a re-claimed row, or a superseded attempt beside the current one, is not recorded.
-        """
+        a re-claimed row, or a superseded attempt beside the current one, is not recorded."""
         return {(pk, token) for pk, token, _ in self.succeed_rows(outcomes)}
 
     @abstractmethod

@@ -21,6 +21,21 @@ from typing import Any
 
 from django_dbworker.db.sql import Statement
 
+# What a claim sets on each row it takes, and the columns it returns (``_rows_to_items``).
+CLAIM_SET = """SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+"""
+CLAIMED_COLUMNS = """RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, \
+w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
+"""
+
 
 # -- statements ---------------------------------------------------------------------
 # The claim: one UPDATE joined to a MATERIALIZED CTE, which runs once (a FROM subquery rerun as a
@@ -40,26 +55,21 @@ WITH c AS MATERIALIZED (
       AND run_after <= statement_timestamp()
       AND handler = ANY(%(handlers)s::text[])"""
 
-_CLAIM_TAIL = """
+_CLAIM_TAIL = (
+    """
       AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
     ORDER BY priority DESC, run_after, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents
 """
+    + CLAIM_SET
+    + """FROM c
+WHERE w.id = c.id
+"""
+    + CLAIMED_COLUMNS
+)
 
 CLAIM = Statement(
     "claim",
@@ -67,9 +77,8 @@ CLAIM = Statement(
     _claim(""),
 )
 
-# A plain equality, not "= ANY" of one queue: only an equality on the index's leading
-# column lets dbworker_claim_queue_idx return rows in claim order, so the LIMIT stops
-# the scan instead of a sort reading them all.
+# A plain equality, not "= ANY" of one queue: only an equality on the index's leading column lets
+# dbworker_claim_queue_idx return rows in claim order, so the LIMIT stops the scan (no sort).
 CLAIM_IN_QUEUE = Statement(
     "claim_in_queue",
     "Claim the next ready rows of some handlers in one queue.",
@@ -82,12 +91,12 @@ CLAIM_IN_QUEUES = Statement(
     _claim("\n      AND queue = ANY(%(queues)s::text[])"),
 )
 
-# The claim's plan must not follow wrong statistics: after an ANALYZE that counted the pages
-# but none of the rows (autovacuum during an uncommitted enqueue_many; a table emptied, then
-# refilled), the planner expects one pending row and sorts the whole backlog on each claim (W6's
-# slow mode, docs/internals/benchmarks.md). Sent with the claim in one message (SET LOCAL: its
-# implicit transaction only). Not for several queues (a top-N sort by design) nor the keyed
-# claim (it sorts candidates anyway; tried, a keyed process test took 5-11 s instead of 2.4 s).
+# The claim's plan must not follow wrong statistics: after an ANALYZE that counted the pages but
+# none of the rows (autovacuum during an uncommitted enqueue_many; a table emptied, then refilled),
+# the planner expects one pending row and sorts the whole backlog on each claim (W6's slow mode,
+# docs/internals/benchmarks.md). Sent with the claim in one message (SET LOCAL: its implicit
+# transaction only). Not for several queues (a top-N sort by design) nor the keyed claim (it sorts
+# candidates anyway; tried, a keyed process test took 5-11 s instead of 2.4 s).
 CLAIM_PLAN = Statement(
     "claim_plan",
     "Plan the claim that follows in its index's order, never a sort (its transaction only).",
@@ -210,25 +219,17 @@ WITH c AS (
     WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
 )
 UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM fits
+"""
+    + CLAIM_SET
+    + """FROM fits
 WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.id = fits.id
   AND w.status = 'pending'
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents
-""",
+"""
+    + CLAIMED_COLUMNS,
 )
 
-# Every bulk writer of claimed rows (stale recovery, release, an operator's cancel) locks
-# them first in id order, as SUCCEED_MANY and HEARTBEAT do (``locked_in_id_order``).
+# Bulk writers of claimed rows (stale recovery, release, cancel) lock them in id order first.
 LOCK_ROWS = Statement(
     "lock_rows",
     "Lock rows by id, in ascending id order, until the transaction ends.",
@@ -239,7 +240,7 @@ SELECT id FROM django_dbworker_workitem WHERE id = ANY(%(ids)s::bigint[]) ORDER 
 
 # Success writes and heartbeats lock their rows first, in id order (a LockRows over a sort):
 # locking in their plans' orders (arrays', table's), a worker's two deadlocked (docs/scale.md).
-_LOCKED_IN_ID_ORDER = """
+LOCKED_IN_ID_ORDER = """
 WITH l AS MATERIALIZED (
     SELECT id FROM django_dbworker_workitem
     WHERE id = ANY(%(ids)s::bigint[])
@@ -249,14 +250,7 @@ WITH l AS MATERIALIZED (
     FOR UPDATE
 )"""
 
-# The separate "w.id = l.id" from the locked ids pins the plan to primary-key lookups,
-# whatever the planner thinks of the join with the unnested arrays.
-SUCCEED_MANY = Statement(
-    "succeed_many",
-    "Record the successes of several attempts, each fenced by its own id, token and status.",
-    _LOCKED_IN_ID_ORDER
-    + """
-UPDATE django_dbworker_workitem AS w
+SUCCEED_UPDATE = """UPDATE django_dbworker_workitem AS w
 SET status = 'succeeded',
     result = v.result,
     finished_at = statement_timestamp(),
@@ -267,8 +261,17 @@ WHERE w.id = l.id
   AND w.id = v.id
   AND w.claim_token = v.token
   AND w.status = 'claimed'
-RETURNING w.id, w.claim_token, w.has_dependents
-""",
+"""
+
+# The separate "w.id = l.id" from the locked ids pins the plan to primary-key lookups,
+# whatever the planner thinks of the join with the unnested arrays.
+SUCCEED_MANY = Statement(
+    "succeed_many",
+    "Record the successes of several attempts, each fenced by its own id, token and status.",
+    LOCKED_IN_ID_ORDER
+    + "\n"
+    + SUCCEED_UPDATE
+    + "RETURNING w.id, w.claim_token, w.has_dependents\n",
 )
 
 # The heartbeat of every attempt a process runs, in one statement that also says
@@ -276,7 +279,7 @@ RETURNING w.id, w.claim_token, w.has_dependents
 HEARTBEAT = Statement(
     "heartbeat",
     "Refresh the heartbeats of the attempts still held; return them with their cancel requests.",
-    _LOCKED_IN_ID_ORDER
+    LOCKED_IN_ID_ORDER
     + """
 UPDATE django_dbworker_workitem AS w
 SET heartbeat_at = statement_timestamp()
@@ -395,8 +398,7 @@ LISTEN = Statement(
     "LISTEN django_dbworker\n",
 )
 
-# SELECT DISTINCT queue reads every row (or index entry); this recursive
-# query jumps from one queue to the next through dbworker_queue_idx.
+# SELECT DISTINCT reads every row; this recursive query jumps queue to queue (dbworker_queue_idx).
 DISTINCT_QUEUES = Statement(
     "distinct_queues",
     "Every queue name in the table, by a loose index scan (one index probe per queue).",
@@ -421,8 +423,7 @@ EXPLAIN (FORMAT JSON) {query}
 """,
 )
 
-# reltuples and pg_stats are what ANALYZE (and autovacuum) keep; reading
-# them costs nothing however large the table is.
+# reltuples and pg_stats are what ANALYZE (and autovacuum) keep: free to read at any table size.
 TABLE_ESTIMATE = Statement(
     "table_estimate",
     "The work table's planner row count and value frequencies of some columns.",
@@ -436,9 +437,8 @@ WHERE c.oid = to_regclass('django_dbworker_workitem')
 """,
 )
 
-# Both percentiles from one sort per handler (an array of fractions). The finished_at
-# range is a scan of the partial dbworker_finished_idx; status and claimed_at are
-# checked on the rows it finds (one hour of them).
+# Both percentiles from one sort per handler (an array of fractions). The finished_at range is a
+# scan of the partial dbworker_finished_idx; status and claimed_at are checked on its rows.
 RUN_TIMES = Statement(
     "run_times",
     "p50 and p95 run time per handler of the rows that succeeded in the last N seconds.",

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
+from django_dbworker.db.handover import HandOver
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
@@ -96,6 +97,10 @@ class ClaimLoop:
         #: Rows claimed so far, and by how many claim statements that found rows.
         self.claimed = 0
         self.claims = 0
+        #: Rows the success writer claimed in slots it freed (``hand_over_terms``).
+        self.handed_over = 0
+        #: ``claimed`` grows on this thread and, by hand-overs, on the success writer's.
+        self._count_lock = threading.Lock()
         #: Buffered rows handed back because jobs got too long to start them soon.
         self.given_back = 0
         self._backoff = Backoff(first=0.2, cap=10.0)
@@ -171,7 +176,8 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        self.claimed += len(items) + rated
+        with self._count_lock:
+            self.claimed += len(items) + rated
         self.claims += bool(items or rated)
         # Rows held back for their concurrency keys were there: a batch cut
         # short by them is not an empty queue (the next claim skips those keys).
@@ -196,6 +202,54 @@ class ClaimLoop:
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
         return len(items) + rated
+
+    # -- the slot hand-over (db/handover.py), asked from the success writer's thread --
+
+    def hand_over_terms(self) -> HandOver | None:
+        """What a success write may claim for this worker now; None: nothing.
+
+        The limited handlers this worker claims for (a rate-limited one is
+        claimed only in its window's claims), its queues, and a budget of its
+        free threads: a key's next row goes to the process that can start it
+        now, so one process does not keep every key while another idles.
+        """
+        control = self.control
+        if control.stopping.is_set() or control.draining.is_set() or self.config.inline:
+            return None
+        limits = {
+            name: limit
+            for name, handler in self.handlers().items()
+            if (limit := handler.concurrency_limit) is not None
+            and getattr(handler, "rate_limit", None) is None
+        }
+        budget = self._free_threads()
+        if self.config.max_items is not None:
+            budget = min(budget, self.config.max_items - self.claimed)
+        if not limits or budget <= 0:
+            return None
+        return HandOver(limits=limits, queues=self.config.queues, worker=worker_id(), budget=budget)
+
+    def take_handed_over(self, items: Sequence[WorkItem]) -> None:
+        """Rows a success write claimed for this worker: in flight from here on.
+
+        Claimed as the worker began to stop, they go back to pending at once
+        (or, if that fails, into the ledger, whose leftovers the stop releases).
+        """
+        with self._count_lock:
+            self.claimed += len(items)
+            self.handed_over += len(items)
+        if not self.control.stopping.is_set():
+            self._dispatch(items, claimed_at=self.clock.now())
+            return
+        handlers = self.handlers()
+        attempts = [
+            Attempt(item, handlers[item.handler], claimed_at=self.clock.now()) for item in items
+        ]
+        try:
+            self.shutdown.release(attempts, "releasing handed-over work items")
+        except Exception as exc:
+            logger.warning("Could not release %d handed-over work item(s): %s", len(items), exc)
+            self.ledger.add(attempts)
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.

@@ -271,6 +271,7 @@ class Worker:
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
+        writer.hand_over = self.claim_loop
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""

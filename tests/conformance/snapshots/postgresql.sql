@@ -441,3 +441,86 @@ FROM (
 ) AS runs
 GROUP BY handler
 ORDER BY handler;
+
+-- name: succeed_handing_over
+-- Record successes and claim, per key they free, its next ready rows for the same worker.
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+), done AS (
+UPDATE django_dbworker_workitem AS w
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    last_error = ''
+FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = l.id
+  AND w.id = v.id
+  AND w.claim_token = v.token
+  AND w.status = 'claimed'
+RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
+
+), freed AS (
+    SELECT d.handler, d.concurrency_key, count(*) AS n, min(lim.value) AS lim
+    FROM done AS d
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS lim(handler, value)
+      ON lim.handler = d.handler
+    WHERE d.concurrency_key IS NOT NULL
+    GROUP BY d.handler, d.concurrency_key
+), room AS (
+    SELECT f.handler, f.concurrency_key,
+           least(f.n, f.lim + f.n - (
+               SELECT count(*) FROM django_dbworker_workitem AS h
+               WHERE h.status = 'claimed'
+                 AND h.handler = f.handler
+                 AND h.concurrency_key = f.concurrency_key)) AS n
+    FROM freed AS f
+), nxt AS (
+    SELECT q.id
+    FROM room AS r
+    CROSS JOIN LATERAL (
+        SELECT p.id, p.priority, p.run_after
+        FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending'
+          AND p.run_after <= statement_timestamp()
+          AND p.handler = r.handler
+          AND p.concurrency_key = r.concurrency_key
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND (%(any_queue)s OR p.queue = ANY(%(queues)s::text[]))
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT greatest(r.n, 0)
+        FOR UPDATE OF p SKIP LOCKED
+    ) AS q
+    ORDER BY q.priority DESC, q.run_after, q.id
+    LIMIT %(budget)s
+), taken AS (
+    UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM nxt
+WHERE w.id = nxt.id
+  AND w.status = 'pending'
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents
+), answer AS (
+    SELECT false AS handed, d.id, NULL::text AS handler, NULL::text AS queue,
+           NULL::jsonb AS payload, NULL::integer AS priority, NULL::timestamptz AS run_after,
+           NULL::integer AS attempts, NULL::integer AS max_attempts, NULL::text AS claimed_by,
+           d.claim_token, NULL::jsonb AS trace_context, NULL::bigint AS batch_id,
+           d.has_dependents
+    FROM done AS d
+    UNION ALL
+    SELECT true, t.* FROM taken AS t
+)
+SELECT * FROM answer;
