@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
-from django_dbworker.db.handover import HandOver
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
@@ -34,7 +33,7 @@ from django_dbworker.worker.config import (
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.flow import PausedQueues, RateHolds
+from django_dbworker.worker.flow import PausedQueues, RateHolds, concurrency_limits, keys_busy
 from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
@@ -46,15 +45,6 @@ logger = logging.getLogger("django_dbworker.worker")
 
 #: Seconds between two looks at whether the buffer should shed rows.
 SHED_CHECK_EVERY = 0.25
-
-
-def concurrency_limits(
-    handlers: Mapping[str, WorkItemHandler], names: Sequence[str]
-) -> dict[str, int]:
-    """The current ``concurrency_limit`` of those of ``names`` that declare one."""
-    return {
-        name: limit for name in names if (limit := handlers[name].concurrency_limit) is not None
-    }
 
 
 class ClaimLoop:
@@ -97,8 +87,6 @@ class ClaimLoop:
         #: Rows claimed so far, and by how many claim statements that found rows.
         self.claimed = 0
         self.claims = 0
-        #: Rows the success writer claimed in slots it freed (``hand_over_terms``).
-        self.handed_over = 0
         #: ``claimed`` grows on this thread and, by hand-overs, on the success writer's.
         self._count_lock = threading.Lock()
         #: Buffered rows handed back because jobs got too long to start them soon.
@@ -185,7 +173,7 @@ class ClaimLoop:
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
         self._ran_dry = len(items) + throttled < limit or not plain
         lowest = self.ledger.lowest_buffered_priority()
-        self._dispatch(items, claimed_at=started)
+        self.dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in items)
             if self._urgent_claim:
@@ -203,53 +191,16 @@ class ClaimLoop:
                 self._give_back_outranked(top, than=lowest)
         return len(items) + rated
 
-    # -- the slot hand-over (db/handover.py), asked from the success writer's thread --
-
-    def hand_over_terms(self) -> HandOver | None:
-        """What a success write may claim for this worker now; None: nothing.
-
-        The limited handlers this worker claims for (a rate-limited one is
-        claimed only in its window's claims), its queues, and a budget of its
-        free threads: a key's next row goes to the process that can start it
-        now, so one process does not keep every key while another idles.
-        """
-        control = self.control
-        if control.stopping.is_set() or control.draining.is_set() or self.config.inline:
-            return None
-        limits = {
-            name: limit
-            for name, handler in self.handlers().items()
-            if (limit := handler.concurrency_limit) is not None
-            and getattr(handler, "rate_limit", None) is None
-        }
-        budget = self._free_threads()
-        if self.config.max_items is not None:
-            budget = min(budget, self.config.max_items - self.claimed)
-        if not limits or budget <= 0:
-            return None
-        return HandOver(limits=limits, queues=self.config.queues, worker=worker_id(), budget=budget)
-
-    def take_handed_over(self, items: Sequence[WorkItem]) -> None:
-        """Rows a success write claimed for this worker: in flight from here on.
-
-        Claimed as the worker began to stop, they go back to pending at once
-        (or, if that fails, into the ledger, whose leftovers the stop releases).
-        """
+    def count_claimed(self, rows: int) -> None:
+        """Rows claimed beyond this loop's claims (``handover.SlotHandOver``, another thread)."""
         with self._count_lock:
-            self.claimed += len(items)
-            self.handed_over += len(items)
-        if not self.control.stopping.is_set():
-            self._dispatch(items, claimed_at=self.clock.now())
-            return
-        handlers = self.handlers()
-        attempts = [
-            Attempt(item, handlers[item.handler], claimed_at=self.clock.now()) for item in items
-        ]
-        try:
-            self.shutdown.release(attempts, "releasing handed-over work items")
-        except Exception as exc:
-            logger.warning("Could not release %d handed-over work item(s): %s", len(items), exc)
-            self.ledger.add(attempts)
+            self.claimed += rows
+
+    def room_now(self) -> int:
+        """``_room`` as the next claim would see it (from another thread too)."""
+        return self._room(
+            self.prefetch.target(self._youngest_running_age()), self.ledger.buffered()
+        )
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -285,7 +236,7 @@ class ClaimLoop:
                 worker=worker_id(),
                 limits=concurrency_limits(self.handlers(), [name]),
             )
-            self._dispatch(result.items, claimed_at=at)
+            self.dispatch(result.items, claimed_at=at)
             claimed += len(result.items)
             if result.full_for is not None:
                 self.rate_holds.hold(name, self.clock.now() + result.full_for)
@@ -366,17 +317,22 @@ class ClaimLoop:
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
         buffered = self.ledger.buffered()
-        outstanding = self.pool.running() + buffered
         if buffered > self._refill_at:
             return 0
-        unrecorded = len(self.ledger)
-        hold = self.pool.size + target  # inline, one at a time
-        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        limit = self._room(target, buffered)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
 
-    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
+    def _room(self, target: int, buffered: int) -> int:
+        """Rows this process may take on: its threads and buffer target beyond what it
+        holds, within the back-pressure bound on rows claimed and not yet recorded."""
+        hold = self.pool.size + target  # inline, one at a time
+        outstanding = self.pool.running() + buffered
+        unrecorded = len(self.ledger)
+        return min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+
+    def dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
         handlers = self.handlers()
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
@@ -470,26 +426,10 @@ class ClaimLoop:
             self.control.wake.set()
 
     def _keys_busy(self) -> bool:
-        """Whether ready rows wait for a slot of their concurrency key (burst mode asks).
-
-        Such a row's key is held by another worker's claimed row, so this
-        claim found nothing; the holder may end before it claims again, and
-        a burst worker that left now could leave the row behind with no one
-        to run it. It waits for a poll interval and claims again instead
-        (stale recovery frees a dead holder's slot meanwhile). Not inline
-        (``run_until_empty``): a test's rows claimed by no running worker
-        would hold it until they went stale.
-        """
-        handlers = self.handlers()
-        if self.config.inline or not any(
-            h.concurrency_limit is not None for h in handlers.values()
-        ):
-            return False
-        rows = WorkItem.objects.using(self.config.using).ready()
-        rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
-        if self.config.queues:
-            rows = rows.filter(queue__in=self.config.queues)
-        return rows.exists()
+        """Whether ready rows wait for a slot of their key (burst mode asks: ``flow.keys_busy``)."""
+        return not self.config.inline and keys_busy(
+            self.handlers(), using=self.config.using, queues=self.config.queues
+        )
 
     # -- the loop --------------------------------------------------------------
 

@@ -1,4 +1,7 @@
-"""What the claim loop remembers about flow control: full rate windows, paused queues.
+"""What the claim loop knows about flow control: limits, busy keys, rate windows, pauses.
+
+``concurrency_limits``: the handlers' current limits, passed into keyed claims;
+``keys_busy``: whether ready rows wait for a key's slot (a burst worker stays).
 
 ``RateHolds``: the rate-limited handlers of this worker and, for each whose
 window was full at its last claim, until when (this process's monotonic
@@ -17,12 +20,44 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from django_dbworker import validation
 from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import WorkItem
 
 logger = logging.getLogger("django_dbworker.worker")
+
+
+def concurrency_limits(
+    handlers: Mapping[str, WorkItemHandler], names: Sequence[str]
+) -> dict[str, int]:
+    """The current ``concurrency_limit`` of those of ``names`` that declare one."""
+    return {
+        name: limit for name in names if (limit := handlers[name].concurrency_limit) is not None
+    }
+
+
+def keys_busy(
+    handlers: Mapping[str, WorkItemHandler], *, using: str, queues: Sequence[str] | None
+) -> bool:
+    """Whether ready rows of ``handlers`` wait for a slot of their concurrency key.
+
+    Such a row's key is held by another worker's claimed row, so this
+    claim found nothing; the holder may end before it claims again, and
+    a burst worker that left now could leave the row behind with no one
+    to run it. It waits for a poll interval and claims again instead
+    (stale recovery frees a dead holder's slot meanwhile). Not inline
+    (``run_until_empty``): a test's rows claimed by no running worker
+    would hold it until they went stale.
+    """
+    if not any(h.concurrency_limit is not None for h in handlers.values()):
+        return False
+    rows = WorkItem.objects.using(using).ready()
+    rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
+    if queues:
+        rows = rows.filter(queue__in=queues)
+    return rows.exists()
 
 
 class RateHolds:

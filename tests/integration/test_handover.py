@@ -19,6 +19,7 @@ from django_dbworker import pause_queue
 from django_dbworker.db import operations
 from django_dbworker.db.handover import HandOver
 from django_dbworker.models import Status, WorkItem
+from django_dbworker.worker.handover import SlotHandOver
 from tests.factories import claim
 from tests.testapp.workers import Keyed, KeyedPair, Noop
 
@@ -252,7 +253,6 @@ def test_a_worker_hands_its_keys_slots_over_and_never_overlaps_a_key(background_
     )
     assert assert_no_key_overlaps() > 1
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
-    loop = worker.claim_loop
-    assert loop is not None
-    assert loop.handed_over > 0
-    assert loop.claimed == keys * per_key
+    hand_over = worker.writer.hand_over if worker.writer is not None else None
+    assert isinstance(hand_over, SlotHandOver) and hand_over.handed_over > 0
+    assert worker.claim_loop is not None and worker.claim_loop.claimed == keys * per_key
