@@ -195,7 +195,9 @@ class Command(BaseCommand):
         if not options["names"] and uses_task_backend():
             watchers.append(TaskDiscovery(using))
         worker = Worker([registry[n] for n in names], config, watchers=watchers)
-
+        # Before the start-up line, which supervisors and scripts wait for: a
+        # stop signal from then on is a clean stop (``run`` then claims nothing).
+        signals = self._install_signal_handlers(worker)
         logger.info(
             "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s",
             ",".join(names),
@@ -209,7 +211,6 @@ class Command(BaseCommand):
         _log_schedules([registry[n] for n in names], config.queues)
         warn_about_orphans(using)
         self._start_metrics_server(options)
-        signals = self._install_signal_handlers(worker)
         try:
             worker.run()
         finally:
