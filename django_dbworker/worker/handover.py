@@ -9,9 +9,10 @@ success writer's thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from django_dbworker.db.handover import HandOver
+from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt
 from django_dbworker.worker.claim_loop import ClaimLoop
@@ -25,6 +26,8 @@ class SlotHandOver:
         self.loop = loop
         #: Rows the success writer claimed in the slots it freed.
         self.handed_over = 0
+        self._seen: Mapping[str, WorkItemHandler] | None = None
+        self._seen_limits: dict[str, int] = {}
 
     def hand_over_terms(self) -> HandOver | None:
         """What a success write may claim for this worker now; None: nothing.
@@ -38,12 +41,7 @@ class SlotHandOver:
         control, config = loop.control, loop.config
         if control.stopping.is_set() or control.draining.is_set() or config.inline:
             return None
-        limits = {
-            name: limit
-            for name, handler in loop.handlers().items()
-            if (limit := handler.concurrency_limit) is not None
-            and getattr(handler, "rate_limit", None) is None
-        }
+        limits = self._limits(loop.handlers())
         if not limits:
             return None
         budget = loop.room_now()
@@ -52,6 +50,19 @@ class SlotHandOver:
         if budget <= 0:
             return None
         return HandOver(limits=limits, queues=config.queues, worker=worker_id(), budget=budget)
+
+    def _limits(self, handlers: Mapping[str, WorkItemHandler]) -> dict[str, int]:
+        """The limited, not rate-limited handlers' current limits, once per mapping
+        (replaced, never changed in place, when handlers are added)."""
+        if handlers is not self._seen:
+            self._seen_limits = {
+                name: limit
+                for name, handler in handlers.items()
+                if (limit := handler.concurrency_limit) is not None
+                and getattr(handler, "rate_limit", None) is None
+            }
+            self._seen = handlers
+        return self._seen_limits
 
     def take_handed_over(self, items: Sequence[WorkItem]) -> None:
         """Rows a success write claimed for this worker: in flight from here on.

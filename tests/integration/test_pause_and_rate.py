@@ -275,7 +275,12 @@ def test_a_rate_limited_worker_waits_for_its_window_then_runs_the_rest(
     )
     # 20 per second: the last 10 waited for the first second's window.
     assert time.monotonic() - started >= 1.0
-    times = list(Execution.objects.filter(kind="rated").values_list("created_at", flat=True))
+    # The starts the limit counts are the claims (database clock; a rated row
+    # is not buffered). The handlers' own records come later by the hand-off
+    # to a thread and their INSERT, which a loaded machine stretches past the
+    # limiter's 20 ms allowance (23 in one second on MariaDB under load).
+    times = list(WorkItem.objects.filter(handler="rated").values_list("claimed_at", flat=True))
+    assert len(times) == 30
     assert _windows_ok(times, 20, 1.0) <= 20
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
 
