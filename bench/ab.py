@@ -35,6 +35,13 @@ FIGURES = {
     "w3_latency": ("p50_ms", "p99_ms"),
     "w2_enqueue": ("single_per_second", "many_per_second"),
     "w6_priority": ("p50_ms", "p99_ms", "to_claim_p50_ms", "claim_to_start_p50_ms"),
+    "w7_keys": (
+        "keyed_items_per_second_active",
+        "plain_items_per_second_active",
+        "keyed_share_active",
+        "slot_held_p50_ms",
+        "slot_free_p50_ms",
+    ),
 }
 
 

@@ -14,7 +14,7 @@ All times come from the database clock (``Now()``), never the worker host's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 from uuid import UUID
@@ -23,8 +23,7 @@ from django.db.models import Case, CharField, F, Q, TextField, Value, When
 from django.db.models.functions import Now
 
 from django_dbworker import completion
-from django_dbworker.db import VendorOperations, operations
-from django_dbworker.db.handover import HandOver
+from django_dbworker.db import operations
 from django_dbworker.errors import MAX_SNOOZES
 from django_dbworker.history import WORKER_LOST as WORKER_LOST
 from django_dbworker.history import with_history
@@ -107,7 +106,12 @@ def succeed(
     """
     ops = operations(using)
     if not linked:
-        return _settled_late(ops, ops.succeed_rows(outcomes))
+        rows = ops.succeed_rows(outcomes)
+        late = [pk for pk, _, has_dependents in rows if has_dependents]
+        if late:
+            with ops.ending_transaction():
+                completion.settle(ops.using, ended=late)
+        return {(pk, token) for pk, token, _ in rows}
     nested = ops.connection.in_atomic_block  # an atomic handler's: its isolation level
     with ops.ending_transaction():
         rows = ops.succeed_rows(outcomes)
@@ -117,37 +121,6 @@ def succeed(
         completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
     if nested and rows:
         completion.settle_after_commit(ops.using, ended=ended, batches=batches)
-    return {(pk, token) for pk, token, _ in rows}
-
-
-def succeed_handing_over(
-    outcomes: Sequence[tuple[int, UUID, str | None]],
-    using: str | None = None,
-    *,
-    hand_over: HandOver,
-    take: Callable[[list[WorkItem]], None],
-) -> set[AttemptKey]:
-    """``succeed`` of rows in no batch and with no dependents at their claim, which
-    also claims the next rows of the keys it frees (``db/handover.py``).
-
-    The rows claimed go to ``take`` as soon as the statement returns, before
-    anything else that could raise: from then on they are the caller's to run
-    or release. Returns the attempts recorded.
-    """
-    ops = operations(using)
-    rows, handed = ops.succeed_handing_over(outcomes, hand_over)
-    if handed:
-        take(handed)
-    return _settled_late(ops, rows)
-
-
-def _settled_late(ops: VendorOperations, rows: list[tuple[int, UUID, bool]]) -> set[AttemptKey]:
-    """The recorded attempts of an unlinked success write; rows that gained
-    dependents since their claim are settled now (the sweep covers a crash)."""
-    late = [pk for pk, _, has_dependents in rows if has_dependents]
-    if late:
-        with ops.ending_transaction():
-            completion.settle(ops.using, ended=late)
     return {(pk, token) for pk, token, _ in rows}
 
 

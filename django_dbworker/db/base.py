@@ -37,7 +37,6 @@ from django_dbworker.db.flow import (
     flow_lock_name,
     within_limits,
 )
-from django_dbworker.db.handover import NoHandOver
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -115,7 +114,7 @@ Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 CAPABILITIES = ("vendor", "supports_notify", "supports_skip_locked", "poll_adaptively")
 
 
-class VendorOperations(NoHandOver, ABC):
+class VendorOperations(ABC):
     """Vendor-specific database operations for one connection alias.
 
     The rest of the package calls these and never looks at

@@ -27,9 +27,7 @@ from django.db.backends.utils import CursorWrapper
 from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, as_uuid, current_limits
-from django_dbworker.db.handover import HandOver, Outcome
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
-from django_dbworker.db.postgresql_handover_sql import SUCCEED_HANDING_OVER
 from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
     CLAIM_PLAN,
@@ -217,26 +215,6 @@ class PostgresOperations(PostgresEstimates):
         }
         rows = self._fetch_bound(SUCCEED_MANY.sql, params)
         return [(pk, as_uuid(token), linked) for pk, token, linked in rows]
-
-    def succeed_handing_over(
-        self, outcomes: Sequence[tuple[int, UUID, str | None]], hand_over: HandOver
-    ) -> Outcome:
-        if not outcomes:
-            return [], []
-        params = {
-            "ids": [pk for pk, _, _ in outcomes],
-            "tokens": [token for _, token, _ in outcomes],
-            "results": [result for _, _, result in outcomes],
-            "limited": list(hand_over.limits),
-            "limit_values": list(hand_over.limits.values()),
-            "any_queue": not hand_over.queues,
-            "queues": list(hand_over.queues or ()),
-            "budget": max(0, hand_over.budget),
-            "worker": hand_over.worker,
-        }
-        rows = self._fetch_bound(SUCCEED_HANDING_OVER.sql, params)
-        done = [(row[1], as_uuid(row[10]), bool(row[13])) for row in rows if not row[0]]
-        return done, self._rows_to_items([row[1:] for row in rows if row[0]])
 
     @contextmanager
     def locked_in_id_order(self, ids: Collection[int]) -> Iterator[None]:

@@ -87,8 +87,6 @@ class ClaimLoop:
         #: Rows claimed so far, and by how many claim statements that found rows.
         self.claimed = 0
         self.claims = 0
-        #: ``claimed`` grows on this thread and, by hand-overs, on the success writer's.
-        self._count_lock = threading.Lock()
         #: Buffered rows handed back because jobs got too long to start them soon.
         self.given_back = 0
         self._backoff = Backoff(first=0.2, cap=10.0)
@@ -164,8 +162,7 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        with self._count_lock:
-            self.claimed += len(items) + rated
+        self.claimed += len(items) + rated
         self.claims += bool(items or rated)
         # Rows held back for their concurrency keys were there: a batch cut
         # short by them is not an empty queue (the next claim skips those keys).
@@ -173,7 +170,7 @@ class ClaimLoop:
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
         self._ran_dry = len(items) + throttled < limit or not plain
         lowest = self.ledger.lowest_buffered_priority()
-        self.dispatch(items, claimed_at=started)
+        self._dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in items)
             if self._urgent_claim:
@@ -190,17 +187,6 @@ class ClaimLoop:
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
         return len(items) + rated
-
-    def count_claimed(self, rows: int) -> None:
-        """Rows claimed beyond this loop's claims (``handover.SlotHandOver``, another thread)."""
-        with self._count_lock:
-            self.claimed += rows
-
-    def room_now(self) -> int:
-        """``_room`` as the next claim would see it (from another thread too)."""
-        return self._room(
-            self.prefetch.target(self._youngest_running_age()), self.ledger.buffered()
-        )
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -236,7 +222,7 @@ class ClaimLoop:
                 worker=worker_id(),
                 limits=concurrency_limits(self.handlers(), [name]),
             )
-            self.dispatch(result.items, claimed_at=at)
+            self._dispatch(result.items, claimed_at=at)
             claimed += len(result.items)
             if result.full_for is not None:
                 self.rate_holds.hold(name, self.clock.now() + result.full_for)
@@ -317,22 +303,17 @@ class ClaimLoop:
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
         buffered = self.ledger.buffered()
+        outstanding = self.pool.running() + buffered
         if buffered > self._refill_at:
             return 0
-        limit = self._room(target, buffered)
+        unrecorded = len(self.ledger)
+        hold = self.pool.size + target  # inline, one at a time
+        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
 
-    def _room(self, target: int, buffered: int) -> int:
-        """Rows this process may take on: its threads and buffer target beyond what it
-        holds, within the back-pressure bound on rows claimed and not yet recorded."""
-        hold = self.pool.size + target  # inline, one at a time
-        outstanding = self.pool.running() + buffered
-        unrecorded = len(self.ledger)
-        return min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
-
-    def dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
+    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
         handlers = self.handlers()
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]

@@ -5,14 +5,16 @@ a module of its own:
 
 - ``config.py``: what the worker is told; ``parts.py``: threaded or inline;
 - ``claim_loop.py``: claim sizing, prefetch, shedding and dispatch, on the
-  calling (main) thread; ``handover.py``: slots a success write hands over;
+  calling (main) thread;
 - ``running.py``: one attempt on a pool thread (start-time fence check,
   ``execution.py``, hand-off to ``success_writer.py``);
 - ``attempts.py``: the ledger of attempts in flight;
 - ``settle.py``: the one place an attempt's ending is accounted for;
 - ``recovery.py``: when stale recovery runs; ``heartbeat.py``;
 - ``shutdown.py``: drain and release; ``watchdog.py``; ``watchers.py``.
-Handler code never runs on the main thread nor inside a claim transaction.
+
+Handler code never runs on the main thread and never inside the claim
+transaction.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.handover import SlotHandOver
 from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
@@ -270,7 +271,6 @@ class Worker:
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
-        writer.hand_over = SlotHandOver(self.claim_loop)
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""

@@ -20,16 +20,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
 from django_dbworker import transitions
 from django_dbworker.db.errors import is_transient
-from django_dbworker.db.handover import HandOver
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.connections import (
     close_thread_connections,
@@ -97,8 +95,6 @@ class SuccessWriter(threading.Thread):
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        #: Who lets a success write claim the freed keys' next rows (the claim loop).
-        self.hand_over: HandOverPort | None = None
 
     def record(self, item: WorkItem, result_json: str | None) -> bool:
         """Record ``item`` as succeeded and wait; True if it was still ours (not fenced).
@@ -209,12 +205,9 @@ class SuccessWriter(threading.Thread):
         try:
             rows = [(e.item.pk, e.token, e.result_json) for e in batch]
             linked = transitions.linked_rows(e.item for e in batch)
-            handing_over = None if linked else self._handing_over(batch, rows)
             recorded = persist(
                 lambda: guarded(
-                    self.using,
-                    handing_over
-                    or (lambda: transitions.succeed(rows, using=self.using, linked=linked)),
+                    self.using, lambda: transitions.succeed(rows, using=self.using, linked=linked)
                 ),
                 what="recording successes",
                 give_up=self.give_up,
@@ -240,27 +233,6 @@ class SuccessWriter(threading.Thread):
             )
         for entry in batch:
             entry.written = entry.key in recorded
-
-    def _handing_over(
-        self, batch: list[_Pending], rows: list[tuple[int, UUID, str | None]]
-    ) -> Callable[[], set[tuple[int, UUID]]] | None:
-        """The write that also hands freed key slots over, if the batch may free one."""
-        port = self.hand_over
-        terms = port.hand_over_terms() if port is not None else None
-        if port is None or terms is None or not any(e.item.handler in terms.limits for e in batch):
-            return None
-        take = port.take_handed_over
-        return lambda: transitions.succeed_handing_over(
-            rows, using=self.using, hand_over=terms, take=take
-        )
-
-
-class HandOverPort(Protocol):
-    """The claim loop's side of the hand-over (``ClaimLoop.hand_over_terms``)."""
-
-    def hand_over_terms(self) -> HandOver | None: ...
-
-    def take_handed_over(self, items: Sequence[WorkItem]) -> None: ...
 
 
 class InlineSuccessWriter(SuccessWriter):

@@ -21,14 +21,7 @@ from types import ModuleType
 
 import pytest
 
-from django_dbworker.db import (
-    mysql,
-    mysql_sql,
-    postgresql,
-    postgresql_handover_sql,
-    postgresql_sql,
-    sqlite,
-)
+from django_dbworker.db import mysql, mysql_sql, postgresql, postgresql_sql, sqlite
 from django_dbworker.db.base import CLAIM_COLUMNS, Statement
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -75,21 +68,16 @@ EXAMPLES: dict[str, dict[str, Callable[[], str]]] = {
 }
 
 #: Each vendor's module of statements (SQLite's operations module holds its own).
-VENDORS: dict[str, tuple[ModuleType, ...]] = {
-    "mysql": (mysql_sql,),
-    "postgresql": (postgresql_sql, postgresql_handover_sql),
-    "sqlite": (sqlite,),
+VENDORS: dict[str, ModuleType] = {
+    "mysql": mysql_sql,
+    "postgresql": postgresql_sql,
+    "sqlite": sqlite,
 }
 
 
-def statements(modules: tuple[ModuleType, ...]) -> list[Statement]:
-    """The modules' statements, in the order they are written."""
-    return [
-        value
-        for module in modules
-        for value in vars(module).values()
-        if isinstance(value, Statement)
-    ]
+def statements(module: ModuleType) -> list[Statement]:
+    """The module's statements, in the order they are written."""
+    return [value for value in vars(module).values() if isinstance(value, Statement)]
 
 
 def render(vendor: str) -> str:
@@ -172,4 +160,4 @@ def test_the_operations_module_runs_only_statements_of_its_queries_file(
 ) -> None:
     # A statement written in the operations module would escape the snapshot.
     written = set(map(id, statements(VENDORS[queries])))
-    assert [s.name for s in statements((operations,)) if id(s) not in written] == []
+    assert [s.name for s in statements(operations) if id(s) not in written] == []
