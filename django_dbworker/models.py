@@ -89,23 +89,15 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         first: a row claimed between the two statements is still asked.
         Both run in one transaction on the write alias.
         """
-        # One transaction on the write alias. The claimed rows, which
-        # heartbeats and outcome writes lock in ascending id order, are
-        # locked first in that order too (``lock_rows_in_id_order``: MySQL
-        # would otherwise lock them in the plan's order, and deadlock).
+        # One transaction on the write alias; ``request_cancel`` locks the
+        # claimed rows in ascending id order first, as heartbeats and outcome
+        # writes do (MySQL would otherwise lock them in the plan's order).
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
         rows = self.using(db)
         nested = connections[db].in_atomic_block
         with endings.transaction(db):
             cancelled, linked = rows._cancel_pending_rows(db)
-            claimed = sorted(
-                rows.filter(status=Status.CLAIMED, cancel_requested_at__isnull=True).values_list(
-                    "pk", flat=True
-                )
-            )
-            if claimed:
-                with row_locker[0](db, claimed):
-                    WorkItem.objects.using(db).filter(pk__in=claimed).request_cancel()
+            rows.request_cancel()
             # Last: batch rows after every item row, the order endings lock them in.
             settle_ended(db, linked, nested)
         return cancelled

@@ -220,6 +220,19 @@ class WorkerProcess:
         self._log.close()
 
 
+#: The router that sends the app's tables to the ``work`` alias (a queue database).
+QUEUE_ROUTER = "tests.routers.QueueOnWork"
+
+
+@pytest.fixture
+def routed() -> Iterator[None]:
+    """This process routes the app to the ``work`` alias (``QUEUE_ROUTER``)."""
+    from django.test import override_settings
+
+    with override_settings(DATABASE_ROUTERS=[QUEUE_ROUTER]):
+        yield
+
+
 @pytest.fixture
 def worker_env(transactional_db: None) -> dict[str, str]:
     """Environment for subprocesses: same settings, pointed at the test database."""

@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.db import operations
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.runtime import WorkerConfig
+
+T = TypeVar("T")
+
+
+def auto_explained(run: Callable[[], T]) -> tuple[T, list[str]]:
+    """What ``run`` returned, and the plans of the statements it ran as the server chose
+    them (PostgreSQL's auto_explain, a contrib module, reports each as a notice to this
+    session; its settings are reset before the session is reused)."""
+    connection.ensure_connection()
+    raw = connection.connection
+    notices: list[str] = []
+
+    def collect(diagnostic: Any) -> None:
+        notices.append(diagnostic.message_primary or "")
+
+    with connection.cursor() as cursor:
+        cursor.execute("LOAD 'auto_explain'")
+        cursor.execute("SET auto_explain.log_min_duration = 0")
+        cursor.execute("SET auto_explain.log_level = notice")
+    raw.add_notice_handler(collect)
+    try:
+        result = run()
+    finally:
+        raw.remove_notice_handler(collect)
+        with connection.cursor() as cursor:
+            cursor.execute("RESET auto_explain.log_min_duration")
+            cursor.execute("RESET auto_explain.log_level")
+    return result, notices
 
 
 def make_item(handler: str = "noop", **fields: Any) -> WorkItem:

@@ -229,7 +229,7 @@ WHERE w.id = ANY(%(ids)s::bigint[])
     + CLAIMED_COLUMNS,
 )
 
-# Bulk writers of claimed rows (stale recovery, release, cancel) lock them in id order first.
+# Bulk writers of claimed rows (recovery, release, cancel) lock in id order, as LOCKED_IN_ID_ORDER.
 LOCK_ROWS = Statement(
     "lock_rows",
     "Lock rows by id, in ascending id order, until the transaction ends.",

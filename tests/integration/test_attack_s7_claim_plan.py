@@ -22,7 +22,7 @@ from psycopg.pq import TransactionStatus
 from bench.bigtable import fill
 from django_dbworker.db import operations
 from django_dbworker.models import WorkItem
-from tests.factories import make_item
+from tests.factories import auto_explained, make_item
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -160,26 +160,8 @@ def test_execute_wrappers_see_the_claim() -> None:
 
 def _claim_plans(queues: list[str] | None, limit: int) -> list[str]:
     """The plans the server chose for the statements of one claim (auto_explain notices)."""
-    connection.ensure_connection()
-    raw = connection.connection
-    notices: list[str] = []
-
-    def collect(diagnostic: Any) -> None:
-        notices.append(diagnostic.message_primary or "")
-
-    with connection.cursor() as cursor:
-        cursor.execute("LOAD 'auto_explain'")
-        cursor.execute("SET auto_explain.log_min_duration = 0")
-        cursor.execute("SET auto_explain.log_level = notice")
-    raw.add_notice_handler(collect)
-    try:
-        # The fill's pending rows are of these two handlers.
-        claimed = _claim(["echo", "record"], queues, limit=limit)
-    finally:
-        raw.remove_notice_handler(collect)
-        with connection.cursor() as cursor:
-            cursor.execute("RESET auto_explain.log_min_duration")
-            cursor.execute("RESET auto_explain.log_level")
+    # The fill's pending rows are of these two handlers.
+    claimed, notices = auto_explained(lambda: _claim(["echo", "record"], queues, limit=limit))
     assert len(claimed) == limit
     return [n for n in notices if "Update on" in n]
 

@@ -12,7 +12,6 @@ Django's, and the warning is attributed to whoever called it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import django
@@ -24,12 +23,6 @@ from tests.routers import WORK_ALIAS
 from tests.testapp.workers import Noop
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
-
-
-@pytest.fixture
-def routed() -> Iterator[None]:
-    with override_settings(DATABASE_ROUTERS=["tests.routers.QueueOnWork"]):
-        yield
 
 
 def _run_as(filename: str) -> None:

@@ -18,7 +18,7 @@ from django.db import connection
 
 from bench.bigtable import fill
 from django_dbworker.db import postgresql
-from tests.factories import claim, make_item
+from tests.factories import auto_explained, claim, make_item
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 
@@ -90,25 +90,7 @@ def _claim_plans(queues: list[str] | None, limit: int) -> list[str]:
     auto_explain (a contrib module of the server) reports each statement's plan as a
     notice to this session; its settings are reset before the session is reused.
     """
-    connection.ensure_connection()
-    raw = connection.connection
-    notices: list[str] = []
-
-    def collect(diagnostic: Any) -> None:
-        notices.append(diagnostic.message_primary or "")
-
-    with connection.cursor() as cursor:
-        cursor.execute("LOAD 'auto_explain'")
-        cursor.execute("SET auto_explain.log_min_duration = 0")
-        cursor.execute("SET auto_explain.log_level = notice")
-    raw.add_notice_handler(collect)
-    try:
-        claimed = claim(limit=limit, handlers=["noop"], queues=queues)
-    finally:
-        raw.remove_notice_handler(collect)
-        with connection.cursor() as cursor:
-            cursor.execute("RESET auto_explain.log_min_duration")
-            cursor.execute("RESET auto_explain.log_level")
+    claimed, notices = auto_explained(lambda: claim(limit=limit, handlers=["noop"], queues=queues))
     assert len(claimed) == limit
     return [n for n in notices if "Update on" in n]
 

@@ -39,14 +39,6 @@ from tests.testapp.workers import Echo, Noop
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
 
-ROUTER = "tests.routers.QueueOnWork"
-
-
-@pytest.fixture
-def routed() -> Iterator[None]:
-    with override_settings(DATABASE_ROUTERS=[ROUTER]):
-        yield
-
 
 def rows(alias: str) -> Any:
     return WorkItem.objects.using(alias)

@@ -36,12 +36,6 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_
 WORK_TABLES = "django_dbworker_"
 
 
-@pytest.fixture
-def routed() -> Iterator[None]:
-    with override_settings(DATABASE_ROUTERS=["tests.routers.QueueOnWork"]):
-        yield
-
-
 @contextmanager
 def no_work_statements_on_default() -> Iterator[None]:
     """Fails the test if a statement on ``default`` names a work table."""

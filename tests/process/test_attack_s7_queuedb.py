@@ -13,12 +13,10 @@ on ``default`` (the control test) the same kill costs nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connections
-from django.test import override_settings
 
 from django_dbworker import enqueue
 from django_dbworker.models import WorkItem
@@ -30,23 +28,6 @@ pytestmark = [
     pytest.mark.server_db,
     pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS]),
 ]
-
-ROUTER = "tests.routers.QueueOnWork"
-
-
-@pytest.fixture
-def routed() -> Iterator[None]:
-    with override_settings(DATABASE_ROUTERS=[ROUTER]):
-        yield
-
-
-@pytest.fixture
-def queue_env(worker_env: dict[str, str]) -> dict[str, str]:
-    return {
-        **worker_env,
-        "DBWORKER_TEST_ROUTERS": ROUTER,
-        "DBWORKER_TEST_WORK_DB_NAME": str(connections[WORK_ALIAS].settings_dict["NAME"]),
-    }
 
 
 def _finished(alias: str, pk: int) -> WorkItem | None:

@@ -10,12 +10,11 @@ the queue database, where enqueues NOTIFY.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connections
-from django.test import override_settings
 
 from django_dbworker import batch
 from django_dbworker.models import Batch, Dependency, PeriodicSchedule, QueueState, WorkItem
@@ -26,24 +25,7 @@ from tests.testapp.workers import Echo, Noop, NoRetry
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", WORK_ALIAS])
 
-ROUTER = "tests.routers.QueueOnWork"
 WORK_MODELS = (WorkItem, Batch, Dependency, QueueState, PeriodicSchedule)
-
-
-@pytest.fixture
-def routed() -> Iterator[None]:
-    with override_settings(DATABASE_ROUTERS=[ROUTER]):
-        yield
-
-
-@pytest.fixture
-def queue_env(worker_env: dict[str, str]) -> dict[str, str]:
-    """The subprocess's settings: the same router, the ``work`` alias at its test database."""
-    return {
-        **worker_env,
-        "DBWORKER_TEST_ROUTERS": ROUTER,
-        "DBWORKER_TEST_WORK_DB_NAME": str(connections[WORK_ALIAS].settings_dict["NAME"]),
-    }
 
 
 def _other_backends(alias: str) -> int:
