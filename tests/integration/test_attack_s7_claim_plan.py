@@ -21,6 +21,7 @@ from psycopg.pq import TransactionStatus
 
 from bench.bigtable import fill
 from django_dbworker.db import operations
+from django_dbworker.db.sql import CLAIM_COLUMNS
 from django_dbworker.models import WorkItem
 from tests.factories import auto_explained, make_item
 
@@ -178,21 +179,8 @@ def test_fresh_statistics_on_a_big_table_keep_the_index_path(
     assert "Sort" not in plan and f"Seq Scan on {TABLE}" not in plan, plan
 
 
-FIELDS = (
-    "pk",
-    "handler",
-    "queue",
-    "payload",
-    "priority",
-    "run_after",
-    "attempts",
-    "max_attempts",
-    "claimed_by",
-    "claim_token",
-    "trace_context",
-    "batch_id",
-    "has_dependents",
-)
+#: The claimed columns, as the ORM names them (``id`` is ``pk``).
+FIELDS = ("pk", *CLAIM_COLUMNS[1:])
 
 
 def _fields(item: WorkItem) -> dict[str, tuple[type, Any]]:
