@@ -86,8 +86,10 @@ def main() -> None:
                 for label, tree in trees.items():
                     got[label].append(run(tree, script, url))
             for figure in FIGURES.get(name, ()):
-                base = [r[figure] for r in got["base"]]
-                this = [r[figure] for r in got["this"]]
+                base = [r[figure] for r in got["base"] if r.get(figure) is not None]
+                this = [r[figure] for r in got["this"] if r.get(figure) is not None]
+                if not base or not this:
+                    continue  # not measured in this setting (W7's free time with a key per item)
                 ratio = statistics.median(this) / statistics.median(base)
                 rows.append((spec, figure, fmt(base), fmt(this), f"{ratio:.2f}"))
     finally:

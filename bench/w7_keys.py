@@ -76,7 +76,7 @@ def key_overlaps(handler: str) -> int:
     return overlaps
 
 
-def links(handler: str) -> dict[str, float]:
+def links(handler: str) -> dict[str, float | None]:
     """Where a key's chain of items spends its time (medians over every link, ms).
 
     *held*: an item's claim to its success write (the claim's commit, the
@@ -101,9 +101,10 @@ def links(handler: str) -> dict[str, float]:
         if previous is not None:
             free.append((claimed_at - previous).total_seconds() * 1000.0)
         last[key] = finished_at
+    # With one item per key there is no chain: no free time to report.
     return {
         "slot_held_p50_ms": statistics.median(held),
-        "slot_free_p50_ms": statistics.median(free),
+        "slot_free_p50_ms": statistics.median(free) if free else None,
     }
 
 

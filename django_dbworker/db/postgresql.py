@@ -28,10 +28,15 @@ from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
+from django_dbworker.db.postgresql_keyed_sql import (
+    CLAIM_WITHIN_LIMITS,
+    READ_COMMITTED,
+    TRANSACTION_ISOLATION,
+    candidates_statement,
+)
 from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
     CLAIM_PLAN,
-    CLAIM_WITHIN_LIMITS,
     COPY_ITEMS,
     HEARTBEAT,
     INSERT_ITEM,
@@ -40,11 +45,8 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEMS_QUIET,
     LOCK_ROWS,
     NOTIFY,
-    READ_COMMITTED,
     RESERVE_IDS,
     SUCCEED_MANY,
-    TRANSACTION_ISOLATION,
-    candidates_statement,
     claim_statement,
     index_ordered,
 )
@@ -124,7 +126,7 @@ class PostgresOperations(PostgresEstimates):
         worker: str,
         limits: Mapping[str, int],
     ) -> Claimed[WorkItem]:
-        """The claim that honours concurrency keys (``postgresql_sql``, "the keyed claim")."""
+        """The claim that honours concurrency keys (``postgresql_keyed_sql``)."""
         sql, params = candidates_statement(
             limit=limit, handlers=handlers, queues=queues, limits=limits
         )
@@ -142,9 +144,12 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             else:
                 self._refuse_snapshot_isolation(connection)
-            candidates = current_limits(self._fetch_bound(sql, params), limits)
-            if not candidates:
+            found = self._fetch_bound(sql, params)
+            if not found:
                 return Claimed()
+            # Each row carries how many rows the statement locked (some held back by keys).
+            locked = found[0][-1]
+            candidates = current_limits([row[:-1] for row in found], limits)
             columns = list(zip(*candidates, strict=True))
             rows = self._fetch_bound(
                 CLAIM_WITHIN_LIMITS.sql,
@@ -156,7 +161,7 @@ class PostgresOperations(PostgresEstimates):
                     "limits": list(columns[3]),
                 },
             )
-        return Claimed(self._rows_to_items(rows), throttled=len(candidates) - len(rows))
+        return Claimed(self._rows_to_items(rows), throttled=locked - len(rows))
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server

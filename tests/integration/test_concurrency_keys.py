@@ -153,6 +153,33 @@ def test_a_hot_key_does_not_hold_back_the_rows_behind_it() -> None:
     assert sorted(i.pk for i in second) == sorted(i.pk for i in others + plain)
 
 
+@pytest.mark.postgres_only
+def test_the_candidates_of_a_key_beyond_its_limit_stay_locked_and_are_not_sent_back() -> None:
+    """PostgreSQL: the candidate statement returns a key's rows up to its limit only.
+
+    W7 (100 keys, limit 1) locked 500 candidates per claim to claim 100; all
+    500 went to the worker and into CLAIM_WITHIN_LIMITS (its arrays, window
+    function and join: 6 of a claim's 16 ms). The rest stay locked until
+    the claim commits, and are counted as held back (``throttled``).
+    """
+    from django_dbworker.db.postgresql_keyed_sql import candidates_statement
+
+    a = [Keyed.enqueue({"key": f"a{i}"}, concurrency_key="A") for i in range(4)]
+    p = [KeyedPair.enqueue({"n": i}, concurrency_key="P") for i in range(4)]
+    free = Noop.enqueue()
+    sql, params = candidates_statement(
+        limit=9, handlers=HANDLERS, queues=None, limits={"keyed": 1, "keyed_pair": 2}
+    )
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    assert [r[0] for r in rows] == [a[0].pk, p[0].pk, p[1].pk, free.pk]
+    assert {r[-1] for r in rows} == {9}  # every row says how many the statement locked
+    got = keyed_claim(limit=9)
+    assert sorted(i.pk for i in got) == sorted([a[0].pk, p[0].pk, p[1].pk, free.pk])
+    assert getattr(got, "throttled", None) == 5
+
+
 def test_a_limit_of_two_allows_two_claimed_rows_of_a_key() -> None:
     rows = [KeyedPair.enqueue({"n": i}, concurrency_key="p") for i in range(5)]
     assert [i.pk for i in keyed_claim()] == [rows[0].pk, rows[1].pk]
@@ -639,7 +666,7 @@ def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None
     if connection.vendor == "postgresql":
         import json
 
-        from django_dbworker.db.postgresql_sql import candidates_statement
+        from django_dbworker.db.postgresql_keyed_sql import candidates_statement
 
         with connection.cursor() as cursor:
             cursor.execute("ANALYZE django_dbworker_workitem")

@@ -88,173 +88,6 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
 SET LOCAL enable_sort = off;
 SET LOCAL enable_incremental_sort = off;;
 
--- name: claim_candidates
--- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
-WITH c AS (
-    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
-    FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending'
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-      AND (p.concurrency_key IS NULL
-           OR p.handler <> ALL(%(limited)s::text[])
-           OR (p.handler, p.concurrency_key) NOT IN (
-               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-                 ON l.handler = h.handler
-               WHERE h.status = 'claimed'
-                 AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(limited)s::text[])
-               GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(l.lim)))
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), locks AS (
-    SELECT pg_advisory_xact_lock(1684109163, k.lock)
-    FROM (
-        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
-        FROM c
-        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
-        ORDER BY 1
-    ) AS k
-    ORDER BY k.lock
-)
-SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
-FROM c
-WHERE (SELECT count(*) FROM locks) >= 0
-ORDER BY c.priority DESC, c.run_after, c.id;
-
--- name: claim_candidates_in_queue
--- Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.
-WITH c AS (
-    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
-    FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending'
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-      AND p.queue = %(queue)s
-      AND (p.concurrency_key IS NULL
-           OR p.handler <> ALL(%(limited)s::text[])
-           OR (p.handler, p.concurrency_key) NOT IN (
-               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-                 ON l.handler = h.handler
-               WHERE h.status = 'claimed'
-                 AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(limited)s::text[])
-               GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(l.lim)))
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), locks AS (
-    SELECT pg_advisory_xact_lock(1684109163, k.lock)
-    FROM (
-        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
-        FROM c
-        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
-        ORDER BY 1
-    ) AS k
-    ORDER BY k.lock
-)
-SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
-FROM c
-WHERE (SELECT count(*) FROM locks) >= 0
-ORDER BY c.priority DESC, c.run_after, c.id;
-
--- name: claim_candidates_in_queues
--- Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.
-WITH c AS (
-    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
-    FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending'
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-      AND p.queue = ANY(%(queues)s::text[])
-      AND (p.concurrency_key IS NULL
-           OR p.handler <> ALL(%(limited)s::text[])
-           OR (p.handler, p.concurrency_key) NOT IN (
-               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-                 ON l.handler = h.handler
-               WHERE h.status = 'claimed'
-                 AND h.concurrency_key IS NOT NULL
-                 AND h.handler = ANY(%(limited)s::text[])
-               GROUP BY h.handler, h.concurrency_key
-               HAVING count(*) >= min(l.lim)))
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), locks AS (
-    SELECT pg_advisory_xact_lock(1684109163, k.lock)
-    FROM (
-        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
-        FROM c
-        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
-        ORDER BY 1
-    ) AS k
-    ORDER BY k.lock
-)
-SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit
-FROM c
-WHERE (SELECT count(*) FROM locks) >= 0
-ORDER BY c.priority DESC, c.run_after, c.id;
-
--- name: read_committed
--- The keyed claim's own transaction counts slots in fresh snapshots (first statement).
-SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-
--- name: transaction_isolation
--- The isolation of the caller's transaction.
-SHOW transaction_isolation;
-
--- name: claim_within_limits
--- Count the candidates' keys' slots and claim the candidates that fit, in claim order.
-WITH c AS (
-    SELECT *
-    FROM unnest(%(ids)s::bigint[], %(handlers)s::text[], %(keys)s::text[], %(limits)s::integer[])
-         WITH ORDINALITY AS c(id, handler, concurrency_key, concurrency_limit, n)
-), held AS (
-    SELECT h.handler, h.concurrency_key, count(*) AS slots
-    FROM django_dbworker_workitem AS h
-    WHERE h.status = 'claimed'
-      AND h.concurrency_key IS NOT NULL
-      AND (h.handler, h.concurrency_key) IN (
-          SELECT c.handler, c.concurrency_key FROM c WHERE c.concurrency_limit IS NOT NULL)
-    GROUP BY h.handler, h.concurrency_key
-), fits AS (
-    SELECT r.id
-    FROM (
-        SELECT c.id, c.concurrency_limit,
-               coalesce(held.slots, 0)
-               + row_number() OVER (PARTITION BY c.handler, c.concurrency_key ORDER BY c.n)
-               AS used
-        FROM c
-        LEFT JOIN held
-          ON held.handler = c.handler AND held.concurrency_key = c.concurrency_key
-    ) AS r
-    WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
-)
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM fits
-WHERE w.id = ANY(%(ids)s::bigint[])
-  AND w.id = fits.id
-  AND w.status = 'pending'
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
-
 -- name: lock_rows
 -- Lock rows by id, in ascending id order, until the transaction ends.
 SELECT id FROM django_dbworker_workitem WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
@@ -441,3 +274,197 @@ FROM (
 ) AS runs
 GROUP BY handler
 ORDER BY handler;
+
+-- name: claim_candidates
+-- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(limited)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(l.lim)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT r.id, r.handler, r.concurrency_key, r.concurrency_limit, r.locked
+FROM (
+    SELECT c.*,
+           row_number() OVER (PARTITION BY c.handler, c.concurrency_key
+                              ORDER BY c.priority DESC, c.run_after, c.id) AS rank,
+           count(*) OVER () AS locked
+    FROM c
+) AS r
+LEFT JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+  ON l.handler = r.handler
+WHERE (SELECT count(*) FROM locks) >= 0
+  AND (r.concurrency_key IS NULL OR l.lim IS NULL OR r.rank <= l.lim)
+ORDER BY r.priority DESC, r.run_after, r.id;
+
+-- name: claim_candidates_in_queue
+-- Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+      AND p.queue = %(queue)s
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(limited)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(l.lim)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT r.id, r.handler, r.concurrency_key, r.concurrency_limit, r.locked
+FROM (
+    SELECT c.*,
+           row_number() OVER (PARTITION BY c.handler, c.concurrency_key
+                              ORDER BY c.priority DESC, c.run_after, c.id) AS rank,
+           count(*) OVER () AS locked
+    FROM c
+) AS r
+LEFT JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+  ON l.handler = r.handler
+WHERE (SELECT count(*) FROM locks) >= 0
+  AND (r.concurrency_key IS NULL OR l.lim IS NULL OR r.rank <= l.lim)
+ORDER BY r.priority DESC, r.run_after, r.id;
+
+-- name: claim_candidates_in_queues
+-- Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+      AND p.queue = ANY(%(queues)s::text[])
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(limited)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(l.lim)))
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT r.id, r.handler, r.concurrency_key, r.concurrency_limit, r.locked
+FROM (
+    SELECT c.*,
+           row_number() OVER (PARTITION BY c.handler, c.concurrency_key
+                              ORDER BY c.priority DESC, c.run_after, c.id) AS rank,
+           count(*) OVER () AS locked
+    FROM c
+) AS r
+LEFT JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+  ON l.handler = r.handler
+WHERE (SELECT count(*) FROM locks) >= 0
+  AND (r.concurrency_key IS NULL OR l.lim IS NULL OR r.rank <= l.lim)
+ORDER BY r.priority DESC, r.run_after, r.id;
+
+-- name: read_committed
+-- The keyed claim's own transaction counts slots in fresh snapshots (first statement).
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+
+-- name: transaction_isolation
+-- The isolation of the caller's transaction.
+SHOW transaction_isolation;
+
+-- name: claim_within_limits
+-- Count the candidates' keys' slots and claim the candidates that fit, in claim order.
+WITH c AS (
+    SELECT *
+    FROM unnest(%(ids)s::bigint[], %(handlers)s::text[], %(keys)s::text[], %(limits)s::integer[])
+         WITH ORDINALITY AS c(id, handler, concurrency_key, concurrency_limit, n)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots
+    FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (
+          SELECT c.handler, c.concurrency_key FROM c WHERE c.concurrency_limit IS NOT NULL)
+    GROUP BY h.handler, h.concurrency_key
+), fits AS (
+    SELECT r.id
+    FROM (
+        SELECT c.id, c.concurrency_limit,
+               coalesce(held.slots, 0)
+               + row_number() OVER (PARTITION BY c.handler, c.concurrency_key ORDER BY c.n)
+               AS used
+        FROM c
+        LEFT JOIN held
+          ON held.handler = c.handler AND held.concurrency_key = c.concurrency_key
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM fits
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = fits.id
+  AND w.status = 'pending'
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents;

@@ -1,0 +1,179 @@
+"""PostgreSQL's keyed claim: the statements that honour per-key concurrency limits.
+
+One READ COMMITTED transaction of two statements (``PostgresOperations._claim_keyed``):
+
+1. ``CLAIM_CANDIDATES*`` locks the next ready rows in claim order (SKIP LOCKED) but keys
+   at their limit (a hashed subplan over ``dbworker_key_slots_idx``), then an advisory
+   transaction lock per key, in sorted order; it returns of each key no more rows than
+   its limit (the key's later rows could not be claimed by this claim anyway) and, in
+   every row, how many it locked.
+2. ``CLAIM_WITHIN_LIMITS`` counts the keys' slots after the locks, in a snapshot of its own
+   that sees the previous lock holder's commit, and claims the candidates that fit.
+
+A slot is a claimed row. Locked rows that a claim leaves were held back by their keys, so
+a claim cut short that way is not an empty queue (``Claimed.throttled``). Reading the
+candidates without locks, as a window deduplicated before the lock, was tried: two
+processes then read the same window and the second found its rows locked (W7 with 10,000
+keys, 0.57x; docs/internals/benchmarks.md).
+
+Text only, like ``postgresql_sql.py`` (the snapshot test pins each statement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from django_dbworker.db.postgresql_sql import CLAIM_SET, CLAIMED_COLUMNS
+from django_dbworker.db.sql import Statement
+
+KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
+
+# The limits are the handlers' current ones (%(limited)s -> %(limit_values)s).
+_KEY_FILTER = """
+      AND (p.concurrency_key IS NULL
+           OR p.handler <> ALL(%(limited)s::text[])
+           OR (p.handler, p.concurrency_key) NOT IN (
+               SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+               JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+                 ON l.handler = h.handler
+               WHERE h.status = 'claimed'
+                 AND h.concurrency_key IS NOT NULL
+                 AND h.handler = ANY(%(limited)s::text[])
+               GROUP BY h.handler, h.concurrency_key
+               HAVING count(*) >= min(l.lim)))"""
+
+_CANDIDATES_HEAD = """
+WITH c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending'
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)"""
+
+# The locked rows a key's limit leaves out stay locked until the claim commits (no other
+# claimer takes them meanwhile); only what may fit goes back to the worker and into
+# CLAIM_WITHIN_LIMITS, with the count of rows locked (``locked``) in every row.
+_CANDIDATES_TAIL = f"""
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+SELECT r.id, r.handler, r.concurrency_key, r.concurrency_limit, r.locked
+FROM (
+    SELECT c.*,
+           row_number() OVER (PARTITION BY c.handler, c.concurrency_key
+                              ORDER BY c.priority DESC, c.run_after, c.id) AS rank,
+           count(*) OVER () AS locked
+    FROM c
+) AS r
+LEFT JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+  ON l.handler = r.handler
+WHERE (SELECT count(*) FROM locks) >= 0
+  AND (r.concurrency_key IS NULL OR l.lim IS NULL OR r.rank <= l.lim)
+ORDER BY r.priority DESC, r.run_after, r.id"""
+
+
+def _candidates(queue_filter: str) -> str:
+    return _CANDIDATES_HEAD + queue_filter + _KEY_FILTER + _CANDIDATES_TAIL + "\n"
+
+
+CLAIM_CANDIDATES = Statement(
+    "claim_candidates",
+    "Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.",
+    _candidates(""),
+)
+CLAIM_CANDIDATES_IN_QUEUE = Statement(
+    "claim_candidates_in_queue",
+    "Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.",
+    _candidates("\n      AND p.queue = %(queue)s"),
+)
+CLAIM_CANDIDATES_IN_QUEUES = Statement(
+    "claim_candidates_in_queues",
+    "Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.",
+    _candidates("\n      AND p.queue = ANY(%(queues)s::text[])"),
+)
+
+READ_COMMITTED = Statement(
+    "read_committed",
+    "The keyed claim's own transaction counts slots in fresh snapshots (first statement).",
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED\n",
+)
+TRANSACTION_ISOLATION = Statement(
+    "transaction_isolation",
+    "The isolation of the caller's transaction.",
+    "SHOW transaction_isolation\n",
+)
+
+# Candidates as arrays in claim order (n) with their handlers' current limits; one fits
+# while its key's claimed rows plus its rank stay within the limit.
+CLAIM_WITHIN_LIMITS = Statement(
+    "claim_within_limits",
+    "Count the candidates' keys' slots and claim the candidates that fit, in claim order.",
+    """
+WITH c AS (
+    SELECT *
+    FROM unnest(%(ids)s::bigint[], %(handlers)s::text[], %(keys)s::text[], %(limits)s::integer[])
+         WITH ORDINALITY AS c(id, handler, concurrency_key, concurrency_limit, n)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots
+    FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (
+          SELECT c.handler, c.concurrency_key FROM c WHERE c.concurrency_limit IS NOT NULL)
+    GROUP BY h.handler, h.concurrency_key
+), fits AS (
+    SELECT r.id
+    FROM (
+        SELECT c.id, c.concurrency_limit,
+               coalesce(held.slots, 0)
+               + row_number() OVER (PARTITION BY c.handler, c.concurrency_key ORDER BY c.n)
+               AS used
+        FROM c
+        LEFT JOIN held
+          ON held.handler = c.handler AND held.concurrency_key = c.concurrency_key
+    ) AS r
+    WHERE r.concurrency_limit IS NULL OR r.used <= r.concurrency_limit
+)
+UPDATE django_dbworker_workitem AS w
+"""
+    + CLAIM_SET
+    + """FROM fits
+WHERE w.id = ANY(%(ids)s::bigint[])
+  AND w.id = fits.id
+  AND w.status = 'pending'
+"""
+    + CLAIMED_COLUMNS,
+)
+
+
+def candidates_statement(
+    *,
+    limit: int,
+    handlers: Sequence[str],
+    queues: Sequence[str] | None,
+    limits: Mapping[str, int],
+) -> tuple[str, dict[str, Any]]:
+    """The keyed claim's candidate statement for these filters, and its parameters."""
+    params: dict[str, Any] = {
+        "handlers": list(handlers),
+        "limit": limit,
+        "limited": list(limits),
+        "limit_values": list(limits.values()),
+    }
+    if not queues:
+        return CLAIM_CANDIDATES.sql, params
+    if len(queues) == 1:
+        return CLAIM_CANDIDATES_IN_QUEUE.sql, {**params, "queue": queues[0]}
+    return CLAIM_CANDIDATES_IN_QUEUES.sql, {**params, "queues": list(queues)}
