@@ -14,6 +14,10 @@ drain pays).
 the last item's ``finished_at``, the rows' own timestamps (start-up
 excluded).
 
+``--also NAME`` (repeatable): the workers serve that handler too, with no
+items of its own; ``--also bench_keyed`` is a project where one handler
+declares a ``concurrency_limit`` (the no-op items' claims must not pay for it).
+
 bench/peer_harness/pgqueuer_bench.py reports the same two for pgqueuer.
 """
 
@@ -45,6 +49,12 @@ def main() -> None:
         action="store_true",
         help="do not empty the table first (W4 keeps its finished rows)",
     )
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        help="another handler the workers serve (with no items), e.g. bench_keyed",
+    )
     args = parser.parse_args()
     url = start_postgres()
     try:
@@ -63,7 +73,9 @@ def main() -> None:
         spawned = time.perf_counter()
         procs = [
             subprocess.Popen(
-                worker_command("bench_noop", "--burst", "--concurrency", str(args.concurrency)),
+                worker_command(
+                    "bench_noop", *args.also, "--burst", "--concurrency", str(args.concurrency)
+                ),
                 env=worker_env(),
             )
             for _ in range(args.processes)
@@ -83,6 +95,7 @@ def main() -> None:
                 "items": args.items,
                 "processes": args.processes,
                 "concurrency": args.concurrency,
+                "also": args.also,
                 "succeeded": done,
                 "exit_codes": codes,
                 "whole_seconds": whole,
