@@ -37,6 +37,9 @@ SCRIPTS = [
         "w6_priority",
     ),
     ("w7_keys.py", ["--items", "300", "--keys", "30"], "w7_keys"),
+    ("w7_keys.py", ["--items", "60", "--keys", "60"], "w7_keys"),  # no chain: no free time
+    ("w1_throughput.py", ["--items", "300", "--also", "bench_keyed"], "w1_throughput"),
+    ("claim_cost.py", ["--rounds", "2", "--claim", "20", "--keys", "5"], "claim_cost"),
     ("startup.py", ["--runs", "1"], "startup"),
     ("w8_rate.py", ["--rate", "30", "--seconds", "1"], "w8_rate"),
     ("w9_batches.py", ["--items", "300", "--runs", "1", "--links", "5"], "w9_batches"),
