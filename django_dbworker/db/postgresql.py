@@ -132,17 +132,22 @@ class PostgresOperations(PostgresEstimates):
         )
         connection = self.connection
         own = not connection.in_atomic_block
+        # The slot count must see the claims committed by the key's previous
+        # lock holder: REPEATABLE READ or SERIALIZABLE (the connection's
+        # OPTIONS, the server's default) would count in the first snapshot and
+        # over-claim. In autocommit the level rides on psycopg's BEGIN.
         # Inside a caller's transaction (run_until_empty in a test) no
         # savepoint, as the one-statement claim has none.
-        with transaction.atomic(using=self.using, savepoint=False):
-            if own:
-                # The slot count must see the claims committed by the key's
-                # previous lock holder: REPEATABLE READ or SERIALIZABLE (the
-                # connection's OPTIONS, the server's default) would count in
-                # the first snapshot and over-claim.
+        level_on_begin = own and connection.get_autocommit()
+        with (
+            self._read_committed_transaction()
+            if level_on_begin
+            else transaction.atomic(using=self.using, savepoint=False)
+        ):
+            if own and not level_on_begin:
                 with connection.cursor() as cursor:
                     cursor.execute(READ_COMMITTED.sql)
-            else:
+            elif not own:
                 self._refuse_snapshot_isolation(connection)
             found = self._fetch_bound(sql, params)
             if not found:

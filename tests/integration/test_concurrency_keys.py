@@ -564,6 +564,30 @@ def test_the_keyed_claim_holds_the_limit_at_repeatable_read() -> None:
     )
 
 
+@pytest.mark.postgres_only
+def test_the_keyed_claim_sets_read_committed_on_its_begin_not_by_a_statement() -> None:
+    """PostgreSQL in autocommit: the claim's level rides on psycopg's BEGIN.
+
+    A ``SET TRANSACTION ISOLATION LEVEL READ COMMITTED`` of its own was one
+    round trip more per keyed claim (five where four do); the connection's
+    own level is back afterwards.
+    """
+    import psycopg
+    from django.test.utils import CaptureQueriesContext
+
+    Keyed.enqueue({"key": "a"}, concurrency_key="A")
+    connection.ensure_connection()
+    connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    try:
+        with CaptureQueriesContext(connection) as ctx:
+            assert len(keyed_claim()) == 1
+        assert connection.connection.isolation_level == psycopg.IsolationLevel.REPEATABLE_READ
+    finally:
+        connection.connection.isolation_level = None
+    sent = [q["sql"].split()[0] for q in ctx.captured_queries]
+    assert "SET" not in sent, sent
+
+
 # -- the limit on the row ---------------------------------------------------------
 
 
