@@ -6,10 +6,10 @@ Times ``operations().claim(limit=--claim)`` on the benchmark cluster, with
 no worker running, the claimed rows put back to pending after each round:
 
 - *unkeyed*: 10 x ``--claim`` pending no-op rows, claimed by the plain
-  claim; by the keyed claim (a worker that also serves a limited handler:
-  before 827da04 every claim of such a worker was keyed); and by the
-  split claim cycle (the limited handler's keyed claim, which finds
-  nothing, then the plain claim).
+  claim; by the keyed claim (every claim of a worker that also serves a
+  limited handler is keyed); and by a split claim cycle (the limited
+  handler's keyed claim, which finds nothing, then the plain claim: tried
+  in 827da04 and reverted, as it broke the claim order across the two).
 - *W7's table*: 100 x ``--keys`` rows of ``--keys`` keys with limit 1 (no
   key held), the keyed claim taking one row of each key.
 

@@ -16,7 +16,7 @@ excluded).
 
 ``--also NAME`` (repeatable): the workers serve that handler too, with no
 items of its own; ``--also bench_keyed`` is a project where one handler
-declares a ``concurrency_limit`` (the no-op items' claims must not pay for it).
+declares a ``concurrency_limit``, which makes every claim of the worker keyed.
 
 bench/peer_harness/pgqueuer_bench.py reports the same two for pgqueuer.
 """

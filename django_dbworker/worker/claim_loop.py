@@ -140,40 +140,38 @@ class ClaimLoop:
         rates = self.rate_holds.rates(handlers)
         rated = self._claim_rated(rates, limit=min(limit, self._free_threads()), at=started)
         limit -= rated
-        self.claimed += rated
         plain = [name for name in handlers if name not in rates]
-        limits = concurrency_limits(handlers, plain)
-        lowest = self.ledger.lowest_buffered_priority()
-        # The limited handlers' rows in the keyed claim, the others' in the plain
-        # claim (a limit costs the others nothing). Keyed first: their rows wait
-        # for slots, the others only for room. An urgent claim asks both.
-        parts = [
-            ([n for n in plain if n in limits], limits),
-            ([n for n in plain if n not in limits], {}),
-        ]
-        items: list[WorkItem] = []
-        full = False
-        for names, part_limits in (part for part in parts if part[0]):
-            room = limit if self._urgent_claim else limit - len(items)
-            if self.config.max_items is not None:
-                room = min(room, self.config.max_items - self.claimed)
-            if room <= 0:
-                full = True
-                break
-            got = self._claim_part(names, part_limits, room, at=started)
-            # Rows held back for their concurrency keys were there: a batch cut
-            # short by them is not an empty queue (the next claim skips those keys).
-            throttled = getattr(got, "throttled", 0)
-            self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
-            full = full or len(got) + throttled >= room
-            items += got
+        try:
+            items = (
+                self.ops.claim(
+                    limit=limit,
+                    handlers=plain,
+                    queues=self.config.queues,
+                    worker=worker_id(),
+                    limits=concurrency_limits(handlers, plain),
+                )
+                if plain and limit > 0
+                else []
+            )
+        except Exception:
+            if self._urgent_claim:
+                with self._urgent_lock:
+                    self._urgent += limit  # the retry after the backoff is urgent still
+            raise
         took = self.clock.now() - started
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
+        self.claimed += len(items) + rated
         self.claims += bool(items or rated)
-        self._ran_dry = not full
-        if items and full and lowest is not None:
+        # Rows held back for their concurrency keys were there: a batch cut
+        # short by them is not an empty queue (the next claim skips those keys).
+        throttled = getattr(items, "throttled", 0)
+        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
+        self._ran_dry = len(items) + throttled < limit or not plain
+        lowest = self.ledger.lowest_buffered_priority()
+        self._dispatch(items, claimed_at=started)
+        if items and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in items)
             if self._urgent_claim:
                 if top > lowest:
@@ -189,28 +187,6 @@ class ClaimLoop:
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
         return len(items) + rated
-
-    def _claim_part(
-        self, names: list[str], limits: dict[str, int], limit: int, *, at: float
-    ) -> list[WorkItem]:
-        """Claim up to ``limit`` rows of ``names`` (keyed if ``limits``) and dispatch them
-        (before the next part's claim: an error there leaves no claimed row without an owner)."""
-        try:
-            items = self.ops.claim(
-                limit=limit,
-                handlers=names,
-                queues=self.config.queues,
-                worker=worker_id(),
-                limits=limits,
-            )
-        except Exception:
-            if self._urgent_claim:
-                with self._urgent_lock:
-                    self._urgent += limit  # the retry after the backoff is urgent still
-            raise
-        self.claimed += len(items)
-        self._dispatch(items, claimed_at=at)
-        return items
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
