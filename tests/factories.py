@@ -139,3 +139,30 @@ def assert_no_key_overlaps() -> int:
         running += 1 if record.kind == "start" else -1
         widest = max(widest, running)
     return widest
+
+
+def wait_buffered_behind_gate(worker: Any) -> None:
+    """Wait until ``worker``'s one thread runs the first gated item with rows buffered behind it.
+
+    And until its claim loop is quiet and has counted every row the
+    database shows taken (no claim's count still to come). The gated rows'
+    keys are ``gated-N``, as the priority tests enqueue them.
+    """
+    from tests.conftest import wait_until
+    from tests.testapp.models import Execution
+
+    wait_until(
+        lambda: Execution.objects.filter(key="gated-0", kind="start").exists(),
+        what="the first gated item to hold the thread",
+    )
+    wait_until(
+        lambda: WorkItem.objects.filter(status="claimed").count() >= 100,
+        what="rows buffered behind it",
+    )
+    wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")
+    loop = worker.claim_loop
+    assert loop is not None
+    wait_until(
+        lambda: loop.claimed == WorkItem.objects.exclude(status="pending").count(),
+        what="the claim loop to have counted every claimed row",
+    )

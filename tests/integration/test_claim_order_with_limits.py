@@ -25,6 +25,7 @@ from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker import Worker
 from django_dbworker.worker.config import WorkerConfig
 from tests.conftest import wait_until
+from tests.factories import wait_buffered_behind_gate
 from tests.testapp.models import Execution
 from tests.testapp.workers import GATE, Gate, Keyed, Record, _record
 
@@ -49,6 +50,18 @@ def run_order() -> list[str]:
         .order_by("pk")
         .values_list("key", flat=True)
     )
+
+
+def run_burst(worker: Worker) -> None:
+    """Run a burst ``worker`` in a thread of its own to its end (60 s at most)."""
+    done = threading.Thread(target=worker.run, daemon=True)
+    done.start()
+    done.join(60)
+    try:
+        assert not done.is_alive(), "burst worker did not end"
+    finally:
+        worker.stop(immediate=True)
+        done.join(10)
 
 
 # -- claim order across the two parts -----------------------------------------------
@@ -133,21 +146,7 @@ def test_an_urgent_batch_is_claimed_ahead_of_a_full_buffer(
     for n in range(300):
         buffered.enqueue({"key": f"gated-{n}", "wait": True}, **kw(f"gated-{n}"))
     worker = background_worker(names, concurrency=1, poll_interval=30.0, prefetch_horizon=5.0)
-    wait_until(
-        lambda: Execution.objects.filter(key="gated-0", kind="start").exists(),
-        what="the first gated item to hold the thread",
-    )
-    wait_until(
-        lambda: WorkItem.objects.filter(status=Status.CLAIMED).count() >= 100,
-        what="rows buffered behind it",
-    )
-    wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")
-    loop = worker.claim_loop
-    assert loop is not None
-    wait_until(
-        lambda: loop.claimed == WorkItem.objects.exclude(status=Status.PENDING).count(),
-        what="the claim loop to have counted every claimed row",
-    )
+    wait_buffered_behind_gate(worker)
     # More rows of the buffered handler's priority: they outrank nothing buffered (no
     # urgent claim), and the buffer is far above its refill mark (no claim).
     for n in range(50):
@@ -203,14 +202,7 @@ def test_burst_mode_leaves_nothing_behind_with_a_hot_key_and_plain_rows() -> Non
     from tests.factories import worker_config
 
     worker = Worker([Keyed, Record], worker_config(concurrency=3, burst=True))
-    done = threading.Thread(target=worker.run, daemon=True)
-    done.start()
-    done.join(60)
-    try:
-        assert not done.is_alive(), "burst worker did not end"
-    finally:
-        worker.stop(immediate=True)
-        done.join(10)
+    run_burst(worker)
     assert not WorkItem.objects.exclude(status=Status.SUCCEEDED).exists()
 
 
@@ -258,14 +250,7 @@ def test_rated_limited_and_plain_handlers_in_one_burst_worker_all_run() -> None:
     worker = Worker(
         [Rated, Keyed, Record], worker_config(concurrency=3, burst=True, max_items=None)
     )
-    done = threading.Thread(target=worker.run, daemon=True)
-    done.start()
-    done.join(60)
-    try:
-        assert not done.is_alive(), "burst worker did not end"
-    finally:
-        worker.stop(immediate=True)
-        done.join(10)
+    run_burst(worker)
     assert worker.outcomes == {"succeeded": 30}
     assert worker.claimed == 30
     assert not WorkItem.objects.exclude(status=Status.SUCCEEDED).exists()

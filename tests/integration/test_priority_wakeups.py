@@ -15,6 +15,7 @@ import pytest
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker import Worker
 from tests.conftest import wait_until
+from tests.factories import wait_buffered_behind_gate
 from tests.testapp.models import Execution
 from tests.testapp.workers import GATE, Gate
 
@@ -33,23 +34,9 @@ def test_an_urgent_wake_up_claims_ahead_of_a_full_buffer_and_starts_next(
     # claim comes while the gate is shut.
     Gate.enqueue_many([{"key": f"gated-{n}", "wait": True} for n in range(300)])
     worker = background_worker(["gate"], concurrency=1, poll_interval=30.0, prefetch_horizon=5.0)
-    wait_until(
-        lambda: Execution.objects.filter(key="gated-0", kind="start").exists(),
-        what="the first gated item to hold the thread",
-    )
-    wait_until(
-        lambda: WorkItem.objects.filter(status=Status.CLAIMED).count() >= 100,
-        what="rows buffered behind it",
-    )
-    wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")
     # Every row the database shows taken has been counted by the claim loop:
     # no claim's count is still to come.
-    loop = worker.claim_loop
-    assert loop is not None
-    wait_until(
-        lambda: loop.claimed == WorkItem.objects.exclude(status=Status.PENDING).count(),
-        what="the claim loop to have counted every claimed row",
-    )
+    wait_buffered_behind_gate(worker)
     claims_before = worker.claims
     urgent = Gate.enqueue({"key": "urgent"}, priority=5)
     # Nothing drains the buffer (the gate is shut): only the wake-up can claim it.
