@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 import pytest
 
 from django_dbworker import pause_queue, resume_queue
-from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.testapp.models import Execution
@@ -104,18 +103,20 @@ def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     # The claims (the database's clock) never took more than 20 in one second,
     claims = list(rows.values_list("claimed_at", flat=True))
     assert _most_in_a_window(claims, 1.0) <= n
-    # nor did the handlers start more, by their own records of their starts. The
-    # window counted at a claim is the period plus an allowance for the claim ->
-    # start delay (RATE_ALLOWANCE); a start this machine held up for longer (a CPU
-    # shared with other test runs) can meet the next window's: the window checked
-    # here narrows by exactly that excess, 0 when every start kept to the allowance.
+    # nor did the handlers start more, by their own records of their starts, than
+    # their claims allow. A start follows its claim by a lag (the hand-off to a
+    # thread, which a loaded machine stretches): the starts in a window of
+    # 1 s - (largest lag - smallest lag) were claimed within one second, so no
+    # more than n of them. (Narrowing by the largest lag's excess over
+    # RATE_ALLOWANCE alone failed on a loaded CI: lags up to 39.8 ms, 21 starts
+    # in 0.98 s, while the claims kept to 20 in every second.)
     pairs = list(rows.values_list("claimed_at", "result"))
     starts = [datetime.fromtimestamp(float(t), UTC) for _, t in pairs]
     lags = [
         (start - claimed).total_seconds() for (claimed, _), start in zip(pairs, starts, strict=True)
     ]
-    excess = max(0.0, max(lags) - operations().rate_allowance)
-    assert _most_in_a_window(starts, 1.0 - excess) <= n, (max(lags), excess)
+    spread = max(lags) - min(lags)
+    assert _most_in_a_window(starts, 1.0 - spread) <= n, (min(lags), max(lags))
     # 70 items at 20 a second: at least three windows were waited for.
     assert (max(starts) - min(starts)).total_seconds() >= 3.0
     # Both workers started some: the limit is shared, not per process.
