@@ -98,6 +98,23 @@ def reset_table() -> None:
             cursor.execute("TRUNCATE django_dbworker_workitem RESTART IDENTITY")
 
 
+def settle_table() -> None:
+    """Vacuum, analyze and checkpoint the queue table (PostgreSQL): a leg starts clean.
+
+    A leg of a few seconds that meets autovacuum or a WAL-triggered checkpoint
+    of the previous leg's garbage runs at half speed on this 2-core machine;
+    W7's plain leg, run after the keyed one on its table, measured from 3,900
+    to 12,200 jobs/s between runs of one tree.
+    """
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM ANALYZE django_dbworker_workitem")
+        cursor.execute("CHECKPOINT")
+
+
 def worker_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "django", "run_workers", *args]
 
