@@ -29,6 +29,7 @@ from psycopg.pq import Format
 from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_keyed_sql import (
+    heads_statement,
     CLAIM_WITHIN_LIMITS,
     READ_COMMITTED,
     TRANSACTION_ISOLATION,
@@ -149,7 +150,16 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._fetch_bound(sql, params)
+            found = None
+            if set(handlers) <= set(limits):
+                heads_sql, heads_params = heads_statement(
+                    limit=limit, handlers=handlers, queues=queues, limits=limits
+                )
+                found = self._fetch_bound(heads_sql, heads_params)
+                if found and found[-1][0] is None:
+                    found = None  # too many keys to visit: walk the rows instead
+            if found is None:
+                found = self._fetch_bound(sql, params)
             if not found:
                 return Claimed()
             # Each row carries how many rows the statement locked (some held back by keys).

@@ -177,3 +177,122 @@ def candidates_statement(
     if len(queues) == 1:
         return CLAIM_CANDIDATES_IN_QUEUE.sql, {**params, "queue": queues[0]}
     return CLAIM_CANDIDATES_IN_QUEUES.sql, {**params, "queues": list(queues)}
+
+
+# -- the key-driven candidates (every handler of the claim limited) ------------------
+# The walk above reads every ready row of a held key to leave it out: W7 (100 keys, limit
+# 1) walked all 9,900 pending rows per claim, and locked 5 rows per key to return 1. Here
+# the keys come from dbworker_key_pending_idx (pending rows by handler and key, in claim
+# order within a key): a loose index scan finds each pending key in one descent, a key at
+# its limit is dropped by name, and a free key offers its first ready rows up to its limit
+# (its head). The heads in claim order, with the handlers' unkeyed rows from
+# dbworker_claim_unkeyed_idx, are the candidates; only those are locked. Past KEYS_WALKED
+# keys the scan stops and says so (a row whose id is NULL): the caller takes the walk
+# instead, which is the cheaper of the two when most keys are free.
+KEYS_WALKED = 1000
+
+_HEADS = f"""
+WITH RECURSIVE keys AS (
+    SELECT f.handler, f.concurrency_key, 1 AS n
+    FROM unnest(%(limited)s::text[]) AS lh(handler)
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL AND k.handler = lh.handler
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS f
+    UNION ALL
+    SELECT nx.handler, nx.concurrency_key, keys.n + 1
+    FROM keys
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL
+          AND k.handler = keys.handler AND k.concurrency_key > keys.concurrency_key
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS nx
+    WHERE keys.n <= {KEYS_WALKED}
+), held AS (
+    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = h.handler
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND h.handler = ANY(%(limited)s::text[])
+    GROUP BY h.handler, h.concurrency_key
+    HAVING count(*) >= min(l.lim)
+), walked AS (
+    SELECT count(*) > {KEYS_WALKED} AS over FROM keys
+), heads AS (
+    SELECT hd.id, hd.priority, hd.run_after
+    FROM keys
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = keys.handler
+    CROSS JOIN LATERAL (
+        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
+          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queue_filter}}
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT l.lim
+    ) AS hd
+    WHERE NOT (SELECT over FROM walked)
+      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
+    UNION ALL
+    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+       AND p.run_after <= statement_timestamp()
+       AND p.handler = ANY(%(handlers)s::text[])
+       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queue_filter}}
+       AND NOT (SELECT over FROM walked)
+     ORDER BY p.priority DESC, p.run_after, p.id
+     LIMIT %(limit)s)
+), c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.id IN (
+        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
+        LIMIT %(limit)s)
+      AND p.status = 'pending'
+    ORDER BY p.priority DESC, p.run_after, p.id
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+ FROM c
+ WHERE (SELECT count(*) FROM locks) >= 0
+ ORDER BY c.priority DESC, c.run_after, c.id)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked)
+"""
+
+
+def heads_statement(
+    *,
+    limit: int,
+    handlers: Sequence[str],
+    queues: Sequence[str] | None,
+    limits: Mapping[str, int],
+) -> tuple[str, dict[str, Any]]:
+    """The key-driven candidates statement (every handler limited), and its parameters."""
+    params: dict[str, Any] = {
+        "handlers": list(handlers),
+        "limit": limit,
+        "limited": list(limits),
+        "limit_values": list(limits.values()),
+    }
+    if not queues:
+        return _HEADS.replace("{queue_filter}", ""), params
+    return (
+        _HEADS.replace("{queue_filter}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
+        {**params, "queues": list(queues)},
+    )

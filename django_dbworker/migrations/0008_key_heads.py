@@ -1,0 +1,50 @@
+"""PostgreSQL's key-driven claim: two partial indexes of pending rows.
+
+``dbworker_key_pending_idx`` orders a key's pending rows as the claim does, so that
+the keyed claim finds each pending key, and its first ready rows, in one descent
+(``postgresql_keyed_sql._HEADS``) instead of walking every ready row of the keys at
+their limit. ``dbworker_claim_unkeyed_idx`` is the claim order of the rows without a
+key, which that claim takes beside the keys' heads. Both hold pending rows only, so a
+claim or an ending never adds to them; the plain claim cannot use either (its
+conditions do not imply theirs). Built CONCURRENTLY (no write lock on a big table);
+other databases keep their claims and get neither.
+"""
+
+from django.db import migrations
+
+INDEXES = {
+    "dbworker_key_pending_idx": (
+        "(handler, concurrency_key, priority DESC, run_after, id) "
+        "WHERE status = 'pending' AND concurrency_key IS NOT NULL"
+    ),
+    "dbworker_claim_unkeyed_idx": (
+        "(priority DESC, run_after, id) WHERE status = 'pending' AND concurrency_key IS NULL"
+    ),
+}
+
+
+def create(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for name, definition in INDEXES.items():
+        schema_editor.execute(
+            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} "
+            f"ON django_dbworker_workitem {definition}"
+        )
+
+
+def drop(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for name in INDEXES:
+        schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+
+
+class Migration(migrations.Migration):
+    atomic = False
+
+    dependencies = [
+        ("django_dbworker", "0007_batches_and_dependencies"),
+    ]
+
+    operations = [migrations.RunPython(create, drop, elidable=False)]
