@@ -14,6 +14,7 @@ imports it (``operations()`` is the way in).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
@@ -29,11 +30,11 @@ from psycopg.pq import Format
 from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_keyed_sql import (
-    heads_statement,
     CLAIM_WITHIN_LIMITS,
     READ_COMMITTED,
     TRANSACTION_ISOLATION,
     candidates_statement,
+    heads_statement,
 )
 from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
@@ -74,6 +75,10 @@ COPY_THRESHOLD = 100
 #: Rows per chunk of COPY data.
 COPY_CHUNK = 1000
 
+#: Seconds the keyed claim walks the rows, without trying the key-driven statement, after
+#: it found more keys than KEYS_WALKED (``_claim_heads``).
+WALK_FOR = 10.0
+
 #: The type whose loader Django sets to its time zone (``create_cursor``).
 TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 
@@ -86,6 +91,8 @@ class PostgresOperations(PostgresEstimates):
     supports_skip_locked = True
     # LISTEN wakes the workers: nothing to poll for.
     poll_adaptively = False
+    #: Until when (time.monotonic()) the keyed claim walks without trying the heads.
+    _walk_keys_until = 0.0
 
     def check_version(self) -> None:
         self.connection.ensure_connection()
@@ -150,14 +157,7 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = None
-            if set(handlers) <= set(limits):
-                heads_sql, heads_params = heads_statement(
-                    limit=limit, handlers=handlers, queues=queues, limits=limits
-                )
-                found = self._fetch_bound(heads_sql, heads_params)
-                if found and found[-1][0] is None:
-                    found = None  # too many keys to visit: walk the rows instead
+            found = self._claim_heads(limit=limit, handlers=handlers, queues=queues, limits=limits)
             if found is None:
                 found = self._fetch_bound(sql, params)
             if not found:
@@ -177,6 +177,30 @@ class PostgresOperations(PostgresEstimates):
                 },
             )
         return Claimed(self._rows_to_items(rows), throttled=locked - len(rows))
+
+    def _claim_heads(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        limits: Mapping[str, int],
+    ) -> list[tuple[Any, ...]] | None:
+        """The key-driven candidates (``postgresql_keyed_sql.CLAIM_HEADS``), or None: walk.
+
+        None when a handler of the claim is unlimited, and for WALK_FOR seconds after the
+        statement found more than KEYS_WALKED pending keys (with that many keys the walk
+        is the cheaper read, and the loose scan that found out cost up to KEYS_WALKED
+        descents).
+        """
+        statement = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+        if statement is None or time.monotonic() < self._walk_keys_until:
+            return None
+        found = self._fetch_bound(*statement)
+        if found and found[-1][0] is None:
+            self._walk_keys_until = time.monotonic() + WALK_FOR
+            return None
+        return found
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server

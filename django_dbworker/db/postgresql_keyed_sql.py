@@ -179,16 +179,21 @@ def candidates_statement(
     return CLAIM_CANDIDATES_IN_QUEUES.sql, {**params, "queues": list(queues)}
 
 
-# -- the key-driven candidates (every handler of the claim limited) ------------------
-# The walk above reads every ready row of a held key to leave it out: W7 (100 keys, limit
-# 1) walked all 9,900 pending rows per claim, and locked 5 rows per key to return 1. Here
-# the keys come from dbworker_key_pending_idx (pending rows by handler and key, in claim
-# order within a key): a loose index scan finds each pending key in one descent, a key at
-# its limit is dropped by name, and a free key offers its first ready rows up to its limit
-# (its head). The heads in claim order, with the handlers' unkeyed rows from
-# dbworker_claim_unkeyed_idx, are the candidates; only those are locked. Past KEYS_WALKED
-# keys the scan stops and says so (a row whose id is NULL): the caller takes the walk
-# instead, which is the cheaper of the two when most keys are free.
+# -- the key-driven candidates: a worker whose handlers are all limited -------------------
+# The walk above reads every ready row of a key at its limit to leave it out: a hot key's
+# backlog of 20,000 rows is read by every claim while its slot is held (17.7 ms a claim,
+# linear in the backlog; bench/claim_cost.py). Here each pending key is found in one descent
+# of dbworker_key_pending_idx (pending keyed rows by handler and key, in claim order within a
+# key: migration 0008), a key at its limit is dropped by name, and a free key offers its first
+# ready rows up to its limit (its head, one more descent). The heads in claim order, merged
+# with the handlers' rows without a key (dbworker_claim_unkeyed_idx), are the candidates, and
+# only they are locked: the claim order is the walk's, but a key's later rows neither cost a
+# read nor take the places of the rows behind them. A claim that returns fewer rows than it
+# asked for has seen everything claimable, so the claim loop sleeps instead of claiming again.
+#
+# The loose scan costs one descent per pending key, the walk one row per ready row: past
+# KEYS_WALKED keys the statement stops, locks nothing and answers one row of NULLs, and the
+# caller walks instead (``PostgresOperations._claim_keyed``).
 KEYS_WALKED = 1000
 
 _HEADS = f"""
@@ -212,6 +217,8 @@ WITH RECURSIVE keys AS (
         LIMIT 1
     ) AS nx
     WHERE keys.n <= {KEYS_WALKED}
+), walked AS (
+    SELECT count(*) > {KEYS_WALKED} AS over FROM keys
 ), held AS (
     SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
@@ -221,8 +228,6 @@ WITH RECURSIVE keys AS (
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
     HAVING count(*) >= min(l.lim)
-), walked AS (
-    SELECT count(*) > {KEYS_WALKED} AS over FROM keys
 ), heads AS (
     SELECT hd.id, hd.priority, hd.run_after
     FROM keys
@@ -233,7 +238,7 @@ WITH RECURSIVE keys AS (
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
-          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queue_filter}}
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
         ORDER BY p.priority DESC, p.run_after, p.id
         LIMIT l.lim
     ) AS hd
@@ -244,7 +249,7 @@ WITH RECURSIVE keys AS (
      WHERE p.status = 'pending' AND p.concurrency_key IS NULL
        AND p.run_after <= statement_timestamp()
        AND p.handler = ANY(%(handlers)s::text[])
-       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queue_filter}}
+       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
        AND NOT (SELECT over FROM walked)
      ORDER BY p.priority DESC, p.run_after, p.id
      LIMIT %(limit)s)
@@ -275,6 +280,17 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked)
 """
 
+CLAIM_HEADS = Statement(
+    "claim_heads",
+    "Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.",
+    _HEADS.replace("{queues}", ""),
+)
+CLAIM_HEADS_IN_QUEUES = Statement(
+    "claim_heads_in_queues",
+    "Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.",
+    _HEADS.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
+)
+
 
 def heads_statement(
     *,
@@ -282,17 +298,17 @@ def heads_statement(
     handlers: Sequence[str],
     queues: Sequence[str] | None,
     limits: Mapping[str, int],
-) -> tuple[str, dict[str, Any]]:
-    """The key-driven candidates statement (every handler limited), and its parameters."""
+) -> tuple[str, dict[str, Any]] | None:
+    """The key-driven candidates statement and its parameters; None unless every handler
+    of the claim is limited (an unlimited handler's keyed rows would need the walk)."""
+    if not set(handlers) <= set(limits):
+        return None
     params: dict[str, Any] = {
         "handlers": list(handlers),
         "limit": limit,
-        "limited": list(limits),
-        "limit_values": list(limits.values()),
+        "limited": list(handlers),
+        "limit_values": [limits[name] for name in handlers],
     }
     if not queues:
-        return _HEADS.replace("{queue_filter}", ""), params
-    return (
-        _HEADS.replace("{queue_filter}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
-        {**params, "queues": list(queues)},
-    )
+        return CLAIM_HEADS.sql, params
+    return CLAIM_HEADS_IN_QUEUES.sql, {**params, "queues": list(queues)}

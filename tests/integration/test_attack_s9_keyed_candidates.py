@@ -48,7 +48,12 @@ def place(item: WorkItem, *, priority: int = 0, seconds: int = 0) -> WorkItem:
 
 
 def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple[list[int], int]:
-    """The ids the claim should take (claim order) and how many it should hold back."""
+    """The ids the claim should take (claim order) and how many it should hold back.
+
+    With every handler limited, PostgreSQL's claim takes the keys' heads
+    (``postgresql_keyed_sql.CLAIM_HEADS``): a free key offers its first rows up to its
+    limit, so a key's later rows take no place among the ``limit``; otherwise the walk's.
+    """
     rows = WorkItem.objects.filter(
         status=Status.PENDING, handler__in=HANDLERS, run_after__lte=timezone.now()
     ).exclude(queue__in=QueueState.objects.filter(paused=True).values("name"))
@@ -70,7 +75,18 @@ def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple
             if not at_limit(r[1], r[2])
         ),
         key=lambda r: (-r[3], r[4], r[0]),
-    )[:limit]
+    )
+    if set(HANDLERS) <= set(limits):
+        offered: Counter[tuple[str, str]] = Counter()
+        heads = []
+        for r in ready:
+            if r[2] is not None:
+                offered[(r[1], r[2])] += 1
+                if offered[(r[1], r[2])] > limits[r[1]]:
+                    continue
+            heads.append(r)
+        ready = heads
+    ready = ready[:limit]
     candidates = [(pk, h, k, None if k is None else limits.get(h)) for pk, h, k, _, _ in ready]
     return within_limits(candidates, dict(held))
 

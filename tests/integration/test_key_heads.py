@@ -1,0 +1,131 @@
+"""PostgreSQL's key-driven keyed claim (``postgresql_keyed_sql.CLAIM_HEADS``, migration 0008).
+
+A worker whose handlers all declare a ``concurrency_limit`` finds the pending keys by a
+loose scan of ``dbworker_key_pending_idx`` and claims the free keys' first rows (their
+heads): a key at its limit costs one index descent, not a read of its backlog. Past
+KEYS_WALKED keys it walks the rows as before (``test_many_keys_fall_back_to_the_walk``).
+The claim order and the limits are the walk's: the randomized model test in
+``test_attack_s9_keyed_candidates.py`` runs both paths against the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_dbworker.db import operations
+from django_dbworker.db.postgresql_keyed_sql import KEYS_WALKED, heads_statement
+from django_dbworker.models import Status, WorkItem
+from tests.factories import claim
+from tests.testapp.workers import Keyed, KeyedPair
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+
+LIMITED = ["keyed", "keyed_pair"]
+LIMITS = {"keyed": 1, "keyed_pair": 2}
+
+
+def heads_claim(limit: int = 10) -> list[WorkItem]:
+    return claim(limit=limit, handlers=LIMITED, limited=True)
+
+
+def rows_read(plan: dict[str, Any]) -> int:
+    """Rows that the plan's scans of the work table produced or filtered out, all loops."""
+    node = plan
+    read = 0
+    if node.get("Relation Name") == "django_dbworker_workitem":
+        loops = int(node.get("Actual Loops", 1))
+        read += int(node.get("Actual Rows", 0)) * loops
+        read += int(node.get("Rows Removed by Filter", 0))
+    return read + sum(rows_read(child) for child in node.get("Plans", []))
+
+
+@pytest.fixture(autouse=True)
+def _heads_every_time() -> Any:
+    """Each test starts without the walk's memory of many keys (one ops per alias)."""
+    ops = operations()
+    ops.__dict__.pop("_walk_keys_until", None)
+    yield
+    ops.__dict__.pop("_walk_keys_until", None)
+
+
+def test_the_indexes_of_migration_0008_exist() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'django_dbworker_workitem'"
+            " AND indexname IN ('dbworker_key_pending_idx', 'dbworker_claim_unkeyed_idx')"
+        )
+        assert sorted(r[0] for r in cursor.fetchall()) == [
+            "dbworker_claim_unkeyed_idx",
+            "dbworker_key_pending_idx",
+        ]
+
+
+def test_a_hot_keys_backlog_is_not_read_while_the_key_is_at_its_limit() -> None:
+    """20,000 pending rows of one key at its limit; the row of another key behind them.
+
+    The walk reads all 20,000 to find it (test_concurrency_keys.py's strict xfail,
+    "a hot key's backlog is walked"); the heads read the hot key's name once.
+    """
+    for _ in range(4):
+        Keyed.enqueue_many([{"key": "hot"}] * 5000, concurrency_key="hot")
+    assert len(heads_claim(limit=1)) == 1  # the hot key is at its limit
+    other = Keyed.enqueue({"key": "other"}, concurrency_key="other")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_workitem")
+    statement = heads_statement(limit=4, handlers=LIMITED, queues=None, limits=LIMITS)
+    assert statement is not None
+    sql, params = statement
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        (plan,) = cursor.fetchone()
+        transaction.set_rollback(True)  # EXPLAIN ANALYZE locked the candidates
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    assert rows_read(plan[0]["Plan"]) < 100
+    assert [i.pk for i in heads_claim(limit=4)] == [other.pk]
+
+
+def test_a_full_claim_of_heads_is_not_cut_short_by_a_keys_later_rows() -> None:
+    """The walk's LIMIT counts the rows it locked, a key's later rows too: 3 rows of A ahead
+    of B's row fill a claim of 3 and return A's first only. The heads fill it with A and B."""
+    a = [Keyed.enqueue({"key": "A"}, concurrency_key="A") for _ in range(3)]
+    b = Keyed.enqueue({"key": "B"}, concurrency_key="B")
+    got = heads_claim(limit=3)
+    assert sorted(i.pk for i in got) == sorted([a[0].pk, b.pk])
+    assert getattr(got, "throttled", None) == 0
+
+
+def test_a_limit_of_two_offers_two_heads_and_counts_the_slot_held() -> None:
+    rows = [KeyedPair.enqueue({"n": n}, concurrency_key="P") for n in range(4)]
+    (first,) = heads_claim(limit=1)
+    assert first.pk == rows[0].pk
+    got = heads_claim(limit=10)  # P offers rows 1 and 2; one slot is left
+    assert [i.pk for i in got] == [rows[1].pk]
+    assert getattr(got, "throttled", None) == 1
+    assert heads_claim(limit=10) == []
+
+
+def test_unkeyed_rows_of_a_limited_handler_are_claimed_beside_the_heads() -> None:
+    plain = [Keyed.enqueue({"key": "-"}) for _ in range(3)]
+    keyed = [Keyed.enqueue({"key": "K"}, concurrency_key="K") for _ in range(2)]
+    got = heads_claim(limit=10)
+    assert sorted(i.pk for i in got) == sorted([p.pk for p in plain] + [keyed[0].pk])
+
+
+def test_many_keys_fall_back_to_the_walk_and_it_is_remembered() -> None:
+    with transaction.atomic():
+        for n in range(KEYS_WALKED + 5):
+            Keyed.enqueue({"key": n}, concurrency_key=f"k{n}")
+    with CaptureQueriesContext(connection) as first:
+        got = heads_claim(limit=20)
+    assert len(got) == 20
+    assert len({i.concurrency_key for i in WorkItem.objects.filter(status=Status.CLAIMED)}) == 20
+    texts = [q["sql"] for q in first.captured_queries]
+    assert sum("WITH RECURSIVE keys" in t for t in texts) == 1  # tried, then walked
+    with CaptureQueriesContext(connection) as second:
+        assert len(heads_claim(limit=20)) == 20
+    assert not any("WITH RECURSIVE keys" in q["sql"] for q in second.captured_queries)
