@@ -31,6 +31,7 @@ from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
+    HEADS_PLAN,
     READ_COMMITTED,
     TRANSACTION_ISOLATION,
     candidates_statement,
@@ -157,7 +158,9 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._claim_heads(limit=limit, handlers=handlers, queues=queues, limits=limits)
+            found = self._claim_heads(
+                limit=limit, handlers=handlers, queues=queues, limits=limits, pin_plan=own
+            )
             if found is None:
                 found = self._fetch_bound(sql, params)
             if not found:
@@ -185,6 +188,7 @@ class PostgresOperations(PostgresEstimates):
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         limits: Mapping[str, int],
+        pin_plan: bool,
     ) -> list[tuple[Any, ...]] | None:
         """The key-driven candidates (``postgresql_keyed_sql.CLAIM_HEADS``), or None: walk.
 
@@ -196,7 +200,12 @@ class PostgresOperations(PostgresEstimates):
         statement = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
         if statement is None or time.monotonic() < self._walk_keys_until:
             return None
-        found = self._fetch_bound(*statement)
+        sql, params = statement
+        found = (
+            self._fetch_last(HEADS_PLAN.sql + sql, params)
+            if pin_plan
+            else self._fetch_bound(sql, params)
+        )
         if found and found[-1][0] is None:
             self._walk_keys_until = time.monotonic() + WALK_FOR
             return None

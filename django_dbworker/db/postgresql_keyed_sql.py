@@ -2,11 +2,13 @@
 
 One READ COMMITTED transaction of two statements (``PostgresOperations._claim_keyed``):
 
-1. ``CLAIM_CANDIDATES*`` locks the next ready rows in claim order (SKIP LOCKED) but keys
-   at their limit (a hashed subplan over ``dbworker_key_slots_idx``), then an advisory
-   transaction lock per key, in sorted order; it returns of each key no more rows than
-   its limit (the key's later rows could not be claimed by this claim anyway) and, in
-   every row, how many it locked.
+1. The candidates, locked (SKIP LOCKED), then an advisory transaction lock per key, in
+   sorted order; of each key no more rows than its limit (the key's later rows could not
+   be claimed by this claim anyway) and, in every row, how many rows it locked. Two ways:
+   ``CLAIM_HEADS*`` (below) when every handler of the claim is limited: the free keys'
+   first rows, found by key in ``dbworker_key_pending_idx``; otherwise, or past
+   KEYS_WALKED pending keys, ``CLAIM_CANDIDATES*``, the walk: the next ready rows in claim
+   order but keys at their limit (a hashed subplan over ``dbworker_key_slots_idx``).
 2. ``CLAIM_WITHIN_LIMITS`` counts the keys' slots after the locks, in a snapshot of its own
    that sees the previous lock holder's commit, and claims the candidates that fit.
 
@@ -280,6 +282,16 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked)
 """
 
+# The loose scan's plan must not follow wrong statistics: after an ANALYZE of a table that
+# held no keyed rows, the planner took each step of the recursion for a seq scan of a tiny
+# table (100 keys: 220 ms a claim where the index takes 2). Sent with the statement, in the
+# keyed claim's own transaction only (inside a caller's, as planned; like CLAIM_PLAN).
+HEADS_PLAN = Statement(
+    "heads_plan",
+    "Plan the key-driven candidates on their indexes, never a seq scan (its transaction only).",
+    "SET LOCAL enable_seqscan = off;\n",
+)
+
 CLAIM_HEADS = Statement(
     "claim_heads",
     "Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.",
@@ -300,7 +312,8 @@ def heads_statement(
     limits: Mapping[str, int],
 ) -> tuple[str, dict[str, Any]] | None:
     """The key-driven candidates statement and its parameters; None unless every handler
-    of the claim is limited (an unlimited handler's keyed rows would need the walk)."""
+    of the claim is limited (an unlimited handler's keyed rows would need the walk).
+    Sent after HEADS_PLAN where the claim has its own transaction."""
     if not set(handlers) <= set(limits):
         return None
     params: dict[str, Any] = {

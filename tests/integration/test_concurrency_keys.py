@@ -671,7 +671,12 @@ def _rows_read_by(fn: Any) -> int:
     strict=True, reason="documented (flow-control.md, Cost): a hot key's backlog is walked"
 )
 def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None:
-    """Every claim, on every worker, walks the whole backlog of a hot key at its limit.
+    """The walk reads the whole backlog of a hot key at its limit, on every claim.
+
+    The walk is the keyed claim of a worker that also serves an unlimited
+    handler (``HANDLERS`` has ``noop``), and MySQL's and SQLite's; on
+    PostgreSQL a worker of limited handlers only finds keys by index
+    instead (test_key_heads.py).
 
     20,000 pending rows of one key (limit 1, one of them claimed), one row
     of another key behind them. The candidates' key filter runs per row in

@@ -20,8 +20,8 @@ from django.test.utils import CaptureQueriesContext
 from django_dbworker.db import operations
 from django_dbworker.db.postgresql_keyed_sql import KEYS_WALKED, heads_statement
 from django_dbworker.models import Status, WorkItem
-from tests.factories import claim
-from tests.testapp.workers import Keyed, KeyedPair
+from tests.factories import auto_explained, claim
+from tests.testapp.workers import Keyed, KeyedPair, Noop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -129,3 +129,20 @@ def test_many_keys_fall_back_to_the_walk_and_it_is_remembered() -> None:
     with CaptureQueriesContext(connection) as second:
         assert len(heads_claim(limit=20)) == 20
     assert not any("WITH RECURSIVE keys" in q["sql"] for q in second.captured_queries)
+
+
+def test_the_loose_scan_keeps_its_indexes_when_the_statistics_knew_no_keyed_row() -> None:
+    """ANALYZE while the table held unkeyed rows only, then 100 keys' rows: the planner took
+    each step of the recursion for a seq scan of a tiny table (220 ms a claim of 100 keys,
+    bench/claim_cost.py's first run). HEADS_PLAN keeps it on the index."""
+    Noop.enqueue_many([{}] * 2000)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_workitem")
+    WorkItem.objects.all().delete()
+    with transaction.atomic():
+        for n in range(3000):
+            Keyed.enqueue({"key": n}, concurrency_key=f"k{n % 100}")
+    got, plans = auto_explained(lambda: heads_claim(limit=500))
+    assert len(got) == 100
+    scans = [p for p in plans if "Seq Scan on django_dbworker_workitem" in p]
+    assert not scans, scans[0][:3000]
