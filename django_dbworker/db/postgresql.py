@@ -1,14 +1,13 @@
 """PostgreSQL: the operations that run its statements (``postgresql_sql.py``).
 
-One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes,
-inserts that carry their own NOTIFY or, with WAKEUP_WINDOW, send it after
-the commit (``wake_window.py``; a large batch goes in by COPY), LISTEN
-wake-ups (``postgresql_listen.py``) and planner estimates. The claims and the success writes bind
-their array parameters on the server, on a psycopg cursor that Django
-wraps as its own; the enqueue statements do where the connection allows
-prepared statements. This module writes no SQL: every text it runs is a
-named statement of ``postgresql_sql.py``. Nothing outside the db package
-imports it (``operations()`` is the way in).
+One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes, inserts that
+carry their own NOTIFY or, with WAKEUP_WINDOW, send it after the commit (``wake_window.py``;
+a large batch goes in by COPY), LISTEN wake-ups (``postgresql_listen.py``) and planner
+estimates. The claims and the success writes bind their array parameters on the server, on
+a psycopg cursor that Django wraps as its own; the enqueue statements do where the
+connection allows prepared statements. This module writes no SQL: every text it runs is a
+named statement of ``postgresql_sql.py`` (the keyed claim's: ``postgresql_keyed_sql.py``).
+Nothing outside the db package imports it (``operations()`` is the way in).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from django_dbworker.db.postgresql_keyed_sql import (
     HEADS_PLAN,
     READ_COMMITTED,
     TRANSACTION_ISOLATION,
+    WALK_FOR,
     candidates_statement,
     heads_statement,
 )
@@ -75,10 +75,6 @@ COPY_THRESHOLD = 100
 
 #: Rows per chunk of COPY data.
 COPY_CHUNK = 1000
-
-#: Seconds the keyed claim walks the rows, without trying the key-driven statement, after
-#: it found more keys than KEYS_WALKED (``_claim_heads``).
-WALK_FOR = 10.0
 
 #: The type whose loader Django sets to its time zone (``create_cursor``).
 TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
@@ -136,17 +132,12 @@ class PostgresOperations(PostgresEstimates):
         limits: Mapping[str, int],
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys (``postgresql_keyed_sql``)."""
-        sql, params = candidates_statement(
-            limit=limit, handlers=handlers, queues=queues, limits=limits
-        )
         connection = self.connection
         own = not connection.in_atomic_block
-        # The slot count must see the claims committed by the key's previous
-        # lock holder: REPEATABLE READ or SERIALIZABLE (the connection's
-        # OPTIONS, the server's default) would count in the first snapshot and
-        # over-claim. In autocommit the level rides on psycopg's BEGIN.
-        # Inside a caller's transaction (run_until_empty in a test) no
-        # savepoint, as the one-statement claim has none.
+        # The slot count must see the claims committed by the key's previous lock holder:
+        # REPEATABLE READ or SERIALIZABLE (the connection's OPTIONS, the server's default)
+        # would count in the first snapshot and over-claim. In autocommit the level rides on
+        # psycopg's BEGIN. In a caller's transaction no savepoint, as the plain claim has none.
         level_on_begin = own and connection.get_autocommit()
         with (
             self._read_committed_transaction()
@@ -158,11 +149,7 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._claim_heads(
-                limit=limit, handlers=handlers, queues=queues, limits=limits, pin_plan=own
-            )
-            if found is None:
-                found = self._fetch_bound(sql, params)
+            found = self._candidates(limit, handlers, queues, limits, own=own)
             if not found:
                 return Claimed()
             # Each row carries how many rows the statement locked (some held back by keys).
@@ -181,35 +168,31 @@ class PostgresOperations(PostgresEstimates):
             )
         return Claimed(self._rows_to_items(rows), throttled=locked - len(rows))
 
-    def _claim_heads(
+    def _candidates(
         self,
-        *,
         limit: int,
         handlers: Sequence[str],
         queues: Sequence[str] | None,
         limits: Mapping[str, int],
-        pin_plan: bool,
-    ) -> list[tuple[Any, ...]] | None:
-        """The key-driven candidates (``postgresql_keyed_sql.CLAIM_HEADS``), or None: walk.
-
-        None when a handler of the claim is unlimited, and for WALK_FOR seconds after the
-        statement found more than KEYS_WALKED pending keys (with that many keys the walk
-        is the cheaper read, and the loose scan that found out cost up to KEYS_WALKED
-        descents).
-        """
-        statement = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
-        if statement is None or time.monotonic() < self._walk_keys_until:
-            return None
-        sql, params = statement
-        found = (
-            self._fetch_last(HEADS_PLAN.sql + sql, params)
-            if pin_plan
-            else self._fetch_bound(sql, params)
-        )
-        if found and found[-1][0] is None:
+        *,
+        own: bool,
+    ) -> list[tuple[Any, ...]]:
+        """The keyed claim's candidates, locked: the free keys' heads (every handler limited;
+        HEADS_PLAN first in the claim's own transaction), else or past KEYS_WALKED pending
+        keys the walk, which then goes on for WALK_FOR seconds without trying the heads."""
+        heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+        if heads is not None and time.monotonic() >= self._walk_keys_until:
+            sql, params = heads
+            found = (
+                self._fetch_last(HEADS_PLAN.sql + sql, params)
+                if own
+                else self._fetch_bound(sql, params)
+            )
+            if not found or found[-1][0] is not None:
+                return found
             self._walk_keys_until = time.monotonic() + WALK_FOR
-            return None
-        return found
+        walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+        return self._fetch_bound(*walk)
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server

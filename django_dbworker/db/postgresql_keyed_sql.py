@@ -197,6 +197,8 @@ def candidates_statement(
 # KEYS_WALKED keys the statement stops, locks nothing and answers one row of NULLs, and the
 # caller walks instead (``PostgresOperations._claim_keyed``).
 KEYS_WALKED = 1000
+#: Seconds a worker walks, without trying the heads, after they found more keys than that.
+WALK_FOR = 10.0
 
 _HEADS = f"""
 WITH RECURSIVE keys AS (

@@ -468,3 +468,177 @@ WHERE w.id = ANY(%(ids)s::bigint[])
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents;
+
+-- name: heads_plan
+-- Plan the key-driven candidates on their indexes, never a seq scan (its transaction only).
+SET LOCAL enable_seqscan = off;;
+
+-- name: claim_heads
+-- Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.
+WITH RECURSIVE keys AS (
+    SELECT f.handler, f.concurrency_key, 1 AS n
+    FROM unnest(%(limited)s::text[]) AS lh(handler)
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL AND k.handler = lh.handler
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS f
+    UNION ALL
+    SELECT nx.handler, nx.concurrency_key, keys.n + 1
+    FROM keys
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL
+          AND k.handler = keys.handler AND k.concurrency_key > keys.concurrency_key
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS nx
+    WHERE keys.n <= 1000
+), walked AS (
+    SELECT count(*) > 1000 AS over FROM keys
+), held AS (
+    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = h.handler
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND h.handler = ANY(%(limited)s::text[])
+    GROUP BY h.handler, h.concurrency_key
+    HAVING count(*) >= min(l.lim)
+), heads AS (
+    SELECT hd.id, hd.priority, hd.run_after
+    FROM keys
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = keys.handler
+    CROSS JOIN LATERAL (
+        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
+          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT l.lim
+    ) AS hd
+    WHERE NOT (SELECT over FROM walked)
+      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
+    UNION ALL
+    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+       AND p.run_after <= statement_timestamp()
+       AND p.handler = ANY(%(handlers)s::text[])
+       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+       AND NOT (SELECT over FROM walked)
+     ORDER BY p.priority DESC, p.run_after, p.id
+     LIMIT %(limit)s)
+), c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.id IN (
+        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
+        LIMIT %(limit)s)
+      AND p.status = 'pending'
+    ORDER BY p.priority DESC, p.run_after, p.id
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+ FROM c
+ WHERE (SELECT count(*) FROM locks) >= 0
+ ORDER BY c.priority DESC, c.run_after, c.id)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked);
+
+-- name: claim_heads_in_queues
+-- Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.
+WITH RECURSIVE keys AS (
+    SELECT f.handler, f.concurrency_key, 1 AS n
+    FROM unnest(%(limited)s::text[]) AS lh(handler)
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL AND k.handler = lh.handler
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS f
+    UNION ALL
+    SELECT nx.handler, nx.concurrency_key, keys.n + 1
+    FROM keys
+    CROSS JOIN LATERAL (
+        SELECT k.handler, k.concurrency_key FROM django_dbworker_workitem AS k
+        WHERE k.status = 'pending' AND k.concurrency_key IS NOT NULL
+          AND k.handler = keys.handler AND k.concurrency_key > keys.concurrency_key
+        ORDER BY k.concurrency_key
+        LIMIT 1
+    ) AS nx
+    WHERE keys.n <= 1000
+), walked AS (
+    SELECT count(*) > 1000 AS over FROM keys
+), held AS (
+    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = h.handler
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND h.handler = ANY(%(limited)s::text[])
+    GROUP BY h.handler, h.concurrency_key
+    HAVING count(*) >= min(l.lim)
+), heads AS (
+    SELECT hd.id, hd.priority, hd.run_after
+    FROM keys
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = keys.handler
+    CROSS JOIN LATERAL (
+        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
+          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT l.lim
+    ) AS hd
+    WHERE NOT (SELECT over FROM walked)
+      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
+    UNION ALL
+    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+       AND p.run_after <= statement_timestamp()
+       AND p.handler = ANY(%(handlers)s::text[])
+       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
+       AND NOT (SELECT over FROM walked)
+     ORDER BY p.priority DESC, p.run_after, p.id
+     LIMIT %(limit)s)
+), c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.id IN (
+        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
+        LIMIT %(limit)s)
+      AND p.status = 'pending'
+    ORDER BY p.priority DESC, p.run_after, p.id
+    FOR UPDATE OF p SKIP LOCKED
+), locks AS (
+    SELECT pg_advisory_xact_lock(1684109163, k.lock)
+    FROM (
+        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
+        FROM c
+        WHERE c.concurrency_key IS NOT NULL
+        ORDER BY 1
+    ) AS k
+    ORDER BY k.lock
+)
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+ FROM c
+ WHERE (SELECT count(*) FROM locks) >= 0
+ ORDER BY c.priority DESC, c.run_after, c.id)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked);

@@ -1,0 +1,287 @@
+"""Attacks on the key-driven keyed claim (``postgresql_keyed_sql.CLAIM_HEADS``, migration 0008).
+
+The heads statement cuts its candidates to the claim's LIMIT *before* it locks them with
+SKIP LOCKED (``c``: ``p.id IN (SELECT ... LIMIT n) ... FOR UPDATE SKIP LOCKED``), where the
+walk and the plain claim lock first and count only the rows they got. A claimer beside
+another claim in flight therefore picks the very rows the other holds, skips them all, and
+answers fewer rows than it asked for (with ``throttled`` 0): the claim loop reads that as
+"seen everything" (``claim_loop._ran_dry``) although the next rows are claimable.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_dbworker import pause_queue
+from django_dbworker.db import operations
+from django_dbworker.db.postgresql_keyed_sql import (
+    KEYS_WALKED,
+    candidates_statement,
+    heads_statement,
+)
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
+from django_dbworker.worker import Worker
+from tests.factories import claim, worker_config
+from tests.testapp.workers import Keyed, KeyedPair, Noop
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+
+LIMITED = ["keyed", "keyed_pair"]  # every handler limited: the heads
+MIXED = ["keyed", "keyed_pair", "noop"]  # an unlimited handler too: the walk
+LIMITS = {"keyed": 1, "keyed_pair": 2}
+
+
+@pytest.fixture(autouse=True)
+def _heads_every_time() -> Any:
+    """Each test starts without the walk's memory of many keys (one ops per alias)."""
+    ops = operations()
+    ops.__dict__.pop("_walk_keys_until", None)
+    yield
+    ops.__dict__.pop("_walk_keys_until", None)
+
+
+def limited_claim(handlers: list[str], limit: int, worker: str = "t:1", **kw: Any) -> Any:
+    return claim(limit=limit, handlers=handlers, worker=worker, limited=True, **kw)
+
+
+def rows_read(plan: dict[str, Any]) -> int:
+    """Rows that the plan's scans of the work table produced or filtered out, all loops."""
+    read = 0
+    if plan.get("Relation Name") == "django_dbworker_workitem":
+        loops = int(plan.get("Actual Loops", 1))
+        read += int(plan.get("Actual Rows", 0)) * loops
+        read += int(plan.get("Rows Removed by Filter", 0))
+    return read + sum(rows_read(child) for child in plan.get("Plans", []))
+
+
+def explained_rows(sql: str, params: dict[str, Any]) -> int:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        (plan,) = cursor.fetchone()
+        transaction.set_rollback(True)  # EXPLAIN ANALYZE locked the candidates
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    return rows_read(plan[0]["Plan"])
+
+
+class HeldClaim:
+    """A claim made in a transaction of its own thread, kept open (a claim in flight)."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.run = run
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.out: list[Any] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._body, daemon=True)
+
+    def _body(self) -> None:
+        try:
+            with transaction.atomic():
+                self.out.append(self.run())
+                self.started.set()
+                assert self.release.wait(30)
+                transaction.set_rollback(True)  # the rows go back to pending
+        except Exception as exc:  # pragma: no cover - reported by the test
+            self.errors.append(repr(exc))
+            self.started.set()
+        finally:
+            connections.close_all()
+
+    def __enter__(self) -> HeldClaim:
+        self.thread.start()
+        assert self.started.wait(30), "the held claim did not start"
+        assert not self.errors, self.errors
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+# -- a claim beside a claim in flight ----------------------------------------------------
+
+
+@pytest.mark.parametrize("handlers", [MIXED, LIMITED], ids=["walk", "heads"])
+def test_a_claim_beside_a_claim_in_flight_takes_the_next_keys(handlers: list[str]) -> None:
+    """Six keys of one row each; a claim of 3 is in flight (rows of A, B, C locked, not yet
+    committed). A second claimer of 3 must take D, E, F: they are claimable, and "keys of
+    other items flow freely". The walk does; the heads answer nothing (and throttled 0, so
+    the claim loop believes the queue empty and sleeps)."""
+    rows = [Keyed.enqueue({"key": k}, concurrency_key=k) for k in "ABCDEF"]
+    with HeldClaim(lambda: limited_claim(handlers, 3, worker="first")) as first:
+        assert sorted(i.pk for i in first.out[0]) == [r.pk for r in rows[:3]]
+        got = limited_claim(handlers, 3, worker="second")
+        taken = sorted(i.pk for i in got)
+        throttled = getattr(got, "throttled", 0)
+    assert taken == [r.pk for r in rows[3:]], (
+        f"second claim of 3 beside a claim in flight took {taken} (throttled {throttled}); "
+        f"claimable: {[r.pk for r in rows[3:]]}"
+    )
+
+
+@pytest.mark.parametrize("handlers", [MIXED, LIMITED], ids=["walk", "heads"])
+def test_unkeyed_rows_beside_a_claim_in_flight(handlers: list[str]) -> None:
+    """The same with rows without a key of a limited handler (the heads' unkeyed branch)."""
+    rows = [Keyed.enqueue({"key": "-"}) for _ in range(8)]
+    with HeldClaim(lambda: limited_claim(handlers, 4, worker="first")):
+        got = limited_claim(handlers, 4, worker="second")
+        taken = sorted(i.pk for i in got)
+    assert taken == [r.pk for r in rows[4:]], taken
+
+
+@pytest.mark.parametrize("handlers", [MIXED, LIMITED], ids=["walk", "heads"])
+def test_a_burst_worker_beside_a_claim_in_flight_runs_the_rows_it_can_claim(
+    handlers: list[str],
+) -> None:
+    """20 rows without a key of a limited handler; another claimer holds the first 10 in
+    a claim in flight. A burst worker ("process until nothing is claimable") must run the
+    other 10. On the heads path its claim picks the held rows, skips them, comes back
+    empty and not throttled: the worker exits at once, leaving 10 claimable rows."""
+    for n in range(20):
+        Keyed.enqueue({"key": "-", "n": n})
+    worker = Worker(
+        [registry[n] for n in handlers], worker_config(burst=True, concurrency=2, batch_size=4)
+    )
+    with HeldClaim(lambda: limited_claim(handlers, 10, worker="holder")):
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        thread.join(30)
+        if thread.is_alive():
+            worker.stop(immediate=True)
+            thread.join(10)
+            pytest.fail("the burst worker did not finish")
+        ran = WorkItem.objects.filter(status=Status.SUCCEEDED).count()
+    assert ran == 10, f"the burst worker ran {ran} of the 10 rows it could claim, then exited"
+
+
+# -- what a claim reads ------------------------------------------------------------------
+
+
+def _fill(cls: Any, n: int, **kw: Any) -> None:
+    with transaction.atomic():
+        for start in range(0, n, 1000):
+            cls.enqueue_many([{"key": "b"}] * min(1000, n - start), **kw)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_workitem")
+
+
+def _reads(handlers: list[str], queues: list[str] | None, limit: int = 4) -> tuple[int, int]:
+    limits = {h: LIMITS[h] for h in handlers if h in LIMITS}
+    heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+    assert heads is not None
+    walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+    return explained_rows(*heads), explained_rows(*walk)
+
+
+BACKLOG = 5000
+
+
+def test_a_free_keys_backlog_in_another_queue_is_not_read_by_a_queue_worker() -> None:
+    """A worker of queue q2; a key with BACKLOG rows in q1 (not at its limit: q1 has no
+    worker now). The walk of q2 reads q2's index only; the heads descend into the key and
+    filter its whole q1 backlog out, every claim."""
+    _fill(Keyed, BACKLOG, concurrency_key="hot", queue="q1")
+    mine = Keyed.enqueue({"key": "x"}, concurrency_key="x", queue="q2")
+    heads, walk = _reads(["keyed"], ["q2"])
+    assert walk < 100
+    assert heads < 100, f"heads read {heads} rows for a claim of queue q2 (walk: {walk})"
+    assert [i.pk for i in limited_claim(["keyed"], 4, queues=["q2"])] == [mine.pk]
+
+
+def test_a_paused_queues_key_does_not_hide_the_rows_behind_it() -> None:
+    """A free key whose rows all sit in a paused queue offers no head; the rows behind
+    it are claimed (the heads read the paused backlog, as the walk does: not asserted)."""
+    _fill(Keyed, 500, concurrency_key="hot", queue="q1")
+    pause_queue("q1")
+    mine = Keyed.enqueue({"key": "x"}, concurrency_key="x", queue="q2")
+    assert [i.pk for i in limited_claim(["keyed"], 4)] == [mine.pk]
+
+
+def test_other_queues_unkeyed_rows_are_not_read_by_a_queue_worker() -> None:
+    _fill(Keyed, BACKLOG, queue="q1")
+    mine = Keyed.enqueue({"key": "x"}, queue="q2")
+    heads, walk = _reads(["keyed"], ["q2"])
+    assert walk < 100
+    assert heads < 100, f"heads read {heads} rows for a claim of queue q2 (walk: {walk})"
+    assert [i.pk for i in limited_claim(["keyed"], 4, queues=["q2"])] == [mine.pk]
+
+
+def auto_explained_json(run: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """What ``run`` returned, and the analyzed plans (JSON) of the statements it ran, as the
+    server ran them (auto_explain, a contrib module, with log_analyze)."""
+    connection.ensure_connection()
+    raw = connection.connection
+    notices: list[str] = []
+
+    def collect(diagnostic: Any) -> None:
+        notices.append(diagnostic.message_primary or "")
+
+    settings = {
+        "auto_explain.log_min_duration": "0",
+        "auto_explain.log_analyze": "on",
+        "auto_explain.log_format": "json",
+        "auto_explain.log_level": "notice",
+    }
+    with connection.cursor() as cursor:
+        cursor.execute("LOAD 'auto_explain'")
+        for name, value in settings.items():
+            cursor.execute(f"SET {name} = {value}")
+    raw.add_notice_handler(collect)
+    try:
+        result = run()
+    finally:
+        raw.remove_notice_handler(collect)
+        with connection.cursor() as cursor:
+            for name in settings:
+                cursor.execute(f"RESET {name}")
+    plans = [json.loads(n[n.index("{") :]) for n in notices if "{" in n]
+    return result, plans
+
+
+def heads_rows_read(run: Callable[[], Any]) -> tuple[Any, int]:
+    result, plans = auto_explained_json(run)
+    heads = [p for p in plans if "WITH RECURSIVE keys" in p.get("Query Text", "")]
+    assert len(heads) == 1, [p.get("Query Text", "")[:80] for p in plans]
+    return result, rows_read(heads[0]["Plan"])
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["callers_transaction", "own_transaction"])
+def test_a_hot_keys_backlog_is_not_read_by_the_claim_a_worker_runs(inside: bool) -> None:
+    """test_key_heads.py's hot key, measured on the statement as the claim runs it, not as a
+    bare EXPLAIN: BACKLOG pending rows of one key at its limit, one row of another key.
+
+    A worker's claim has its own transaction, where HEADS_PLAN sets enable_seqscan off.
+    The disabled seq scan (of django_dbworker_queuestate, which the heads read) adds
+    1e10 to the cost of every plan, so the planner no longer sees the cost of reading
+    the table and orders ``c`` by a full scan of dbworker_claim_idx (a semi join with
+    the candidates' ids): every pending row of the table is read, every claim (a claim
+    behind 20,000 rows measured 1.45 s against 17.6 ms for the walk and 4 ms for the
+    same statement inside a caller's transaction)."""
+    with transaction.atomic():
+        for _ in range(BACKLOG // 1000):
+            Keyed.enqueue_many([{"key": "hot"}] * 1000, concurrency_key="hot")
+    assert len(limited_claim(LIMITED, 1)) == 1  # the hot key is at its limit
+    other = Keyed.enqueue({"key": "other"}, concurrency_key="other")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_dbworker_workitem")
+
+    def run() -> Any:
+        if inside:
+            with transaction.atomic():
+                return limited_claim(LIMITED, 4)
+        return limited_claim(LIMITED, 4)
+
+    got, read = heads_rows_read(run)
+    assert [i.pk for i in got] == [other.pk]
+    assert read < 100, f"the heads statement read {read} rows behind a hot key of {BACKLOG}"
