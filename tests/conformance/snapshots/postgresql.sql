@@ -470,8 +470,9 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
           w.has_dependents;
 
 -- name: heads_plan
--- Plan the key-driven candidates on their indexes, never a seq scan (its transaction only).
-SET LOCAL enable_seqscan = off;;
+-- Plan the key-driven candidates on their indexes, and compile nothing (its transaction).
+SET LOCAL enable_seqscan = off;
+SET LOCAL jit = off;;
 
 -- name: claim_heads
 -- Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.
@@ -534,9 +535,9 @@ WITH RECURSIVE keys AS (
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
-    WHERE p.id IN (
+    WHERE p.id = ANY(ARRAY(
         SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
-        LIMIT %(limit)s)
+        LIMIT %(limit)s))
       AND p.status = 'pending'
     ORDER BY p.priority DESC, p.run_after, p.id
     FOR UPDATE OF p SKIP LOCKED
@@ -620,9 +621,9 @@ WITH RECURSIVE keys AS (
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
-    WHERE p.id IN (
+    WHERE p.id = ANY(ARRAY(
         SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
-        LIMIT %(limit)s)
+        LIMIT %(limit)s))
       AND p.status = 'pending'
     ORDER BY p.priority DESC, p.run_after, p.id
     FOR UPDATE OF p SKIP LOCKED
