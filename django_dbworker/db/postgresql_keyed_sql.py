@@ -186,12 +186,14 @@ def candidates_statement(
 # backlog of 20,000 rows is read by every claim while its slot is held (17.7 ms a claim,
 # linear in the backlog; bench/claim_cost.py). Here each pending key is found in one descent
 # of dbworker_key_pending_idx (pending keyed rows by handler and key, in claim order within a
-# key: migration 0008), a key at its limit is dropped by name, and a free key offers its first
-# ready rows up to its limit (its head, one more descent). The heads in claim order, merged
-# with the handlers' rows without a key (dbworker_claim_unkeyed_idx), are the candidates, and
-# only they are locked: the claim order is the walk's, but a key's later rows neither cost a
-# read nor take the places of the rows behind them. A claim that returns fewer rows than it
-# asked for has seen everything claimable, so the claim loop sleeps instead of claiming again.
+# key: migration 0008), and a key offers its first ready rows up to its free slots (its head,
+# one more descent; a key at its limit offers none). The heads, with the handlers' rows without
+# a key (dbworker_claim_unkeyed_idx, locked as they are read), are locked in claim order up to
+# the claim's limit, skipping rows another claim holds (SKIP LOCKED below the LIMIT, as in the
+# walk: a claim beside a claim in flight takes the next rows, not none). The claim order is
+# the walk's, but a key's later rows neither cost a read nor take the places of the rows
+# behind them; a claim that returns fewer rows than it asked for has seen everything
+# claimable, so the claim loop sleeps instead of claiming again.
 #
 # The loose scan costs one descent per pending key, the walk one row per ready row: past
 # KEYS_WALKED keys the statement stops, locks nothing and answers one row of NULLs, and the
@@ -224,47 +226,47 @@ WITH RECURSIVE keys AS (
 ), walked AS (
     SELECT count(*) > {KEYS_WALKED} AS over FROM keys
 ), held AS (
-    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-      ON l.handler = h.handler
+    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-    HAVING count(*) >= min(l.lim)
+), unkeyed AS (
+    SELECT p.id FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
+      AND NOT (SELECT over FROM walked)
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
-    SELECT hd.id, hd.priority, hd.run_after
+    SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT l.lim
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
     UNION ALL
-    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
-     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-       AND p.run_after <= statement_timestamp()
-       AND p.handler = ANY(%(handlers)s::text[])
-       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
-       AND NOT (SELECT over FROM walked)
-     ORDER BY p.priority DESC, p.run_after, p.id
-     LIMIT %(limit)s)
+    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
-    WHERE p.id = ANY(ARRAY(
-        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
-        LIMIT %(limit)s))
+    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
       AND p.status = 'pending'
     ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
 ), locks AS (
     SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)

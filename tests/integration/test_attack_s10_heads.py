@@ -1,11 +1,23 @@
 """Attacks on the key-driven keyed claim (``postgresql_keyed_sql.CLAIM_HEADS``, migration 0008).
 
-The heads statement cuts its candidates to the claim's LIMIT *before* it locks them with
-SKIP LOCKED (``c``: ``p.id IN (SELECT ... LIMIT n) ... FOR UPDATE SKIP LOCKED``), where the
-walk and the plain claim lock first and count only the rows they got. A claimer beside
-another claim in flight therefore picks the very rows the other holds, skips them all, and
-answers fewer rows than it asked for (with ``throttled`` 0): the claim loop reads that as
-"seen everything" (``claim_loop._ran_dry``) although the next rows are claimable.
+1. The heads statement cuts its candidates to the claim's LIMIT *before* it locks them with
+   SKIP LOCKED (``c``: ``p.id IN (SELECT ... LIMIT n) ... FOR UPDATE SKIP LOCKED``), where the
+   walk and the plain claim lock first and count only the rows they got. A claimer beside
+   another claim in flight picks the very rows the other holds, skips them all, and answers
+   fewer rows than it asked for (``throttled`` 0): the claim loop reads that as "seen
+   everything" (``claim_loop._ran_dry``) although the next rows are claimable; a burst
+   worker exits with them pending.
+2. HEADS_PLAN (``SET LOCAL enable_seqscan = off``, the claim's own transaction: every
+   worker) cannot remove the seq scans of django_dbworker_queuestate; they stay, costed at
+   1e10 each. The plan's cost (~2e10) then (a) hides every real cost difference under the
+   planner's fuzz factor: ``c`` became a full ordered scan of dbworker_claim_idx, every
+   pending row read per claim; and (b) passes every jit_*_above_cost: each claim is
+   JIT-compiled with LLVM (~0.6 s a claim on a ten-row queue).
+
+Both failed on 536b7e6 (5 tests). Fixed: ``c`` locks the heads of every free key in claim
+order with SKIP LOCKED below the LIMIT (and the unkeyed rows as they are read), and
+HEADS_PLAN turns JIT off with the seq scans, the candidates locked by primary key from an
+array. Every test here is now a regression test.
 """
 
 from __future__ import annotations
@@ -285,3 +297,154 @@ def test_a_hot_keys_backlog_is_not_read_by_the_claim_a_worker_runs(inside: bool)
     got, read = heads_rows_read(run)
     assert [i.pk for i in got] == [other.pk]
     assert read < 100, f"the heads statement read {read} rows behind a hot key of {BACKLOG}"
+
+
+def test_a_workers_claim_of_a_few_rows_is_not_jit_compiled() -> None:
+    """HEADS_PLAN's ``enable_seqscan = off`` cannot take the seq scan of
+    django_dbworker_queuestate (no index answers ``WHERE paused``) out of the plan: it stays,
+    costed at 1e10, twice. The heads statement's estimated cost is then ~2e10, far past
+    jit_above_cost / jit_inline_above_cost / jit_optimize_above_cost, so with PostgreSQL's
+    default ``jit = on`` every claim of a worker (own transaction) compiles the statement
+    with LLVM: about 0.6 s a claim of a queue of ten rows (3.9 ms with jit off)."""
+    for n in range(10):
+        Keyed.enqueue({"key": n}, concurrency_key=f"k{n}")
+    got, plans = auto_explained_json(lambda: limited_claim(LIMITED, 4))
+    assert len(got) == 4
+    (heads,) = [p for p in plans if "WITH RECURSIVE keys" in p.get("Query Text", "")]
+    cost = heads["Plan"].get("Total Cost")
+    jit = heads.get("JIT", {}).get("Timing", {}).get("Total")
+    assert jit is None, (
+        f"the heads statement was JIT-compiled: {jit} ms of {heads['Plan']['Actual Total Time']}"
+        f" ms (estimated cost {cost})"
+    )
+
+
+# -- regression tests that held -----------------------------------------------------------
+
+
+def test_racing_heads_and_walk_claimers_never_exceed_a_keys_limit() -> None:
+    """Two heads claimers and a walk claimer on their own connections, the same keys of
+    limits 1 and 2, while a fourth thread frees slots (succeeds held rows); many rounds.
+    At the end of each round no key holds more claimed rows than its limit."""
+    rnd = random.Random(10)
+    keys = ["r0", "r1", "r2"]
+    with transaction.atomic():
+        for key in keys:
+            Keyed.enqueue_many([{"key": key}] * 40, concurrency_key=key)
+            KeyedPair.enqueue_many([{"n": 0}] * 40, concurrency_key=key)
+        Noop.enqueue_many([{}] * 10)
+    limits = {"keyed": 1, "keyed_pair": 2}
+    for r in range(12):
+        held = list(WorkItem.objects.filter(status=Status.CLAIMED))
+        freeing = rnd.sample(held, k=rnd.randint(0, len(held)))
+        barrier = threading.Barrier(4)
+        errors: list[str] = []
+
+        def run(
+            job: Callable[[], Any],
+            barrier: threading.Barrier = barrier,
+            errors: list[str] = errors,
+        ) -> None:
+            try:
+                connection.ensure_connection()
+                barrier.wait(10)
+                job()
+            except Exception as exc:
+                errors.append(repr(exc))
+            finally:
+                connections.close_all()
+
+        def free(rows: list[WorkItem] = freeing) -> None:
+            for row in rows:
+                operations().succeed_many([(row.pk, row.claim_token, None)])
+
+        jobs = [
+            lambda r=r: limited_claim(LIMITED, rnd.randint(1, 5), worker=f"h1:{r}"),
+            lambda r=r: limited_claim(LIMITED, rnd.randint(1, 5), worker=f"h2:{r}"),
+            lambda r=r: limited_claim(MIXED, rnd.randint(1, 5), worker=f"w:{r}"),
+            free,
+        ]
+        threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+        counts = Counter(
+            WorkItem.objects.filter(
+                status=Status.CLAIMED, concurrency_key__isnull=False
+            ).values_list("handler", "concurrency_key")
+        )
+        over = {hk: n for hk, n in counts.items() if n > limits[hk[0]]}
+        assert not over, f"round {r}: keys over their limit {over}"
+
+
+def _texts(run: Callable[[], Any]) -> tuple[Any, list[str]]:
+    with CaptureQueriesContext(connection) as queries:
+        result = run()
+    return result, [q["sql"] for q in queries.captured_queries]
+
+
+def _walked(texts: list[str]) -> bool:
+    return any("r.rank <= l.lim" in t for t in texts)
+
+
+@pytest.mark.parametrize(
+    ("spread", "walks"),
+    [
+        ((KEYS_WALKED, 0), False),
+        ((KEYS_WALKED + 1, 0), True),
+        ((KEYS_WALKED // 2, KEYS_WALKED // 2 + 1), True),
+    ],
+    ids=["exactly", "one_more", "two_handlers"],
+)
+def test_the_fallback_at_keys_walked(spread: tuple[int, int], walks: bool) -> None:
+    """KEYS_WALKED pending keys: the heads; one more (also over two handlers): the walk.
+    Either way the claim takes the first keys' rows in claim order, one a key of limit 1
+    (the second row of each key is behind every key's first)."""
+    keyed, pair = spread
+    with transaction.atomic():
+        for n in range(keyed):
+            Keyed.enqueue({"n": n}, concurrency_key=f"k{n:05}", priority=1)
+        for n in range(pair):
+            KeyedPair.enqueue({"n": n}, concurrency_key=f"p{n:05}")
+        Keyed.enqueue_many([{"n": -1}] * 3, concurrency_key="k00000")
+    first = sorted(WorkItem.objects.filter(status=Status.PENDING).values_list("id", flat=True))
+    got, texts = _texts(lambda: limited_claim(LIMITED, 12))
+    assert _walked(texts) is walks
+    assert sorted(i.pk for i in got) == first[:12]
+    assert getattr(got, "throttled", 0) == 0
+
+
+def test_odd_keys_are_distinct_keys_on_the_heads_path() -> None:
+    """Keys compare byte for byte: case, accents, spaces, quotes, 200 characters."""
+    odd = [
+        "a",
+        "A",
+        "Ä",
+        "A ",
+        " A",
+        "a\u0308",
+        "ä",
+        "'",
+        "%",
+        "_",
+        "\\",
+        "x" * 200,
+        "x" * 199,
+        "日本",
+        "k:1",
+        "k",
+        "k:",
+        "ß",
+        "ss",
+        "\t",
+    ]
+    rows = {}
+    for key in odd:
+        rows[key] = [Keyed.enqueue({"key": key}, concurrency_key=key) for _ in range(2)]
+    got = limited_claim(LIMITED, 50)
+    assert sorted(i.pk for i in got) == sorted(r[0].pk for r in rows.values())
+    assert getattr(got, "throttled", 0) == 0
+    assert list(limited_claim(LIMITED, 50)) == []

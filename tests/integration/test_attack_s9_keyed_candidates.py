@@ -51,8 +51,8 @@ def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple
     """The ids the claim should take (claim order) and how many it should hold back.
 
     With every handler limited, PostgreSQL's claim takes the keys' heads
-    (``postgresql_keyed_sql.CLAIM_HEADS``): a free key offers its first rows up to its
-    limit, so a key's later rows take no place among the ``limit``; otherwise the walk's.
+    (``postgresql_keyed_sql.CLAIM_HEADS``): a key offers its first rows up to its free
+    slots, so a key's later rows take no place among the ``limit``; otherwise the walk's.
     """
     rows = WorkItem.objects.filter(
         status=Status.PENDING, handler__in=HANDLERS, run_after__lte=timezone.now()
@@ -82,7 +82,7 @@ def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple
         for r in ready:
             if r[2] is not None:
                 offered[(r[1], r[2])] += 1
-                if offered[(r[1], r[2])] > limits[r[1]]:
+                if offered[(r[1], r[2])] > limits[r[1]] - held[(r[1], r[2])]:
                     continue
             heads.append(r)
         ready = heads

@@ -499,47 +499,47 @@ WITH RECURSIVE keys AS (
 ), walked AS (
     SELECT count(*) > 1000 AS over FROM keys
 ), held AS (
-    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-      ON l.handler = h.handler
+    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-    HAVING count(*) >= min(l.lim)
+), unkeyed AS (
+    SELECT p.id FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+      AND NOT (SELECT over FROM walked)
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
-    SELECT hd.id, hd.priority, hd.run_after
+    SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT l.lim
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
     UNION ALL
-    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
-     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-       AND p.run_after <= statement_timestamp()
-       AND p.handler = ANY(%(handlers)s::text[])
-       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-       AND NOT (SELECT over FROM walked)
-     ORDER BY p.priority DESC, p.run_after, p.id
-     LIMIT %(limit)s)
+    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
-    WHERE p.id = ANY(ARRAY(
-        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
-        LIMIT %(limit)s))
+    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
       AND p.status = 'pending'
     ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
 ), locks AS (
     SELECT pg_advisory_xact_lock(1684109163, k.lock)
@@ -583,49 +583,49 @@ WITH RECURSIVE keys AS (
 ), walked AS (
     SELECT count(*) > 1000 AS over FROM keys
 ), held AS (
-    SELECT h.handler, h.concurrency_key FROM django_dbworker_workitem AS h
-    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-      ON l.handler = h.handler
+    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-    HAVING count(*) >= min(l.lim)
+), unkeyed AS (
+    SELECT p.id FROM django_dbworker_workitem AS p
+    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+      AND p.run_after <= statement_timestamp()
+      AND p.handler = ANY(%(handlers)s::text[])
+      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
+      AND NOT (SELECT over FROM walked)
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
-    SELECT hd.id, hd.priority, hd.run_after
+    SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
+        SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
           AND p.queue = ANY(%(queues)s::text[])
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT l.lim
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-      AND (keys.handler, keys.concurrency_key) NOT IN (SELECT * FROM held)
     UNION ALL
-    (SELECT p.id, p.priority, p.run_after FROM django_dbworker_workitem AS p
-     WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-       AND p.run_after <= statement_timestamp()
-       AND p.handler = ANY(%(handlers)s::text[])
-       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND p.queue = ANY(%(queues)s::text[])
-       AND NOT (SELECT over FROM walked)
-     ORDER BY p.priority DESC, p.run_after, p.id
-     LIMIT %(limit)s)
+    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
-    WHERE p.id = ANY(ARRAY(
-        SELECT heads.id FROM heads ORDER BY heads.priority DESC, heads.run_after, heads.id
-        LIMIT %(limit)s))
+    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
       AND p.status = 'pending'
     ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
 ), locks AS (
     SELECT pg_advisory_xact_lock(1684109163, k.lock)
