@@ -26,7 +26,20 @@ INDEXES = {
 def create(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":
         return
+    if "django_dbworker_workitem" not in schema_editor.connection.introspection.table_names():
+        return  # a database the routers keep the work table off
     for name, definition in INDEXES.items():
+        with schema_editor.connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT i.indisvalid FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
+                " WHERE c.relname = %s",
+                [name],
+            )
+            found = cursor.fetchone()
+        if found is not None and not found[0]:
+            # A concurrent build that failed (a migrate interrupted) leaves an invalid index
+            # that every write still maintains and no claim uses: build it anew.
+            schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
         schema_editor.execute(
             f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} "
             f"ON django_dbworker_workitem {definition}"
@@ -47,4 +60,7 @@ class Migration(migrations.Migration):
         ("django_dbworker", "0007_batches_and_dependencies"),
     ]
 
-    operations = [migrations.RunPython(create, drop, elidable=False)]
+    # The hint lets routers that decide by model route this as the work table's own.
+    operations = [
+        migrations.RunPython(create, drop, elidable=False, hints={"model_name": "workitem"})
+    ]
