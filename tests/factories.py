@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -21,6 +22,18 @@ def auto_explained(run: Callable[[], T]) -> tuple[T, list[str]]:
     """What ``run`` returned, and the plans of the statements it ran as the server chose
     them (PostgreSQL's auto_explain, a contrib module, reports each as a notice to this
     session; its settings are reset before the session is reused)."""
+    return _auto_explained(run, {})
+
+
+def auto_explained_json(run: Callable[[], T]) -> tuple[T, list[dict[str, Any]]]:
+    """``auto_explained`` with the plans analyzed (actual rows, loops, JIT), as JSON."""
+    result, notices = _auto_explained(
+        run, {"auto_explain.log_analyze": "on", "auto_explain.log_format": "json"}
+    )
+    return result, [json.loads(n[n.index("{") :]) for n in notices if "{" in n]
+
+
+def _auto_explained(run: Callable[[], T], extra: dict[str, str]) -> tuple[T, list[str]]:
     connection.ensure_connection()
     raw = connection.connection
     notices: list[str] = []
@@ -28,19 +41,34 @@ def auto_explained(run: Callable[[], T]) -> tuple[T, list[str]]:
     def collect(diagnostic: Any) -> None:
         notices.append(diagnostic.message_primary or "")
 
+    settings = {
+        "auto_explain.log_min_duration": "0",
+        "auto_explain.log_level": "notice",
+        **extra,
+    }
     with connection.cursor() as cursor:
         cursor.execute("LOAD 'auto_explain'")
-        cursor.execute("SET auto_explain.log_min_duration = 0")
-        cursor.execute("SET auto_explain.log_level = notice")
+        for name, value in settings.items():
+            cursor.execute(f"SET {name} = {value}")
     raw.add_notice_handler(collect)
     try:
         result = run()
     finally:
         raw.remove_notice_handler(collect)
         with connection.cursor() as cursor:
-            cursor.execute("RESET auto_explain.log_min_duration")
-            cursor.execute("RESET auto_explain.log_level")
+            for name in settings:
+                cursor.execute(f"RESET {name}")
     return result, notices
+
+
+def rows_read(plan: dict[str, Any]) -> int:
+    """Rows that a JSON plan's scans of the work table produced or filtered out, all loops."""
+    read = 0
+    if plan.get("Relation Name") == "django_dbworker_workitem":
+        loops = int(plan.get("Actual Loops", 1))
+        read += int(plan.get("Actual Rows", 0)) * loops
+        read += int(plan.get("Rows Removed by Filter", 0))
+    return read + sum(rows_read(child) for child in plan.get("Plans", []))
 
 
 def make_item(handler: str = "noop", **fields: Any) -> WorkItem:

@@ -54,14 +54,9 @@ WITH c AS (
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)"""
 
-# The locked rows a key's limit leaves out stay locked until the claim commits (no other
-# claimer takes them meanwhile); only what may fit goes back to the worker and into
-# CLAIM_WITHIN_LIMITS, with the count of rows locked (``locked``) in every row.
-_CANDIDATES_TAIL = f"""
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), locks AS (
+# The keys' advisory locks, in sorted order (no two claimers wait on each other), taken after
+# the candidates' row locks, before the slots are counted (both candidates statements).
+_KEY_LOCKS = f"""), locks AS (
     SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
@@ -70,7 +65,16 @@ _CANDIDATES_TAIL = f"""
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
-)
+)"""
+
+# The locked rows a key's limit leaves out stay locked until the claim commits (no other
+# claimer takes them meanwhile); only what may fit goes back to the worker and into
+# CLAIM_WITHIN_LIMITS, with the count of rows locked (``locked``) in every row.
+_CANDIDATES_TAIL = f"""
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+{_KEY_LOCKS}
 SELECT r.id, r.handler, r.concurrency_key, r.concurrency_limit, r.locked
 FROM (
     SELECT c.*,
@@ -268,16 +272,7 @@ WITH RECURSIVE keys AS (
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
-), locks AS (
-    SELECT pg_advisory_xact_lock({KEY_LOCK_SPACE}, k.lock)
-    FROM (
-        SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
-        FROM c
-        WHERE c.concurrency_key IS NOT NULL
-        ORDER BY 1
-    ) AS k
-    ORDER BY k.lock
-)
+{_KEY_LOCKS}
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0

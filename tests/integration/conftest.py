@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from django_dbworker.db import operations
 from django_dbworker.registry import registry
 from django_dbworker.worker import Worker
 from tests.conftest import wait_until
@@ -47,3 +48,13 @@ def gate() -> Iterator[None]:
     GATE.clear()
     yield
     GATE.set()
+
+
+@pytest.fixture
+def fresh_key_walk() -> Iterator[None]:
+    """The PostgreSQL keyed claim tries the heads again: no memory of many keys (the
+    operations object is one per alias, shared by every test of the process)."""
+    ops = operations()
+    ops.__dict__.pop("_walk_keys_until", None)
+    yield
+    ops.__dict__.pop("_walk_keys_until", None)

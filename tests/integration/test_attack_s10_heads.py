@@ -43,37 +43,22 @@ from django_dbworker.db.postgresql_keyed_sql import (
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.worker import Worker
-from tests.factories import claim, worker_config
+from tests.factories import auto_explained_json, claim, rows_read, worker_config
 from tests.testapp.workers import Keyed, KeyedPair, Noop
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.postgres_only,
+    pytest.mark.usefixtures("fresh_key_walk"),
+]
 
 LIMITED = ["keyed", "keyed_pair"]  # every handler limited: the heads
 MIXED = ["keyed", "keyed_pair", "noop"]  # an unlimited handler too: the walk
 LIMITS = {"keyed": 1, "keyed_pair": 2}
 
 
-@pytest.fixture(autouse=True)
-def _heads_every_time() -> Any:
-    """Each test starts without the walk's memory of many keys (one ops per alias)."""
-    ops = operations()
-    ops.__dict__.pop("_walk_keys_until", None)
-    yield
-    ops.__dict__.pop("_walk_keys_until", None)
-
-
 def limited_claim(handlers: list[str], limit: int, worker: str = "t:1", **kw: Any) -> Any:
     return claim(limit=limit, handlers=handlers, worker=worker, limited=True, **kw)
-
-
-def rows_read(plan: dict[str, Any]) -> int:
-    """Rows that the plan's scans of the work table produced or filtered out, all loops."""
-    read = 0
-    if plan.get("Relation Name") == "django_dbworker_workitem":
-        loops = int(plan.get("Actual Loops", 1))
-        read += int(plan.get("Actual Rows", 0)) * loops
-        read += int(plan.get("Rows Removed by Filter", 0))
-    return read + sum(rows_read(child) for child in plan.get("Plans", []))
 
 
 def explained_rows(sql: str, params: dict[str, Any]) -> int:
@@ -227,38 +212,6 @@ def test_other_queues_unkeyed_rows_are_not_read_by_a_queue_worker() -> None:
     assert walk < 100
     assert heads < 100, f"heads read {heads} rows for a claim of queue q2 (walk: {walk})"
     assert [i.pk for i in limited_claim(["keyed"], 4, queues=["q2"])] == [mine.pk]
-
-
-def auto_explained_json(run: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]]]:
-    """What ``run`` returned, and the analyzed plans (JSON) of the statements it ran, as the
-    server ran them (auto_explain, a contrib module, with log_analyze)."""
-    connection.ensure_connection()
-    raw = connection.connection
-    notices: list[str] = []
-
-    def collect(diagnostic: Any) -> None:
-        notices.append(diagnostic.message_primary or "")
-
-    settings = {
-        "auto_explain.log_min_duration": "0",
-        "auto_explain.log_analyze": "on",
-        "auto_explain.log_format": "json",
-        "auto_explain.log_level": "notice",
-    }
-    with connection.cursor() as cursor:
-        cursor.execute("LOAD 'auto_explain'")
-        for name, value in settings.items():
-            cursor.execute(f"SET {name} = {value}")
-    raw.add_notice_handler(collect)
-    try:
-        result = run()
-    finally:
-        raw.remove_notice_handler(collect)
-        with connection.cursor() as cursor:
-            for name in settings:
-                cursor.execute(f"RESET {name}")
-    plans = [json.loads(n[n.index("{") :]) for n in notices if "{" in n]
-    return result, plans
 
 
 def heads_rows_read(run: Callable[[], Any]) -> tuple[Any, int]:

@@ -11,19 +11,21 @@ The claim order and the limits are the walk's: the randomized model test in
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_dbworker.db import operations
 from django_dbworker.db.postgresql_keyed_sql import HEADS_PLAN, KEYS_WALKED, heads_statement
 from django_dbworker.models import Status, WorkItem
-from tests.factories import auto_explained, claim
+from tests.factories import auto_explained, claim, rows_read
 from tests.testapp.workers import Keyed, KeyedPair, Noop
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.postgres_only,
+    pytest.mark.usefixtures("fresh_key_walk"),
+]
 
 LIMITED = ["keyed", "keyed_pair"]
 LIMITS = {"keyed": 1, "keyed_pair": 2}
@@ -31,26 +33,6 @@ LIMITS = {"keyed": 1, "keyed_pair": 2}
 
 def heads_claim(limit: int = 10) -> list[WorkItem]:
     return claim(limit=limit, handlers=LIMITED, limited=True)
-
-
-def rows_read(plan: dict[str, Any]) -> int:
-    """Rows that the plan's scans of the work table produced or filtered out, all loops."""
-    node = plan
-    read = 0
-    if node.get("Relation Name") == "django_dbworker_workitem":
-        loops = int(node.get("Actual Loops", 1))
-        read += int(node.get("Actual Rows", 0)) * loops
-        read += int(node.get("Rows Removed by Filter", 0))
-    return read + sum(rows_read(child) for child in node.get("Plans", []))
-
-
-@pytest.fixture(autouse=True)
-def _heads_every_time() -> Any:
-    """Each test starts without the walk's memory of many keys (one ops per alias)."""
-    ops = operations()
-    ops.__dict__.pop("_walk_keys_until", None)
-    yield
-    ops.__dict__.pop("_walk_keys_until", None)
 
 
 def test_the_indexes_of_migration_0008_exist() -> None:

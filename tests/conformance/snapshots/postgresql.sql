@@ -546,7 +546,7 @@ WITH RECURSIVE keys AS (
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_key IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
@@ -632,7 +632,7 @@ WITH RECURSIVE keys AS (
     FROM (
         SELECT DISTINCT hashtext(c.handler || ':' || c.concurrency_key) AS lock
         FROM c
-        WHERE c.concurrency_key IS NOT NULL
+        WHERE c.concurrency_key IS NOT NULL AND c.handler = ANY(%(limited)s::text[])
         ORDER BY 1
     ) AS k
     ORDER BY k.lock
