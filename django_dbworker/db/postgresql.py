@@ -149,7 +149,7 @@ class PostgresOperations(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._candidates(limit, handlers, queues, limits, own=own)
+            found = self._candidates(limit, handlers, queues, limits, pin=level_on_begin)
             if not found:
                 return Claimed()
             # Each row carries how many rows the statement locked (some held back by keys).
@@ -175,22 +175,20 @@ class PostgresOperations(PostgresEstimates):
         queues: Sequence[str] | None,
         limits: Mapping[str, int],
         *,
-        own: bool,
+        pin: bool,
     ) -> list[tuple[Any, ...]]:
-        """The keyed claim's candidates, locked: the free keys' heads (every handler limited;
-        HEADS_PLAN first in the claim's own transaction), else or past KEYS_WALKED pending
-        keys the walk, which then goes on for WALK_FOR seconds without trying the heads."""
+        """The keyed claim's candidates, locked: the free keys' heads (``CLAIM_HEADS``: every
+        handler limited, no ready row without a key; HEADS_PLAN first where the claim's BEGIN
+        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds."""
         heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
         if heads is not None and time.monotonic() >= self._walk_keys_until:
             sql, params = heads
-            found = (
-                self._fetch_last(HEADS_PLAN.sql + sql, params)
-                if own
-                else self._fetch_bound(sql, params)
-            )
+            fetch = self._fetch_last if pin else self._fetch_bound
+            found = fetch(HEADS_PLAN.sql + sql if pin else sql, params)
             if not found or found[-1][0] is not None:
                 return found
-            self._walk_keys_until = time.monotonic() + WALK_FOR
+            if found[-1][-1]:  # many keys, not a row without a key: the walk for a while
+                self._walk_keys_until = time.monotonic() + WALK_FOR
         walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
         return self._fetch_bound(*walk)
 

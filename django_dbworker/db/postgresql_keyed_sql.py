@@ -187,27 +187,38 @@ def candidates_statement(
 
 # -- the key-driven candidates: a worker whose handlers are all limited -------------------
 # The walk above reads every ready row of a key at its limit to leave it out: a hot key's
-# backlog of 20,000 rows is read by every claim while its slot is held (17.7 ms a claim,
+# backlog of 20,000 rows is read by every claim while its slot is held (15.7 ms a claim,
 # linear in the backlog; bench/claim_cost.py). Here each pending key is found in one descent
 # of dbworker_key_pending_idx (pending keyed rows by handler and key, in claim order within a
 # key: migration 0008), and a key offers its first ready rows up to its free slots (its head,
-# one more descent; a key at its limit offers none). The heads, with the handlers' rows without
-# a key (dbworker_claim_unkeyed_idx, locked as they are read), are locked in claim order up to
-# the claim's limit, skipping rows another claim holds (SKIP LOCKED below the LIMIT, as in the
-# walk: a claim beside a claim in flight takes the next rows, not none). The claim order is
-# the walk's, but a key's later rows neither cost a read nor take the places of the rows
-# behind them; a claim that returns fewer rows than it asked for has seen everything
-# claimable, so the claim loop sleeps instead of claiming again.
+# one more descent; a key at its limit offers none). The heads of every free key are then
+# locked in claim order up to the claim's limit, skipping rows another claim holds (SKIP
+# LOCKED below the LIMIT, as in the walk: a claim beside a claim in flight takes the next
+# rows, not none). The claim order is the walk's, but a key's later rows neither cost a read
+# nor take the places of the rows behind them; a claim that returns fewer rows than it asked
+# for has seen everything claimable, so the claim loop sleeps instead of claiming again.
 #
-# The loose scan costs one descent per pending key, the walk one row per ready row: past
-# KEYS_WALKED keys the statement stops, locks nothing and answers one row of NULLs, and the
-# caller walks instead (``PostgresOperations._claim_keyed``).
+# Keyed rows only. While the handlers have a ready row without a key (one probe of
+# dbworker_claim_unkeyed_idx, which leads with the handler), the statement locks nothing
+# and answers a row of NULLs (its last column 0), and the caller walks: merging unkeyed
+# rows into the heads either locked rows it did not return (a claim beside it came back
+# empty) or cut them before locking (the same, from the other side). The loose scan costs
+# one descent per pending key, the walk one row per ready row: past KEYS_WALKED keys the
+# answer is the same row with 1, and the caller walks for WALK_FOR seconds.
 KEYS_WALKED = 1000
 #: Seconds a worker walks, without trying the heads, after they found more keys than that.
 WALK_FOR = 10.0
 
 _HEADS = f"""
-WITH RECURSIVE keys AS (
+WITH RECURSIVE unkeyed AS (
+    SELECT EXISTS (
+        SELECT 1 FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+          AND p.handler = ANY(%(handlers)s::text[])
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
+    ) AS ready
+), keys AS (
     SELECT f.handler, f.concurrency_key, 1 AS n
     FROM unnest(%(limited)s::text[]) AS lh(handler)
     CROSS JOIN LATERAL (
@@ -216,6 +227,7 @@ WITH RECURSIVE keys AS (
         ORDER BY k.concurrency_key
         LIMIT 1
     ) AS f
+    WHERE NOT (SELECT ready FROM unkeyed)
     UNION ALL
     SELECT nx.handler, nx.concurrency_key, keys.n + 1
     FROM keys
@@ -228,23 +240,14 @@ WITH RECURSIVE keys AS (
     ) AS nx
     WHERE keys.n <= {KEYS_WALKED}
 ), walked AS (
-    SELECT count(*) > {KEYS_WALKED} AS over FROM keys
+    SELECT count(*) > {KEYS_WALKED} AS over, (SELECT ready FROM unkeyed) AS unkeyed
+    FROM keys
 ), held AS (
     SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-), unkeyed AS (
-    SELECT p.id FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){{queues}}
-      AND NOT (SELECT over FROM walked)
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
     SELECT hd.id
     FROM keys
@@ -262,8 +265,6 @@ WITH RECURSIVE keys AS (
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-    UNION ALL
-    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -278,7 +279,8 @@ WITH RECURSIVE keys AS (
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked)
+SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
+FROM walked WHERE over OR unkeyed
 """
 
 # The loose scan's plan must not follow wrong statistics: after an ANALYZE of a table that

@@ -3,8 +3,9 @@
 ``dbworker_key_pending_idx`` orders a key's pending rows as the claim does, so that
 the keyed claim finds each pending key, and its first ready rows, in one descent
 (``postgresql_keyed_sql._HEADS``) instead of walking every ready row of the keys at
-their limit. ``dbworker_claim_unkeyed_idx`` is the claim order of the rows without a
-key, which that claim takes beside the keys' heads. Both hold pending rows only, so a
+their limit. ``dbworker_claim_unkeyed_idx`` holds the rows without a key by handler:
+that claim asks it whether its handlers have one ready (then it walks), without reading
+other handlers' rows. Both hold pending rows only, so a
 claim or an ending never adds to them; the plain claim cannot use either (its
 conditions do not imply theirs). Built CONCURRENTLY (no write lock on a big table);
 other databases keep their claims and get neither.
@@ -18,7 +19,8 @@ INDEXES = {
         "WHERE status = 'pending' AND concurrency_key IS NOT NULL"
     ),
     "dbworker_claim_unkeyed_idx": (
-        "(priority DESC, run_after, id) WHERE status = 'pending' AND concurrency_key IS NULL"
+        "(handler, priority DESC, run_after, id) "
+        "WHERE status = 'pending' AND concurrency_key IS NULL"
     ),
 }
 

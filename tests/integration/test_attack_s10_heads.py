@@ -216,7 +216,7 @@ def test_other_queues_unkeyed_rows_are_not_read_by_a_queue_worker() -> None:
 
 def heads_rows_read(run: Callable[[], Any]) -> tuple[Any, int]:
     result, plans = auto_explained_json(run)
-    heads = [p for p in plans if "WITH RECURSIVE keys" in p.get("Query Text", "")]
+    heads = [p for p in plans if "WITH RECURSIVE unkeyed" in p.get("Query Text", "")]
     assert len(heads) == 1, [p.get("Query Text", "")[:80] for p in plans]
     return result, rows_read(heads[0]["Plan"])
 
@@ -263,7 +263,7 @@ def test_a_workers_claim_of_a_few_rows_is_not_jit_compiled() -> None:
         Keyed.enqueue({"key": n}, concurrency_key=f"k{n}")
     got, plans = auto_explained_json(lambda: limited_claim(LIMITED, 4))
     assert len(got) == 4
-    (heads,) = [p for p in plans if "WITH RECURSIVE keys" in p.get("Query Text", "")]
+    (heads,) = [p for p in plans if "WITH RECURSIVE unkeyed" in p.get("Query Text", "")]
     cost = heads["Plan"].get("Total Cost")
     jit = heads.get("JIT", {}).get("Timing", {}).get("Total")
     assert jit is None, (

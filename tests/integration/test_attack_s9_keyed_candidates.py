@@ -52,7 +52,8 @@ def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple
 
     With every handler limited, PostgreSQL's claim takes the keys' heads
     (``postgresql_keyed_sql.CLAIM_HEADS``): a key offers its first rows up to its free
-    slots, so a key's later rows take no place among the ``limit``; otherwise the walk's.
+    slots, so a key's later rows take no place among the ``limit``; otherwise (an unlimited
+    handler, or a ready row without a key) the walk's.
     """
     rows = WorkItem.objects.filter(
         status=Status.PENDING, handler__in=HANDLERS, run_after__lte=timezone.now()
@@ -76,7 +77,7 @@ def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple
         ),
         key=lambda r: (-r[3], r[4], r[0]),
     )
-    if set(HANDLERS) <= set(limits):
+    if set(HANDLERS) <= set(limits) and all(r[2] is not None for r in ready):
         offered: Counter[tuple[str, str]] = Counter()
         heads = []
         for r in ready:

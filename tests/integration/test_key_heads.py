@@ -16,6 +16,7 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
+from django_dbworker.db import operations
 from django_dbworker.db.postgresql_keyed_sql import HEADS_PLAN, KEYS_WALKED, heads_statement
 from django_dbworker.models import Status, WorkItem
 from tests.factories import auto_explained, claim, rows_read
@@ -29,6 +30,7 @@ pytestmark = [
 
 LIMITED = ["keyed", "keyed_pair"]
 LIMITS = {"keyed": 1, "keyed_pair": 2}
+WALK_MARK = "p.handler <> ALL("  # a text of the walk's key filter only
 
 
 def heads_claim(limit: int = 10) -> list[WorkItem]:
@@ -93,11 +95,26 @@ def test_a_key_offers_its_free_slots_only() -> None:
     assert heads_claim(limit=10) == []
 
 
-def test_unkeyed_rows_of_a_limited_handler_are_claimed_beside_the_heads() -> None:
+def test_a_ready_row_without_a_key_sends_the_claim_to_the_walk_for_this_claim_only() -> None:
+    """The heads are keyed rows only: merged with unkeyed rows they either locked rows they
+    did not return or cut them before locking (h-attack-s10, s11). A ready unkeyed row of the
+    handlers makes the statement lock nothing and the claim walk, without the WALK_FOR
+    memory of many keys."""
     plain = [Keyed.enqueue({"key": "-"}) for _ in range(3)]
     keyed = [Keyed.enqueue({"key": "K"}, concurrency_key="K") for _ in range(2)]
-    got = heads_claim(limit=10)
+    with CaptureQueriesContext(connection) as queries:
+        got = heads_claim(limit=10)
     assert sorted(i.pk for i in got) == sorted([p.pk for p in plain] + [keyed[0].pk])
+    texts = [q["sql"] for q in queries.captured_queries]
+    assert any("WITH RECURSIVE unkeyed" in t for t in texts)
+    assert any(WALK_MARK in t for t in texts)
+    assert operations()._walk_keys_until == 0.0  # type: ignore[attr-defined]
+    succeed = operations().succeed_many
+    succeed([(i.pk, i.claim_token, None) for i in got])
+    with CaptureQueriesContext(connection) as queries:
+        (second,) = heads_claim(limit=10)
+    assert second.pk == keyed[1].pk
+    assert not any(WALK_MARK in q["sql"] for q in queries.captured_queries)
 
 
 def test_many_keys_fall_back_to_the_walk_and_it_is_remembered() -> None:
@@ -109,10 +126,10 @@ def test_many_keys_fall_back_to_the_walk_and_it_is_remembered() -> None:
     assert len(got) == 20
     assert len({i.concurrency_key for i in WorkItem.objects.filter(status=Status.CLAIMED)}) == 20
     texts = [q["sql"] for q in first.captured_queries]
-    assert sum("WITH RECURSIVE keys" in t for t in texts) == 1  # tried, then walked
+    assert sum("WITH RECURSIVE unkeyed" in t for t in texts) == 1  # tried, then walked
     with CaptureQueriesContext(connection) as second:
         assert len(heads_claim(limit=20)) == 20
-    assert not any("WITH RECURSIVE keys" in q["sql"] for q in second.captured_queries)
+    assert not any("WITH RECURSIVE unkeyed" in q["sql"] for q in second.captured_queries)
 
 
 def test_the_loose_scan_keeps_its_indexes_when_the_statistics_knew_no_keyed_row() -> None:

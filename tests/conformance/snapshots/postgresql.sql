@@ -476,7 +476,15 @@ SET LOCAL jit = off;;
 
 -- name: claim_heads
 -- Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.
-WITH RECURSIVE keys AS (
+WITH RECURSIVE unkeyed AS (
+    SELECT EXISTS (
+        SELECT 1 FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+          AND p.handler = ANY(%(handlers)s::text[])
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+    ) AS ready
+), keys AS (
     SELECT f.handler, f.concurrency_key, 1 AS n
     FROM unnest(%(limited)s::text[]) AS lh(handler)
     CROSS JOIN LATERAL (
@@ -485,6 +493,7 @@ WITH RECURSIVE keys AS (
         ORDER BY k.concurrency_key
         LIMIT 1
     ) AS f
+    WHERE NOT (SELECT ready FROM unkeyed)
     UNION ALL
     SELECT nx.handler, nx.concurrency_key, keys.n + 1
     FROM keys
@@ -497,23 +506,14 @@ WITH RECURSIVE keys AS (
     ) AS nx
     WHERE keys.n <= 1000
 ), walked AS (
-    SELECT count(*) > 1000 AS over FROM keys
+    SELECT count(*) > 1000 AS over, (SELECT ready FROM unkeyed) AS unkeyed
+    FROM keys
 ), held AS (
     SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-), unkeyed AS (
-    SELECT p.id FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-      AND NOT (SELECT over FROM walked)
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
     SELECT hd.id
     FROM keys
@@ -531,8 +531,6 @@ WITH RECURSIVE keys AS (
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-    UNION ALL
-    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -556,11 +554,21 @@ WITH RECURSIVE keys AS (
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked);
+SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
+FROM walked WHERE over OR unkeyed;
 
 -- name: claim_heads_in_queues
 -- Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.
-WITH RECURSIVE keys AS (
+WITH RECURSIVE unkeyed AS (
+    SELECT EXISTS (
+        SELECT 1 FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NULL
+          AND p.handler = ANY(%(handlers)s::text[])
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
+    ) AS ready
+), keys AS (
     SELECT f.handler, f.concurrency_key, 1 AS n
     FROM unnest(%(limited)s::text[]) AS lh(handler)
     CROSS JOIN LATERAL (
@@ -569,6 +577,7 @@ WITH RECURSIVE keys AS (
         ORDER BY k.concurrency_key
         LIMIT 1
     ) AS f
+    WHERE NOT (SELECT ready FROM unkeyed)
     UNION ALL
     SELECT nx.handler, nx.concurrency_key, keys.n + 1
     FROM keys
@@ -581,24 +590,14 @@ WITH RECURSIVE keys AS (
     ) AS nx
     WHERE keys.n <= 1000
 ), walked AS (
-    SELECT count(*) > 1000 AS over FROM keys
+    SELECT count(*) > 1000 AS over, (SELECT ready FROM unkeyed) AS unkeyed
+    FROM keys
 ), held AS (
     SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
     WHERE h.status = 'claimed'
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key
-), unkeyed AS (
-    SELECT p.id FROM django_dbworker_workitem AS p
-    WHERE p.status = 'pending' AND p.concurrency_key IS NULL
-      AND p.run_after <= statement_timestamp()
-      AND p.handler = ANY(%(handlers)s::text[])
-      AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND p.queue = ANY(%(queues)s::text[])
-      AND NOT (SELECT over FROM walked)
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
 ), heads AS (
     SELECT hd.id
     FROM keys
@@ -617,8 +616,6 @@ WITH RECURSIVE keys AS (
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-    UNION ALL
-    SELECT unkeyed.id FROM unkeyed
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -642,4 +639,5 @@ WITH RECURSIVE keys AS (
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, 0 WHERE (SELECT over FROM walked);
+SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
+FROM walked WHERE over OR unkeyed;
