@@ -14,7 +14,7 @@
    pending row read per claim; and (b) passes every jit_*_above_cost: each claim is
    JIT-compiled with LLVM (~0.6 s a claim on a ten-row queue).
 
-Both failed on 536b7e6 (5 tests). Fixed: ``c`` locks the heads of every free key in claim
+Both failed on 1dad2d5 (5 tests). Fixed: ``c`` locks the heads of every free key in claim
 order with SKIP LOCKED below the LIMIT (and the unkeyed rows as they are read), and
 HEADS_PLAN turns JIT off with the seq scans, the candidates locked by primary key from an
 array. Every test here is now a regression test.

@@ -1,6 +1,6 @@
-"""Attacks (session 11) on the fixed key-driven keyed claim (``CLAIM_HEADS``, ad406fd).
+"""Attacks (session 11) on the fixed key-driven keyed claim (``CLAIM_HEADS``, 3913d24).
 
-Bugs (these tests fail on ad406fd):
+Bugs (these tests fail on 3913d24):
 
 1. ``unkeyed`` locks up to LIMIT rows without a key (FOR UPDATE SKIP LOCKED as it reads
    them), but ``c`` keeps only the first LIMIT of heads + unkeyed: when the keys' heads
@@ -18,7 +18,7 @@ Bugs (these tests fail on ad406fd):
    have keys reads every pending unkeyed row of every other handler, every claim, where the
    walk stops after its LIMIT ready rows.
 
-All three failed on ad406fd (4 tests). Fixed: the heads are keyed rows only (a ready row
+All three failed on 3913d24 (4 tests). Fixed: the heads are keyed rows only (a ready row
 without a key sends the claim to the walk, probed in dbworker_claim_unkeyed_idx, which now
 leads with the handler), and HEADS_PLAN goes only where the claim's BEGIN opened the
 transaction. Every test here is now a regression test.
