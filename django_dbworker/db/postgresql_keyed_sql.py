@@ -285,17 +285,18 @@ FROM walked WHERE over OR unkeyed
 
 # The loose scan's plan must not follow wrong statistics: after an ANALYZE of a table that
 # held no keyed rows, the planner took each step of the recursion for a seq scan and a sort
-# of a tiny table (100 keys: 220 ms a claim where the index takes 2). Seq scans off, and JIT
-# with them: the disabled paths' cost (1e10) passes every JIT threshold, and compiling the
-# statement took 1.3 s. The candidates are locked by primary key from an array, a plan that
-# no estimate changes (a semi-join to the heads became a nested loop over every pending
-# row). Sent with the statement; SET LOCAL ends with the keyed claim's own transaction
-# (CLAIM_WITHIN_LIMITS plans by the primary key either way); inside a caller's transaction
-# the statement runs as planned, like CLAIM_PLAN.
+# of a tiny table (100 keys: 220 ms a claim where the index takes 2), and with seq scans off
+# for a bitmap scan of the key's every row and a sort (145 ms). Seq and bitmap scans off,
+# and JIT with them: the disabled paths' cost (1e10) passes every JIT threshold, and
+# compiling the statement took 1.3 s. The candidates are locked by primary key from an
+# array, a plan that no estimate changes (a semi-join to the heads became a nested loop over
+# every pending row). Sent with the statement where the claim's BEGIN opened the transaction
+# (SET LOCAL ends with it; CLAIM_WITHIN_LIMITS plans by the primary key either way); in a
+# caller's transaction, or with AUTOCOMMIT off, the statement runs as planned (CLAIM_PLAN).
 HEADS_PLAN = Statement(
     "heads_plan",
-    "Plan the key-driven candidates on their indexes, and compile nothing (its transaction).",
-    "SET LOCAL enable_seqscan = off;\nSET LOCAL jit = off;\n",
+    "Plan the key-driven candidates on ordered index scans; compile nothing (its transaction).",
+    "SET LOCAL enable_seqscan = off;\nSET LOCAL enable_bitmapscan = off;\nSET LOCAL jit = off;\n",
 )
 
 CLAIM_HEADS = Statement(

@@ -470,8 +470,9 @@ RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attemp
           w.has_dependents;
 
 -- name: heads_plan
--- Plan the key-driven candidates on their indexes, and compile nothing (its transaction).
+-- Plan the key-driven candidates on ordered index scans; compile nothing (its transaction).
 SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off;
 SET LOCAL jit = off;;
 
 -- name: claim_heads
