@@ -17,6 +17,9 @@ from django_dbworker.management.commands.run_workers import _pending_migrations
 
 pytestmark = pytest.mark.django_db
 
+#: The newest migration: a graph counts an unapplied one only below no applied child.
+LATEST = "0008_key_heads"
+
 
 def _graph_plan() -> int:
     executor = MigrationExecutor(connection)
@@ -38,14 +41,12 @@ def test_unapplied_migrations_are_counted_as_the_graph_counts_them() -> None:
 
 def test_another_apps_rows_do_not_count() -> None:
     recorded = MigrationRecorder(connection).migration_qs
-    recorded.create(app="other_app", name="0007_batches_and_dependencies")
-    recorded.filter(app="django_dbworker", name="0007_batches_and_dependencies").delete()
+    recorded.create(app="other_app", name=LATEST)
+    recorded.filter(app="django_dbworker", name=LATEST).delete()
     assert _pending_migrations(connection) == 1 == _graph_plan()
 
 
 @override_settings(MIGRATION_MODULES={"django_dbworker": "django_dbworker.migrations"})
 def test_moved_migrations_are_read_from_the_graph() -> None:
-    MigrationRecorder(connection).migration_qs.filter(
-        app="django_dbworker", name="0007_batches_and_dependencies"
-    ).delete()
+    MigrationRecorder(connection).migration_qs.filter(app="django_dbworker", name=LATEST).delete()
     assert _pending_migrations(connection) == 1
