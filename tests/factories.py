@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.db.models.functions import Now
 
 from django_dbworker import transitions
@@ -194,3 +195,44 @@ def wait_buffered_behind_gate(worker: Any) -> None:
         lambda: loop.claimed == WorkItem.objects.exclude(status="pending").count(),
         what="the claim loop to have counted every claimed row",
     )
+
+
+def limited_claim(handlers: list[str], limit: int, worker: str = "t:1", **kw: Any) -> Any:
+    """A keyed claim: ``handlers`` with their current ``concurrency_limit``."""
+    return claim(limit=limit, handlers=handlers, worker=worker, limited=True, **kw)
+
+
+class HeldClaim:
+    """A claim made in a transaction of its own thread, kept open (a claim in flight)."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.run = run
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.out: list[Any] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._body, daemon=True)
+
+    def _body(self) -> None:
+        try:
+            with transaction.atomic():
+                self.out.append(self.run())
+                self.started.set()
+                assert self.release.wait(30)
+                transaction.set_rollback(True)  # the rows go back to pending
+        except Exception as exc:  # pragma: no cover - reported by the test
+            self.errors.append(repr(exc))
+            self.started.set()
+        finally:
+            connections.close_all()
+
+    def __enter__(self) -> HeldClaim:
+        self.thread.start()
+        assert self.started.wait(30), "the held claim did not start"
+        assert not self.errors, self.errors
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()

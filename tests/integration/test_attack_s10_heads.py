@@ -43,7 +43,13 @@ from django_dbworker.db.postgresql_keyed_sql import (
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.worker import Worker
-from tests.factories import auto_explained_json, claim, rows_read, worker_config
+from tests.factories import (
+    HeldClaim,
+    auto_explained_json,
+    limited_claim,
+    rows_read,
+    worker_config,
+)
 from tests.testapp.workers import Keyed, KeyedPair, Noop
 
 pytestmark = [
@@ -57,10 +63,6 @@ MIXED = ["keyed", "keyed_pair", "noop"]  # an unlimited handler too: the walk
 LIMITS = {"keyed": 1, "keyed_pair": 2}
 
 
-def limited_claim(handlers: list[str], limit: int, worker: str = "t:1", **kw: Any) -> Any:
-    return claim(limit=limit, handlers=handlers, worker=worker, limited=True, **kw)
-
-
 def explained_rows(sql: str, params: dict[str, Any]) -> int:
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
@@ -68,42 +70,6 @@ def explained_rows(sql: str, params: dict[str, Any]) -> int:
         transaction.set_rollback(True)  # EXPLAIN ANALYZE locked the candidates
     plan = json.loads(plan) if isinstance(plan, str) else plan
     return rows_read(plan[0]["Plan"])
-
-
-class HeldClaim:
-    """A claim made in a transaction of its own thread, kept open (a claim in flight)."""
-
-    def __init__(self, run: Callable[[], Any]) -> None:
-        self.run = run
-        self.started = threading.Event()
-        self.release = threading.Event()
-        self.out: list[Any] = []
-        self.errors: list[str] = []
-        self.thread = threading.Thread(target=self._body, daemon=True)
-
-    def _body(self) -> None:
-        try:
-            with transaction.atomic():
-                self.out.append(self.run())
-                self.started.set()
-                assert self.release.wait(30)
-                transaction.set_rollback(True)  # the rows go back to pending
-        except Exception as exc:  # pragma: no cover - reported by the test
-            self.errors.append(repr(exc))
-            self.started.set()
-        finally:
-            connections.close_all()
-
-    def __enter__(self) -> HeldClaim:
-        self.thread.start()
-        assert self.started.wait(30), "the held claim did not start"
-        assert not self.errors, self.errors
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 # -- a claim beside a claim in flight ----------------------------------------------------

@@ -47,7 +47,13 @@ from django_dbworker.models import QueueState, Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.transitions import release
 from django_dbworker.worker import Worker
-from tests.factories import claim, handler_limits, rows_read, worker_config
+from tests.factories import (
+    HeldClaim,
+    handler_limits,
+    limited_claim,
+    rows_read,
+    worker_config,
+)
 from tests.testapp.workers import Keyed, KeyedPair, Noop
 
 pytestmark = [
@@ -61,51 +67,11 @@ MIXED = ["keyed", "keyed_pair", "noop"]  # an unlimited handler too: the walk
 BASE = datetime(2020, 1, 1, tzinfo=UTC)
 
 
-def limited_claim(handlers: list[str], limit: int, worker: str = "t:1", **kw: Any) -> Any:
-    return claim(limit=limit, handlers=handlers, worker=worker, limited=True, **kw)
-
-
 def place(item: WorkItem, *, priority: int = 0, seconds: int = 0) -> WorkItem:
     WorkItem.objects.filter(pk=item.pk).update(
         priority=priority, run_after=BASE + timedelta(seconds=seconds)
     )
     return item
-
-
-class HeldClaim:
-    """A claim made in a transaction of its own thread, kept open (a claim in flight)."""
-
-    def __init__(self, run: Callable[[], Any]) -> None:
-        self.run = run
-        self.started = threading.Event()
-        self.release = threading.Event()
-        self.out: list[Any] = []
-        self.errors: list[str] = []
-        self.thread = threading.Thread(target=self._body, daemon=True)
-
-    def _body(self) -> None:
-        try:
-            with transaction.atomic():
-                self.out.append(self.run())
-                self.started.set()
-                assert self.release.wait(30)
-                transaction.set_rollback(True)
-        except Exception as exc:  # pragma: no cover - reported by the test
-            self.errors.append(repr(exc))
-            self.started.set()
-        finally:
-            connections.close_all()
-
-    def __enter__(self) -> HeldClaim:
-        self.thread.start()
-        assert self.started.wait(30), "the held claim did not start"
-        assert not self.errors, self.errors
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 # -- 1. unkeyed rows locked and not returned ------------------------------------------------
