@@ -14,7 +14,7 @@ All times come from the database clock (``Now()``), never the worker host's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 from uuid import UUID
@@ -92,6 +92,7 @@ def succeed(
     using: str | None = None,
     *,
     linked: Mapping[int, int | None] | None = None,
+    then: Callable[[list[int]], None] | None = None,
 ) -> set[AttemptKey]:
     """claimed -> succeeded for every attempt still held; returns those recorded.
 
@@ -103,9 +104,11 @@ def succeed(
     ``linked`` (``linked_rows``: row id -> batch id, from the claim): their write and
     what it sets off (dependents, batch) are one transaction. A row that gained
     dependents after its claim is settled right after (the sweep covers a crash).
+    ``then`` runs in the write's transaction with the ids recorded (the success
+    writer's hand-over of their keys' slots, ``worker/handover.py``).
     """
     ops = operations(using)
-    if not linked:
+    if not linked and then is None:
         rows = ops.succeed_rows(outcomes)
         late = [pk for pk, _, has_dependents in rows if has_dependents]
         if late:
@@ -116,10 +119,13 @@ def succeed(
     with ops.ending_transaction():
         rows = ops.succeed_rows(outcomes)
         ended = [pk for pk, _, has_dependents in rows if has_dependents]
-        batches = [linked.get(pk) for pk, _, _ in rows]
-        # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
-        completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
-    if nested and rows:
+        batches = [(linked or {}).get(pk) for pk, _, _ in rows]
+        if linked or ended:
+            # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
+            completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
+        if then is not None:
+            then([pk for pk, _, _ in rows])
+    if nested and rows and (linked or ended):
         completion.settle_after_commit(ops.using, ended=ended, batches=batches)
     return {(pk, token) for pk, token, _ in rows}
 

@@ -14,7 +14,6 @@ import from the worker, the admin or enqueuing: they call it.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -52,6 +51,7 @@ from django_dbworker.db.types import (
     Subscription,
     TableEstimate,
     UnsupportedDatabase,
+    percentile,
 )
 from django_dbworker.db.wakers import (
     add_local_waker,
@@ -89,18 +89,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def percentile(ordered: Sequence[float], fraction: float) -> float:
-    """PostgreSQL's ``percentile_cont``: linear interpolation between the nearest ranks.
-
-    ``ordered`` is sorted and not empty. The same definition on every
-    vendor, so a dashboard shows the same numbers for the same rows.
-    """
-    position = fraction * (len(ordered) - 1)
-    lower = math.floor(position)
-    upper = min(lower + 1, len(ordered) - 1)
-    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
 def as_uuid(value: Any) -> UUID:
@@ -199,6 +187,21 @@ class VendorOperations(ABC):
         ``claimed_at``/``heartbeat_at``. Rows locked or claimed by another
         worker are skipped, never waited for and never returned twice.
         """
+
+    #: Whether ``transfer_slots`` exists (the success writer's hand-over of freed keys).
+    supports_key_handover: ClassVar[bool] = False
+
+    def transfer_slots(
+        self,
+        *,
+        keys: Sequence[tuple[str, str]],
+        limit: int,
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int],
+    ) -> list[WorkItem]:
+        """In a transaction that just ended rows of ``keys``: claim their keys' next rows."""
+        raise NotImplementedError
 
     def claim_rated(
         self,
@@ -407,11 +410,8 @@ class VendorOperations(ABC):
         found = []
         for handler, values in sorted(durations.items()):
             values.sort()
-            found.append(
-                RunTimes(
-                    handler, len(values), percentile(values, 0.5), percentile(values, 0.95), sampled
-                )
-            )
+            p50, p95 = percentile(values, 0.5), percentile(values, 0.95)
+            found.append(RunTimes(handler, len(values), p50, p95, sampled))
         return found
 
     # -- helpers shared by the vendors --------------------------------------------

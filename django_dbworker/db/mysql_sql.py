@@ -266,7 +266,8 @@ CLAIM_READ = Statement(
     "Read back the rows this transaction just claimed.",
     """
 SELECT id, handler, queue, payload, priority, run_after, attempts,
-       max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
+       max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+       concurrency_key
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
   AND status = 'claimed'

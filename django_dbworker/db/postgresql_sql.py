@@ -33,7 +33,7 @@ CLAIM_SET = """SET status = 'claimed',
 CLAIMED_COLUMNS = """RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, \
 w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents
+          w.has_dependents, w.concurrency_key
 """
 
 

@@ -33,6 +33,8 @@ CLAIM_COLUMNS = (
     # What its ending must settle: its batch, and whether items wait for it.
     "batch_id",
     "has_dependents",
+    # Its key's slot, which its ending frees (the success writer's hand-over).
+    "concurrency_key",
 )
 
 #: Columns an enqueue statement returns for each inserted row, in this order.

@@ -67,7 +67,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key
 """,
 )
 
@@ -95,7 +96,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key
 """,
 )
 
@@ -157,7 +159,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key
 """,
 )
 

@@ -11,11 +11,24 @@ else of the package, so that every layer may name these types.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+def percentile(ordered: Sequence[float], fraction: float) -> float:
+    """PostgreSQL's ``percentile_cont``: linear interpolation between the nearest ranks.
+
+    ``ordered`` is sorted and not empty. The same definition on every
+    vendor, so a dashboard shows the same numbers for the same rows.
+    """
+    position = fraction * (len(ordered) - 1)
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
 
 
 class UnsupportedDatabase(Exception):

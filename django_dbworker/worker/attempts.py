@@ -106,7 +106,7 @@ class Attempt:
 class Ledger:
     """The attempts of one worker process that are not yet recorded."""
 
-    def __init__(self, *, on_retired: Callable[[], None] | None = None) -> None:
+    def __init__(self, *, on_retired: Callable[[Attempt], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._attempts: dict[AttemptKey, Attempt] = {}
         #: The newest attempt of each row in flight.
@@ -381,4 +381,4 @@ class Ledger:
             if self._by_row.get(attempt.item.pk) is attempt:
                 del self._by_row[attempt.item.pk]
         if self._on_retired is not None:
-            self._on_retired()  # room for another claim
+            self._on_retired(attempt)  # room for another claim (its key's slot)

@@ -107,6 +107,11 @@ class ClaimLoop:
         self._urgent_lock = threading.Lock()
         #: Rate-limited handlers whose window is full (``flow.py``).
         self.rate_holds = RateHolds()
+        #: The last claim was keyed and took all it could: until a key is freed here
+        #: (``key_freed``; or handed over, ``handover.py``) or rows come, a low buffer
+        #: does not wake the loop (an empty keyed claim costs as much as a full one).
+        self.rests = False
+        self._count_lock = threading.Lock()
         #: Paused queues, re-read once per poll interval, to give back
         #: buffered rows of a queue paused after they were claimed.
         self.paused = PausedQueues(
@@ -141,6 +146,8 @@ class ClaimLoop:
         rated = self._claim_rated(rates, limit=min(limit, self._free_threads()), at=started)
         limit -= rated
         plain = [name for name in handlers if name not in rates]
+        limits = concurrency_limits(handlers, plain)
+        self.rests = False
         try:
             items = (
                 self.ops.claim(
@@ -148,7 +155,7 @@ class ClaimLoop:
                     handlers=plain,
                     queues=self.config.queues,
                     worker=worker_id(),
-                    limits=concurrency_limits(handlers, plain),
+                    limits=limits,
                 )
                 if plain and limit > 0
                 else []
@@ -162,13 +169,15 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        self.claimed += len(items) + rated
-        self.claims += bool(items or rated)
+        with self._count_lock:
+            self.claimed += len(items) + rated
+            self.claims += bool(items or rated)
         # Rows held back for their concurrency keys were there: a batch cut
         # short by them is not an empty queue (the next claim skips those keys).
         throttled = getattr(items, "throttled", 0)
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
         self._ran_dry = len(items) + throttled < limit or not plain
+        self.rests = self._ran_dry and bool(limits) and not rates and not self._urgent_claim
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
         if items and not self._ran_dry and lowest is not None:
@@ -302,16 +311,38 @@ class ClaimLoop:
             return min(urgent, MAX_CLAIM)
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
-        buffered = self.ledger.buffered()
-        outstanding = self.pool.running() + buffered
-        if buffered > self._refill_at:
+        if self.ledger.buffered() > self._refill_at:
             return 0
+        return self._room(target)
+
+    def _room(self, target: int) -> int:
+        """Free threads plus what the buffer lacks of ``target``, within the back-pressure bound."""
+        outstanding = self.pool.running() + self.ledger.buffered()
         unrecorded = len(self.ledger)
         hold = self.pool.size + target  # inline, one at a time
         limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
+
+    def handover_room(self) -> int:
+        """Freed keys' next rows the success writer may claim now (``handover.py``): the
+        room a claim would fill, while resting (no claimable row left behind to jump)."""
+        if not self.rests or self.control.stopping.is_set() or self.config.max_items is not None:
+            return 0
+        return self._room(self.prefetch.target(self._youngest_running_age()))
+
+    def take(self, items: Sequence[WorkItem]) -> None:
+        """Rows the hand-over claimed: attempts in flight, queued as a claim's (claim order)."""
+        self._dispatch(items, claimed_at=self.clock.now())
+        with self._count_lock:
+            self.claimed += len(items)
+            self.claims += 1
+
+    def key_freed(self) -> None:
+        """A slot of a limited key was freed here and not handed over: claim again now."""
+        self.rests = False
+        self.control.wake.set()
 
     def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
@@ -403,20 +434,14 @@ class ClaimLoop:
         waking more often measured as a claim loop spinning on the GIL
         (W6 p50 2.6 -> 16 ms).
         """
-        if self.pool.queued() <= self._refill_at:
+        if self.pool.queued() <= self._refill_at and not self.rests:
             self.control.wake.set()
-
-    def _keys_busy(self) -> bool:
-        """Whether ready rows wait for a slot of their key (burst mode asks: ``flow.keys_busy``)."""
-        return not self.config.inline and keys_busy(
-            self.handlers(), using=self.config.using, queues=self.config.queues
-        )
 
     # -- the loop --------------------------------------------------------------
 
     def run(self) -> None:
         """Claim until stopped (or, in burst mode, until nothing is left to claim or run)."""
-        control, clock = self.control, self.clock
+        control, clock, cfg = self.control, self.clock, self.config
         while not control.stopping.is_set():
             self.cycled_at = clock.now()
             control.wake.clear()
@@ -459,7 +484,10 @@ class ClaimLoop:
                 and settled
                 and not self.ledger
                 and not self._window_soon()
-                and not self._keys_busy()
+                and (
+                    self.config.inline
+                    or not keys_busy(self.handlers(), using=cfg.using, queues=cfg.queues)
+                )
             ):
                 return
             if not claimed and self._ran_dry:

@@ -29,12 +29,13 @@ from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.abandoned import AbandonedThreads
-from django_dbworker.worker.attempts import Ledger
+from django_dbworker.worker.attempts import Attempt, Ledger
 from django_dbworker.worker.claim_loop import ClaimLoop
 from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.handover import KeyHandOver
 from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
@@ -83,7 +84,7 @@ class Worker:
         self.ops = operations(cfg.using)
         self.control = control = Control()
         self.abandoned = AbandonedThreads(self.metrics)
-        self.ledger = Ledger(on_retired=self._maybe_wake)
+        self.ledger = Ledger(on_retired=self._retired)
         self.watchdog = Watchdog(control=control, abandoned=self.abandoned, cap=cfg.abandoned_cap)
         self.settler = Settler(
             ledger=self.ledger,
@@ -106,6 +107,7 @@ class Worker:
         self.pool: Pool | None = None
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
+        self.handover: KeyHandOver | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -271,6 +273,11 @@ class Worker:
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
+        if parts.threaded and self.ops.supports_key_handover:
+            self.handover = KeyHandOver(
+                claim_loop=self.claim_loop, ops=self.ops, handlers=lambda: self.work_item_handlers
+            )
+            writer.handover = self.handover
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -339,6 +346,19 @@ class Worker:
             self.control.wake.set()
         else:
             self.claim_loop.announce(priority)
+
+    def _retired(self, attempt: Attempt) -> None:
+        """An attempt left the ledger: a limited key's slot is free unless handed over."""
+        loop = self.claim_loop
+        if (
+            loop is not None
+            and attempt.item.concurrency_key is not None
+            and attempt.handler.concurrency_limit is not None
+            and not (self.handover is not None and self.handover.quiet(attempt))
+        ):
+            loop.key_freed()
+        else:
+            self._maybe_wake()
 
     def _maybe_wake(self) -> None:
         """Wake the claim loop if its buffer is down to the refill mark (room to claim)."""

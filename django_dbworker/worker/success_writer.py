@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
@@ -35,6 +36,10 @@ from django_dbworker.worker.connections import (
     persist,
     tidy_unless_in_transaction,
 )
+from django_dbworker.worker.handover import TransferFailed
+
+if TYPE_CHECKING:
+    from django_dbworker.worker.handover import KeyHandOver
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -95,6 +100,9 @@ class SuccessWriter(threading.Thread):
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        #: Passes the slots of limited keys that a batch frees on to the keys' next
+        #: rows, in the batch's transaction (``handover.py``); this thread's batches only.
+        self.handover: KeyHandOver | None = None
 
     def record(self, item: WorkItem, result_json: str | None) -> bool:
         """Record ``item`` as succeeded and wait; True if it was still ours (not fenced).
@@ -202,17 +210,28 @@ class SuccessWriter(threading.Thread):
 
     def _settle(self, batch: list[_Pending]) -> None:
         """Write ``batch``; a batch the database refuses is retried row by row."""
+        handover = self.handover if threading.current_thread() is self else None
+        transfer = handover.prepare([e.item for e in batch]) if handover is not None else None
         try:
             rows = [(e.item.pk, e.token, e.result_json) for e in batch]
             linked = transitions.linked_rows(e.item for e in batch)
             recorded = persist(
                 lambda: guarded(
-                    self.using, lambda: transitions.succeed(rows, using=self.using, linked=linked)
+                    self.using,
+                    lambda: transitions.succeed(
+                        rows, using=self.using, linked=linked, then=transfer
+                    ),
                 ),
                 what="recording successes",
                 give_up=self.give_up,
                 using=self.using,
             )
+        except TransferFailed as failed:
+            assert handover is not None and transfer is not None
+            handover.failed(transfer, failed.__cause__ or failed)
+            tidy_unless_in_transaction(self.using)
+            self._settle(batch)  # without a transfer now
+            return
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -223,6 +242,8 @@ class SuccessWriter(threading.Thread):
             for entry in batch:
                 self._settle([entry])
             return
+        if transfer is not None:
+            transfer.deliver()
         missing = [e for e in batch if e.key not in recorded]
         if missing:
             recorded |= persist(

@@ -25,8 +25,8 @@ def _attempt(
 
 
 def test_an_attempt_goes_buffered_running_recording_then_retired() -> None:
-    retired: list[None] = []
-    ledger = Ledger(on_retired=lambda: retired.append(None))
+    retired: list[Attempt] = []
+    ledger = Ledger(on_retired=retired.append)
     attempt = _attempt(1)
     ledger.add([attempt])
     assert attempt.state is State.BUFFERED and ledger.to_heartbeat() == [attempt.key]
@@ -36,7 +36,7 @@ def test_an_attempt_goes_buffered_running_recording_then_retired() -> None:
     ledger.begin_recording(attempt)
     assert attempt.recording and ledger.any_recording()
     ledger.retire(attempt)
-    assert not ledger and retired == [None]
+    assert not ledger and retired == [attempt]
 
 
 def test_a_buffered_attempt_does_not_start_while_draining_or_after_release() -> None:

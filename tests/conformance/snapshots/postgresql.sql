@@ -27,7 +27,7 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
+          w.has_dependents, w.concurrency_key;
 
 -- name: claim_in_queue
 -- Claim the next ready rows of some handlers in one queue.
@@ -54,7 +54,7 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
+          w.has_dependents, w.concurrency_key;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in several queues.
@@ -81,7 +81,7 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
+          w.has_dependents, w.concurrency_key;
 
 -- name: claim_plan
 -- Plan the claim that follows in its index's order, never a sort (its transaction only).
@@ -467,7 +467,7 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents;
+          w.has_dependents, w.concurrency_key;
 
 -- name: heads_plan
 -- Plan the key-driven candidates on ordered index scans; compile nothing (its transaction).
@@ -642,3 +642,104 @@ WITH RECURSIVE unkeyed AS (
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
 FROM walked WHERE over OR unkeyed;
+
+-- name: transfer_slots
+-- Claim the next ready rows of keys whose rows this transaction ended (any queue).
+WITH keys AS (
+    SELECT DISTINCT k.handler, k.concurrency_key
+    FROM unnest(%(key_handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (SELECT handler, concurrency_key FROM keys)
+    GROUP BY h.handler, h.concurrency_key
+), heads AS (
+    SELECT hd.id
+    FROM keys
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = keys.handler
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
+    CROSS JOIN LATERAL (
+        SELECT p.id FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
+          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+    ) AS hd
+), c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
+      AND p.status = 'pending'
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents, w.concurrency_key;
+
+-- name: transfer_slots_in_queues
+-- Claim the next ready rows of keys whose rows this transaction ended (some queues).
+WITH keys AS (
+    SELECT DISTINCT k.handler, k.concurrency_key
+    FROM unnest(%(key_handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
+), held AS (
+    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
+    WHERE h.status = 'claimed'
+      AND h.concurrency_key IS NOT NULL
+      AND (h.handler, h.concurrency_key) IN (SELECT handler, concurrency_key FROM keys)
+    GROUP BY h.handler, h.concurrency_key
+), heads AS (
+    SELECT hd.id
+    FROM keys
+    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
+      ON l.handler = keys.handler
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
+    CROSS JOIN LATERAL (
+        SELECT p.id FROM django_dbworker_workitem AS p
+        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
+          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
+          AND p.run_after <= statement_timestamp()
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
+        ORDER BY p.priority DESC, p.run_after, p.id
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+    ) AS hd
+), c AS (
+    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
+    FROM django_dbworker_workitem AS p
+    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
+      AND p.status = 'pending'
+    ORDER BY p.priority DESC, p.run_after, p.id
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents, w.concurrency_key;

@@ -24,7 +24,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in some queues.
@@ -48,7 +49,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key;
 
 -- name: claim_keyed
 -- Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.
@@ -97,7 +99,8 @@ WHERE id IN (
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
-          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents;
+          max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
+          concurrency_key;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.

@@ -1,0 +1,172 @@
+"""The hand-over: a success write passes its key's slot on to the key's next row.
+
+With ``concurrency_limit = 1`` a key moves one row per chain of claim, run and success
+write. Before, the next link waited for a claim loop that kept claiming to catch the
+freed slot; a keyed claim that finds every key busy costs about as much as one that takes
+them all, and W7 (100 keys, 2 processes) measured half its claims empty, 5 to 12 ms each
+(docs/internals/benchmarks.md). Here the success writer's transaction, after its UPDATE,
+claims the next ready rows of the keys whose rows it ended (``transfer_slots``: no key
+lock, no second count, since the transaction hands each slot from one row to the next)
+and, after the commit, they join this worker's buffer as a claim's rows do. Meanwhile the
+claim loop rests (``ClaimLoop.rests``): a low buffer does not wake it; a key freed and not
+handed over does (``key_freed``), as do new rows and the poll.
+
+Only while the loop rests: its last claim took every row it could, so a freed key's next
+row is what the next claim would take for that slot, not a row that jumps ahead of other
+claimable rows (a worker whose claims come back full hands nothing over, and its keys
+move in claim order as before). Only up to the room a claim would fill (free threads and
+prefetch), never while stopping, never for rate-limited handlers (their starts are
+counted by their own claim), and only on a vendor that has the statement (PostgreSQL).
+If the statement fails for a reason other than the connection, the success write is
+repeated without it and hand-overs stop for this process: a success is never refused for
+the sake of a hand-over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from django_dbworker.db import VendorOperations
+from django_dbworker.db.errors import is_transient
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.models import WorkItem
+from django_dbworker.worker.attempts import Attempt
+from django_dbworker.worker.identity import worker_id
+
+if TYPE_CHECKING:  # the claim loop imports the writer, which imports this
+    from django_dbworker.worker.claim_loop import ClaimLoop
+
+logger = logging.getLogger("django_dbworker.worker")
+
+Key = tuple[str, str]
+
+
+class TransferFailed(Exception):
+    """The hand-over's statement failed other than by the connection (its cause says why)."""
+
+
+class Transfer:
+    """One success batch's hand-over: called in its transaction, delivered after its commit."""
+
+    def __init__(
+        self,
+        *,
+        owner: KeyHandOver,
+        keys: Mapping[int, Key],
+        room: int,
+        limits: Mapping[str, int],
+    ) -> None:
+        self.owner = owner
+        #: Row id -> the (handler, concurrency_key) whose slot its success frees.
+        self.keys = keys
+        self.room = room
+        self.limits = limits
+        #: What the last run in a transaction claimed, and how many keys it freed.
+        self.taken: list[WorkItem] = []
+        self.freed = 0
+
+    def __call__(self, recorded: list[int]) -> None:
+        """In the success write's transaction, after its UPDATE: claim the freed keys' heads.
+
+        Run again if the write is retried (a new transaction), so only the last run counts.
+        """
+        keys = list(dict.fromkeys(self.keys[pk] for pk in recorded if pk in self.keys))
+        self.taken, self.freed = [], len(keys)
+        if not keys:
+            return
+        try:
+            self.taken = self.owner.ops.transfer_slots(
+                keys=keys,
+                limit=self.room,
+                queues=self.owner.claim_loop.config.queues,
+                worker=worker_id(),
+                limits=self.limits,
+            )
+        except Exception as exc:
+            if is_transient(exc):
+                raise  # the write is retried, this with it
+            raise TransferFailed(str(exc)) from exc
+
+    def deliver(self) -> None:
+        """After the commit: the claimed rows join the buffer; keys left free wake the loop."""
+        loop = self.owner.claim_loop
+        if self.taken:
+            loop.take(self.taken)
+            self.owner.handed_over += len(self.taken)
+        if len(self.taken) < self.freed:
+            # A freed key without a next row costs the loop one claim that finds nothing;
+            # one whose row the room left behind is claimed by that claim.
+            loop.key_freed()
+
+
+class KeyHandOver:
+    """Prepares the success writer's transfers (``SuccessWriter.handover``)."""
+
+    def __init__(
+        self,
+        *,
+        claim_loop: ClaimLoop,
+        ops: VendorOperations,
+        handlers: Callable[[], Mapping[str, WorkItemHandler]],
+    ) -> None:
+        self.claim_loop = claim_loop
+        self.ops = ops
+        self.handlers = handlers
+        #: Rows whose freed key a transfer deals with: their retirement wakes nothing more.
+        self._dealt: set[int] = set()
+        self._lock = threading.Lock()
+        #: Set when a transfer failed other than by the connection: no more of them here.
+        self.broken = False
+        #: Rows claimed by transfers, for the record.
+        self.handed_over = 0
+
+    def prepare(self, items: Sequence[WorkItem]) -> Transfer | None:
+        """The transfer for a batch of successes about to be written, or None."""
+        if self.broken:
+            return None
+        handlers = self.handlers()
+        rated = self.claim_loop.rate_holds.rates(handlers)
+        keys: dict[int, Key] = {}
+        limits: dict[str, int] = {}
+        for item in items:
+            handler = handlers.get(item.handler)
+            if (
+                item.concurrency_key is None
+                or item.handler in rated
+                or handler is None
+                or handler.concurrency_limit is None
+            ):
+                continue
+            keys[item.pk] = (item.handler, item.concurrency_key)
+            limits[item.handler] = handler.concurrency_limit
+        if not keys:
+            return None
+        room = self.claim_loop.handover_room()
+        if room <= 0:
+            return None
+        with self._lock:
+            self._dealt.update(keys)
+        return Transfer(owner=self, keys=keys, room=room, limits=limits)
+
+    def failed(self, transfer: Transfer, exc: BaseException) -> None:
+        """A write with ``transfer`` failed other than by the connection: stop handing over."""
+        self.broken = True
+        logger.error(
+            "Handing freed concurrency keys over failed (%s); this worker claims them instead.",
+            exc,
+            exc_info=exc,
+        )
+        with self._lock:
+            self._dealt.difference_update(transfer.keys)
+        self.claim_loop.key_freed()
+
+    def quiet(self, attempt: Attempt) -> bool:
+        """Whether ``attempt``'s freed key was dealt with by a transfer (once; forgets it)."""
+        with self._lock:
+            if attempt.item.pk in self._dealt:
+                self._dealt.discard(attempt.item.pk)
+                return True
+        return False
