@@ -40,6 +40,8 @@ logger = logging.getLogger("django_dbworker.transitions")
 
 #: An attempt: a row id and the claim token of one claim of it.
 AttemptKey = tuple[int, UUID]
+#: A success write's answer for one row: its id, its claim token, whether items wait for it.
+Recorded = tuple[int, UUID, bool]
 
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
@@ -92,7 +94,7 @@ def succeed(
     using: str | None = None,
     *,
     linked: Mapping[int, int | None] | None = None,
-    then: Callable[[list[int]], None] | None = None,
+    write: Callable[[Sequence[tuple[int, UUID, str | None]]], Sequence[Recorded]] | None = None,
 ) -> set[AttemptKey]:
     """claimed -> succeeded for every attempt still held; returns those recorded.
 
@@ -104,12 +106,12 @@ def succeed(
     ``linked`` (``linked_rows``: row id -> batch id, from the claim): their write and
     what it sets off (dependents, batch) are one transaction. A row that gained
     dependents after its claim is settled right after (the sweep covers a crash).
-    ``then`` runs in the write's transaction with the ids recorded (the success
-    writer's hand-over of their keys' slots, ``worker/handover.py``).
+    ``write`` replaces the statement where nothing is linked: the success writer's
+    that also hands freed keys' slots over (``worker/handover.py``).
     """
     ops = operations(using)
-    if not linked and then is None:
-        rows = ops.succeed_rows(outcomes)
+    if not linked:
+        rows = write(outcomes) if write is not None else ops.succeed_rows(outcomes)
         late = [pk for pk, _, has_dependents in rows if has_dependents]
         if late:
             with ops.ending_transaction():
@@ -119,13 +121,10 @@ def succeed(
     with ops.ending_transaction():
         rows = ops.succeed_rows(outcomes)
         ended = [pk for pk, _, has_dependents in rows if has_dependents]
-        batches = [(linked or {}).get(pk) for pk, _, _ in rows]
-        if linked or ended:
-            # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
-            completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
-        if then is not None:
-            then([pk for pk, _, _ in rows])
-    if nested and rows and (linked or ended):
+        batches = [linked.get(pk) for pk, _, _ in rows]
+        # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
+        completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
+    if nested and rows:
         completion.settle_after_commit(ops.using, ended=ended, batches=batches)
     return {(pk, token) for pk, token, _ in rows}
 

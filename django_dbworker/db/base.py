@@ -188,19 +188,19 @@ class VendorOperations(ABC):
         worker are skipped, never waited for and never returned twice.
         """
 
-    #: Whether ``transfer_slots`` exists (the success writer's hand-over of freed keys).
+    #: Whether ``succeed_and_transfer`` exists (the success writer's hand-over of keys).
     supports_key_handover: ClassVar[bool] = False
 
-    def transfer_slots(
+    def succeed_and_transfer(
         self,
+        outcomes: Sequence[tuple[int, UUID, str | None]],
         *,
-        keys: Sequence[tuple[str, str]],
         limit: int,
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int],
-    ) -> list[WorkItem]:
-        """In a transaction that just ended rows of ``keys``: claim their keys' next rows."""
+    ) -> tuple[list[tuple[int, UUID, bool]], list[WorkItem]]:
+        """``succeed_rows``, and the next rows of the freed keys of ``limits`` claimed."""
         raise NotImplementedError
 
     def claim_rated(

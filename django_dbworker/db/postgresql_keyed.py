@@ -3,9 +3,9 @@
 Two statements in one READ COMMITTED transaction (``postgresql_keyed_sql.py`` says what
 each does and why): the candidates, locked with their keys, then CLAIM_WITHIN_LIMITS,
 which counts the keys' slots after the locks. The candidates are the free keys' heads,
-or the walk's next ready rows. ``transfer_slots``: the next rows of keys whose rows the
-caller's transaction just ended, claimed in that transaction. ``PostgresOperations``
-inherits this class and runs the statements.
+or the walk's next ready rows. ``succeed_and_transfer``: a success write that claims the
+next rows of the keys it frees. ``PostgresOperations`` inherits this class and runs the
+statements.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
+from uuid import UUID
 
 from django.db import transaction
 from django.db.backends.postgresql.psycopg_any import IsolationLevel
 
-from django_dbworker.db.base import Claimed, current_limits
+from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
@@ -28,7 +29,7 @@ from django_dbworker.db.postgresql_keyed_sql import (
     WALK_FOR,
     candidates_statement,
     heads_statement,
-    transfer_statement,
+    succeed_and_transfer_statement,
 )
 from django_dbworker.db.types import UnsupportedDatabase
 from django_dbworker.models import WorkItem
@@ -45,21 +46,27 @@ class PostgresKeyedClaims(PostgresEstimates):
     def _fetch_last(self, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         raise NotImplementedError  # PostgresOperations
 
-    def transfer_slots(
+    def succeed_and_transfer(
         self,
+        outcomes: Sequence[tuple[int, UUID, str | None]],
         *,
-        keys: Sequence[tuple[str, str]],
         limit: int,
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int],
-    ) -> list[WorkItem]:
-        if limit <= 0 or not keys:
-            return []
-        sql, params = transfer_statement(
-            limit=limit, keys=keys, queues=queues, limits=limits, worker=worker
+    ) -> tuple[list[tuple[int, UUID, bool]], list[WorkItem]]:
+        if not outcomes:
+            return [], []
+        sql, params = succeed_and_transfer_statement(
+            outcomes=outcomes, limit=limit, queues=queues, limits=limits, worker=worker
         )
-        return self._rows_to_items(self._fetch_bound(sql, params))
+        connection = self.connection
+        if connection.get_autocommit() and not connection.in_atomic_block:
+            found = self._fetch_last(HEADS_PLAN.sql + sql, params)
+        else:
+            found = self._fetch_bound(sql, params)
+        recorded = [(row[1], as_uuid(row[10]), bool(row[13])) for row in found if not row[0]]
+        return recorded, self._rows_to_items([row[1:] for row in found if row[0]])
 
     def _claim_keyed(
         self,

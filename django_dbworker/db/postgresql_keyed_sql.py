@@ -26,7 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from django_dbworker.db.postgresql_sql import CLAIM_SET, CLAIMED_COLUMNS
+from django_dbworker.db.postgresql_sql import (
+    CLAIM_SET,
+    CLAIMED_COLUMNS,
+    LOCKED_IN_ID_ORDER,
+    SUCCEED_UPDATE,
+)
 from django_dbworker.db.sql import Statement
 
 KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
@@ -353,26 +358,35 @@ def heads_statement(
 # -- the hand-over: a success write passes its key's slot to the key's next row -----------
 # A success write frees its key's slot; with limit 1 the key's next row waits for a claim
 # that sees the write, and a claim loop that keeps claiming to catch it mostly finds
-# nothing (W7: half the claims, 5-12 ms each). The success writer instead claims the freed
-# keys' heads in the write's own transaction, after its UPDATE (``worker/handover.py``).
-# No advisory lock and no second count: the transaction ends one claimed row of the key and
-# claims at most one in its place, so at its commit the key's claimed rows are as many as
-# before, and every other claimer's count (after its key lock, in a fresh snapshot) sees
-# the state before or after that commit, never more rows. ``held`` here counts in the
-# write's snapshot, without the rows it just ended: a limit lowered meanwhile takes effect.
-_TRANSFER = (
-    """
-WITH keys AS (
-    SELECT DISTINCT k.handler, k.concurrency_key
-    FROM unnest(%(key_handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
-), held AS (
-    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
-    WHERE h.status = 'claimed'
-      AND h.concurrency_key IS NOT NULL
-      AND (h.handler, h.concurrency_key) IN (SELECT handler, concurrency_key FROM keys)
-    GROUP BY h.handler, h.concurrency_key"""
+# nothing (W7: half the claims, 5-12 ms each). Here one statement records the successes
+# (SUCCEED_MANY's lock and UPDATE) and claims the next ready rows of the keys of the rows it
+# ended, up to their free slots (``worker/handover.py``). No advisory lock and no second
+# count: the statement ends claimed rows of a key and claims at most as many in their
+# place, so at its commit the key has no more claimed rows than before, and every other
+# claimer's count (after its key lock, in a fresh snapshot) sees the state before or after
+# that commit. ``held`` counts in the statement's snapshot, which still sees the rows it
+# ends as claimed: they are subtracted (``ended``), and a limit lowered meanwhile holds.
+# One round trip: the write's own, with HEADS_PLAN before it in the same message.
+_SUCCEED_AND_TRANSFER = (
+    LOCKED_IN_ID_ORDER
+    + """, done AS (
+"""
+    + SUCCEED_UPDATE
+    + """RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
+), keys AS (
+    SELECT d.handler, d.concurrency_key, count(*) AS ended
+    FROM done AS d
+    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
+    GROUP BY d.handler, d.concurrency_key
+), held AS MATERIALIZED (
+    SELECT k.handler, k.concurrency_key,
+           (SELECT count(*) FROM django_dbworker_workitem AS h
+            WHERE h.status = 'claimed'
+              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
+           AS slots
+    FROM keys AS k"""
     + _HEADS_OF_KEYS.replace("{heads_filter}", "")
-    + """)
+    + """), moved AS (
 UPDATE django_dbworker_workitem AS w
 """
     + CLAIM_SET
@@ -380,38 +394,46 @@ UPDATE django_dbworker_workitem AS w
 WHERE w.id = c.id
 """
     + CLAIMED_COLUMNS
+    + """)
+SELECT true AS claimed, m.* FROM moved AS m
+UNION ALL
+SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
+       d.has_dependents, NULL
+FROM done AS d
+"""
 )
 
-TRANSFER_SLOTS = Statement(
-    "transfer_slots",
-    "Claim the next ready rows of keys whose rows this transaction ended (any queue).",
-    _TRANSFER.replace("{queues}", ""),
+SUCCEED_AND_TRANSFER = Statement(
+    "succeed_and_transfer",
+    "Record successes; claim the next ready rows of their limited keys (any queue).",
+    _SUCCEED_AND_TRANSFER.replace("{queues}", ""),
 )
-TRANSFER_SLOTS_IN_QUEUES = Statement(
-    "transfer_slots_in_queues",
-    "Claim the next ready rows of keys whose rows this transaction ended (some queues).",
-    _TRANSFER.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
+SUCCEED_AND_TRANSFER_IN_QUEUES = Statement(
+    "succeed_and_transfer_in_queues",
+    "Record successes; claim the next ready rows of their limited keys in some queues.",
+    _SUCCEED_AND_TRANSFER.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
 )
 
 
-def transfer_statement(
+def succeed_and_transfer_statement(
     *,
+    outcomes: Sequence[tuple[int, Any, str | None]],
     limit: int,
-    keys: Sequence[tuple[str, str]],
     queues: Sequence[str] | None,
     limits: Mapping[str, int],
     worker: str,
 ) -> tuple[str, dict[str, Any]]:
-    """The hand-over's statement for ``keys`` ((handler, key) pairs of limited handlers whose
-    rows the caller's transaction just ended), and its parameters."""
+    """The success write that hands its limited keys' slots over (``limits``: the handlers
+    whose keys it passes on, with their current limits), and its parameters."""
     params: dict[str, Any] = {
-        "key_handlers": [handler for handler, _ in keys],
-        "keys": [key for _, key in keys],
+        "ids": [pk for pk, _, _ in outcomes],
+        "tokens": [token for _, token, _ in outcomes],
+        "results": [result for _, _, result in outcomes],
         "limit": limit,
         "limited": list(limits),
         "limit_values": list(limits.values()),
         "worker": worker,
     }
     if not queues:
-        return TRANSFER_SLOTS.sql, params
-    return TRANSFER_SLOTS_IN_QUEUES.sql, {**params, "queues": list(queues)}
+        return SUCCEED_AND_TRANSFER.sql, params
+    return SUCCEED_AND_TRANSFER_IN_QUEUES.sql, {**params, "queues": list(queues)}

@@ -28,13 +28,15 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+from uuid import UUID
 
+from django_dbworker import transitions
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
+from django_dbworker.transitions import Recorded
 from django_dbworker.worker.attempts import Attempt
-from django_dbworker.worker.identity import worker_id
 
 if TYPE_CHECKING:  # the claim loop imports the writer, which imports this
     from django_dbworker.worker.claim_loop import ClaimLoop
@@ -49,7 +51,7 @@ class TransferFailed(Exception):
 
 
 class Transfer:
-    """One success batch's hand-over: called in its transaction, delivered after its commit."""
+    """One success batch's hand-over: its write, then, after the commit, its delivery."""
 
     def __init__(
         self,
@@ -64,31 +66,27 @@ class Transfer:
         self.keys = keys
         self.room = room
         self.limits = limits
-        #: What the last run in a transaction claimed, and how many keys it freed.
+        #: What the last write claimed, and how many keys it freed.
         self.taken: list[WorkItem] = []
         self.freed = 0
 
-    def __call__(self, recorded: list[int]) -> None:
-        """In the success write's transaction, after its UPDATE: claim the freed keys' heads.
-
-        Run again if the write is retried (a new transaction), so only the last run counts.
-        """
-        keys = list(dict.fromkeys(self.keys[pk] for pk in recorded if pk in self.keys))
-        self.taken, self.freed = [], len(keys)
-        if not keys:
-            return
+    def __call__(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> list[Recorded]:
+        """The batch's success write (``transitions.succeed``'s ``write``), which claims the
+        next rows of the keys it frees. Repeated if the write is retried: the last counts."""
         try:
-            self.taken = self.owner.ops.transfer_slots(
-                keys=keys,
+            recorded, self.taken = self.owner.ops.succeed_and_transfer(
+                outcomes,
                 limit=self.room,
                 queues=self.owner.claim_loop.config.queues,
-                worker=worker_id(),
+                worker=self.owner.worker,
                 limits=self.limits,
             )
         except Exception as exc:
             if is_transient(exc):
                 raise  # the write is retried, this with it
             raise TransferFailed(str(exc)) from exc
+        self.freed = len({self.keys[pk] for pk, _, _ in recorded if pk in self.keys})
+        return recorded
 
     def deliver(self) -> None:
         """After the commit: the claimed rows join the buffer; keys left free wake the loop."""
@@ -111,10 +109,13 @@ class KeyHandOver:
         claim_loop: ClaimLoop,
         ops: VendorOperations,
         handlers: Callable[[], Mapping[str, WorkItemHandler]],
+        worker: str,
     ) -> None:
         self.claim_loop = claim_loop
         self.ops = ops
         self.handlers = handlers
+        #: The claim loop's identity: rows handed over are claimed in its name.
+        self.worker = worker
         #: Rows whose freed key a transfer deals with: their retirement wakes nothing more.
         self._dealt: set[int] = set()
         self._lock = threading.Lock()
@@ -131,6 +132,8 @@ class KeyHandOver:
         rated = self.claim_loop.rate_holds.rates(handlers)
         keys: dict[int, Key] = {}
         limits: dict[str, int] = {}
+        if transitions.linked_rows(items):  # written with what they set off, as before
+            return None
         for item in items:
             handler = handlers.get(item.handler)
             if (
@@ -152,7 +155,7 @@ class KeyHandOver:
         return Transfer(owner=self, keys=keys, room=room, limits=limits)
 
     def failed(self, transfer: Transfer, exc: BaseException) -> None:
-        """A write with ``transfer`` failed other than by the connection: stop handing over."""
+        """A write with ``transfer`` failed where the write without it did not: stop."""
         self.broken = True
         logger.error(
             "Handing freed concurrency keys over failed (%s); this worker claims them instead.",

@@ -38,6 +38,7 @@ from django_dbworker.worker.control import Control
 from django_dbworker.worker.handover import KeyHandOver
 from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
+from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
 from django_dbworker.worker.pool import Pool
@@ -275,7 +276,10 @@ class Worker:
         )
         if parts.threaded and self.ops.supports_key_handover:
             self.handover = KeyHandOver(
-                claim_loop=self.claim_loop, ops=self.ops, handlers=lambda: self.work_item_handlers
+                claim_loop=self.claim_loop,
+                ops=self.ops,
+                handlers=lambda: self.work_item_handlers,
+                worker=worker_id(),
             )
             writer.handover = self.handover
 

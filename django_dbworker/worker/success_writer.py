@@ -208,9 +208,9 @@ class SuccessWriter(threading.Thread):
             for entry in batch:
                 entry.finish()
 
-    def _settle(self, batch: list[_Pending]) -> None:
+    def _settle(self, batch: list[_Pending], *, hand_over: bool = True) -> None:
         """Write ``batch``; a batch the database refuses is retried row by row."""
-        handover = self.handover if threading.current_thread() is self else None
+        handover = self.handover if hand_over and threading.current_thread() is self else None
         transfer = handover.prepare([e.item for e in batch]) if handover is not None else None
         try:
             rows = [(e.item.pk, e.token, e.result_json) for e in batch]
@@ -219,7 +219,7 @@ class SuccessWriter(threading.Thread):
                 lambda: guarded(
                     self.using,
                     lambda: transitions.succeed(
-                        rows, using=self.using, linked=linked, then=transfer
+                        rows, using=self.using, linked=linked, write=transfer
                     ),
                 ),
                 what="recording successes",
@@ -227,10 +227,12 @@ class SuccessWriter(threading.Thread):
                 using=self.using,
             )
         except TransferFailed as failed:
+            # The same write without the hand-over: if that is refused too, the rows were.
             assert handover is not None and transfer is not None
-            handover.failed(transfer, failed.__cause__ or failed)
             tidy_unless_in_transaction(self.using)
-            self._settle(batch)  # without a transfer now
+            self._settle(batch, hand_over=False)
+            if not any(isinstance(e.written, Refused) for e in batch):
+                handover.failed(transfer, failed.__cause__ or failed)
             return
         except Exception as exc:
             if is_transient(exc):

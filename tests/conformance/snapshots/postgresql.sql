@@ -643,17 +643,40 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
 FROM walked WHERE over OR unkeyed;
 
--- name: transfer_slots
--- Claim the next ready rows of keys whose rows this transaction ended (any queue).
-WITH keys AS (
-    SELECT DISTINCT k.handler, k.concurrency_key
-    FROM unnest(%(key_handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
-), held AS (
-    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
-    WHERE h.status = 'claimed'
-      AND h.concurrency_key IS NOT NULL
-      AND (h.handler, h.concurrency_key) IN (SELECT handler, concurrency_key FROM keys)
-    GROUP BY h.handler, h.concurrency_key
+-- name: succeed_and_transfer
+-- Record successes; claim the next ready rows of their limited keys (any queue).
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+), done AS (
+UPDATE django_dbworker_workitem AS w
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    last_error = ''
+FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = l.id
+  AND w.id = v.id
+  AND w.claim_token = v.token
+  AND w.status = 'claimed'
+RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
+), keys AS (
+    SELECT d.handler, d.concurrency_key, count(*) AS ended
+    FROM done AS d
+    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
+    GROUP BY d.handler, d.concurrency_key
+), held AS MATERIALIZED (
+    SELECT k.handler, k.concurrency_key,
+           (SELECT count(*) FROM django_dbworker_workitem AS h
+            WHERE h.status = 'claimed'
+              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
+           AS slots
+    FROM keys AS k
 ), heads AS (
     SELECT hd.id
     FROM keys
@@ -678,7 +701,7 @@ WITH keys AS (
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
-)
+), moved AS (
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -691,19 +714,48 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key
+)
+SELECT true AS claimed, m.* FROM moved AS m
+UNION ALL
+SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
+       d.has_dependents, NULL
+FROM done AS d;
 
--- name: transfer_slots_in_queues
--- Claim the next ready rows of keys whose rows this transaction ended (some queues).
-WITH keys AS (
-    SELECT DISTINCT k.handler, k.concurrency_key
-    FROM unnest(%(key_handlers)s::text[], %(keys)s::text[]) AS k(handler, concurrency_key)
-), held AS (
-    SELECT h.handler, h.concurrency_key, count(*) AS slots FROM django_dbworker_workitem AS h
-    WHERE h.status = 'claimed'
-      AND h.concurrency_key IS NOT NULL
-      AND (h.handler, h.concurrency_key) IN (SELECT handler, concurrency_key FROM keys)
-    GROUP BY h.handler, h.concurrency_key
+-- name: succeed_and_transfer_in_queues
+-- Record successes; claim the next ready rows of their limited keys in some queues.
+WITH l AS MATERIALIZED (
+    SELECT id FROM django_dbworker_workitem
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND claim_token = ANY(%(tokens)s::uuid[])
+      AND status = 'claimed'
+    ORDER BY id
+    FOR UPDATE
+), done AS (
+UPDATE django_dbworker_workitem AS w
+SET status = 'succeeded',
+    result = v.result,
+    finished_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    last_error = ''
+FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
+WHERE w.id = l.id
+  AND w.id = v.id
+  AND w.claim_token = v.token
+  AND w.status = 'claimed'
+RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
+), keys AS (
+    SELECT d.handler, d.concurrency_key, count(*) AS ended
+    FROM done AS d
+    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
+    GROUP BY d.handler, d.concurrency_key
+), held AS MATERIALIZED (
+    SELECT k.handler, k.concurrency_key,
+           (SELECT count(*) FROM django_dbworker_workitem AS h
+            WHERE h.status = 'claimed'
+              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
+           AS slots
+    FROM keys AS k
 ), heads AS (
     SELECT hd.id
     FROM keys
@@ -729,7 +781,7 @@ WITH keys AS (
     ORDER BY p.priority DESC, p.run_after, p.id
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
-)
+), moved AS (
 UPDATE django_dbworker_workitem AS w
 SET status = 'claimed',
     attempts = w.attempts + 1,
@@ -742,4 +794,10 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key
+)
+SELECT true AS claimed, m.* FROM moved AS m
+UNION ALL
+SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
+       d.has_dependents, NULL
+FROM done AS d;
