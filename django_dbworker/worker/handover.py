@@ -123,36 +123,42 @@ class KeyHandOver:
         self.broken = False
         #: Rows claimed by transfers, for the record.
         self.handed_over = 0
+        self._seen: Mapping[str, WorkItemHandler] | None = None
+        self._limits: dict[str, int] = {}
 
     def prepare(self, items: Sequence[WorkItem]) -> Transfer | None:
         """The transfer for a batch of successes about to be written, or None."""
-        if self.broken:
+        limited = self._limited()
+        if not limited or self.broken:
             return None
-        handlers = self.handlers()
-        rated = self.claim_loop.rate_holds.rates(handlers)
-        keys: dict[int, Key] = {}
-        limits: dict[str, int] = {}
-        if transitions.linked_rows(items):  # written with what they set off, as before
+        keys = {
+            item.pk: (item.handler, item.concurrency_key)
+            for item in items
+            if item.concurrency_key is not None and item.handler in limited
+        }
+        if not keys or transitions.linked_rows(items):  # linked: written as before
             return None
-        for item in items:
-            handler = handlers.get(item.handler)
-            if (
-                item.concurrency_key is None
-                or item.handler in rated
-                or handler is None
-                or handler.concurrency_limit is None
-            ):
-                continue
-            keys[item.pk] = (item.handler, item.concurrency_key)
-            limits[item.handler] = handler.concurrency_limit
-        if not keys:
-            return None
+        limits = {handler: limited[handler] for handler, _ in keys.values()}
         room = self.claim_loop.handover_room()
         if room <= 0:
             return None
         with self._lock:
             self._dealt.update(keys)
         return Transfer(owner=self, keys=keys, room=room, limits=limits)
+
+    def _limited(self) -> dict[str, int]:
+        """The handlers whose keys are handed over, with their limits: the limited ones,
+        but not the rate-limited (their starts are counted by their own claim)."""
+        handlers = self.handlers()
+        if handlers is not self._seen:  # replaced, never changed, when handlers are added
+            rated = self.claim_loop.rate_holds.rates(handlers)
+            self._limits = {
+                name: limit
+                for name, handler in handlers.items()
+                if (limit := handler.concurrency_limit) is not None and name not in rated
+            }
+            self._seen = handlers
+        return self._limits
 
     def failed(self, transfer: Transfer, exc: BaseException) -> None:
         """A write with ``transfer`` failed where the write without it did not: stop."""
