@@ -225,8 +225,7 @@ _HEADS_OF_KEYS = """
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
-    LEFT JOIN held
-      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
+{held_join}
     CROSS JOIN LATERAL (
         SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
@@ -234,7 +233,7 @@ _HEADS_OF_KEYS = """
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){queues}
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+        LIMIT greatest(l.lim - {held_slots}, 0)
     ) AS hd{heads_filter}
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
@@ -245,6 +244,16 @@ _HEADS_OF_KEYS = """
     LIMIT %(limit)s
     FOR UPDATE OF p SKIP LOCKED
 """
+
+
+def _held_by_join(text: str) -> str:
+    """The heads with ``held`` (a CTE of slots by key) joined to ``keys``."""
+    return text.replace(
+        "{held_join}",
+        "    LEFT JOIN held\n"
+        "      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key",
+    ).replace("{held_slots}", "coalesce(held.slots, 0)")
+
 
 _LOCK_HEADS = (
     _KEY_LOCKS
@@ -295,7 +304,9 @@ WITH RECURSIVE unkeyed AS (
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key"""
-    + _HEADS_OF_KEYS.replace("{heads_filter}", "\n    WHERE NOT (SELECT over FROM walked)")
+    + _held_by_join(_HEADS_OF_KEYS).replace(
+        "{heads_filter}", "\n    WHERE NOT (SELECT over FROM walked)"
+    )
     + _LOCK_HEADS
     + """
 UNION ALL
@@ -378,14 +389,16 @@ _SUCCEED_AND_TRANSFER = (
     FROM done AS d
     WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
     GROUP BY d.handler, d.concurrency_key
-), held AS MATERIALIZED (
-    SELECT k.handler, k.concurrency_key,
-           (SELECT count(*) FROM django_dbworker_workitem AS h
-            WHERE h.status = 'claimed'
-              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
-           AS slots
-    FROM keys AS k"""
+"""
     + _HEADS_OF_KEYS.replace("{heads_filter}", "")
+    .replace("{held_join}", "")
+    .replace(
+        "{held_slots}",
+        """((SELECT count(*) FROM django_dbworker_workitem AS h
+                    WHERE h.status = 'claimed'
+                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
+                   - keys.ended)""",
+    )
     + """), moved AS (
 UPDATE django_dbworker_workitem AS w
 """

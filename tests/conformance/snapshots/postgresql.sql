@@ -670,20 +670,13 @@ RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
     FROM done AS d
     WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
     GROUP BY d.handler, d.concurrency_key
-), held AS MATERIALIZED (
-    SELECT k.handler, k.concurrency_key,
-           (SELECT count(*) FROM django_dbworker_workitem AS h
-            WHERE h.status = 'claimed'
-              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
-           AS slots
-    FROM keys AS k
+
 ), heads AS (
     SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
-    LEFT JOIN held
-      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
+
     CROSS JOIN LATERAL (
         SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
@@ -691,7 +684,10 @@ RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+        LIMIT greatest(l.lim - ((SELECT count(*) FROM django_dbworker_workitem AS h
+                    WHERE h.status = 'claimed'
+                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
+                   - keys.ended), 0)
     ) AS hd
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
@@ -749,20 +745,13 @@ RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
     FROM done AS d
     WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
     GROUP BY d.handler, d.concurrency_key
-), held AS MATERIALIZED (
-    SELECT k.handler, k.concurrency_key,
-           (SELECT count(*) FROM django_dbworker_workitem AS h
-            WHERE h.status = 'claimed'
-              AND h.handler = k.handler AND h.concurrency_key = k.concurrency_key) - k.ended
-           AS slots
-    FROM keys AS k
+
 ), heads AS (
     SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
-    LEFT JOIN held
-      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
+
     CROSS JOIN LATERAL (
         SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
@@ -771,7 +760,10 @@ RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
           AND p.queue = ANY(%(queues)s::text[])
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+        LIMIT greatest(l.lim - ((SELECT count(*) FROM django_dbworker_workitem AS h
+                    WHERE h.status = 'claimed'
+                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
+                   - keys.ended), 0)
     ) AS hd
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
