@@ -37,9 +37,11 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import Recorded
 from django_dbworker.worker.attempts import Attempt
+from django_dbworker.worker.identity import worker_id
 
 if TYPE_CHECKING:  # the claim loop imports the writer, which imports this
     from django_dbworker.worker.claim_loop import ClaimLoop
+    from django_dbworker.worker.success_writer import SuccessWriter
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -100,8 +102,40 @@ class Transfer:
             loop.key_freed()
 
 
+def retired(
+    attempt: Attempt,
+    loop: ClaimLoop | None,
+    handover: KeyHandOver | None,
+    otherwise: Callable[[], None],
+) -> None:
+    """An attempt left the ledger (``Ledger``'s ``on_retired``): if it held a limited key's
+    slot that no transfer passed on, the claim loop claims now (``key_freed``); else
+    ``otherwise`` (the loop wakes if its buffer is low)."""
+    if (
+        loop is not None
+        and attempt.item.concurrency_key is not None
+        and attempt.handler.concurrency_limit is not None
+        and not (handover is not None and handover.quiet(attempt))
+    ):
+        loop.key_freed()
+    else:
+        otherwise()
+
+
 class KeyHandOver:
     """Prepares the success writer's transfers (``SuccessWriter.handover``)."""
+
+    @classmethod
+    def attach(
+        cls, loop: ClaimLoop, writer: SuccessWriter, ops: VendorOperations
+    ) -> KeyHandOver | None:
+        """The hand-over of a threaded worker's writer, where the vendor has the statement."""
+        if not ops.supports_key_handover:
+            return None
+        writer.handover = handover = cls(
+            claim_loop=loop, ops=ops, handlers=loop.handlers, worker=worker_id()
+        )
+        return handover
 
     def __init__(
         self,

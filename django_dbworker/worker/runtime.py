@@ -10,6 +10,7 @@ a module of its own:
   ``execution.py``, hand-off to ``success_writer.py``);
 - ``attempts.py``: the ledger of attempts in flight;
 - ``settle.py``: the one place an attempt's ending is accounted for;
+- ``handover.py``: a success write passes its concurrency key's slot on;
 - ``recovery.py``: when stale recovery runs; ``heartbeat.py``;
 - ``shutdown.py``: drain and release; ``watchdog.py``; ``watchers.py``.
 
@@ -29,16 +30,15 @@ from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.abandoned import AbandonedThreads
-from django_dbworker.worker.attempts import Attempt, Ledger
+from django_dbworker.worker.attempts import Ledger
 from django_dbworker.worker.claim_loop import ClaimLoop
 from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.handover import KeyHandOver
+from django_dbworker.worker.handover import KeyHandOver, retired
 from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
-from django_dbworker.worker.identity import worker_id
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
 from django_dbworker.worker.pool import Pool
@@ -85,7 +85,9 @@ class Worker:
         self.ops = operations(cfg.using)
         self.control = control = Control()
         self.abandoned = AbandonedThreads(self.metrics)
-        self.ledger = Ledger(on_retired=self._retired)
+        self.ledger = Ledger(
+            on_retired=lambda a: retired(a, self.claim_loop, self.handover, self._maybe_wake)
+        )
         self.watchdog = Watchdog(control=control, abandoned=self.abandoned, cap=cfg.abandoned_cap)
         self.settler = Settler(
             ledger=self.ledger,
@@ -112,25 +114,12 @@ class Worker:
 
     # -- what tests, the command and run_until_empty read --------------------------
 
-    @property
-    def stopping(self) -> Any:
-        return self.control.stopping
-
-    @property
-    def draining(self) -> Any:
-        return self.control.draining
-
-    @property
-    def aborting(self) -> Any:
-        return self.control.aborting
-
-    @property
-    def wake(self) -> Any:
-        return self.control.wake
-
-    @property
-    def idle(self) -> Any:
-        return self.control.idle
+    # The control events (``control.py``), as the tests and the command name them.
+    stopping = property(lambda self: self.control.stopping)
+    draining = property(lambda self: self.control.draining)
+    aborting = property(lambda self: self.control.aborting)
+    wake = property(lambda self: self.control.wake)
+    idle = property(lambda self: self.control.idle)
 
     @property
     def outcomes(self) -> Any:
@@ -274,14 +263,8 @@ class Worker:
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
-        if parts.threaded and self.ops.supports_key_handover:
-            self.handover = KeyHandOver(
-                claim_loop=self.claim_loop,
-                ops=self.ops,
-                handlers=lambda: self.work_item_handlers,
-                worker=worker_id(),
-            )
-            writer.handover = self.handover
+        if parts.threaded:
+            self.handover = KeyHandOver.attach(self.claim_loop, writer, self.ops)
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -350,19 +333,6 @@ class Worker:
             self.control.wake.set()
         else:
             self.claim_loop.announce(priority)
-
-    def _retired(self, attempt: Attempt) -> None:
-        """An attempt left the ledger: a limited key's slot is free unless handed over."""
-        loop = self.claim_loop
-        if (
-            loop is not None
-            and attempt.item.concurrency_key is not None
-            and attempt.handler.concurrency_limit is not None
-            and not (self.handover is not None and self.handover.quiet(attempt))
-        ):
-            loop.key_freed()
-        else:
-            self._maybe_wake()
 
     def _maybe_wake(self) -> None:
         """Wake the claim loop if its buffer is down to the refill mark (room to claim)."""

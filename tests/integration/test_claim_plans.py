@@ -17,7 +17,7 @@ import pytest
 from django.db import connection
 
 from bench.bigtable import fill
-from django_dbworker.db import postgresql
+from django_dbworker.db import postgresql, postgresql_keyed_sql
 from tests.factories import auto_explained, claim, make_item
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
@@ -195,7 +195,7 @@ def test_the_keyed_claims_candidates_read_the_claim_index_and_count_slots_by_ind
     )
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {TABLE}")
-    sql, params = postgresql.candidates_statement(
+    sql, params = postgresql_keyed_sql.candidates_statement(
         limit=8, handlers=["noop"], queues=queues, limits={"noop": 1}
     )
     plan = _plan(sql, params)
