@@ -147,7 +147,6 @@ class ClaimLoop:
         limit -= rated
         plain = [name for name in handlers if name not in rates]
         limits = concurrency_limits(handlers, plain)
-        self.rests = False
         try:
             items = (
                 self.ops.claim(
@@ -340,8 +339,8 @@ class ClaimLoop:
             self.claims += 1
 
     def key_freed(self) -> None:
-        """A slot of a limited key was freed here and not handed over: claim again now."""
-        self.rests = False
+        """A slot of a limited key was freed here and not handed over: claim again now
+        (the claim says whether the loop rests still; hand-overs go on meanwhile)."""
         self.control.wake.set()
 
     def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
