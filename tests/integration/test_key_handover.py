@@ -205,9 +205,9 @@ def test_a_worker_hands_keys_over_and_runs_each_key_one_at_a_time(
         timeout=60,
         what="every keyed item to succeed",
     )
-    assert worker.handover is not None and worker.handover.handed_over > 0
     assert worker.claimed == 150
-    assert worker.handover.handed_over > 75, f"most rows came by hand-over: {worker.handover.handed_over}"
+    handed_over = worker.handover.handed_over if worker.handover is not None else 0
+    assert handed_over > 75, f"most rows came by hand-over, not {handed_over}"
     assert_no_key_overlaps()
     # Claimed in the claim loop's name, hand-overs too (not the success writer's thread).
     by = dict(WorkItem.objects.values_list("claimed_by").annotate(n=Count("id")))
