@@ -199,6 +199,7 @@ class VendorOperations(ABC):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int],
+        adopt: bool = False,
     ) -> tuple[list[tuple[int, UUID, bool]], list[WorkItem]]:
         """``succeed_rows``, and the next rows of the freed keys of ``limits`` claimed."""
         raise NotImplementedError

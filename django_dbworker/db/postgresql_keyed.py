@@ -23,6 +23,7 @@ from django_dbworker.db.base import Claimed, as_uuid, current_limits
 from django_dbworker.db.postgresql_estimates import PostgresEstimates
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
+    CLAIMED_FOR_KEYS,
     HEADS_PLAN,
     READ_COMMITTED,
     TRANSACTION_ISOLATION,
@@ -54,9 +55,13 @@ class PostgresKeyedClaims(PostgresEstimates):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int],
+        adopt: bool = False,
     ) -> tuple[list[tuple[int, UUID, bool]], list[WorkItem]]:
+        """``succeed_rows``; the keys of limit 1 among ``limits`` pass their slots on (a limit
+        above 1 could be exceeded: ``worker/handover.py``); ``adopt``: see CLAIMED_FOR_KEYS."""
         if not outcomes:
             return [], []
+        limits = {handler: 1 for handler, limit in limits.items() if limit == 1}
         sql, params = succeed_and_transfer_statement(
             outcomes=outcomes, limit=limit, queues=queues, limits=limits, worker=worker
         )
@@ -66,7 +71,12 @@ class PostgresKeyedClaims(PostgresEstimates):
         else:
             found = self._fetch_bound(sql, params)
         recorded = [(row[1], as_uuid(row[10]), bool(row[13])) for row in found if not row[0]]
-        return recorded, self._rows_to_items([row[1:] for row in found if row[0]])
+        claimed = [row[1:] for row in found if row[0]]
+        if adopt:  # a retry: also what a write whose answer was lost claimed for them
+            ids = {row[0] for row in claimed}
+            held = self._fetch_bound(CLAIMED_FOR_KEYS.sql, {"worker": worker, "ids": params["ids"]})
+            claimed += [row for row in held if row[0] not in ids]
+        return recorded, self._rows_to_items(claimed)
 
     def _claim_keyed(
         self,

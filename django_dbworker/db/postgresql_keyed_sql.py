@@ -32,7 +32,7 @@ from django_dbworker.db.postgresql_sql import (
     LOCKED_IN_ID_ORDER,
     SUCCEED_UPDATE,
 )
-from django_dbworker.db.sql import Statement
+from django_dbworker.db.sql import CLAIM_COLUMNS, Statement
 
 KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
 
@@ -450,3 +450,22 @@ def succeed_and_transfer_statement(
     if not queues:
         return SUCCEED_AND_TRANSFER.sql, params
     return SUCCEED_AND_TRANSFER_IN_QUEUES.sql, {**params, "queues": list(queues)}
+
+
+# A success write retried after its connection was lost at the commit finds its rows
+# recorded already, and claims nothing for their keys: the rows the lost write claimed (for
+# the same writer) would be in no buffer. Read them back; the worker takes those it does
+# not hold. Limit 1 only (``worker/handover.py``): the key's claimed row is that row.
+CLAIMED_FOR_KEYS = Statement(
+    "claimed_for_keys",
+    "Read the rows of these rows' keys claimed in this name (a retried hand-over's).",
+    f"""
+SELECT {", ".join("w." + c for c in CLAIM_COLUMNS)}
+FROM django_dbworker_workitem AS w
+WHERE w.status = 'claimed'
+  AND w.claimed_by = %(worker)s
+  AND (w.handler, w.concurrency_key) IN (
+      SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
+      WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL)
+""",
+)

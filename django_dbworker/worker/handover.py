@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 from uuid import UUID
 
@@ -68,34 +68,50 @@ class Transfer:
         self.keys = keys
         self.room = room
         self.limits = limits
-        #: What the last write claimed, and how many keys it freed.
+        #: What the last write claimed, which rows it recorded, how many keys it freed.
         self.taken: list[WorkItem] = []
+        self.recorded: list[int] = []
         self.freed = 0
+        self.writes = 0
 
     def __call__(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> list[Recorded]:
         """The batch's success write (``transitions.succeed``'s ``write``), which claims the
-        next rows of the keys it frees. Repeated if the write is retried: the last counts."""
+        next rows of the keys it frees, in the name of this (the writer's) thread.
+
+        Repeated if the write is retried, and only the last answer counts. A retry after a
+        connection lost at the commit may find the batch recorded and its keys' rows
+        claimed by the write before: it asks for those too (``adopt``), and ``deliver``
+        takes the ones this worker does not hold, which nobody else would run.
+        """
+        self.writes += 1
         try:
             recorded, self.taken = self.owner.ops.succeed_and_transfer(
                 outcomes,
                 limit=self.room,
                 queues=self.owner.claim_loop.config.queues,
-                worker=self.owner.worker,
+                worker=worker_id(),
                 limits=self.limits,
+                adopt=self.writes > 1,
             )
         except Exception as exc:
             if is_transient(exc):
                 raise  # the write is retried, this with it
             raise TransferFailed(str(exc)) from exc
-        self.freed = len({self.keys[pk] for pk, _, _ in recorded if pk in self.keys})
+        self.recorded = [pk for pk, _, _ in recorded if pk in self.keys]
+        self.freed = len({self.keys[pk] for pk in self.recorded})
         return recorded
 
     def deliver(self) -> None:
         """After the commit: the claimed rows join the buffer; keys left free wake the loop."""
         loop = self.owner.claim_loop
-        if self.taken:
-            loop.take(self.taken)
-            self.owner.handed_over += len(self.taken)
+        self.owner.dealt(self.recorded)
+        taken = self.taken
+        if self.writes > 1:  # rows a lost answer claimed for this worker, or held already
+            held = {item.pk for item in loop.ledger.items()}
+            taken = [item for item in taken if item.pk not in held]
+        if taken:
+            loop.take(taken)
+            self.owner.handed_over += len(taken)
         if len(self.taken) < self.freed:
             # A freed key without a next row costs the loop one claim that finds nothing;
             # one whose row the room left behind is claimed by that claim.
@@ -132,9 +148,7 @@ class KeyHandOver:
         """The hand-over of a threaded worker's writer, where the vendor has the statement."""
         if not ops.supports_key_handover:
             return None
-        writer.handover = handover = cls(
-            claim_loop=loop, ops=ops, handlers=loop.handlers, worker=worker_id()
-        )
+        writer.handover = handover = cls(claim_loop=loop, ops=ops, handlers=loop.handlers)
         return handover
 
     def __init__(
@@ -143,14 +157,12 @@ class KeyHandOver:
         claim_loop: ClaimLoop,
         ops: VendorOperations,
         handlers: Callable[[], Mapping[str, WorkItemHandler]],
-        worker: str,
     ) -> None:
         self.claim_loop = claim_loop
         self.ops = ops
         self.handlers = handlers
-        #: The claim loop's identity: rows handed over are claimed in its name.
-        self.worker = worker
-        #: Rows whose freed key a transfer deals with: their retirement wakes nothing more.
+        #: Rows whose freed key a committed transfer dealt with (handed over, or the loop
+        #: woken): their retirement wakes nothing more.
         self._dealt: set[int] = set()
         self._lock = threading.Lock()
         #: Set when a transfer failed other than by the connection: no more of them here.
@@ -176,20 +188,25 @@ class KeyHandOver:
         room = self.claim_loop.handover_room()
         if room <= 0:
             return None
-        with self._lock:
-            self._dealt.update(keys)
         return Transfer(owner=self, keys=keys, room=room, limits=limits)
 
     def _limited(self) -> dict[str, int]:
-        """The handlers whose keys are handed over, with their limits: the limited ones,
-        but not the rate-limited (their starts are counted by their own claim)."""
+        """The handlers whose keys are handed over, with their limits: those of limit 1, but
+        not the rate-limited (their starts are counted by their own claim).
+
+        Limit 1 only: the statement counts the key's slots in its snapshot, taken before it
+        may wait for its rows' locks (a heartbeat holds them a moment). While the ended row
+        holds a key's only slot no one else can claim a row of that key, so the count
+        cannot be stale; with a limit of 2 another worker took the other slot during such a
+        wait and the key had 3 rows claimed (``test_attack_s12_handover.py``).
+        """
         handlers = self.handlers()
         if handlers is not self._seen:  # replaced, never changed, when handlers are added
             rated = self.claim_loop.rate_holds.rates(handlers)
             self._limits = {
-                name: limit
+                name: 1
                 for name, handler in handlers.items()
-                if (limit := handler.concurrency_limit) is not None and name not in rated
+                if handler.concurrency_limit == 1 and name not in rated
             }
             self._seen = handlers
         return self._limits
@@ -202,9 +219,12 @@ class KeyHandOver:
             exc,
             exc_info=exc,
         )
-        with self._lock:
-            self._dealt.difference_update(transfer.keys)
         self.claim_loop.key_freed()
+
+    def dealt(self, rows: Collection[int]) -> None:
+        """A committed transfer dealt with these rows' freed keys (``quiet``)."""
+        with self._lock:
+            self._dealt.update(rows)
 
     def quiet(self, attempt: Attempt) -> bool:
         """Whether ``attempt``'s freed key was dealt with by a transfer (once; forgets it)."""

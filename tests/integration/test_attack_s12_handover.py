@@ -1,7 +1,21 @@
 """Attacks (session 12) on the hand-over: a success write that claims its keys' next rows
 (``SUCCEED_AND_TRANSFER``, ``worker/handover.py``).
 
-See the report for which of these fail on the ``handover`` branch and why.
+Bugs (these tests fail on d4d3543):
+
+1. Over the limit. SUCCEED_AND_TRANSFER counts a key's claimed rows in its statement's
+   snapshot, taken before the statement waits for its rows' locks (``l`` ... FOR UPDATE).
+   A keyed claim that commits meanwhile counted the ending row as claimed (its end is not
+   committed) and took a slot; the transfer, blind to that claim, fills the ended row's
+   slot and the other one too (limit 2: three rows claimed). Two tests: a row enqueued
+   during the wait, and a row of the key in a queue the transfer does not serve.
+2. Ownership. A success write whose commit is unknown (the connection drops after the
+   commit) is run again by ``persist``; the rerun records nothing and claims nothing, and
+   ``Transfer.taken`` becomes that empty answer: the row the first run claimed, in this
+   worker's name, is in no buffer, run by nobody, heartbeated by nobody.
+
+Regression tests (pass): a key freed by a refused result or by a fenced success wakes the
+resting loop; a stop while a transfer is in flight leaves no row claimed; no stray output.
 """
 
 from __future__ import annotations
@@ -17,22 +31,24 @@ from django.db.models.functions import Now
 from django_dbworker import WorkItemHandler
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
+from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
+from django_dbworker.worker import Worker
 from tests.conftest import lock_waiters, wait_until
-from tests.factories import limited_claim
+from tests.factories import limited_claim, worker_config
 
 pytestmark = pytest.mark.django_db(transaction=True)
 postgres_only = pytest.mark.postgres_only
 
 
 class S12Keyed(WorkItemHandler):
-    """One item per key at once; returns ``payload["result"]`` (None if absent)."""
+    """One item per key at once; returns a NUL (jsonb refuses it) when ``payload["nul"]``."""
 
     name = "s12_keyed"
     concurrency_limit = 1
 
     def handle(self, payload: Any) -> Any:
-        return payload.get("result")
+        return "nul \x00 here" if payload.get("nul") else None
 
 
 def s12(key: str, **fields: Any) -> WorkItem:
@@ -246,9 +262,10 @@ def test_a_key_freed_by_a_refused_result_is_claimed_without_waiting_for_the_poll
     failure, which frees the key. But ``prepare`` put A's id among the rows a transfer
     dealt with (``_dealt``) and nothing takes it out: A's retirement is 'quiet', the
     resting claim loop is not woken, and B of the same key waits for the 120 s poll."""
-    a = s12("k", payload={"result": "nul \x00 here"}, max_attempts=1)
+    a = s12("k", payload={"nul": True}, max_attempts=1)
     b = s12("k")
-    background_worker(["s12_keyed"], poll_interval=120.0, wakeups=False)
+    # LISTEN on: no adaptive polls (which would find B anyway), the loop polls every 120 s.
+    worker = background_worker(["s12_keyed"], poll_interval=120.0, wakeups=True)
     wait_until(
         lambda: WorkItem.objects.get(pk=a.pk).status == Status.FAILED,
         what="A's refused result to be recorded as a failure",
@@ -257,6 +274,9 @@ def test_a_key_freed_by_a_refused_result_is_claimed_without_waiting_for_the_poll
         lambda: WorkItem.objects.get(pk=b.pk).status == Status.SUCCEEDED,
         timeout=20,
         what="B (same key) to run after A's refused result freed the key, not after the poll",
+    )
+    assert worker.handover is not None and not worker.handover.broken, (
+        "a result the database refuses must not stop the hand-overs"
     )
 
 
@@ -296,7 +316,7 @@ def test_a_key_freed_by_a_fenced_success_is_claimed_without_waiting_for_the_poll
             concurrency_limit=1,
             max_attempts=3,
         )
-        background_worker(["s12_blocking"], poll_interval=120.0, wakeups=False)
+        background_worker(["s12_blocking"], poll_interval=120.0, wakeups=True)
         assert BLOCK_STARTED.wait(20), "A did not start"
         steal_claim(a.pk)
         WorkItem.objects.filter(pk=a.pk).update(payload={})  # its next run does not block
@@ -311,7 +331,65 @@ def test_a_key_freed_by_a_fenced_success_is_claimed_without_waiting_for_the_poll
         BLOCK_PROCEED.set()
 
 
-# -- 4. a debugging line left in the claim loop ---------------------------------------------
+# -- 4. ownership: a stop while a transfer is in flight ------------------------------------
+
+
+@postgres_only
+def test_a_stop_while_a_transfer_is_in_flight_leaves_no_row_claimed() -> None:
+    """A's success write (with its hand-over: the loop rests, B is held back by the key)
+    waits for A's row lock; the worker is told to stop; then the write goes on and claims
+    B. Once the worker has stopped, B must not be left claimed by it."""
+    BLOCK_STARTED.clear()
+    BLOCK_PROCEED.clear()
+    try:
+        a = WorkItem.objects.create(
+            handler="s12_blocking",
+            payload={"block": True},
+            concurrency_key="k",
+            concurrency_limit=1,
+            max_attempts=3,
+        )
+        b = WorkItem.objects.create(
+            handler="s12_blocking",
+            payload={"block": True},
+            concurrency_key="k",
+            concurrency_limit=1,
+            max_attempts=3,
+        )
+        worker = Worker(
+            [registry["s12_blocking"]],
+            worker_config(poll_interval=120.0, wakeups=False, stale_after=600.0),
+        )
+        runner = threading.Thread(target=worker.run, daemon=True)
+        runner.start()
+        assert BLOCK_STARTED.wait(20), "A did not start"
+        assert worker.claim_loop is not None
+        wait_until(lambda: worker.claim_loop.rests, what="the claim loop to rest")
+        with RowLockHeld(a.pk):
+            BLOCK_PROCEED.set()  # A returns; its success write waits for the lock
+            wait_until(lambda: lock_waiters() >= 1, what="A's success write to wait")
+            worker.stop()
+            wait_until(lambda: worker.stopping.is_set(), what="the stop")
+        wait_until(
+            lambda: WorkItem.objects.get(pk=a.pk).status == Status.SUCCEEDED, what="A's success"
+        )
+        runner.join(20)
+        assert not runner.is_alive(), "the worker did not stop"
+        row = WorkItem.objects.get(pk=b.pk)
+        assert row.status != Status.CLAIMED, (
+            f"B is left claimed by {row.claimed_by!r} after the worker stopped"
+        )
+        assert worker.handover is not None and worker.handover.handed_over == 1, (
+            "the scenario: B came by the hand-over that was in flight at the stop"
+        )
+    finally:
+        BLOCK_PROCEED.set()
+        if "worker" in locals():
+            worker.stop(immediate=True)
+            runner.join(20)
+
+
+# -- 5. a debugging line left in the claim loop ---------------------------------------------
 
 
 def test_the_claim_loop_writes_nothing_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:

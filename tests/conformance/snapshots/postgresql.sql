@@ -793,3 +793,13 @@ UNION ALL
 SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
        d.has_dependents, NULL
 FROM done AS d;
+
+-- name: claimed_for_keys
+-- Read the rows of these rows' keys claimed in this name (a retried hand-over's).
+SELECT w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts, w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id, w.has_dependents, w.concurrency_key
+FROM django_dbworker_workitem AS w
+WHERE w.status = 'claimed'
+  AND w.claimed_by = %(worker)s
+  AND (w.handler, w.concurrency_key) IN (
+      SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
+      WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL);
