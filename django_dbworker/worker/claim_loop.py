@@ -339,9 +339,12 @@ class ClaimLoop:
             self.claims += 1
 
     def key_freed(self) -> None:
-        """A slot of a limited key was freed here and not handed over: claim again now
-        (the claim says whether the loop rests still; hand-overs go on meanwhile)."""
-        self.control.wake.set()
+        """A slot of a limited key was freed here and not handed over: a resting loop claims
+        now (and learns whether it rests still); a busy one when its buffer runs low."""
+        if self.rests:
+            self.control.wake.set()
+        else:
+            self.maybe_wake()
 
     def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
