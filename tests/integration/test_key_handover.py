@@ -59,6 +59,21 @@ def keyed(key: str, queue: str = "default", **fields: Any) -> WorkItem:
     )
 
 
+def two_claimed_of_a_pair_key(pending: int) -> list[WorkItem]:
+    """``pending`` rows of key "a" of ``keyed_pair`` (limit 2), two of them claimed."""
+    for _ in range(pending):
+        WorkItem.objects.create(
+            handler="keyed_pair",
+            payload={},
+            concurrency_key="a",
+            concurrency_limit=2,
+            max_attempts=3,
+        )
+    claimed = claim(limit=10, handlers=["keyed_pair"], limited=True)
+    assert len(claimed) == 2
+    return claimed
+
+
 def claim_keyed(limit: int = 10, queues: list[str] | None = None) -> list[WorkItem]:
     return claim(limit=limit, handlers=["keyed"], queues=queues, limited=True)
 
@@ -119,16 +134,7 @@ def test_a_fenced_success_passes_no_slot_on() -> None:
 @postgres_only
 def test_a_key_at_a_lowered_limit_gets_no_row_in_place() -> None:
     """Two rows of a key claimed under limit 2; the limit is now 1: one ends, none starts."""
-    for _ in range(3):
-        WorkItem.objects.create(
-            handler="keyed_pair",
-            payload={},
-            concurrency_key="a",
-            concurrency_limit=2,
-            max_attempts=3,
-        )
-    claimed = claim(limit=10, handlers=["keyed_pair"], limited=True)
-    assert len(claimed) == 2
+    claimed = two_claimed_of_a_pair_key(pending=3)
     recorded, taken = succeed_and_transfer(claimed[:1], limits={"keyed_pair": 1})
     assert len(recorded) == 1 and taken == []
     recorded, taken = succeed_and_transfer(claimed[1:], limits={"keyed_pair": 1})
@@ -139,16 +145,7 @@ def test_a_key_at_a_lowered_limit_gets_no_row_in_place() -> None:
 def test_keys_of_a_limit_above_one_are_not_handed_over() -> None:
     """The statement counts slots in a snapshot older than its row locks: safe only while
     the row it ends holds its key's only slot (test_attack_s12_handover.py)."""
-    for _ in range(5):
-        WorkItem.objects.create(
-            handler="keyed_pair",
-            payload={},
-            concurrency_key="a",
-            concurrency_limit=2,
-            max_attempts=3,
-        )
-    claimed = claim(limit=10, handlers=["keyed_pair"], limited=True)
-    assert len(claimed) == 2
+    claimed = two_claimed_of_a_pair_key(pending=5)
     recorded, taken = succeed_and_transfer(claimed)
     assert len(recorded) == 2 and taken == []
     assert WorkItem.objects.filter(status=Status.CLAIMED).count() == 0
