@@ -214,11 +214,11 @@ KEYS_WALKED = 1000
 #: Seconds a worker walks, without trying the heads, after they found more keys than that.
 WALK_FOR = 10.0
 
-# A key's free slots (its limit less its claimed rows, counted in ``held``) offer its first
-# ready rows, found in dbworker_key_pending_idx; those heads are locked in claim order
-# (SKIP LOCKED below the LIMIT) and their keys' advisory locks taken: the part the loose
-# scan (``CLAIM_HEADS``) and the hand-over (``CLAIM_NEXT_OF_KEYS``) share, after a ``keys``
-# CTE of (handler, concurrency_key) and a ``held`` one.
+# A key's free slots (its limit less its claimed rows: {held_slots}) offer its first ready
+# rows, found in dbworker_key_pending_idx; those heads are locked in claim order (SKIP
+# LOCKED below the LIMIT): the part the loose scan (``CLAIM_HEADS``, which then takes the
+# keys' advisory locks, ``_LOCK_HEADS``) and the hand-over (``SUCCEED_AND_TRANSFER``, which
+# claims them) share, after a ``keys`` CTE of (handler, concurrency_key).
 _HEADS_OF_KEYS = """
 ), heads AS (
     SELECT hd.id

@@ -4,10 +4,11 @@ With ``concurrency_limit = 1`` a key moves one row per chain of claim, run and s
 write. Before, the next link waited for a claim loop that kept claiming to catch the
 freed slot; a keyed claim that finds every key busy costs about as much as one that takes
 them all, and W7 (100 keys, 2 processes) measured half its claims empty, 5 to 12 ms each
-(docs/internals/benchmarks.md). Here the success writer's transaction, after its UPDATE,
-claims the next ready rows of the keys whose rows it ended (``transfer_slots``: no key
-lock, no second count, since the transaction hands each slot from one row to the next)
-and, after the commit, they join this worker's buffer as a claim's rows do. Meanwhile the
+(docs/internals/benchmarks.md). Here the success writer's statement records the batch
+and claims the next ready row of each key whose row it ended (``succeed_and_transfer``:
+no key lock, no second count, since it hands each slot from one row to the next; keys of
+limit 1 only, see ``_limited``) and, after the commit, those rows join this worker's
+buffer as a claim's rows do. Meanwhile the
 claim loop rests (``ClaimLoop.rests``): a low buffer does not wake it; a key freed and not
 handed over does (``key_freed``), as do new rows and the poll.
 
@@ -18,8 +19,8 @@ move in claim order as before). Only up to the room a claim would fill (free thr
 prefetch), never while stopping, never for rate-limited handlers (their starts are
 counted by their own claim), and only on a vendor that has the statement (PostgreSQL).
 If the statement fails for a reason other than the connection, the success write is
-repeated without it and hand-overs stop for this process: a success is never refused for
-the sake of a hand-over.
+repeated without it, and if that one is not refused too, hand-overs stop for this
+process: a success is never refused for the sake of a hand-over.
 """
 
 from __future__ import annotations
@@ -61,17 +62,14 @@ class Transfer:
         owner: KeyHandOver,
         keys: Mapping[int, Key],
         room: int,
-        limits: Mapping[str, int],
     ) -> None:
         self.owner = owner
         #: Row id -> the (handler, concurrency_key) whose slot its success frees.
         self.keys = keys
         self.room = room
-        self.limits = limits
-        #: What the last write claimed, which rows it recorded, how many keys it freed.
+        #: What the last write claimed and which of the rows it recorded; how many writes.
         self.taken: list[WorkItem] = []
         self.recorded: list[int] = []
-        self.freed = 0
         self.writes = 0
 
     def __call__(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> list[Recorded]:
@@ -90,7 +88,7 @@ class Transfer:
                 limit=self.room,
                 queues=self.owner.claim_loop.config.queues,
                 worker=worker_id(),
-                limits=self.limits,
+                limits=dict.fromkeys({handler for handler, _ in self.keys.values()}, 1),
                 adopt=self.writes > 1,
             )
         except Exception as exc:
@@ -98,7 +96,6 @@ class Transfer:
                 raise  # the write is retried, this with it
             raise TransferFailed(str(exc)) from exc
         self.recorded = [pk for pk, _, _ in recorded if pk in self.keys]
-        self.freed = len({self.keys[pk] for pk in self.recorded})
         return recorded
 
     def deliver(self) -> None:
@@ -112,7 +109,7 @@ class Transfer:
         if taken:
             loop.take(taken)
             self.owner.handed_over += len(taken)
-        if len(self.taken) < self.freed:
+        if len(self.taken) < len({self.keys[pk] for pk in self.recorded}):
             # A freed key without a next row costs the loop one claim that finds nothing;
             # one whose row the room left behind is claimed by that claim.
             loop.key_freed()
@@ -170,7 +167,7 @@ class KeyHandOver:
         #: Rows claimed by transfers, for the record.
         self.handed_over = 0
         self._seen: Mapping[str, WorkItemHandler] | None = None
-        self._limits: dict[str, int] = {}
+        self._limited_names: frozenset[str] = frozenset()
 
     def prepare(self, items: Sequence[WorkItem]) -> Transfer | None:
         """The transfer for a batch of successes about to be written, or None."""
@@ -184,15 +181,14 @@ class KeyHandOver:
         }
         if not keys or transitions.linked_rows(items):  # linked: written as before
             return None
-        limits = {handler: limited[handler] for handler, _ in keys.values()}
         room = self.claim_loop.handover_room()
         if room <= 0:
             return None
-        return Transfer(owner=self, keys=keys, room=room, limits=limits)
+        return Transfer(owner=self, keys=keys, room=room)
 
-    def _limited(self) -> dict[str, int]:
-        """The handlers whose keys are handed over, with their limits: those of limit 1, but
-        not the rate-limited (their starts are counted by their own claim).
+    def _limited(self) -> frozenset[str]:
+        """The handlers whose keys are handed over: those of limit 1, but not the
+        rate-limited (their starts are counted by their own claim).
 
         Limit 1 only: the statement counts the key's slots in its snapshot, taken before it
         may wait for its rows' locks (a heartbeat holds them a moment). While the ended row
@@ -203,13 +199,13 @@ class KeyHandOver:
         handlers = self.handlers()
         if handlers is not self._seen:  # replaced, never changed, when handlers are added
             rated = self.claim_loop.rate_holds.rates(handlers)
-            self._limits = {
-                name: 1
+            self._limited_names = frozenset(
+                name
                 for name, handler in handlers.items()
                 if handler.concurrency_limit == 1 and name not in rated
-            }
+            )
             self._seen = handlers
-        return self._limits
+        return self._limited_names
 
     def failed(self, transfer: Transfer, exc: BaseException) -> None:
         """A write with ``transfer`` failed where the write without it did not: stop."""
