@@ -95,6 +95,19 @@ def _vendor_markers(request: pytest.FixtureRequest) -> None:
         pytest.skip(f"about SQLite's database write lock; this leg runs on {connection.vendor}")
 
 
+@pytest.fixture(autouse=True)
+def _no_broken_connection_from_an_earlier_test() -> None:
+    """Reconnect when an earlier test left the connection broken.
+
+    A test that kills server sessions (or restarts the server) can lose its
+    own connection at its end; without this, every later test in the run
+    would fail on "the connection is closed" and hide which one broke it.
+    """
+    raw = connection.connection
+    if raw is not None and getattr(raw, "closed", False):
+        connection.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _pgbouncer_lets_go_of_the_test_database(request: pytest.FixtureRequest) -> Iterator[None]:
     """In the PgBouncer leg: end PgBouncer's server sessions on the test database at the end.
