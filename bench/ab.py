@@ -90,8 +90,10 @@ def main() -> None:
                 this = [r[figure] for r in got["this"] if r.get(figure) is not None]
                 if not base or not this:
                     continue  # not measured in this setting (W7's free time with a key per item)
-                ratio = statistics.median(this) / statistics.median(base)
-                rows.append((spec, figure, fmt(base), fmt(this), f"{ratio:.2f}"))
+                before = statistics.median(base)
+                # A figure at 0 in the base (W7's free time, now that a slot is handed on).
+                ratio = f"{statistics.median(this) / before:.2f}" if before else "-"
+                rows.append((spec, figure, fmt(base), fmt(this), ratio))
     finally:
         stop_postgres()
     head = git_head(ROOT)
