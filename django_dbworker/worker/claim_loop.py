@@ -1,13 +1,12 @@
 """The WorkItem claim loop: how many rows to claim, claiming them, and dispatch.
 
-Runs on the worker's calling (main) thread. Each step recovers stale rows
-if due (``recovery.py``), gives back buffered rows it cannot start soon,
-claims a batch in one short statement sized to the free threads plus a
-prefetch buffer (``prefetch.py``: what the threads can start within
-PREFETCH_HORIZON), records the rows as attempts in the ledger and queues
-them on the pool. Between steps it sleeps on the wake-up event that
-LISTEN/NOTIFY, a buffer running low and signals set. Handler code never
-runs here, and nothing here holds a row lock beyond its claim statement.
+Runs on the worker's calling (main) thread. Each step recovers stale rows if due
+(``recovery.py``), gives back buffered rows it cannot start soon, claims a batch in
+one short statement sized to the free threads plus a prefetch buffer (``prefetch.py``:
+what the threads can start within PREFETCH_HORIZON), records the rows as attempts in
+the ledger and queues them on the pool. Between steps it sleeps on the wake-up event
+that LISTEN/NOTIFY, a buffer running low and signals set. Handler code never runs
+here, and nothing here holds a row lock beyond its claim statement.
 """
 
 from __future__ import annotations
@@ -331,12 +330,12 @@ class ClaimLoop:
             return 0
         return self._room(self.prefetch.target(self._youngest_running_age()))
 
-    def take(self, items: Sequence[WorkItem]) -> None:
-        """Rows the hand-over claimed: attempts in flight, queued as a claim's (claim order)."""
-        self._dispatch(items, claimed_at=self.clock.now())
+    def take(self, items: Sequence[WorkItem]) -> list[Attempt]:
+        """Rows the hand-over claimed: attempts in flight, queued as a claim's (claim order);
+        answers those refused (``Ledger.add``: the worker stopped), for the caller to release."""
         with self._count_lock:
-            self.claimed += len(items)
-            self.claims += 1
+            self.claimed, self.claims = self.claimed + len(items), self.claims + 1
+        return self._dispatch(items, claimed_at=self.clock.now())
 
     def key_freed(self) -> None:
         """A slot of a limited key was freed here and not handed over: a resting loop claims
@@ -346,12 +345,13 @@ class ClaimLoop:
         else:
             self.maybe_wake()
 
-    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
+    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> list[Attempt]:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
         handlers = self.handlers()
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
-        self.ledger.add(attempts)
-        self.pool.submit_many([self.run_next] * len(attempts))
+        refused = self.ledger.add(attempts)
+        self.pool.submit_many([self.run_next] * (len(attempts) - len(refused)))
+        return refused
 
     def _shed_hoard(self) -> None:
         """Give back buffered rows this worker cannot start soon.

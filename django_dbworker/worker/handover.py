@@ -107,8 +107,10 @@ class Transfer:
             held = {item.pk for item in loop.ledger.items()}
             taken = [item for item in taken if item.pk not in held]
         if taken:
-            loop.take(taken)
             self.owner.handed_over += len(taken)
+            refused = loop.take(taken)
+            if refused:  # committed after a stop took the leftovers: nobody else releases these
+                self.owner.release_late(refused)
         if len(self.taken) < len({self.keys[pk] for pk in self.recorded}):
             # A freed key without a next row costs the loop one claim that finds nothing;
             # one whose row the room left behind is claimed by that claim.
@@ -216,6 +218,16 @@ class KeyHandOver:
             exc_info=exc,
         )
         self.claim_loop.key_freed()
+
+    def release_late(self, refused: Sequence[Attempt]) -> None:
+        """Hand back rows a transfer claimed after the worker's stop released its leftovers;
+        if that fails too, stale recovery returns them (they are heartbeated by nobody)."""
+        try:
+            released = self.claim_loop.shutdown.release(refused, "releasing rows handed over late")
+        except Exception as exc:
+            logger.warning("Could not release %d row(s) handed over late: %s", len(refused), exc)
+            return
+        logger.info("Released %d row(s) handed over after the stop began.", released)
 
     def dealt(self, rows: Collection[int]) -> None:
         """A committed transfer dealt with these rows' freed keys (``quiet``)."""
