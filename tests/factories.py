@@ -236,3 +236,36 @@ class HeldClaim:
         self.release.set()
         self.thread.join(30)
         assert not self.thread.is_alive()
+
+
+class RowLockHeld:
+    """A transaction of its own thread that updates one row (a heartbeat) and stays open."""
+
+    def __init__(self, pk: int) -> None:
+        self.pk = pk
+        self.locked = threading.Event()
+        self.release = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._body, daemon=True)
+
+    def _body(self) -> None:
+        try:
+            with transaction.atomic():
+                WorkItem.objects.filter(pk=self.pk).update(heartbeat_at=Now())
+                self.locked.set()
+                assert self.release.wait(30)
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+            self.locked.set()
+        finally:
+            connections.close_all()
+
+    def __enter__(self) -> RowLockHeld:
+        self.thread.start()
+        assert self.locked.wait(30) and not self.errors, self.errors
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive() and not self.errors, self.errors

@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connections, transaction
-from django.db.models.functions import Now
+from django.db import OperationalError, connections
 
 from django_dbworker import WorkItemHandler
 from django_dbworker.db import operations
@@ -35,7 +34,7 @@ from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from tests.conftest import lock_waiters, wait_until
-from tests.factories import limited_claim, worker_config
+from tests.factories import RowLockHeld, limited_claim, worker_config
 
 pytestmark = pytest.mark.django_db(transaction=True)
 postgres_only = pytest.mark.postgres_only
@@ -89,39 +88,6 @@ class InThread:
         assert not self.thread.is_alive(), "the thread did not finish"
         assert not self.errors, self.errors
         return self.out[0]
-
-
-class RowLockHeld:
-    """A transaction of its own thread that updates one row (a heartbeat) and stays open."""
-
-    def __init__(self, pk: int) -> None:
-        self.pk = pk
-        self.locked = threading.Event()
-        self.release = threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._body, daemon=True)
-
-    def _body(self) -> None:
-        try:
-            with transaction.atomic():
-                WorkItem.objects.filter(pk=self.pk).update(heartbeat_at=Now())
-                self.locked.set()
-                assert self.release.wait(30)
-        except BaseException as exc:  # reported by the test
-            self.errors.append(exc)
-            self.locked.set()
-        finally:
-            connections.close_all()
-
-    def __enter__(self) -> RowLockHeld:
-        self.thread.start()
-        assert self.locked.wait(30) and not self.errors, self.errors
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive() and not self.errors, self.errors
 
 
 def transfer(

@@ -37,7 +37,7 @@ from django_dbworker import EnqueueError, WorkItemHandler
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
-from tests.factories import limited_claim
+from tests.factories import RowLockHeld, limited_claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 postgres_only = pytest.mark.postgres_only
@@ -474,40 +474,35 @@ class S13Blocking(WorkItemHandler):
             assert BLOCK_PROCEED.wait(30)
 
 
-class RowLockHeld:
-    """A transaction of its own thread that updates one row (a heartbeat) and stays open."""
+def resting_worker_running_a() -> tuple[WorkItem, WorkItem, Any, threading.Thread]:
+    """A and B of one key (limit 1); a worker (in a thread) runs A, which blocks until
+    BLOCK_PROCEED, and its claim loop rests (B waits behind A's key)."""
+    from django_dbworker.registry import registry
+    from django_dbworker.worker import Worker
+    from tests.factories import worker_config
 
-    def __init__(self, pk: int) -> None:
-        self.pk = pk
-        self.locked = threading.Event()
-        self.release = threading.Event()
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._body, daemon=True)
-
-    def _body(self) -> None:
-        from django.db import transaction
-        from django.db.models.functions import Now
-
-        try:
-            with transaction.atomic():
-                WorkItem.objects.filter(pk=self.pk).update(heartbeat_at=Now())
-                self.locked.set()
-                assert self.release.wait(30)
-        except BaseException as exc:  # reported by the test
-            self.errors.append(exc)
-            self.locked.set()
-        finally:
-            connections.close_all()
-
-    def __enter__(self) -> RowLockHeld:
-        self.thread.start()
-        assert self.locked.wait(30) and not self.errors, self.errors
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive() and not self.errors, self.errors
+    BLOCK_STARTED.clear()
+    BLOCK_PROCEED.clear()
+    a, b = (
+        WorkItem.objects.create(
+            handler="s13_blocking",
+            payload={"block": True},
+            concurrency_key="k",
+            concurrency_limit=1,
+            max_attempts=3,
+        )
+        for _ in range(2)
+    )
+    worker = Worker(
+        [registry["s13_blocking"]],
+        worker_config(poll_interval=120.0, wakeups=False, stale_after=600.0),
+    )
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    assert BLOCK_STARTED.wait(20), "A did not start"
+    assert worker.claim_loop is not None
+    wait_until(lambda: worker.claim_loop.rests, what="the claim loop to rest")
+    return a, b, worker, runner
 
 
 def waiting_statements(like: str) -> int:
@@ -531,36 +526,8 @@ def test_an_immediate_stop_while_a_transfer_is_in_flight_leaves_no_row_claimed()
     write. The write goes first: A succeeds and B is claimed for this worker; the release
     of A finds it recorded. B joins the ledger after the leftovers were taken: nothing
     releases it, the process exits, and B stays claimed by nobody until stale recovery."""
-    from django_dbworker.registry import registry
-    from django_dbworker.worker import Worker
-    from tests.factories import worker_config
-
-    BLOCK_STARTED.clear()
-    BLOCK_PROCEED.clear()
-    a = WorkItem.objects.create(
-        handler="s13_blocking",
-        payload={"block": True},
-        concurrency_key="k",
-        concurrency_limit=1,
-        max_attempts=3,
-    )
-    b = WorkItem.objects.create(
-        handler="s13_blocking",
-        payload={"block": True},
-        concurrency_key="k",
-        concurrency_limit=1,
-        max_attempts=3,
-    )
-    worker = Worker(
-        [registry["s13_blocking"]],
-        worker_config(poll_interval=120.0, wakeups=False, stale_after=600.0),
-    )
-    runner = threading.Thread(target=worker.run, daemon=True)
-    runner.start()
+    a, b, worker, runner = resting_worker_running_a()
     try:
-        assert BLOCK_STARTED.wait(20), "A did not start"
-        assert worker.claim_loop is not None
-        wait_until(lambda: worker.claim_loop.rests, what="the claim loop to rest")
         with RowLockHeld(a.pk):
             BLOCK_PROCEED.set()  # A returns; its success write waits for the lock
             wait_until(
@@ -600,36 +567,8 @@ def test_a_stop_while_a_transfer_is_in_flight_is_not_taken_for_a_dead_writer() -
     writer, B joins the ledger and is released with the leftovers, and the stop is clean
     (B's pool call after the stop does not take the closed writer for a dead one).
     Passes: the case the immediate stop above breaks, for contrast."""
-    from django_dbworker.registry import registry
-    from django_dbworker.worker import Worker
-    from tests.factories import worker_config
-
-    BLOCK_STARTED.clear()
-    BLOCK_PROCEED.clear()
-    a = WorkItem.objects.create(
-        handler="s13_blocking",
-        payload={"block": True},
-        concurrency_key="k",
-        concurrency_limit=1,
-        max_attempts=3,
-    )
-    b = WorkItem.objects.create(
-        handler="s13_blocking",
-        payload={"block": True},
-        concurrency_key="k",
-        concurrency_limit=1,
-        max_attempts=3,
-    )
-    worker = Worker(
-        [registry["s13_blocking"]],
-        worker_config(poll_interval=120.0, wakeups=False, stale_after=600.0),
-    )
-    runner = threading.Thread(target=worker.run, daemon=True)
-    runner.start()
+    a, b, worker, runner = resting_worker_running_a()
     try:
-        assert BLOCK_STARTED.wait(20), "A did not start"
-        assert worker.claim_loop is not None
-        wait_until(lambda: worker.claim_loop.rests, what="the claim loop to rest")
         with RowLockHeld(a.pk):
             BLOCK_PROCEED.set()
             wait_until(
