@@ -13,6 +13,14 @@ keyed active rate as a share of the plain one (the issue asks for >= 0.6).
 The script also checks that no two items of one key were claimed at once:
 each key's items ran one after another (claimed after the previous one
 finished, by the rows' own timestamps).
+
+``*_cpu_busy`` is the share of the machine's cores busy over a leg (workers,
+server and all, from ``/proc/stat``), ``*_cpu_us_per_item`` the busy CPU per
+item: a leg that leaves cores idle at the same CPU per item is waiting on a
+chain, not short of CPU. ``--split`` puts key n in queue ``w<n % processes>``
+and has each process serve one of those queues: the keys spread evenly over
+the processes, which nothing in the worker arranges by itself (the best case
+of spreading them, for comparison).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 from common import (
     commits,
+    machine_cpu,
     report,
     reset_table,
     settle_table,
@@ -35,18 +44,44 @@ from common import (
 )
 
 
-def drain(handler: str, processes: int, concurrency: int) -> tuple[float, list[int]]:
-    """Run ``processes`` burst workers of ``handler`` to the end; seconds taken, exit codes."""
+def drain(
+    handler: str, processes: int, concurrency: int, *, split: bool = False
+) -> tuple[float, list[int], dict]:
+    """Run ``processes`` burst workers of ``handler`` to the end; seconds taken, exit codes,
+    and the machine's CPU over the leg (``cpu_busy``: the share of all cores busy;
+    ``cpu_s``: busy CPU seconds, workers and server alike; none off Linux). ``split``: the
+    n-th process serves queue ``wn`` only."""
+    cpu = machine_cpu()
     spawned = time.perf_counter()
     procs = [
         subprocess.Popen(
-            worker_command(handler, "--burst", "--concurrency", str(concurrency)),
+            worker_command(
+                handler,
+                "--burst",
+                "--concurrency",
+                str(concurrency),
+                *(["--queue", f"w{n}"] if split else []),
+            ),
             env=worker_env(),
         )
-        for _ in range(processes)
+        for n in range(processes)
     ]
     codes = [p.wait() for p in procs]
-    return time.perf_counter() - spawned, codes
+    whole = time.perf_counter() - spawned
+    after = machine_cpu()
+    used: dict[str, float] = {}
+    if cpu is not None and after is not None and after[1] > cpu[1]:
+        used = {"cpu_busy": (after[0] - cpu[0]) / (after[1] - cpu[1]), "cpu_s": after[0] - cpu[0]}
+    return whole, codes, used
+
+
+def cpu_figures(leg: str, used: dict, items: int) -> dict[str, float]:
+    """The leg's share of the machine's cores kept busy, and busy CPU microseconds an item
+    (whole process: start-up included, the server's share too)."""
+    if not used:
+        return {}
+    per_item = used["cpu_s"] / items * 1e6
+    return {f"{leg}_cpu_busy": used["cpu_busy"], f"{leg}_cpu_us_per_item": per_item}
 
 
 def span(handler: str) -> float:
@@ -115,6 +150,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="keyed leg: key n in queue w<n %% processes>, each process serving one queue "
+        "(the keys spread evenly over the processes, the best case of spreading them)",
+    )
     args = parser.parse_args()
     url = start_postgres()
     try:
@@ -129,10 +170,14 @@ def main() -> None:
         # would put each key's items in one run of ids, one key after another).
         with transaction.atomic():
             for n in range(args.items):
-                BenchKeyed.enqueue(None, concurrency_key=f"k{n % args.keys}")
+                key = n % args.keys
+                queue = f"w{key % args.processes}" if args.split else None
+                BenchKeyed.enqueue(None, concurrency_key=f"k{key}", queue=queue)
         settle_table()
         before = commits()
-        keyed_whole, keyed_codes = drain("bench_keyed", args.processes, args.concurrency)
+        keyed_whole, keyed_codes, keyed_cpu = drain(
+            "bench_keyed", args.processes, args.concurrency, split=args.split
+        )
         keyed_commits = commits() - before
         keyed_done = WorkItem.objects.filter(handler="bench_keyed", status="succeeded").count()
         keyed_active = span("bench_keyed")
@@ -146,7 +191,7 @@ def main() -> None:
             BenchNoop.enqueue_many([None] * min(5000, args.items - start))
         settle_table()
         before = commits()
-        plain_whole, plain_codes = drain("bench_noop", args.processes, args.concurrency)
+        plain_whole, plain_codes, plain_cpu = drain("bench_noop", args.processes, args.concurrency)
         plain_commits = commits() - before
         plain_done = WorkItem.objects.filter(handler="bench_noop", status="succeeded").count()
         plain_active = span("bench_noop")
@@ -157,6 +202,7 @@ def main() -> None:
                 "keys": args.keys,
                 "processes": args.processes,
                 "concurrency": args.concurrency,
+                "split": args.split,
                 "keyed_items_per_second_whole": args.items / keyed_whole,
                 "keyed_items_per_second_active": args.items / keyed_active,
                 "plain_items_per_second_whole": args.items / plain_whole,
@@ -165,6 +211,8 @@ def main() -> None:
                 "keyed_share_whole": plain_whole / keyed_whole,
                 "keyed_commits_per_item": keyed_commits / args.items,
                 "plain_commits_per_item": plain_commits / args.items,
+                **cpu_figures("keyed", keyed_cpu, args.items),
+                **cpu_figures("plain", plain_cpu, args.items),
                 "key_overlaps": overlaps,
                 **chain,
                 "exit_codes": keyed_codes + plain_codes,

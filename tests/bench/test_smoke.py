@@ -38,6 +38,7 @@ SCRIPTS = [
     ),
     ("w7_keys.py", ["--items", "300", "--keys", "30"], "w7_keys"),
     ("w7_keys.py", ["--items", "60", "--keys", "60"], "w7_keys"),  # no chain: no free time
+    ("w7_keys.py", ["--items", "300", "--keys", "30", "--split"], "w7_keys"),  # by queue
     ("w1_throughput.py", ["--items", "300", "--also", "bench_keyed"], "w1_throughput"),
     ("claim_cost.py", ["--rounds", "2", "--claim", "20", "--keys", "5"], "claim_cost"),
     ("startup.py", ["--runs", "1"], "startup"),
@@ -76,6 +77,12 @@ def test_bench_script_runs(script: str, args: list[str], name: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[0])
     assert result["bench"] == name
+    if name == "w7_keys":  # the legs' CPU figures (Linux), and --split as asked
+        assert result["split"] == ("--split" in args)
+        assert result["key_overlaps"] == 0
+        for leg in ("keyed", "plain"):
+            assert 0 < result[f"{leg}_cpu_busy"] <= 1
+            assert result[f"{leg}_cpu_us_per_item"] > 0
 
 
 def test_peers_script_runs_pgqueuer() -> None:
