@@ -12,7 +12,6 @@ transaction and settling the verbs need are plugged in at start, ``ports``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from django.db import IntegrityError, connections, models, router, transaction
@@ -89,18 +88,36 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         first: a row claimed between the two statements is still asked.
         Both run in one transaction on the write alias.
         """
-        # One transaction on the write alias; ``request_cancel`` locks the
-        # claimed rows in ascending id order first, as heartbeats and outcome
-        # writes do (MySQL would otherwise lock them in the plan's order).
+        return self._cancel()[0]
+
+    def _cancel(self) -> tuple[int, int]:
+        """``cancel``: (rows cancelled, claimed rows asked to stop).
+
+        One transaction on the write alias, the rows that may change locked
+        first in ascending id order (as heartbeats and outcome writes lock
+        them): a row that its own attempt wrote back to pending between the
+        two halves (a retry) would otherwise be missed by both, and its
+        cancel lost. Locked, it is either claimed (asked) or pending
+        (cancelled), and the attempt's write waits for this one.
+        """
         db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
         rows = self.using(db)
         nested = connections[db].in_atomic_block
         with endings.transaction(db):
+            rows._lock_cancellable(db)
             cancelled, linked = rows._cancel_pending_rows(db)
-            rows.request_cancel()
+            asked = rows.request_cancel()
             # Last: batch rows after every item row, the order endings lock them in.
             settle_ended(db, linked, nested)
-        return cancelled
+        return cancelled, asked
+
+    def _lock_cancellable(self, db: str) -> None:
+        """Lock this queryset's pending and claimed rows, in ascending id order."""
+        live = self.using(db).filter(status__in=(Status.PENDING, Status.CLAIMED))
+        ids = sorted(live.values_list("pk", flat=True))
+        for start in range(0, len(ids), 1000):
+            chunk = WorkItem.objects.using(db).filter(pk__in=ids[start : start + 1000])
+            list(chunk.order_by("pk").select_for_update().values_list("pk", flat=True))
 
     def cancel_pending(self) -> int:
         """pending -> cancelled (waiting rows too). Rows in other states are left alone.
@@ -380,7 +397,7 @@ class WorkItem(models.Model):
         handler sees ``self.cancel_requested`` within about one heartbeat
         interval. Asking again changes nothing (False).
         """
-        return self._change(lambda rows: rows.cancel_pending() + rows.request_cancel(), atomic=True)
+        return self._change(lambda rows: sum(rows._cancel()))
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
@@ -390,13 +407,11 @@ class WorkItem(models.Model):
         """Pending: make it due now. Returns whether this row changed."""
         return self._change(WorkItemQuerySet.run_now)
 
-    def _change(self, verb: Callable[[WorkItemQuerySet], int], *, atomic: bool = False) -> bool:
+    def _change(self, verb: Callable[[WorkItemQuerySet], int]) -> bool:
         # The database alias rule (routing.py): the routers' choice for writes,
-        # with this row as the hint, as Model.save() does. ``atomic``: a verb
-        # of several statements runs them in one transaction there.
+        # with this row as the hint, as Model.save() does.
         using = router.db_for_write(type(self), instance=self)
-        with endings.transaction(using) if atomic else nullcontext():
-            changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
+        changed = verb(type(self).objects.using(using).filter(pk=self.pk)) == 1
         self.refresh_from_db(using=using)
         return changed
 

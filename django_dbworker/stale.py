@@ -116,17 +116,19 @@ def _recover_chunks(
         after = batch[-1][0]
         by_handler: dict[str, list[int]] = {}
         last: list[tuple[int, str]] = []
-        asked: list[tuple[int, str]] = []
         for pk, handler, attempts, max_attempts, requested in batch:
             if requested is not None:
-                asked.append((pk, handler))
                 continue
             by_handler.setdefault(handler, []).append(pk)
             if attempts >= max_attempts:
                 last.append((pk, handler))
         with ops.locked_in_id_order([pk for pk, *_ in batch]):
-            ended += _cancel_asked(base, asked, message, result) if asked else []
+            # The writes skip rows asked to stop, and then every row of the batch asked
+            # by now ends cancelled: a request that came after the read above is not
+            # lost to a pending row that would run again.
             ended += _recover_batch(base, last, by_handler, message, using, result)
+            asked = [(pk, handler) for pk, handler, *_ in batch]
+            ended += _cancel_asked(base, asked, message, result)
         if len(batch) < batch_size:
             break
     return ended
@@ -136,11 +138,13 @@ def _cancel_asked(
     base: WorkItemQuerySet, asked: list[tuple[int, str]], message: str, result: Recovered
 ) -> list[int]:
     """Stale rows asked to stop end ``cancelled``: running them again would run work an
-    operator cancelled. Only when such rows exist."""
+    operator cancelled. One read of ``asked`` (the batch), an UPDATE only when any is."""
     lost = Concat(Value(message), F("claimed_by"), Value("; cancelled by request."))
     handlers = dict(asked)
     rows = base.filter(pk__in=list(handlers), cancel_requested_at__isnull=False)
     ids = list(rows.values_list("pk", flat=True))
+    if not ids:
+        return []
     cancelled = rows.filter(pk__in=ids).update(
         status=Status.CANCELLED,
         finished_at=Now(),
@@ -178,7 +182,7 @@ def _recover_batch(
         marker = uuid.uuid4()
         candidates = [pk for pk, _ in last]
         failed = (
-            base.filter(pk__in=candidates)
+            base.filter(pk__in=candidates, cancel_requested_at__isnull=True)
             .filter(attempts__gte=F("max_attempts"))
             .update(
                 status=Status.FAILED,
@@ -203,7 +207,7 @@ def _recover_batch(
     lost = Concat(Value(message), F("claimed_by"), Value("."))
     for handler, ids in by_handler.items():
         requeued = (
-            base.filter(pk__in=ids)
+            base.filter(pk__in=ids, cancel_requested_at__isnull=True)
             .exclude(attempts__gte=F("max_attempts"))
             .update(
                 status=Status.PENDING,

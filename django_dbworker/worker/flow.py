@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from django_dbworker import validation
+from django_dbworker.flow_models import QueueState
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
 
@@ -57,7 +58,9 @@ def keys_busy(
     rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
     if queues:
         rows = rows.filter(queue__in=queues)
-    return rows.exists()
+    # A paused queue's rows wait for a resume, not for a slot: no claim takes them.
+    paused = QueueState.objects.using(using).filter(paused=True).values("name")
+    return rows.exclude(queue__in=paused).exists()
 
 
 class RateHolds:

@@ -345,6 +345,8 @@ def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_de
     settle once at the very end of ``cancel()`` (item locks first, batch
     locks last, as every ending takes them); or have ``cancel_pending`` not
     settle when called from ``cancel()`` and settle after ``request_cancel``.
+    Since attack s14 ``cancel()`` locks its pending and claimed rows first, so it
+    waits for s before it touches p or the batch row.
     """
     with batch(on_complete=BatchDone) as b:
         Noop.enqueue_many([{}, {}])
@@ -361,9 +363,11 @@ def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_de
     reached = threading.Event()
 
     def operator_cancel() -> int:
-        # Signalled once the batch row is locked (cancel_pending settled): the
-        # claimed rows' read, then their locks and the request's UPDATE.
-        with _signal_before("cancel_requested_at", reached):
+        # Signalled as the cancel locks its rows (in id order: s, whose success the
+        # worker holds uncommitted, then p), before it cancels or asks any (since
+        # attack s14: a retry between its two halves lost the cancel); the worker
+        # then goes on, and whichever order the two commit in, both must.
+        with _signal_before("FOR UPDATE", reached):
             return WorkItem.objects.filter(batch_id=b.id).cancel()
 
     operator = Racer(operator_cancel)

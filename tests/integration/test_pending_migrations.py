@@ -18,7 +18,7 @@ from django_dbworker.management.commands.run_workers import _pending_migrations
 pytestmark = pytest.mark.django_db
 
 #: The newest migration: a graph counts an unapplied one only below no applied child.
-LATEST = "0008_key_heads"
+LATEST = "0009_flow_names_binary"
 
 
 def _graph_plan() -> int:

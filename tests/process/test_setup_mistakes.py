@@ -109,25 +109,39 @@ def test_a_sqlite_file_in_a_missing_folder_is_named_by_enqueue_and_run_workers(
     assert not folder.exists()
 
 
-def test_dbworker_stats_before_migrate_exits_non_zero_with_one_line(
-    worker_env: dict[str, str], empty_database: str
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["dbworker_stats"],
+        ["dbworker_prune", "--older-than", "7d"],
+        # These three printed a traceback (attack s14).
+        ["dbworker_queue", "pause", "default"],
+        ["dbworker_queue", "resume", "default"],
+        ["dbworker_queue", "list"],
+    ],
+    ids=lambda command: " ".join(command[:2]),
+)
+def test_a_command_before_migrate_exits_non_zero_with_one_line(
+    worker_env: dict[str, str], empty_database: str, command: list[str]
 ) -> None:
-    done = _run([sys.executable, "-m", "django", "dbworker_stats"], worker_env, empty_database)
+    done = _run([sys.executable, "-m", "django", *command], worker_env, empty_database)
     assert done.returncode == 1
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1, done.stdout + done.stderr
     assert lines[0].startswith("CommandError: ") and "manage.py migrate" in lines[0]
 
 
-def test_dbworker_prune_before_migrate_exits_non_zero_with_one_line(
-    worker_env: dict[str, str], empty_database: str
+def test_dbworker_queue_with_an_unknown_database_says_so_in_one_line(
+    worker_env: dict[str, str],
 ) -> None:
-    done = _run(
-        [sys.executable, "-m", "django", "dbworker_prune", "--older-than", "7d"],
-        worker_env,
-        empty_database,
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "dbworker_queue", "--database", "nope", "list"],
+        cwd=ROOT,
+        env=worker_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 1
     lines = (done.stdout + done.stderr).strip().splitlines()
-    assert len(lines) == 1, done.stdout + done.stderr
-    assert lines[0].startswith("CommandError: ") and "manage.py migrate" in lines[0]
+    assert lines == ["CommandError: No database 'nope' in DATABASES."], done.stderr

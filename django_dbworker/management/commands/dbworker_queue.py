@@ -1,8 +1,8 @@
 """``manage.py dbworker_queue pause|resume QUEUE [--by WHO]`` and ``dbworker_queue list``.
 
 Parses flags and calls ``django_dbworker.queues``; nothing else. A bad or
-unknown queue name is one line on stderr and exit status 1 (CommandError),
-never a traceback.
+unknown queue name, an unknown ``--database``, or a database not migrated is
+one line on stderr and exit status 1 (CommandError), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from datetime import UTC
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError, connections
 
+from django_dbworker.db import setup_problem
 from django_dbworker.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+from django_dbworker.routing import work_db_for_read, work_db_for_write
 
 
 def _default_by() -> str:
@@ -47,6 +50,19 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         action, using = options["action"], options["database"]
+        if using is not None and using not in connections.settings:
+            raise CommandError(f"No database {using!r} in DATABASES.")
+        try:
+            self._act(action, using, options)
+        except DatabaseError as exc:
+            # Not migrated, or a SQLite file in a missing folder: one line.
+            db = work_db_for_read(using) if action == "list" else work_db_for_write(using)
+            problem = setup_problem(db, exc)
+            if problem is None:
+                raise
+            raise CommandError(problem) from exc
+
+    def _act(self, action: str, using: str | None, options: dict[str, Any]) -> None:
         if action == "list":
             self._list(using)
             return
