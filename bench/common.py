@@ -143,21 +143,22 @@ def report(name: str, result: dict[str, Any]) -> None:
         print(f"  {key.ljust(width)}  {shown}", file=sys.stderr)
 
 
-def machine_cpu() -> tuple[float, float] | None:
-    """The whole machine's busy and total CPU seconds since boot (Linux ``/proc/stat``).
+def machine_cpu() -> tuple[int, int] | None:
+    """The whole machine's busy and total CPU time since boot, in clock ticks
+    (Linux ``/proc/stat``; ``os.sysconf("SC_CLK_TCK")`` ticks a second).
 
     The difference over a leg says how busy the leg kept the machine (workers,
     server and all): a leg that leaves cores idle is waiting on a chain of
-    round trips, one that fills them is short of CPU. None off Linux.
+    round trips, one that fills them is short of CPU. Integers, so that a
+    share of them is never above 1. None off Linux.
     """
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
     except OSError:
         return None
-    hz = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields) - idle) / hz, sum(fields) / hz
+    return sum(fields) - idle, sum(fields)
 
 
 def commits() -> int:

@@ -26,6 +26,7 @@ of spreading them, for comparison).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 from typing import Any
@@ -71,7 +72,8 @@ def drain(
     after = machine_cpu()
     used: dict[str, float] = {}
     if cpu is not None and after is not None and after[1] > cpu[1]:
-        used = {"cpu_busy": (after[0] - cpu[0]) / (after[1] - cpu[1]), "cpu_s": after[0] - cpu[0]}
+        busy, total = after[0] - cpu[0], after[1] - cpu[1]
+        used = {"cpu_busy": busy / total, "cpu_s": busy / os.sysconf("SC_CLK_TCK")}
     return whole, codes, used
 
 
