@@ -57,7 +57,7 @@ def run_as_owner(cmd: list[str], owner: str | None) -> subprocess.CompletedProce
 def start(state: Path, durable: bool) -> dict[str, object]:
     if state.exists():
         info = json.loads(state.read_text())
-        if Path(str(info["datadir"]), "postmaster.pid").exists():
+        if _running(Path(str(info["datadir"]))):
             log(f"reusing the running cluster in {info['datadir']}")
             return info
         stop(state)
@@ -123,6 +123,21 @@ def start(state: Path, durable: bool) -> dict[str, object]:
     state.write_text(json.dumps(info))
     log(f"PostgreSQL started on 127.0.0.1:{port} ({'durable' if durable else 'fsync off'})")
     return info
+
+
+def _running(datadir: Path) -> bool:
+    """Whether the server of ``datadir`` runs: its pid file names a live process (a pid file
+    left by a machine's restart names none, or another process, which then holds no port)."""
+    try:
+        pid = int((datadir / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # no /proc here: the live pid is taken as the server's
+        return True
+    return command.split(b"\0")[0].endswith(b"postgres")
 
 
 def _has_c_utf8() -> bool:

@@ -105,9 +105,11 @@ class PostgresKeyedClaims(PostgresEstimates):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._candidates(limit, handlers, queues, limits, pin=level_on_begin)
+            found, pending_keys = self._candidates(
+                limit, handlers, queues, limits, pin=level_on_begin
+            )
             if not found:
-                return Claimed()
+                return Claimed(pending_keys=pending_keys)
             # Each row carries how many rows the statement locked (some held back by keys).
             locked = found[0][-1]
             chosen = current_limits([row[:-1] for row in found], limits)
@@ -122,7 +124,9 @@ class PostgresKeyedClaims(PostgresEstimates):
                     "limits": list(columns[3]),
                 },
             )
-        return Claimed(self._rows_to_items(rows), throttled=locked - len(rows))
+        return Claimed(
+            self._rows_to_items(rows), throttled=locked - len(rows), pending_keys=pending_keys
+        )
 
     def _candidates(
         self,
@@ -132,21 +136,25 @@ class PostgresKeyedClaims(PostgresEstimates):
         limits: Mapping[str, int],
         *,
         pin: bool,
-    ) -> list[tuple[Any, ...]]:
+    ) -> tuple[list[tuple[Any, ...]], int | None]:
         """The keyed claim's candidates, locked: the free keys' heads (``CLAIM_HEADS``: every
         handler limited, no ready row without a key; HEADS_PLAN first where the claim's BEGIN
-        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds."""
+        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds.
+        With the pending keys the heads counted (None: the walk counts none)."""
         heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
         if heads is not None and time.monotonic() >= self._walk_keys_until:
             sql, params = heads
             fetch = self._fetch_last if pin else self._fetch_bound
             found = fetch(HEADS_PLAN.sql + sql if pin else sql, params)
-            if not found or found[-1][0] is not None:
-                return found
-            if found[-1][-1]:  # many keys, not a row without a key: the walk for a while
+            if found and found[-1][0] is not None:  # the heads, with the keys counted
+                return [row[:4] + row[5:] for row in found], found[0][4]
+            mark = found[-1][-1] if found else 2
+            if mark == 2:  # no free key's head to take
+                return [], found[-1][4] if found else None
+            if mark == 1:  # many keys, not a row without a key: the walk for a while
                 self._walk_keys_until = time.monotonic() + WALK_FOR
         walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
-        return self._fetch_bound(*walk)
+        return self._fetch_bound(*walk), None
 
     @contextmanager
     def _read_committed_transaction(self) -> Iterator[None]:

@@ -209,7 +209,10 @@ def candidates_statement(
 # rows into the heads either locked rows it did not return (a claim beside it came back
 # empty) or cut them before locking (the same, from the other side). The loose scan costs
 # one descent per pending key, the walk one row per ready row: past KEYS_WALKED keys the
-# answer is the same row with 1, and the caller walks for WALK_FOR seconds.
+# answer is the same row with 1, and the caller walks for WALK_FOR seconds. With no head
+# to lock the same row says 2: nothing is free. Every answer counts the pending keys
+# (``pending_keys``, up to KEYS_WALKED + 1): a worker's share of them among the live
+# workers of its pool caps the keyed rows it holds (``worker/peers.py``).
 KEYS_WALKED = 1000
 #: Seconds a worker walks, without trying the heads, after they found more keys than that.
 WALK_FOR = 10.0
@@ -258,7 +261,8 @@ def _held_by_join(text: str) -> str:
 _LOCK_HEADS = (
     _KEY_LOCKS
     + """
-(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
+        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)"""
@@ -310,8 +314,9 @@ WITH RECURSIVE unkeyed AS (
     + _LOCK_HEADS
     + """
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
-FROM walked WHERE over OR unkeyed
+SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+       CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
+FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c)
 """
 )
 

@@ -94,9 +94,14 @@ class Claimed(list[T]):
     batch cut short by keys does not look like an empty queue.
     """
 
-    def __init__(self, items: Iterable[T] = (), throttled: int = 0) -> None:
+    def __init__(
+        self, items: Iterable[T] = (), throttled: int = 0, pending_keys: int | None = None
+    ) -> None:
         super().__init__(items)
         self.throttled = throttled
+        #: The limited handlers' keys with pending rows, where the claim counted them (the
+        #: key-driven claim, ``postgresql_keyed_sql.py``): what workers share (``peers.py``).
+        self.pending_keys = pending_keys
 
 
 class Subscription(Protocol):

@@ -34,6 +34,7 @@ from django_dbworker.worker.connections import Backoff, close_quietly, outage, r
 from django_dbworker.worker.control import Control
 from django_dbworker.worker.flow import PausedQueues, RateHolds, concurrency_limits, keys_busy
 from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.peers import KeyShare
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -42,6 +43,9 @@ from django_dbworker.worker.wakeup import AdaptivePoll, polls_adaptively
 
 logger = logging.getLogger("django_dbworker.worker")
 
+#: Least wait for a count of the pending keys that is due (a loop with no room to claim
+#: counts nothing, and would otherwise not wait at all).
+MIN_RECOUNT_WAIT = 0.05
 #: Seconds between two looks at whether the buffer should shed rows.
 SHED_CHECK_EVERY = 0.25
 
@@ -116,6 +120,9 @@ class ClaimLoop:
         self.paused = PausedQueues(
             lambda: paused_queues(config.using), every=config.poll_interval, clock=clock.now
         )
+        #: This worker's share of the keys among the live workers of its queues (``peers.py``;
+        #: a threaded worker where the vendor hands keys over), else None: no cap.
+        self.key_share: KeyShare | None = None
 
     # -- one step --------------------------------------------------------------
 
@@ -146,6 +153,17 @@ class ClaimLoop:
         limit -= rated
         plain = [name for name in handlers if name not in rates]
         limits = concurrency_limits(handlers, plain)
+        capped = False
+        if limits and self.key_share is not None:
+            room = self.key_share.room(self._keyed_held())
+            if room is not None and room < limit:
+                limit, capped = room, True
+                if limit <= 0 and self.key_share.recount_in() <= 0:
+                    limit = 1  # a claim now and then counts the pending keys anew
+        if capped and limit <= 0:  # holding its share: it rests until keys end here
+            self._ran_dry = True
+            self.rests = not rates and not self._urgent_claim
+            return rated
         try:
             items = (
                 self.ops.claim(
@@ -174,7 +192,10 @@ class ClaimLoop:
         # short by them is not an empty queue (the next claim skips those keys).
         throttled = getattr(items, "throttled", 0)
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
-        self._ran_dry = len(items) + throttled < limit or not plain
+        if limits and self.key_share is not None:
+            self.key_share.counted(getattr(items, "pending_keys", None))
+        # A claim cut to the key share took what it may: as one that ran dry.
+        self._ran_dry = len(items) + throttled < limit or not plain or capped
         self.rests = self._ran_dry and bool(limits) and not rates and not self._urgent_claim
         lowest = self.ledger.lowest_buffered_priority()
         self._dispatch(items, claimed_at=started)
@@ -323,12 +344,23 @@ class ClaimLoop:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
 
-    def handover_room(self) -> int:
-        """Freed keys' next rows the success writer may claim now (``handover.py``): the
-        room a claim would fill, while resting (no claimable row left behind to jump)."""
+    def handover_room(self, ending: int) -> tuple[int, bool]:
+        """Freed keys' next rows the success writer may claim now (``handover.py``), as it
+        records ``ending`` keyed rows: the room a claim would fill, while resting (no
+        claimable row left behind to jump), within the key share; and whether the share
+        is what cut it (the keys left over are the other workers')."""
         if not self.rests or self.control.stopping.is_set() or self.config.max_items is not None:
-            return 0
-        return self._room(self.prefetch.target(self._youngest_running_age()))
+            return 0, False
+        room = self._room(self.prefetch.target(self._youngest_running_age()))
+        if self.key_share is not None:
+            shared = self.key_share.room(self._keyed_held() - ending)
+            if shared is not None and shared < room:
+                return shared, True
+        return room, False
+
+    def _keyed_held(self) -> int:
+        """Rows with a concurrency key this worker holds (buffered, running, being written)."""
+        return sum(1 for item in self.ledger.items() if item.concurrency_key is not None)
 
     def take(self, items: Sequence[WorkItem]) -> list[Attempt]:
         """Rows the hand-over claimed: attempts in flight, queued as a claim's (claim order);
@@ -494,7 +526,10 @@ class ClaimLoop:
                 return
             if not claimed and self._ran_dry:
                 control.idle.set()
-            # A full rate window ends by itself: claim when it does.
+            # A full rate window ends by itself: claim when it does. A loop that rests
+            # while sharing keys counts them again now and then (``peers.py``).
             wait = min(self._poll.next(), self.rate_holds.next_release(clock.now()))
+            if self.rests and self.key_share is not None:
+                wait = min(wait, max(MIN_RECOUNT_WAIT, self.key_share.recount_in()))
             clock.wait(control.wake, wait)
             control.idle.clear()

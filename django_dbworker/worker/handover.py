@@ -71,6 +71,9 @@ class Transfer:
         self.taken: list[WorkItem] = []
         self.recorded: list[int] = []
         self.writes = 0
+        #: The ended rows' queues where the key share cut the room (the keys left over
+        #: are for the other workers, woken after the commit); else empty.
+        self.queues: set[str] = set()
 
     def __call__(self, outcomes: Sequence[tuple[int, UUID, str | None]]) -> list[Recorded]:
         """The batch's success write (``transitions.succeed``'s ``write``), which claims the
@@ -113,8 +116,11 @@ class Transfer:
                 self.owner.release_late(refused)
         if len(self.taken) < len({self.keys[pk] for pk in self.recorded}):
             # A freed key without a next row costs the loop one claim that finds nothing;
-            # one whose row the room left behind is claimed by that claim.
+            # one whose row the room left behind is claimed by that claim, or, where the
+            # key share cut the room, by another worker's.
             loop.key_freed()
+            if self.queues:
+                self.owner.share_out(self.queues)
 
 
 def retired(
@@ -183,10 +189,23 @@ class KeyHandOver:
         }
         if not keys or transitions.linked_rows(items):  # linked: written as before
             return None
-        room = self.claim_loop.handover_room()
-        if room <= 0:
+        room, shared = self.claim_loop.handover_room(len(keys))
+        if room <= 0 and not shared:
             return None
-        return Transfer(owner=self, keys=keys, room=room)
+        # Cut by the key share, even to nothing: the transfer's delivery, after the
+        # commit, wakes the other workers for the keys it leaves (``share_out``).
+        transfer = Transfer(owner=self, keys=keys, room=room)
+        if shared:
+            transfer.queues = {item.queue for item in items}
+        return transfer
+
+    def share_out(self, queues: Collection[str]) -> None:
+        """Wake the other workers of ``queues`` (after a commit that freed keys this worker
+        does not take again, its key share): those keys wait for their claims (``peers.py``)."""
+        try:
+            self.ops.notify(sorted(queues))
+        except Exception as exc:
+            logger.debug("Could not wake the other workers for freed keys: %s", exc)
 
     def _limited(self) -> frozenset[str]:
         """The handlers whose keys are handed over: those of limit 1, but not the

@@ -28,6 +28,7 @@ from django_dbworker.db import operations
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
+from django_dbworker.queues import DEFAULT_QUEUE
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.attempts import Ledger
@@ -41,6 +42,7 @@ from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, work
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
+from django_dbworker.worker.peers import KeyShare
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -111,6 +113,8 @@ class Worker:
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
         self.handover: KeyHandOver | None = None
+        #: This process in the register of workers, for its share of the keys (``peers.py``).
+        self.key_share: KeyShare | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -207,8 +211,14 @@ class Worker:
         for loop in loops:
             loop.start()
         try:
+            if self.key_share is not None and self.key_share.join():
+                # Its peers may hold every key: they count again and leave it its share.
+                assert self.handover is not None
+                self.handover.share_out(cfg.queues or [DEFAULT_QUEUE])
             if self.claim_loop is not None:
                 self.claim_loop.run()
+            if self.key_share is not None:  # claims no more: the others' shares grow now
+                self.key_share.leave()
             # Own-table loops end by themselves in burst mode; otherwise they
             # run until a stop is requested.
             while any(loop.is_alive() for loop in loops) and not control.stopping.is_set():
@@ -217,6 +227,8 @@ class Worker:
             self.shutdown.drain(pool=self.pool, writer=self.writer, loops=loops)
         finally:
             control.stopping.set()
+            if self.key_share is not None:
+                self.key_share.leave()
             for helper in helpers:
                 helper.stop()
             if self.pool is not None:
@@ -265,6 +277,16 @@ class Worker:
         )
         if parts.threaded:
             self.handover = KeyHandOver.attach(self.claim_loop, writer, self.ops)
+        if self.handover is not None:  # keys stay where they are handed over: share them
+            self.key_share = KeyShare(
+                using=cfg.using,
+                queues=cfg.queues,
+                handlers=lambda: self.work_item_handlers,
+                interval=cfg.heartbeat_interval,
+                stale_after=cfg.stale_after,
+                clock=self.clock.now,
+            )
+            self.claim_loop.key_share = self.key_share
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -280,13 +302,17 @@ class Worker:
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,
+            also=self.key_share.beat if self.key_share is not None else None,
         )
         heartbeat.start()
         started.append(heartbeat)
         self.watchdog.watch("heartbeat", heartbeat)
         self.watchdog.watch("success writer", self.writer)
-        if not cfg.burst:
-            if self.ops.supports_notify and cfg.wakeups:
+        # A burst worker listens too where it shares keys: the keys a peer leaves it
+        # (``peers.py``) would otherwise wait for its next poll.
+        listens = self.ops.supports_notify and cfg.wakeups
+        if not cfg.burst or (listens and self.key_share is not None):
+            if listens:
                 self.listener = Listener.of(cfg, wake=self._announced)
                 self.listener.start()
                 started.append(self.listener)

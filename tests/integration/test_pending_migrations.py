@@ -18,7 +18,7 @@ from django_dbworker.management.commands.run_workers import _pending_migrations
 pytestmark = pytest.mark.django_db
 
 #: The newest migration: a graph counts an unapplied one only below no applied child.
-LATEST = "0009_flow_names_binary"
+LATEST = "0010_worker_register"
 
 
 def _graph_plan() -> int:

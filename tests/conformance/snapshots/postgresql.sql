@@ -550,13 +550,15 @@ WITH RECURSIVE unkeyed AS (
     ) AS k
     ORDER BY k.lock
 )
-(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
+        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
-FROM walked WHERE over OR unkeyed;
+SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+       CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
+FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
 -- name: claim_heads_in_queues
 -- Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.
@@ -635,13 +637,15 @@ WITH RECURSIVE unkeyed AS (
     ) AS k
     ORDER BY k.lock
 )
-(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit, count(*) OVER () AS locked
+(SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
+        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, CASE WHEN over THEN 1 ELSE 0 END
-FROM walked WHERE over OR unkeyed;
+SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+       CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
+FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
 -- name: succeed_and_transfer
 -- Record successes; claim the next ready rows of their limited keys (any queue).
