@@ -1,0 +1,116 @@
+"""The register of live workers and a worker's share of the keys (``worker/peers.py``).
+
+Workers of the same queues and handlers count each other in ``WorkerProcess`` and hold
+at most ``ceil(pending keys / workers) + 1`` keyed rows each; the key-driven claim counts
+the pending keys (``Claimed.pending_keys``), also when no key is free.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db.models import F
+
+from django_dbworker.flow_models import WorkerProcess as Registered
+from django_dbworker.worker.peers import LIVE_FOR_BEATS, KeyShare, pool_of
+from tests.factories import claim
+from tests.testapp.workers import Keyed
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def share(name: str, *, clock: Clock, queues: list[str] | None = None, handlers=None) -> KeyShare:
+    found = KeyShare(
+        using="default",
+        queues=queues,
+        handlers=lambda: handlers if handlers is not None else {"keyed": object()},
+        interval=5.0,
+        stale_after=60.0,
+        clock=clock,
+    )
+    found.name = name
+    return found
+
+
+def test_workers_of_one_pool_count_each_other_and_leave_at_exit() -> None:
+    clock = Clock()
+    first, second = share("h:1", clock=clock), share("h:2", clock=clock)
+    other_queue = share("h:3", clock=clock, queues=["mail"])
+    other_handlers = share("h:4", clock=clock, handlers={"keyed": 1, "noop": 2})
+    for worker in (first, second, other_queue, other_handlers):
+        assert worker.join()
+    assert first.count() == 2
+    assert other_queue.count() == 1 and other_handlers.count() == 1
+    assert Registered.objects.get(name="h:3").queues == ["mail"]
+    second.leave()
+    clock.now += 1  # counts are kept for COUNT_EVERY
+    assert first.count() == 1
+    assert not Registered.objects.filter(name="h:2").exists()
+
+
+def test_a_row_not_refreshed_for_three_beats_is_not_counted_and_is_deleted_when_stale() -> None:
+    clock = Clock()
+    live, dead = share("h:1", clock=clock), share("h:2", clock=clock)
+    live.join(), dead.join()
+    assert live.count() == 2
+    Registered.objects.filter(name="h:2").update(
+        seen_at=F("seen_at") - timedelta(seconds=LIVE_FOR_BEATS * 5.0 + 1)
+    )
+    clock.now += 1
+    assert live.count() == 1  # the dead one no longer shrinks the share
+    assert Registered.objects.filter(name="h:2").exists()  # kept until STALE_AFTER
+    Registered.objects.filter(name="h:2").update(seen_at=F("seen_at") - timedelta(seconds=60))
+    clock.now += 5
+    live.beat()
+    assert list(Registered.objects.values_list("name", flat=True)) == ["h:1"]
+
+
+def test_a_worker_taken_for_dead_registers_again_at_its_next_beat() -> None:
+    clock = Clock()
+    worker = share("h:1", clock=clock)
+    worker.join()
+    Registered.objects.all().delete()
+    clock.now += 5
+    worker.beat()
+    assert Registered.objects.filter(name="h:1", pool=worker.pool).exists()
+
+
+def test_the_share_is_the_pending_keys_over_the_live_workers_plus_one() -> None:
+    clock = Clock()
+    first, second = share("h:1", clock=clock), share("h:2", clock=clock)
+    first.join(), second.join()
+    assert first.room(held=0) is None  # no count of the keys yet: no cap
+    first.counted(100)
+    assert first.room(held=0) == 51
+    assert first.room(held=51) == 0
+    assert first.room(held=80) == 0
+    second.leave()
+    clock.now += 1
+    assert first.room(held=80) is None  # alone: no cap
+
+
+def test_a_pool_is_its_queues_and_handlers_whatever_their_order() -> None:
+    assert pool_of(["b", "a", "a"], ["y", "x"]) == pool_of(["a", "b"], ["x", "y"])
+    assert pool_of(None, ["x"]) != pool_of(["default"], ["x"])
+    assert pool_of(None, ["x"]) != pool_of(None, ["x", "y"])
+
+
+@pytest.mark.postgres_only
+def test_the_key_driven_claim_counts_the_pending_keys_also_when_none_is_free() -> None:
+    for n in range(6):
+        Keyed.enqueue_many([{"key": f"k{n}"}] * 3, concurrency_key=f"k{n}")
+    first = claim(limit=4, handlers=["keyed"], limited=True)
+    assert len(first) == 4 and first.pending_keys == 6  # type: ignore[attr-defined]
+    second = claim(limit=10, handlers=["keyed"], limited=True)
+    assert len(second) == 2 and second.pending_keys == 6  # type: ignore[attr-defined]
+    third = claim(limit=10, handlers=["keyed"], limited=True)
+    assert third == [] and third.pending_keys == 6  # type: ignore[attr-defined]
