@@ -311,7 +311,10 @@ class Worker:
         # A burst worker listens too where it shares keys: the keys a peer leaves it
         # (``peers.py``) would otherwise wait for its next poll.
         listens = self.ops.supports_notify and cfg.wakeups
-        if not cfg.burst or (listens and self.key_share is not None):
+        shares = self.key_share is not None and any(
+            handler.concurrency_limit is not None for handler in self.work_item_handlers.values()
+        )
+        if not cfg.burst or (listens and shares):
             if listens:
                 self.listener = Listener.of(cfg, wake=self._announced)
                 self.listener.start()
