@@ -210,9 +210,10 @@ def candidates_statement(
 # empty) or cut them before locking (the same, from the other side). The loose scan costs
 # one descent per pending key, the walk one row per ready row: past KEYS_WALKED keys the
 # answer is the same row with 1, and the caller walks for WALK_FOR seconds. With no head
-# to lock the same row says 2: nothing is free. Every answer counts the pending keys
-# (``pending_keys``, up to KEYS_WALKED + 1): a worker's share of them among the live
-# workers of its pool caps the keyed rows it holds (``worker/peers.py``).
+# to lock the same row says 2: nothing is free. Every answer counts the keys in play
+# (``pending_keys``: the free keys' heads this claim could take, and the keys held): a
+# worker's share of them among the live workers of its pool caps the keyed rows it holds
+# (``worker/peers.py``).
 KEYS_WALKED = 1000
 #: Seconds a worker walks, without trying the heads, after they found more keys than that.
 WALK_FOR = 10.0
@@ -258,11 +259,15 @@ def _held_by_join(text: str) -> str:
     ).replace("{held_slots}", "coalesce(held.slots, 0)")
 
 
+# The keys the pool shares (``worker/peers.py``): the free keys with a ready row this claim
+# could take (their heads: not due later, not paused, in its queues) and the keys held.
+_KEYS_IN_PLAY = "((SELECT count(*) FROM heads) + (SELECT count(*) FROM held))"
+
 _LOCK_HEADS = (
     _KEY_LOCKS
-    + """
+    + f"""
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
+        {_KEYS_IN_PLAY} AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)"""
@@ -312,9 +317,9 @@ WITH RECURSIVE unkeyed AS (
         "{heads_filter}", "\n    WHERE NOT (SELECT over FROM walked)"
     )
     + _LOCK_HEADS
-    + """
+    + f"""
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+SELECT NULL, NULL, NULL, NULL, {_KEYS_IN_PLAY},
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c)
 """

@@ -22,6 +22,7 @@ class Migration(migrations.Migration):
                 ('name', models.CharField(max_length=255, primary_key=True, serialize=False)),
                 ('pool', models.CharField(max_length=64)),
                 ('queues', models.JSONField(blank=True, null=True)),
+                ('threads', models.PositiveIntegerField(default=1)),
                 ('started_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
                 ('seen_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now())),
             ],

@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
@@ -43,9 +44,6 @@ from django_dbworker.worker.wakeup import AdaptivePoll, polls_adaptively
 
 logger = logging.getLogger("django_dbworker.worker")
 
-#: Least wait for a count of the pending keys that is due (a loop with no room to claim
-#: counts nothing, and would otherwise not wait at all).
-MIN_RECOUNT_WAIT = 0.05
 #: Seconds between two looks at whether the buffer should shed rows.
 SHED_CHECK_EVERY = 0.25
 
@@ -109,7 +107,7 @@ class ClaimLoop:
         self._urgent_claim = False
         self._urgent_lock = threading.Lock()
         #: Rate-limited handlers whose window is full (``flow.py``).
-        self.rate_holds = RateHolds()
+        self.rate_holds = RateHolds(ops, config.queues, metrics=metrics, clock=clock.now)
         #: The last claim was keyed and took all it could: until a key is freed here
         #: (``key_freed``; or handed over, ``handover.py``) or rows come, a low buffer
         #: does not wake the loop (an empty keyed claim costs as much as a full one).
@@ -149,21 +147,18 @@ class ClaimLoop:
         started = self.clock.now()
         handlers = self.handlers()
         rates = self.rate_holds.rates(handlers)
-        rated = self._claim_rated(rates, limit=min(limit, self._free_threads()), at=started)
+        dispatch = partial(self._dispatch, claimed_at=started)
+        free = min(limit, self._free_threads())
+        rated = self.rate_holds.claim_open(rates, limit=free, handlers=handlers, dispatch=dispatch)
         limit -= rated
         plain = [name for name in handlers if name not in rates]
         limits = concurrency_limits(handlers, plain)
         capped = False
-        if limits and self.key_share is not None:
-            room = self.key_share.room(self._keyed_held())
-            if room is not None and room < limit:
-                limit, capped = room, True
-                if limit <= 0 and self.key_share.recount_in() <= 0:
-                    limit = 1  # a claim now and then counts the pending keys anew
-        if capped and limit <= 0:  # holding its share: it rests until keys end here
-            self._ran_dry = True
-            self.rests = not rates and not self._urgent_claim
-            return rated
+        if limits and self.key_share is not None:  # ``peers.py``
+            limit, capped = self.key_share.cap(limit, held=self._keyed_held(), limits=limits)
+            if limit <= 0:  # holding its share: it rests until keys end here
+                self._ran_dry, self.rests = True, not rates
+                return rated
         try:
             items = (
                 self.ops.claim(
@@ -223,39 +218,6 @@ class ClaimLoop:
         claimed (its start was counted in the window at the claim).
         """
         return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
-
-    def _claim_rated(self, rates: dict[str, tuple[int, float]], *, limit: int, at: float) -> int:
-        """Claim and dispatch rows of the rate-limited handlers whose window has room.
-
-        Each handler in a claim of its own (``claim_rated``), dispatched at
-        once, so that an error in a later one leaves no claimed row without
-        an owner. A handler whose window is full is left out until the
-        window's earliest start leaves it (the database says when), so its
-        rows never hold back other handlers' rows behind them.
-        """
-        claimed = 0
-        for name, (starts, period) in rates.items():
-            left = limit - claimed
-            if left <= 0:
-                break
-            if self.rate_holds.held(name, self.clock.now()):
-                self.metrics.throttle(name, "rate")
-                continue
-            result = self.ops.claim_rated(
-                handler=name,
-                starts=starts,
-                period=period,
-                limit=left,
-                queues=self.config.queues,
-                worker=worker_id(),
-                limits=concurrency_limits(self.handlers(), [name]),
-            )
-            self._dispatch(result.items, claimed_at=at)
-            claimed += len(result.items)
-            if result.full_for is not None:
-                self.rate_holds.hold(name, self.clock.now() + result.full_for)
-            self.metrics.throttle(name, "rate", result.held_back)
-        return claimed
 
     def _window_soon(self) -> bool:
         """A full rate window frees up within a second or a poll interval (burst mode waits).
@@ -352,11 +314,9 @@ class ClaimLoop:
         if not self.rests or self.control.stopping.is_set() or self.config.max_items is not None:
             return 0, False
         room = self._room(self.prefetch.target(self._youngest_running_age()))
-        if self.key_share is not None:
-            shared = self.key_share.room(self._keyed_held() - ending)
-            if shared is not None and shared < room:
-                return shared, True
-        return room, False
+        if self.key_share is None:
+            return room, False
+        return self.key_share.handover_room(room, held=self._keyed_held() - ending)
 
     def _keyed_held(self) -> int:
         """Rows with a concurrency key this worker holds (buffered, running, being written)."""
@@ -530,6 +490,6 @@ class ClaimLoop:
             # while sharing keys counts them again now and then (``peers.py``).
             wait = min(self._poll.next(), self.rate_holds.next_release(clock.now()))
             if self.rests and self.key_share is not None:
-                wait = min(wait, max(MIN_RECOUNT_WAIT, self.key_share.recount_in()))
+                wait = min(wait, self.key_share.recount_in())
             clock.wait(control.wake, wait)
             control.idle.clear()

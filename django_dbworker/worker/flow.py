@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from django_dbworker import validation
+from django_dbworker.db import VendorOperations
 from django_dbworker.flow_models import QueueState
 from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import WorkItem
+from django_dbworker.worker.identity import worker_id
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -66,7 +70,16 @@ def keys_busy(
 class RateHolds:
     """Rate-limited handlers, and until when each is left out of claims."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        ops: VendorOperations | None = None,
+        queues: Sequence[str] | None = None,
+        *,
+        metrics: WorkerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        #: What ``claim_open`` claims with: the vendor, the worker's queues, its metrics.
+        self.ops, self.queues, self.metrics, self.clock = ops, queues, metrics, clock
         self._until: dict[str, float] = {}
         self._rates: dict[str, tuple[int, float]] = {}
         self._seen: Mapping[str, WorkItemHandler] | None = None
@@ -102,6 +115,47 @@ class RateHolds:
 
     def hold(self, name: str, until: float) -> None:
         self._until[name] = until
+
+    def claim_open(
+        self,
+        rates: dict[str, tuple[int, float]],
+        *,
+        limit: int,
+        handlers: Mapping[str, WorkItemHandler],
+        dispatch: Callable[[Sequence[WorkItem]], object],
+    ) -> int:
+        """Claim and ``dispatch`` rows of the rate-limited handlers whose window has room.
+
+        Each handler in a claim of its own (``claim_rated``), dispatched at
+        once, so that an error in a later one leaves no claimed row without
+        an owner. A handler whose window is full is left out until the
+        window's earliest start leaves it (the database says when), so its
+        rows never hold back other handlers' rows behind them.
+        """
+        assert self.ops is not None and self.metrics is not None
+        claimed = 0
+        for name, (starts, period) in rates.items():
+            left = limit - claimed
+            if left <= 0:
+                break
+            if self.held(name, self.clock()):
+                self.metrics.throttle(name, "rate")
+                continue
+            result = self.ops.claim_rated(
+                handler=name,
+                starts=starts,
+                period=period,
+                limit=left,
+                queues=self.queues,
+                worker=worker_id(),
+                limits=concurrency_limits(handlers, [name]),
+            )
+            dispatch(result.items)
+            claimed += len(result.items)
+            if result.full_for is not None:
+                self.hold(name, self.clock() + result.full_for)
+            self.metrics.throttle(name, "rate", result.held_back)
+        return claimed
 
     def next_release(self, now: float) -> float:
         """Seconds until the first hold ends (``inf`` without holds)."""

@@ -39,6 +39,7 @@ from django_dbworker.models import WorkItem
 from django_dbworker.transitions import Recorded
 from django_dbworker.worker.attempts import Attempt
 from django_dbworker.worker.identity import worker_id
+from django_dbworker.worker.peers import KeyShare
 
 if TYPE_CHECKING:  # the claim loop imports the writer, which imports this
     from django_dbworker.worker.claim_loop import ClaimLoop
@@ -119,7 +120,7 @@ class Transfer:
             # one whose row the room left behind is claimed by that claim, or, where the
             # key share cut the room, by another worker's.
             loop.key_freed()
-            if self.queues:
+            if self.queues and len(self.taken) >= self.room:  # the share left keys over
                 self.owner.share_out(self.queues)
 
 
@@ -154,7 +155,21 @@ class KeyHandOver:
         if not ops.supports_key_handover:
             return None
         writer.handover = handover = cls(claim_loop=loop, ops=ops, handlers=loop.handlers)
+        # A key stays where it is handed over: the workers share them (``peers.py``).
+        loop.key_share = KeyShare.of(loop.config, handlers=loop.handlers, clock=loop.clock)
         return handover
+
+    @property
+    def share(self) -> KeyShare:
+        """This worker's share of the keys, and its row in the register of workers."""
+        assert self.claim_loop.key_share is not None  # set by ``attach``
+        return self.claim_loop.key_share
+
+    @property
+    def listens(self) -> bool:
+        """Whether a burst worker listens for wake-ups too: one with limited handlers, whose
+        keys a peer leaves it would otherwise wait for its next poll."""
+        return self.share.limited()
 
     def __init__(
         self,

@@ -28,7 +28,6 @@ from django_dbworker.db import operations
 from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
-from django_dbworker.queues import DEFAULT_QUEUE
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.abandoned import AbandonedThreads
 from django_dbworker.worker.attempts import Ledger
@@ -42,7 +41,6 @@ from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, work
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
-from django_dbworker.worker.peers import KeyShare
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -113,8 +111,6 @@ class Worker:
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
         self.handover: KeyHandOver | None = None
-        #: This process in the register of workers, for its share of the keys (``peers.py``).
-        self.key_share: KeyShare | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -211,14 +207,12 @@ class Worker:
         for loop in loops:
             loop.start()
         try:
-            if self.key_share is not None and self.key_share.join():
-                # Its peers may hold every key: they count again and leave it its share.
-                assert self.handover is not None
-                self.handover.share_out(cfg.queues or [DEFAULT_QUEUE])
+            if self.handover is not None:  # in the register of workers sharing keys
+                self.handover.share.join(announce=self.handover.share_out)
             if self.claim_loop is not None:
                 self.claim_loop.run()
-            if self.key_share is not None:  # claims no more: the others' shares grow now
-                self.key_share.leave()
+            if self.handover is not None:  # claims no more: the others' shares grow now
+                self.handover.share.leave()
             # Own-table loops end by themselves in burst mode; otherwise they
             # run until a stop is requested.
             while any(loop.is_alive() for loop in loops) and not control.stopping.is_set():
@@ -227,8 +221,6 @@ class Worker:
             self.shutdown.drain(pool=self.pool, writer=self.writer, loops=loops)
         finally:
             control.stopping.set()
-            if self.key_share is not None:
-                self.key_share.leave()
             for helper in helpers:
                 helper.stop()
             if self.pool is not None:
@@ -277,16 +269,6 @@ class Worker:
         )
         if parts.threaded:
             self.handover = KeyHandOver.attach(self.claim_loop, writer, self.ops)
-        if self.handover is not None:  # keys stay where they are handed over: share them
-            self.key_share = KeyShare(
-                using=cfg.using,
-                queues=cfg.queues,
-                handlers=lambda: self.work_item_handlers,
-                interval=cfg.heartbeat_interval,
-                stale_after=cfg.stale_after,
-                clock=self.clock.now,
-            )
-            self.claim_loop.key_share = self.key_share
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -302,19 +284,14 @@ class Worker:
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,
-            also=self.key_share.beat if self.key_share is not None else None,
+            also=self.handover.share.beat if self.handover is not None else None,
         )
         heartbeat.start()
         started.append(heartbeat)
         self.watchdog.watch("heartbeat", heartbeat)
         self.watchdog.watch("success writer", self.writer)
-        # A burst worker listens too where it shares keys: the keys a peer leaves it
-        # (``peers.py``) would otherwise wait for its next poll.
         listens = self.ops.supports_notify and cfg.wakeups
-        shares = self.key_share is not None and any(
-            handler.concurrency_limit is not None for handler in self.work_item_handlers.values()
-        )
-        if not cfg.burst or (listens and shares):
+        if not cfg.burst or (listens and self.handover is not None and self.handover.listens):
             if listens:
                 self.listener = Listener.of(cfg, wake=self._announced)
                 self.listener.start()

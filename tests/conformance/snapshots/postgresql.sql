@@ -551,12 +551,12 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
+        ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)),
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
@@ -638,12 +638,12 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        (SELECT count(*) FROM keys) AS pending_keys, count(*) OVER () AS locked
+        ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM keys),
+SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)),
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
