@@ -88,7 +88,7 @@ def start_module_worker(worker_env: dict[str, str], tmp_path: Path):
 
 
 def registered(worker: WorkerProcess) -> Registered | None:
-    return Registered.objects.filter(name__endswith=f":{worker.pid}").first()
+    return Registered.objects.filter(name__contains=f":{worker.pid}:").first()
 
 
 def starts_by_key() -> dict[str, list[float]]:

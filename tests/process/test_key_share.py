@@ -94,7 +94,7 @@ def test_a_killed_workers_row_is_deleted_by_a_survivors_beat(start_worker) -> No
     wait_until(lambda: Registered.objects.count() == 2, what="both workers' register rows")
     victim.signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
-    assert Registered.objects.filter(name__endswith=f":{victim.pid}").exists()
+    assert Registered.objects.filter(name__contains=f":{victim.pid}:").exists()
     enqueue(30, 3, seconds=0.01)
     wait_until(
         lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 90,
@@ -103,10 +103,10 @@ def test_a_killed_workers_row_is_deleted_by_a_survivors_beat(start_worker) -> No
     )
     # The survivor's beat deletes the dead row once it is STALE_AFTER old.
     wait_until(
-        lambda: not Registered.objects.filter(name__endswith=f":{victim.pid}").exists(),
+        lambda: not Registered.objects.filter(name__contains=f":{victim.pid}:").exists(),
         timeout=30,
         what="the dead worker's row to be deleted",
     )
-    assert Registered.objects.filter(name__endswith=f":{survivor.pid}").exists()
+    assert Registered.objects.filter(name__contains=f":{survivor.pid}:").exists()
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(timeout=60) == 0, survivor.log()
