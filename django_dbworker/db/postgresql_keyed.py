@@ -26,6 +26,7 @@ from django_dbworker.db.postgresql_keyed_sql import (
     CLAIMED_FOR_KEYS,
     HEADS_PLAN,
     READ_COMMITTED,
+    REGISTER_BOUNDED,
     TRANSACTION_ISOLATION,
     WALK_FOR,
     candidates_statement,
@@ -155,6 +156,15 @@ class PostgresKeyedClaims(PostgresEstimates):
                 self._walk_keys_until = time.monotonic() + WALK_FOR
         walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
         return self._fetch_bound(*walk), None
+
+    @contextmanager
+    def register_transaction(self) -> Iterator[None]:
+        """A transaction for the register of live workers whose statements give up soon,
+        lock waits included (REGISTER_BOUNDED)."""
+        with transaction.atomic(using=self.using):
+            with self.connection.cursor() as cursor:
+                cursor.execute(REGISTER_BOUNDED.sql)
+            yield
 
     @contextmanager
     def _read_committed_transaction(self) -> Iterator[None]:

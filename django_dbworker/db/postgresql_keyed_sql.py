@@ -260,8 +260,13 @@ def _held_by_join(text: str) -> str:
 
 
 # The keys the pool shares (``worker/peers.py``): the free keys with a ready row this claim
-# could take (their heads: not due later, not paused, in its queues) and the keys held.
-_KEYS_IN_PLAY = "((SELECT count(*) FROM heads) + (SELECT count(*) FROM held))"
+# could take (their heads: not due later, not paused, in its queues) and the keys held in
+# its queues (``held`` counts every queue's slots: a key's limit is for all of them).
+_KEYS_IN_PLAY = """((SELECT count(*) FROM heads) + (
+            SELECT count(DISTINCT (p.handler, p.concurrency_key))
+            FROM django_dbworker_workitem AS p
+            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
+              AND p.handler = ANY(%(limited)s::text[]){queues}))"""
 
 _LOCK_HEADS = (
     _KEY_LOCKS
@@ -478,4 +483,13 @@ WHERE w.status = 'claimed'
       SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
       WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL)
 """,
+)
+
+# The register of live workers (``worker/peers.py``) is written and read from the heartbeat
+# thread, the claim loop and the success writer: a lock on its row or table (an operator's
+# open transaction) must not hold them. Each of its transactions gives up soon instead.
+REGISTER_BOUNDED = Statement(
+    "register_bounded",
+    "Bound a register transaction's lock waits and statements (its transaction only).",
+    "SET LOCAL lock_timeout = '200ms';\nSET LOCAL statement_timeout = '1s';\n",
 )

@@ -490,6 +490,6 @@ class ClaimLoop:
             # while sharing keys counts them again now and then (``peers.py``).
             wait = min(self._poll.next(), self.rate_holds.next_release(clock.now()))
             if self.rests and self.key_share is not None:
-                wait = min(wait, self.key_share.recount_in())
+                wait = min(wait, self.key_share.recount_in(self._keyed_held()))
             clock.wait(control.wake, wait)
             control.idle.clear()

@@ -156,7 +156,12 @@ class KeyHandOver:
             return None
         writer.handover = handover = cls(claim_loop=loop, ops=ops, handlers=loop.handlers)
         # A key stays where it is handed over: the workers share them (``peers.py``).
-        loop.key_share = KeyShare.of(loop.config, handlers=loop.handlers, clock=loop.clock)
+        loop.key_share = KeyShare.of(
+            loop.config,
+            handlers=loop.handlers,
+            clock=loop.clock,
+            bounded=getattr(ops, "register_transaction", None),
+        )
         return handover
 
     @property

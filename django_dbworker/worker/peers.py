@@ -43,8 +43,11 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
+from typing import Any
 
+from django.db import transaction
 from django.db.models import DateTimeField, ExpressionWrapper, Sum, Value
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
@@ -91,6 +94,8 @@ class KeyShare:
         interval: float,
         stale_after: float,
         clock: Callable[[], float],
+        poll: float = 1.0,
+        bounded: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.using = using
         self.queues = sorted(set(queues)) if queues else None
@@ -103,6 +108,10 @@ class KeyShare:
         self.threads = threads
         self.interval = interval
         self.stale_after = stale_after
+        #: The poll interval: the longest wait between two counts of a worker holding keys.
+        self.poll = poll
+        self.bounded = bounded
+        self._recount_every = RECOUNT_KEYS_EVERY
         self.clock = clock
         #: Threads of the pool's live workers, this one's included, as last counted.
         self.pool_threads = threads
@@ -118,7 +127,12 @@ class KeyShare:
 
     @classmethod
     def of(
-        cls, cfg: WorkerConfig, *, handlers: Callable[[], Mapping[str, object]], clock: Clock
+        cls,
+        cfg: WorkerConfig,
+        *,
+        handlers: Callable[[], Mapping[str, object]],
+        clock: Clock,
+        bounded: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> KeyShare:
         """The share of a worker of ``cfg`` (its queues, threads and heartbeat)."""
         return cls(
@@ -129,6 +143,8 @@ class KeyShare:
             interval=cfg.heartbeat_interval,
             stale_after=cfg.stale_after,
             clock=clock.now,
+            poll=cfg.poll_interval,
+            bounded=bounded,
         )
 
     def limited(self) -> bool:
@@ -148,6 +164,16 @@ class KeyShare:
 
     # -- the register ------------------------------------------------------------
 
+    def _bounded(self) -> AbstractContextManager[Any]:
+        """A transaction whose statements give up soon, lock waits included (the vendor's
+        ``register_transaction``): the heartbeat thread, the claim loop and the success
+        writer call in here, and a register row or table locked by someone else must not
+        hold them (the heartbeat of running items least of all: they would be recovered as
+        stale and run again; attack s15b)."""
+        if self.bounded is not None:
+            return self.bounded()
+        return transaction.atomic(using=self.using)
+
     def join(self, announce: Callable[[Sequence[str]], object] | None = None) -> bool:
         """Write this worker's row; whether it was written (a failure is logged). With
         limited handlers, ``announce`` wakes the others of its queues: they may hold every
@@ -156,11 +182,12 @@ class KeyShare:
             return False
         row = {"pool": self.pool, "queues": self.queues, "threads": self.threads}
         try:
-            WorkerProcess.objects.using(self.using).update_or_create(
-                name=self.name,
-                defaults={**row, "seen_at": Now()},
-                create_defaults={**row, "started_at": Now(), "seen_at": Now()},
-            )
+            with self._bounded():
+                WorkerProcess.objects.using(self.using).update_or_create(
+                    name=self.name,
+                    defaults={**row, "seen_at": Now()},
+                    create_defaults={**row, "started_at": Now(), "seen_at": Now()},
+                )
         except Exception as exc:
             logger.warning("Could not register this worker (%s); it claims keys unshared.", exc)
             return False
@@ -176,9 +203,11 @@ class KeyShare:
         self._next_beat = self.clock() + self.interval
         rows = WorkerProcess.objects.using(self.using)
         try:
-            if not rows.filter(name=self.name).update(seen_at=Now(), pool=self.pool):
+            with self._bounded():
+                found = rows.filter(name=self.name).update(seen_at=Now(), pool=self.pool)
+                rows.filter(seen_at__lt=_ago(self.stale_after)).delete()
+            if not found:
                 self.join()  # deleted meanwhile (taken for dead): back in
-            rows.filter(seen_at__lt=_ago(self.stale_after)).delete()
         except Exception as exc:
             logger.debug("Could not refresh this worker's register row: %s", exc)
 
@@ -189,7 +218,8 @@ class KeyShare:
             return
         self.left = True
         try:
-            WorkerProcess.objects.using(self.using).filter(name=self.name).delete()
+            with self._bounded():
+                WorkerProcess.objects.using(self.using).filter(name=self.name).delete()
         except Exception as exc:
             logger.debug("Could not delete this worker's register row: %s", exc)
 
@@ -201,11 +231,12 @@ class KeyShare:
             self._next_count = now + COUNT_EVERY
             live = _ago(LIVE_FOR_BEATS * self.interval)
             try:
-                found = (
-                    WorkerProcess.objects.using(self.using)
-                    .filter(pool=self.pool, seen_at__gte=live)
-                    .aggregate(threads=Sum("threads"))["threads"]
-                )
+                with self._bounded():
+                    found = (
+                        WorkerProcess.objects.using(self.using)
+                        .filter(pool=self.pool, seen_at__gte=live)
+                        .aggregate(threads=Sum("threads"))["threads"]
+                    )
             except Exception as exc:
                 logger.debug("Could not count the live workers: %s", exc)
             else:
@@ -215,9 +246,15 @@ class KeyShare:
     # -- the cap ------------------------------------------------------------------
 
     def counted(self, pending_keys: int | None) -> None:
-        """A keyed claim's count of the keys in play (None: it counted none)."""
+        """A keyed claim's count of the keys in play (None: it counted none). While the
+        count stays the same, the next one waits twice as long (up to the poll interval):
+        a worker running one long keyed item does not claim four times a second."""
+        if pending_keys is None or pending_keys != self.pending_keys:
+            self._recount_every = RECOUNT_KEYS_EVERY
+        else:
+            self._recount_every = min(2 * self._recount_every, max(self.poll, RECOUNT_KEYS_EVERY))
         self.pending_keys = pending_keys
-        self._next_recount = self.clock() + RECOUNT_KEYS_EVERY
+        self._next_recount = self.clock() + self._recount_every
 
     def room(self, held: int) -> int | None:
         """How many more keyed rows this worker may hold, holding ``held``; None: no cap
@@ -230,11 +267,12 @@ class KeyShare:
         share = math.ceil(self.pending_keys * self.threads / pool_threads) + 1
         return max(0, share - held)
 
-    def recount_in(self) -> float:
-        """Seconds the claim loop may wait before the keys in play are to be counted again
-        (inf: none to share; at least MIN_RECOUNT_WAIT: a loop with no room to claim counts
-        nothing, and would otherwise not wait at all)."""
-        if not self.pending_keys or self.pool_threads <= self.threads:
+    def recount_in(self, held: int) -> float:
+        """Seconds the claim loop may wait before the keys in play are to be counted again,
+        holding ``held`` keyed rows (inf: none to share, or none held: an idle worker learns
+        of keys left to it by a wake-up or its poll; at least MIN_RECOUNT_WAIT: a loop with
+        no room to claim counts nothing, and would otherwise not wait at all)."""
+        if not self.pending_keys or not held or self.pool_threads <= self.threads:
             return math.inf
         return max(MIN_RECOUNT_WAIT, self._next_recount - self.clock())
 

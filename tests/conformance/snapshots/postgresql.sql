@@ -551,12 +551,20 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)) AS pending_keys, count(*) OVER () AS locked
+        ((SELECT count(*) FROM heads) + (
+            SELECT count(DISTINCT (p.handler, p.concurrency_key))
+            FROM django_dbworker_workitem AS p
+            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
+              AND p.handler = ANY(%(limited)s::text[]))) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)),
+SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (
+            SELECT count(DISTINCT (p.handler, p.concurrency_key))
+            FROM django_dbworker_workitem AS p
+            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
+              AND p.handler = ANY(%(limited)s::text[]))),
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
@@ -638,12 +646,22 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)) AS pending_keys, count(*) OVER () AS locked
+        ((SELECT count(*) FROM heads) + (
+            SELECT count(DISTINCT (p.handler, p.concurrency_key))
+            FROM django_dbworker_workitem AS p
+            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
+              AND p.handler = ANY(%(limited)s::text[])
+          AND p.queue = ANY(%(queues)s::text[]))) AS pending_keys, count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (SELECT count(*) FROM held)),
+SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (
+            SELECT count(DISTINCT (p.handler, p.concurrency_key))
+            FROM django_dbworker_workitem AS p
+            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
+              AND p.handler = ANY(%(limited)s::text[])
+          AND p.queue = ANY(%(queues)s::text[]))),
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
@@ -807,3 +825,8 @@ WHERE w.status = 'claimed'
   AND (w.handler, w.concurrency_key) IN (
       SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
       WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL);
+
+-- name: register_bounded
+-- Bound a register transaction's lock waits and statements (its transaction only).
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1s';;
