@@ -158,6 +158,8 @@ class ClaimLoop:
             limit, capped = self.key_share.cap(limit, held=self._keyed_held(), limits=limits)
             if limit <= 0:  # holding its share: it rests until keys end here
                 self._ran_dry, self.rests = True, not rates
+                with self._count_lock:
+                    self.claimed, self.claims = self.claimed + rated, self.claims + bool(rated)
                 return rated
         try:
             items = (
