@@ -269,3 +269,39 @@ class RowLockHeld:
         self.release.set()
         self.thread.join(30)
         assert not self.thread.is_alive() and not self.errors, self.errors
+
+
+class ShareClock:
+    """A settable monotonic clock for ``KeyShare`` (``worker/peers.py``) in tests."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def key_share(
+    name: str | None,
+    *,
+    clock: ShareClock,
+    queues: list[str] | None = None,
+    handlers: dict[str, object] | None = None,
+    threads: int = 8,
+):
+    """A ``KeyShare`` of the ``keyed`` handler (or ``handlers``) on the default database;
+    ``name`` replaces its register name (None keeps this process's own)."""
+    from django_dbworker.worker.peers import KeyShare
+
+    found = KeyShare(
+        using="default",
+        queues=queues,
+        handlers=lambda: handlers if handlers is not None else {"keyed": object()},
+        threads=threads,
+        interval=5.0,
+        stale_after=60.0,
+        clock=clock,
+    )
+    if name is not None:
+        found.name = name
+    return found

@@ -48,8 +48,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import DateTimeField, ExpressionWrapper, Sum, Value
-from django.db.models.expressions import CombinedExpression
+from django.db.models import Sum
 from django.db.models.functions import Now
 
 from django_dbworker.flow_models import WorkerProcess
@@ -205,7 +204,7 @@ class KeyShare:
         try:
             with self._bounded():
                 found = rows.filter(name=self.name).update(seen_at=Now(), pool=self.pool)
-                rows.filter(seen_at__lt=_ago(self.stale_after)).delete()
+                rows.filter(seen_at__lt=Now() - timedelta(seconds=self.stale_after)).delete()
             if not found:
                 self.join()  # deleted meanwhile (taken for dead): back in
         except Exception as exc:
@@ -229,7 +228,7 @@ class KeyShare:
         now = self.clock()
         if now >= self._next_count:
             self._next_count = now + COUNT_EVERY
-            live = _ago(LIVE_FOR_BEATS * self.interval)
+            live = Now() - timedelta(seconds=LIVE_FOR_BEATS * self.interval)
             try:
                 with self._bounded():
                     found = (
@@ -301,10 +300,3 @@ class KeyShare:
         if shared is not None and shared < room:
             return shared, True
         return room, False
-
-
-def _ago(seconds: float) -> ExpressionWrapper[CombinedExpression]:
-    """The database's now less ``seconds``: every host's rows on one clock."""
-    return ExpressionWrapper(
-        Now() - Value(timedelta(seconds=seconds)), output_field=DateTimeField()
-    )

@@ -13,33 +13,12 @@ import pytest
 
 from django_dbworker import pause_queue
 from django_dbworker.flow_models import WorkerProcess as Registered
-from django_dbworker.worker.peers import KeyShare
+from tests.factories import ShareClock as Clock
 from tests.factories import claim
+from tests.factories import key_share as share
 from tests.testapp.workers import Keyed
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def share(name: str, *, clock: Clock) -> KeyShare:
-    found = KeyShare(
-        using="default",
-        queues=None,
-        handlers=lambda: {"keyed": object()},
-        threads=8,
-        interval=5.0,
-        stale_after=60.0,
-        clock=clock,
-    )
-    found.name = name
-    return found
 
 
 def test_a_worker_that_left_is_not_registered_again_by_its_heartbeat() -> None:
@@ -97,18 +76,7 @@ def test_two_live_processes_of_the_same_host_and_pid_are_two_workers() -> None:
     first to exit deleted the other's row. Two shares of this one process stand for them:
     same host, same pid."""
     clock = Clock()
-    first, second = (
-        KeyShare(
-            using="default",
-            queues=None,
-            handlers=lambda: {"keyed": object()},
-            threads=8,
-            interval=5.0,
-            stale_after=60.0,
-            clock=clock,
-        )
-        for _ in range(2)
-    )
+    first, second = share(None, clock=clock), share(None, clock=clock)
     assert first.join() and second.join()
     assert first.count() == 16, "two live workers of one pool counted as one"
     first.leave()

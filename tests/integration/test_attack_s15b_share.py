@@ -10,33 +10,12 @@ from __future__ import annotations
 import pytest
 
 from django_dbworker.flow_models import WorkerProcess as Registered
-from django_dbworker.worker.peers import RECOUNT_KEYS_EVERY, KeyShare
-from tests.factories import claim
+from django_dbworker.worker.peers import RECOUNT_KEYS_EVERY
+from tests.factories import ShareClock as Clock
+from tests.factories import claim, key_share
 from tests.testapp.workers import Keyed
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def share(name: str, *, clock: Clock) -> KeyShare:
-    found = KeyShare(
-        using="default",
-        queues=["default"],
-        handlers=lambda: {"keyed": object()},
-        threads=8,
-        interval=5.0,
-        stale_after=60.0,
-        clock=clock,
-    )
-    found.name = name
-    return found
 
 
 @pytest.mark.postgres_only
@@ -68,7 +47,7 @@ def test_a_loop_with_nothing_to_claim_does_not_recount_while_a_peer_holds_a_key(
     Keyed.enqueue_many([{"key": "long"}] * 2, concurrency_key="long")
     assert len(claim(limit=10, handlers=["keyed"], limited=True, worker="peer:1:x")) == 1
     clock = Clock()
-    idle, peer = share("h:1", clock=clock), share("h:2", clock=clock)
+    idle, peer = (key_share(name, clock=clock, queues=["default"]) for name in ("h:1", "h:2"))
     assert idle.join() and peer.join()
     empty = claim(limit=10, handlers=["keyed"], limited=True)
     assert len(empty) == 0  # the key is held: nothing this worker could take

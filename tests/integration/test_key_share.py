@@ -13,35 +13,13 @@ import pytest
 from django.db.models import F
 
 from django_dbworker.flow_models import WorkerProcess as Registered
-from django_dbworker.worker.peers import LIVE_FOR_BEATS, KeyShare, pool_of
+from django_dbworker.worker.peers import LIVE_FOR_BEATS, pool_of
+from tests.factories import ShareClock as Clock
 from tests.factories import claim
+from tests.factories import key_share as share
 from tests.testapp.workers import Keyed
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def share(
-    name: str, *, clock: Clock, queues: list[str] | None = None, handlers=None, threads: int = 8
-) -> KeyShare:
-    found = KeyShare(
-        using="default",
-        queues=queues,
-        handlers=lambda: handlers if handlers is not None else {"keyed": object()},
-        threads=threads,
-        interval=5.0,
-        stale_after=60.0,
-        clock=clock,
-    )
-    found.name = name
-    return found
 
 
 def test_workers_of_one_pool_count_each_other_and_leave_at_exit() -> None:

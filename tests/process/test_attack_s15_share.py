@@ -25,6 +25,7 @@ from django_dbworker.flow_models import WorkerProcess as Registered
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import ROOT, WorkerProcess, wait_until
 from tests.factories import assert_no_key_overlaps
+from tests.process.test_key_share import enqueue, keys_by_pid
 from tests.testapp.models import Execution
 from tests.testapp.workers import Keyed, _record
 
@@ -267,14 +268,6 @@ def test_keys_of_a_higher_limit_use_their_slots_across_two_workers(start_module_
 # -- keys no worker of the pool can claim now inflate the count ---------------------------
 
 
-def keys_by_pid() -> dict[int, set[str]]:
-    found: dict[int, set[str]] = {}
-    for pid, key in Execution.objects.filter(kind="start").values_list("pid", "key"):
-        if key.startswith("k"):
-            found.setdefault(pid, set()).add(key)
-    return found
-
-
 @pytest.mark.parametrize("elsewhere", ["none", "scheduled", "paused", "other_queue"])
 def test_keys_that_cannot_run_now_do_not_keep_the_share_from_a_later_worker(
     start_worker, elsewhere: str
@@ -307,10 +300,7 @@ def test_keys_that_cannot_run_now_do_not_keep_the_share_from_a_later_worker(
             else:
                 Keyed.enqueue({"key": f"later{k}"}, concurrency_key=f"later{k}", queue="other")
     keys, per_key = 40, 60
-    with transaction.atomic():
-        for _ in range(per_key):
-            for k in range(keys):
-                Keyed.enqueue({"key": f"k{k}", "seconds": 0.02}, concurrency_key=f"k{k}")
+    enqueue(keys, per_key, seconds=0.02)
     wait_until(
         lambda: len(keys_by_pid().get(first.pid, ())) == keys,
         timeout=60,

@@ -17,7 +17,8 @@ from django_dbworker.flow_models import WorkerProcess as Registered
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.factories import assert_no_key_overlaps
-from tests.process.test_attack_s15_share import free_port, keys_by_pid, poll_cycles, registered
+from tests.process.test_attack_s15_share import free_port, poll_cycles, registered
+from tests.process.test_key_share import enqueue, keys_by_pid
 from tests.testapp.models import Execution
 from tests.testapp.workers import Keyed
 
@@ -151,10 +152,7 @@ def test_keys_held_in_another_queue_do_not_keep_the_share_from_a_later_worker(
     first = start_worker("keyed", "--queue", "default", "--concurrency", "8")
     wait_until(lambda: registered(first) is not None, what="the first worker's register row")
     keys, per_key = 40, 60
-    with transaction.atomic():
-        for _ in range(per_key):
-            for k in range(keys):
-                Keyed.enqueue({"key": f"k{k}", "seconds": 0.02}, concurrency_key=f"k{k}")
+    enqueue(keys, per_key, seconds=0.02)
     wait_until(
         lambda: len(keys_by_pid().get(first.pid, ())) == keys,
         timeout=60,
