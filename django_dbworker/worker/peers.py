@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -55,6 +56,7 @@ from django_dbworker.flow_models import WorkerProcess
 from django_dbworker.queues import DEFAULT_QUEUE
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import WorkerConfig
+from django_dbworker.worker.connections import close_thread_connections
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -66,6 +68,8 @@ COUNT_EVERY = 0.1
 #: claim (even one its cap leaves no room, for one row): the keys run out unevenly (a
 #: worker whose keys are done waits idle while a peer holds its share of a larger count).
 RECOUNT_KEYS_EVERY = 0.25
+#: Seconds a worker that stops claiming waits for the delete of its register row.
+LEAVE_WAIT = 0.5
 #: Least wait of a claim loop for a count that is due.
 MIN_RECOUNT_WAIT = 0.05
 
@@ -210,17 +214,30 @@ class KeyShare:
         except Exception as exc:
             logger.debug("Could not refresh this worker's register row: %s", exc)
 
-    def leave(self) -> None:
+    def leave(self) -> threading.Thread | None:
         """Delete this worker's row (it stopped claiming): the others' shares grow at once;
-        a beat after this one (the heartbeat beats on while the worker drains) writes none."""
+        a beat after this one (the heartbeat beats on while the worker drains) writes none.
+
+        On a thread of its own (returned), waited for LEAVE_WAIT at most: the caller, the
+        main thread going on to drain or to release running items (a second signal), never
+        waits longer on a register statement; one still running then may leave the row
+        behind, to stop counting after three beats like a crashed worker's."""
         if self.left:
-            return
+            return None
         self.left = True
+        thread = threading.Thread(target=self._delete, name="dbworker-leave", daemon=True)
+        thread.start()
+        thread.join(LEAVE_WAIT)
+        return thread
+
+    def _delete(self) -> None:
         try:
             with self._bounded():
                 WorkerProcess.objects.using(self.using).filter(name=self.name).delete()
         except Exception as exc:
             logger.debug("Could not delete this worker's register row: %s", exc)
+        finally:
+            close_thread_connections()
 
     def count(self) -> int:
         """The threads of the pool's live workers (at most every COUNT_EVERY seconds; else

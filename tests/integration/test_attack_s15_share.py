@@ -31,7 +31,7 @@ def test_a_worker_that_left_is_not_registered_again_by_its_heartbeat() -> None:
     leaving, peer = share("h:1", clock=clock), share("h:2", clock=clock)
     assert leaving.join() and peer.join()
     assert peer.count() == 16
-    leaving.leave()
+    leaving.leave().join(5)  # the delete runs on a thread of its own
     clock.now += 1
     assert peer.count() == 8  # its share grew at once
     clock.now += 5  # the leaving worker's heartbeat beats on while it drains
@@ -79,5 +79,5 @@ def test_two_live_processes_of_the_same_host_and_pid_are_two_workers() -> None:
     first, second = share(None, clock=clock), share(None, clock=clock)
     assert first.join() and second.join()
     assert first.count() == 16, "two live workers of one pool counted as one"
-    first.leave()
+    first.leave().join(5)  # the delete runs on a thread of its own
     assert Registered.objects.filter(name=second.name).exists()
