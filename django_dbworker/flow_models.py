@@ -84,38 +84,3 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"{self.handler} at {self.started_at}"
-
-
-class WorkerProcess(models.Model):
-    """One row per live ``run_workers`` process: the register of who serves which queues.
-
-    Written at the worker's start, refreshed by it every ``HEARTBEAT_INTERVAL`` and deleted
-    when it stops claiming; a row not refreshed for three intervals is of a process that
-    died (any worker deletes it after ``STALE_AFTER``). The workers of one ``pool`` (the
-    same queues and handlers) count each other here to split the keys of limited handlers
-    between them in proportion to their threads (``worker/peers.py``): balance only, never
-    correctness, which the claim statements keep by themselves, so a missing or stale row
-    costs at most an uneven split.
-    """
-
-    #: ``host:pid:token``: ``host:pid`` as in the ``claimed_by`` of the process's rows, and
-    #: a random token (containers on the host's network share its name and pid 1).
-    name = models.CharField(max_length=255, primary_key=True)
-    #: A digest of the queues it serves (sorted; ``*`` for every queue).
-    pool = models.CharField(max_length=64)
-    #: The queues it serves; null for every queue.
-    queues = models.JSONField(null=True, blank=True)
-    #: Its threads (``--concurrency``): the pool's keys are shared in proportion.
-    threads = models.PositiveIntegerField(default=1)
-    started_at = models.DateTimeField(db_default=Now())
-    seen_at = models.DateTimeField(db_default=Now())
-
-    objects: models.Manager[WorkerProcess] = models.Manager()
-
-    class Meta:
-        app_label = "django_dbworker"
-        verbose_name = "worker process"
-        verbose_name_plural = "worker processes"
-
-    def __str__(self) -> str:
-        return self.name

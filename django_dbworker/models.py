@@ -482,4 +482,3 @@ from django_dbworker.batch_models import Dependency as Dependency  # noqa: E402
 from django_dbworker.flow_models import FlowLock as FlowLock  # noqa: E402
 from django_dbworker.flow_models import QueueState as QueueState  # noqa: E402
 from django_dbworker.flow_models import RateStart as RateStart  # noqa: E402
-from django_dbworker.flow_models import WorkerProcess as WorkerProcess  # noqa: E402

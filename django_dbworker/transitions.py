@@ -14,7 +14,7 @@ All times come from the database clock (``Now()``), never the worker host's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 from uuid import UUID
@@ -40,8 +40,6 @@ logger = logging.getLogger("django_dbworker.transitions")
 
 #: An attempt: a row id and the claim token of one claim of it.
 AttemptKey = tuple[int, UUID]
-#: A success write's answer for one row: its id, its claim token, whether items wait for it.
-Recorded = tuple[int, UUID, bool]
 
 #: A claim's attempt handed back (a release, a snooze): the claim counted it.
 _ATTEMPT_HANDED_BACK = Case(When(attempts__gt=0, then=F("attempts") - 1), default=Value(0))
@@ -94,7 +92,6 @@ def succeed(
     using: str | None = None,
     *,
     linked: Mapping[int, int | None] | None = None,
-    write: Callable[[Sequence[tuple[int, UUID, str | None]]], Sequence[Recorded]] | None = None,
 ) -> set[AttemptKey]:
     """claimed -> succeeded for every attempt still held; returns those recorded.
 
@@ -106,12 +103,10 @@ def succeed(
     ``linked`` (``linked_rows``: row id -> batch id, from the claim): their write and
     what it sets off (dependents, batch) are one transaction. A row that gained
     dependents after its claim is settled right after (the sweep covers a crash).
-    ``write`` replaces the statement where nothing is linked: the success writer's
-    that also hands freed keys' slots over (``worker/handover.py``).
     """
     ops = operations(using)
     if not linked:
-        rows = write(outcomes) if write is not None else ops.succeed_rows(outcomes)
+        rows = ops.succeed_rows(outcomes)
         late = [pk for pk, _, has_dependents in rows if has_dependents]
         if late:
             with ops.ending_transaction():

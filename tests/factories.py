@@ -13,6 +13,7 @@ from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.db import operations
+from django_dbworker.db.types import Claimed
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.runtime import WorkerConfig
 
@@ -271,37 +272,17 @@ class RowLockHeld:
         assert not self.thread.is_alive() and not self.errors, self.errors
 
 
-class ShareClock:
-    """A settable monotonic clock for ``KeyShare`` (``worker/peers.py``) in tests."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def key_share(
-    name: str | None,
+def claim_rated(
     *,
-    clock: ShareClock,
+    handler: str,
+    starts: int,
+    period: float,
+    limit: int,
     queues: list[str] | None = None,
-    handlers: dict[str, object] | None = None,
-    threads: int = 8,
-):
-    """A ``KeyShare`` of the ``keyed`` handler (or ``handlers``) on the default database;
-    ``name`` replaces its register name (None keeps this process's own)."""
-    from django_dbworker.worker.peers import KeyShare
-
-    found = KeyShare(
-        using="default",
-        queues=queues,
-        handlers=lambda: handlers if handlers is not None else {"keyed": object()},
-        threads=threads,
-        interval=5.0,
-        stale_after=60.0,
-        clock=clock,
+    worker: str = "test:1:t",
+    using: str | None = None,
+) -> Claimed[WorkItem]:
+    """One rate-limited claim of ``handler`` (``starts`` per ``period`` seconds)."""
+    return operations(using).claim(
+        limit=limit, handlers=[handler], queues=queues, worker=worker, rate=(starts, period)
     )
-    if name is not None:
-        found.name = name
-    return found

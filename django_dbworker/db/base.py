@@ -30,7 +30,6 @@ from django.db.models.functions import Now
 from django_dbworker.db.flow import (
     RATE_ALLOWANCE,
     Candidate,
-    RatedClaim,
     claim_rated,
     current_limits,
     flow_lock_name,
@@ -68,7 +67,6 @@ __all__ = [
     "Candidate",
     "Claimed",
     "ColumnStats",
-    "RatedClaim",
     "RunTimes",
     "ServerProblem",
     "Statement",
@@ -165,7 +163,6 @@ class VendorOperations(ABC):
 
     # -- claims and outcomes -----------------------------------------------------
 
-    @abstractmethod
     def claim(
         self,
         *,
@@ -174,60 +171,39 @@ class VendorOperations(ABC):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
-    ) -> list[WorkItem]:
+        rate: tuple[int, float] | None = None,
+    ) -> Claimed[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
-        ``limits`` (handler -> its current ``concurrency_limit``): the keyed
-        claim, keys held to these limits, not to the rows' stored ones.
 
         Ready means ``pending`` with ``run_after`` passed by the database's
-        clock, of one of ``handlers`` (and of ``queues`` when given); claim
-        order is ``priority DESC, run_after, id`` (``WorkItem.objects.ready()
-        .in_order()``). Each row gets ``attempts + 1``, a fresh
-        ``claim_token``, ``claimed_by = worker`` and DB-clock
+        clock, of one of ``handlers`` (and of ``queues`` when given), in a queue
+        that is not paused; claim order is ``priority DESC, run_after, id``
+        (``WorkItem.objects.ready().in_order()``). Each row gets ``attempts +
+        1``, a fresh ``claim_token``, ``claimed_by = worker`` and DB-clock
         ``claimed_at``/``heartbeat_at``. Rows locked or claimed by another
         worker are skipped, never waited for and never returned twice.
+
+        ``limits`` (handler -> its current ``concurrency_limit``): the keyed
+        claim, keys held to these limits, not to the rows' stored ones.
+        ``rate`` (``(starts, period seconds)``, one handler): the claim of a
+        rate-limited handler, within a sliding window that is exact and
+        cluster-wide, under the handler's ``FlowLock`` row, in a transaction of
+        its own (``flow.claim_rated``).
         """
-
-    #: Whether ``succeed_and_transfer`` exists (the success writer's hand-over of keys).
-    supports_key_handover: ClassVar[bool] = False
-
-    def succeed_and_transfer(
-        self,
-        outcomes: Sequence[tuple[int, UUID, str | None]],
-        *,
-        limit: int,
-        queues: Sequence[str] | None,
-        worker: str,
-        limits: Mapping[str, int],
-        adopt: bool = False,
-    ) -> tuple[list[tuple[int, UUID, bool]], list[WorkItem]]:
-        """``succeed_rows``, and the next rows of the freed keys of ``limits`` claimed."""
-        raise NotImplementedError
-
-    def claim_rated(
-        self,
-        *,
-        handler: str,
-        starts: int,
-        period: float,
-        limit: int,
-        queues: Sequence[str] | None,
-        worker: str,
-        limits: Mapping[str, int] | None = None,
-    ) -> RatedClaim:
-        """Claim up to ``limit`` rows of a handler allowed ``starts`` starts per ``period`` seconds.
-
-        A sliding window, exact and cluster-wide, under the handler's
-        ``FlowLock`` row, in a transaction of its own (``flow.claim_rated``);
-        the claim is this vendor's own ``claim``, restricted to the handler
-        (and keyed by ``limits`` when it also has a ``concurrency_limit``).
-        """
+        if limit <= 0 or not handlers:
+            return Claimed()
+        if rate is None:
+            return self.claim_rows(
+                limit=limit, handlers=handlers, queues=queues, worker=worker, limits=limits
+            )
+        (handler,) = handlers
+        starts, period = rate
         return self.retrying(
             lambda: claim_rated(
                 using=self.using,
-                transaction=self._flow_transaction,
-                claim=lambda n: self.claim(
-                    limit=n, handlers=[handler], queues=queues, worker=worker, limits=limits
+                transaction=self.ending_transaction,
+                claim=lambda n: self.claim_rows(
+                    limit=n, handlers=handlers, queues=queues, worker=worker, limits=limits
                 ),
                 handler=handler,
                 starts=starts,
@@ -238,12 +214,23 @@ class VendorOperations(ABC):
             "claiming",
         )
 
-    def _flow_transaction(self) -> AbstractContextManager[Any]:
-        """A flow-controlled claim's or an ending's transaction (MySQL: at READ COMMITTED)."""
-        return transaction.atomic(using=self.using)
+    @abstractmethod
+    def claim_rows(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int] | None = None,
+    ) -> Claimed[WorkItem]:
+        """``claim`` without a rate: this vendor's claim statements (``limit`` > 0)."""
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
-        return self._flow_transaction()
+        """A transaction whose reads after a lock see what the lock's previous holder
+        committed (READ COMMITTED where the vendor can say so): an ending's, and a
+        rate-limited claim's (the window is counted after the handler's lock)."""
+        return transaction.atomic(using=self.using)
 
     def succeed_many(
         self, outcomes: Sequence[tuple[int, UUID, str | None]]
@@ -423,7 +410,7 @@ class VendorOperations(ABC):
             cursor.execute(sql, params)
             return list(cursor.fetchall())
 
-    def _rows_to_items(self, rows: Sequence[Sequence[Any]]) -> list[WorkItem]:
+    def _rows_to_items(self, rows: Sequence[Sequence[Any]]) -> Claimed[WorkItem]:
         """Model instances from rows of ``CLAIM_COLUMNS``, in claim order.
 
         Decoded through Django's own converters (JSON, UUID, aware datetimes),
@@ -434,7 +421,7 @@ class VendorOperations(ABC):
             self._converters = self._converters_of(CLAIM_COLUMNS)
         items = [self._claimed_item(self._convert(row, self._converters)) for row in rows]
         items.sort(key=lambda i: (-i.priority, i.run_after, i.pk))
-        return items
+        return Claimed(items)
 
     def _converters_of(self, names: Sequence[str]) -> list[tuple[list[Converter], Any]]:
         """Django's converters of the WorkItem columns ``names`` on this connection."""

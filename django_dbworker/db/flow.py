@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Count, Min
 from django.db.models.functions import Now
 
+from django_dbworker.db.types import Claimed
 from django_dbworker.models import FlowLock, RateStart, WorkItem
 
 #: Seconds added to a rate limit's period when its window is counted at a
@@ -39,18 +39,6 @@ from django_dbworker.models import FlowLock, RateStart, WorkItem
 #: could start less than one period apart in the handlers. 20 ms costs 2%
 #: of a "N/s" limit's throughput and nothing measurable of "N/m" or "N/h".
 RATE_ALLOWANCE = 0.02
-
-
-@dataclass
-class RatedClaim:
-    """What ``claim_rated`` claimed for a rate-limited handler, and whether its window is full."""
-
-    items: list[WorkItem] = field(default_factory=list)
-    #: Seconds (by the database clock) until the earliest start in the window
-    #: leaves it, when the window is full; None while starts are left.
-    full_for: float | None = None
-    #: Rows asked for that the window did not allow (0 when it allowed all it was asked).
-    held_back: int = 0
 
 
 def lock_flow(using: str, name: str) -> datetime:
@@ -77,13 +65,13 @@ def claim_rated(
     *,
     using: str,
     transaction: Callable[[], AbstractContextManager[Any]],
-    claim: Callable[[int], list[WorkItem]],
+    claim: Callable[[int], Claimed[WorkItem]],
     handler: str,
     starts: int,
     period: float,
     limit: int,
     allowance: float = RATE_ALLOWANCE,
-) -> RatedClaim:
+) -> Claimed[WorkItem]:
     """Claim up to ``limit`` rows of ``handler``, allowed ``starts`` starts per ``period`` seconds.
 
     The window counted is one period plus ``allowance`` seconds. Rows beyond
@@ -92,13 +80,13 @@ def claim_rated(
     claims until then (and claim other handlers' rows meanwhile).
     """
     if limit <= 0:
-        return RatedClaim()
+        return Claimed()
     # Nothing of the handler ready: one indexed read, no transaction, no lock
     # (idle processes took the FlowLock row at every poll, docs/scale.md). A
     # superset of what the claim could take (any queue): a row enqueued after
     # it is the next poll's or wake-up's, as after any claim that found none.
     if not WorkItem.objects.using(using).ready().filter(handler=handler).exists():
-        return RatedClaim()
+        return Claimed()
     window = timedelta(seconds=period + allowance)
     with transaction():
         now = lock_flow(using, f"rate:{handler}")
@@ -110,7 +98,7 @@ def claim_rated(
         )
         used, first = int(counted["n"]), counted["first"]
         room = max(0, starts - used)
-        items = claim(min(limit, room)) if room else []
+        items = claim(min(limit, room)) if room else Claimed[WorkItem]()
         if items:
             RateStart.objects.using(using).bulk_create(
                 [RateStart(handler=handler, started_at=now) for _ in items]
@@ -123,7 +111,9 @@ def claim_rated(
     # Asked for more than the window allowed, and took all it allowed: rows
     # were (probably) left pending by the limit.
     capped = room < limit and len(items) == room
-    return RatedClaim(items, full_for, limit - len(items) if capped else 0)
+    return Claimed(
+        items, items.throttled, held_back=limit - len(items) if capped else 0, full_for=full_for
+    )
 
 
 # -- the keyed claim's decisions (per-key concurrency limits) ------------------

@@ -182,7 +182,7 @@ class MySQLOperations(VendorOperations):
 
     # -- claims and outcomes -----------------------------------------------------
 
-    def claim(
+    def claim_rows(
         self,
         *,
         limit: int,
@@ -190,9 +190,7 @@ class MySQLOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
-    ) -> list[WorkItem]:
-        if limit <= 0 or not handlers:
-            return []
+    ) -> Claimed[WorkItem]:
         queues = list(queues or ())
         params: dict[str, Any] = {"limit": limit, **numbered_params("handler", handlers)}
         if len(queues) == 1:
@@ -418,9 +416,9 @@ class MySQLOperations(VendorOperations):
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         return self._retrying(fn, what)
 
-    def _flow_transaction(self) -> Any:
-        # The window is counted by a plain read after the lock: at READ
-        # COMMITTED it sees the starts the lock's previous holder committed.
+    def ending_transaction(self) -> Any:
+        # Reads after a lock (a rate window's starts, a batch's rows) are plain
+        # reads: at READ COMMITTED they see what the lock's previous holder committed.
         return self._read_committed()
 
     def _retrying(self, fn: Callable[[], T], what: str) -> T:

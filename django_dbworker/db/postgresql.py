@@ -1,6 +1,7 @@
 """PostgreSQL: the operations that run its statements (``postgresql_sql.py``).
 
-One-statement ``FOR UPDATE SKIP LOCKED`` claims, batched fenced successes, inserts that
+One-statement ``FOR UPDATE SKIP LOCKED`` claims (and the keyed claim's two statements in a
+READ COMMITTED transaction, ``postgresql_keyed_sql.py``), batched fenced successes, inserts that
 carry their own NOTIFY or, with WAKEUP_WINDOW, send it after the commit (``wake_window.py``;
 a large batch goes in by COPY), LISTEN wake-ups (``postgresql_listen.py``) and planner
 estimates. The claims and the success writes bind their array parameters on the server, on
@@ -13,6 +14,7 @@ Nothing outside the db package imports it (``operations()`` is the way in).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
@@ -21,16 +23,27 @@ from uuid import UUID
 
 import psycopg
 from django.db import transaction
-from django.db.backends.postgresql.psycopg_any import register_tzloader
+from django.db.backends.postgresql.psycopg_any import IsolationLevel, register_tzloader
 from django.db.backends.utils import CursorWrapper
+from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import as_uuid
-from django_dbworker.db.postgresql_keyed import PostgresKeyedClaims
+from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, current_limits
+from django_dbworker.db.postgresql_keyed_sql import (
+    CLAIM_WITHIN_LIMITS,
+    HEADS_PLAN,
+    READ_COMMITTED,
+    TRANSACTION_ISOLATION,
+    WALK_FOR,
+    candidates_statement,
+    heads_statement,
+)
 from django_dbworker.db.postgresql_listen import PostgresSubscription
 from django_dbworker.db.postgresql_sql import (
     CLAIM_PLAN,
     COPY_ITEMS,
+    DISTINCT_QUEUES,
+    ESTIMATE_COUNT,
     HEARTBEAT,
     INSERT_ITEM,
     INSERT_ITEM_QUIET,
@@ -39,7 +52,9 @@ from django_dbworker.db.postgresql_sql import (
     LOCK_ROWS,
     NOTIFY,
     RESERVE_IDS,
+    RUN_TIMES,
     SUCCEED_MANY,
+    TABLE_ESTIMATE,
     claim_statement,
     index_ordered,
 )
@@ -47,8 +62,9 @@ from django_dbworker.db.postgresql_text import (
     copy_nullable,
     copy_payload,
     copy_text,
+    parse_text_array,
 )
-from django_dbworker.db.types import UnsupportedDatabase
+from django_dbworker.db.types import ColumnStats, RunTimes, TableEstimate, UnsupportedDatabase
 from django_dbworker.db.wake_window import IN_TRANSACTION, OFF, mode, wake_after_commit
 from django_dbworker.db.wakers import wake_payload
 from django_dbworker.models import WorkItem
@@ -72,12 +88,14 @@ TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 # -- operations ---------------------------------------------------------------------
 
 
-class PostgresOperations(PostgresKeyedClaims):
+class PostgresOperations(VendorOperations):
     vendor = "postgresql"
     supports_notify = True
     supports_skip_locked = True
     # LISTEN wakes the workers: nothing to poll for.
     poll_adaptively = False
+    #: Until when (time.monotonic()) the keyed claim walks without trying the heads.
+    _walk_keys_until = 0.0
 
     def check_version(self) -> None:
         self.connection.ensure_connection()
@@ -87,7 +105,7 @@ class PostgresOperations(PostgresKeyedClaims):
                 f"django-dbworker needs PostgreSQL 13 or newer; this server is {version}."
             )
 
-    def claim(
+    def claim_rows(
         self,
         *,
         limit: int,
@@ -95,9 +113,7 @@ class PostgresOperations(PostgresKeyedClaims):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
-    ) -> list[WorkItem]:
-        if limit <= 0 or not handlers:
-            return []
+    ) -> Claimed[WorkItem]:
         if limits:
             return self._claim_keyed(
                 limit=limit, handlers=handlers, queues=queues, worker=worker, limits=limits
@@ -109,6 +125,114 @@ class PostgresOperations(PostgresKeyedClaims):
             return self._rows_to_items(self._fetch_last(CLAIM_PLAN.sql + sql, params))
         # Inside a caller's transaction the settings would outlive the claim: as planned.
         return self._rows_to_items(self._fetch_bound(sql, params))
+
+    def _claim_keyed(
+        self,
+        *,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int],
+    ) -> Claimed[WorkItem]:
+        """The claim that honours concurrency keys: the heads of free keys, or the walk."""
+        connection = self.connection
+        own = not connection.in_atomic_block
+        # The slot count must see the claims committed by the key's previous lock holder:
+        # REPEATABLE READ or SERIALIZABLE (the connection's OPTIONS, the server's default)
+        # would count in the first snapshot and over-claim. In autocommit the level rides on
+        # psycopg's BEGIN. In a caller's transaction no savepoint, as the plain claim has none.
+        level_on_begin = own and connection.get_autocommit()
+        with (
+            self._read_committed_transaction()
+            if level_on_begin
+            else transaction.atomic(using=self.using, savepoint=False)
+        ):
+            if own and not level_on_begin:
+                with connection.cursor() as cursor:
+                    cursor.execute(READ_COMMITTED.sql)
+            elif not own:
+                self._refuse_snapshot_isolation(connection)
+            found = self._candidates(limit, handlers, queues, limits, pin=level_on_begin)
+            if not found:
+                return Claimed()
+            # Each row carries how many rows the statement locked (some held back by keys).
+            locked = found[0][-1]
+            chosen = current_limits([row[:-1] for row in found], limits)
+            columns = list(zip(*chosen, strict=True))
+            rows = self._fetch_bound(
+                CLAIM_WITHIN_LIMITS.sql,
+                {
+                    "worker": worker,
+                    "ids": list(columns[0]),
+                    "handlers": list(columns[1]),
+                    "keys": list(columns[2]),
+                    "limits": list(columns[3]),
+                },
+            )
+        return Claimed(self._rows_to_items(rows), throttled=locked - len(rows))
+
+    def _candidates(
+        self,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        limits: Mapping[str, int],
+        *,
+        pin: bool,
+    ) -> list[tuple[Any, ...]]:
+        """The keyed claim's candidates, locked: the free keys' heads (``CLAIM_HEADS``: every
+        handler limited, no ready row without a key; HEADS_PLAN first where the claim's BEGIN
+        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds."""
+        heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+        if heads is not None and time.monotonic() >= self._walk_keys_until:
+            sql, params = heads
+            fetch = self._fetch_last if pin else self._fetch_bound
+            found = fetch(HEADS_PLAN.sql + sql if pin else sql, params)
+            if found and found[-1][0] is not None:  # the heads
+                return found
+            mark = found[-1][-1] if found else 2
+            if mark == 2:  # no free key's head to take
+                return []
+            if mark == 1:  # many keys, not a row without a key: the walk for a while
+                self._walk_keys_until = time.monotonic() + WALK_FOR
+        walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
+        return self._fetch_bound(*walk)
+
+    @contextmanager
+    def _read_committed_transaction(self) -> Iterator[None]:
+        # The level rides on psycopg's own BEGIN: no statement, no round trip more.
+        connection = self.connection
+        connection.ensure_connection()
+        raw = connection.connection
+        previous = raw.isolation_level
+
+        def restore() -> None:
+            if not raw.closed and raw.isolation_level != previous:
+                raw.isolation_level = previous
+
+        raw.isolation_level = IsolationLevel.READ_COMMITTED
+        try:
+            with transaction.atomic(using=self.using):
+                # First of the commit's callbacks: a transaction that a later one
+                # opens (a receiver of the callback row's save) runs at the
+                # project's level again.
+                transaction.on_commit(restore, using=self.using)
+                yield
+        finally:
+            restore()
+
+    def _refuse_snapshot_isolation(self, connection: Any) -> None:
+        """Refuse the keyed claim in a caller's transaction stricter than READ COMMITTED."""
+        with connection.cursor() as cursor:
+            cursor.execute(TRANSACTION_ISOLATION.sql)
+            (level,) = cursor.fetchone()
+        if level != "read committed":
+            raise UnsupportedDatabase(
+                f"the keyed claim (concurrency_limit) needs READ COMMITTED; the caller's "
+                f"transaction is {level.upper()}, whose snapshot would count a key's slots "
+                "before the previous claimer's commit. Claim outside that transaction."
+            )
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server
@@ -379,3 +503,43 @@ class PostgresOperations(PostgresKeyedClaims):
 
     def listen(self) -> PostgresSubscription:
         return PostgresSubscription(self.connection)
+
+    # -- statistics for the admin and the stats ----------------------------------
+
+    def distinct_queues(self) -> list[str]:
+        return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
+
+    def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
+        sql, params = queryset.order_by().query.get_compiler(using=self.using).as_sql()
+        ((plan,),) = self._fetch(ESTIMATE_COUNT.render(query=sql), params)
+        # Django's psycopg setup loads json as text on some versions, as objects on others.
+        if isinstance(plan, str):
+            plan = json.loads(plan)
+        return int(plan[0]["Plan"]["Plan Rows"])
+
+    def run_times(self, since: timedelta, sample: int) -> list[RunTimes]:
+        # All the rows of the window: the database sorts them, nothing is sampled.
+        rows = self._fetch(RUN_TIMES.sql, {"seconds": since.total_seconds()})
+        return [
+            RunTimes(handler, count, max(0.0, p50), max(0.0, p95))
+            for handler, count, (p50, p95) in rows
+        ]
+
+    def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
+        rows = self._fetch(TABLE_ESTIMATE.sql, {"columns": list(columns)})
+        # reltuples is -1 (or 0) before the first ANALYZE: nothing to estimate from.
+        if not rows or rows[0][0] is None or rows[0][0] <= 0:
+            return None
+        reltuples = float(rows[0][0])
+        stats: dict[str, ColumnStats] = {}
+        for _, name, values, freqs, n_distinct in rows:
+            if name is None:
+                continue
+            parsed = parse_text_array(values) if values else []
+            distinct = float(n_distinct or 0)
+            if distinct < 0:  # a negative n_distinct is a fraction of the rows
+                distinct = -distinct * reltuples
+            stats[name] = ColumnStats(dict(zip(parsed, freqs or [], strict=False)), distinct)
+        if set(stats) != set(columns):
+            return None
+        return TableEstimate(reltuples, stats)

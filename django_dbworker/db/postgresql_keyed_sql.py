@@ -26,13 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from django_dbworker.db.postgresql_sql import (
-    CLAIM_SET,
-    CLAIMED_COLUMNS,
-    LOCKED_IN_ID_ORDER,
-    SUCCEED_UPDATE,
-)
-from django_dbworker.db.sql import CLAIM_COLUMNS, Statement
+from django_dbworker.db.postgresql_sql import CLAIM_SET, CLAIMED_COLUMNS
+from django_dbworker.db.sql import Statement
 
 KEY_LOCK_SPACE = 1684109163  # the advisory locks' first number ("dbwk" as an int4)
 
@@ -210,26 +205,22 @@ def candidates_statement(
 # empty) or cut them before locking (the same, from the other side). The loose scan costs
 # one descent per pending key, the walk one row per ready row: past KEYS_WALKED keys the
 # answer is the same row with 1, and the caller walks for WALK_FOR seconds. With no head
-# to lock the same row says 2: nothing is free. Every answer counts the keys in play
-# (``pending_keys``: the free keys' heads this claim could take, and the keys held): a
-# worker's share of them among the live workers of its pool caps the keyed rows it holds
-# (``worker/peers.py``).
+# to lock the same row says 2: nothing is free.
 KEYS_WALKED = 1000
 #: Seconds a worker walks, without trying the heads, after they found more keys than that.
 WALK_FOR = 10.0
 
-# A key's free slots (its limit less its claimed rows: {held_slots}) offer its first ready
-# rows, found in dbworker_key_pending_idx; those heads are locked in claim order (SKIP
-# LOCKED below the LIMIT): the part the loose scan (``CLAIM_HEADS``, which then takes the
-# keys' advisory locks, ``_LOCK_HEADS``) and the hand-over (``SUCCEED_AND_TRANSFER``, which
-# claims them) share, after a ``keys`` CTE of (handler, concurrency_key).
+# A key's free slots (its limit less its claimed rows, ``held``) offer its first ready rows,
+# found in dbworker_key_pending_idx; those heads are locked in claim order (SKIP LOCKED below
+# the LIMIT), then the keys' advisory locks are taken (``_LOCK_HEADS``).
 _HEADS_OF_KEYS = """
 ), heads AS (
     SELECT hd.id
     FROM keys
     JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
       ON l.handler = keys.handler
-{held_join}
+    LEFT JOIN held
+      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
         SELECT p.id FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
@@ -237,8 +228,9 @@ _HEADS_OF_KEYS = """
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){queues}
         ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - {held_slots}, 0)
-    ) AS hd{heads_filter}
+        LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
+    ) AS hd
+    WHERE NOT (SELECT over FROM walked)
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -249,30 +241,11 @@ _HEADS_OF_KEYS = """
     FOR UPDATE OF p SKIP LOCKED
 """
 
-
-def _held_by_join(text: str) -> str:
-    """The heads with ``held`` (a CTE of slots by key) joined to ``keys``."""
-    return text.replace(
-        "{held_join}",
-        "    LEFT JOIN held\n"
-        "      ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key",
-    ).replace("{held_slots}", "coalesce(held.slots, 0)")
-
-
-# The keys the pool shares (``worker/peers.py``): the free keys with a ready row this claim
-# could take (their heads: not due later, not paused, in its queues) and the keys held in
-# its queues (``held`` counts every queue's slots: a key's limit is for all of them).
-_KEYS_IN_PLAY = """((SELECT count(*) FROM heads) + (
-            SELECT count(DISTINCT (p.handler, p.concurrency_key))
-            FROM django_dbworker_workitem AS p
-            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
-              AND p.handler = ANY(%(limited)s::text[]){queues}))"""
-
 _LOCK_HEADS = (
     _KEY_LOCKS
-    + f"""
+    + """
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        {_KEYS_IN_PLAY} AS pending_keys, count(*) OVER () AS locked
+        count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)"""
@@ -318,13 +291,11 @@ WITH RECURSIVE unkeyed AS (
       AND h.concurrency_key IS NOT NULL
       AND h.handler = ANY(%(limited)s::text[])
     GROUP BY h.handler, h.concurrency_key"""
-    + _held_by_join(_HEADS_OF_KEYS).replace(
-        "{heads_filter}", "\n    WHERE NOT (SELECT over FROM walked)"
-    )
+    + _HEADS_OF_KEYS
     + _LOCK_HEADS
-    + f"""
+    + """
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, {_KEYS_IN_PLAY},
+SELECT NULL, NULL, NULL, NULL,
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c)
 """
@@ -379,117 +350,3 @@ def heads_statement(
     if not queues:
         return CLAIM_HEADS.sql, params
     return CLAIM_HEADS_IN_QUEUES.sql, {**params, "queues": list(queues)}
-
-
-# -- the hand-over: a success write passes its key's slot to the key's next row -----------
-# A success write frees its key's slot; with limit 1 the key's next row waits for a claim
-# that sees the write, and a claim loop that keeps claiming to catch it mostly finds
-# nothing (W7: half the claims, 5-12 ms each). Here one statement records the successes
-# (SUCCEED_MANY's lock and UPDATE) and claims the next ready rows of the keys of the rows it
-# ended, up to their free slots (``worker/handover.py``). No advisory lock and no second
-# count: the statement ends claimed rows of a key and claims at most as many in their
-# place, so at its commit the key has no more claimed rows than before, and every other
-# claimer's count (after its key lock, in a fresh snapshot) sees the state before or after
-# that commit. ``held`` counts in the statement's snapshot, which still sees the rows it
-# ends as claimed: they are subtracted (``ended``), and a limit lowered meanwhile holds.
-# One round trip: the write's own, with HEADS_PLAN before it in the same message.
-_SUCCEED_AND_TRANSFER = (
-    LOCKED_IN_ID_ORDER
-    + """, done AS (
-"""
-    + SUCCEED_UPDATE
-    + """RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
-), keys AS (
-    SELECT d.handler, d.concurrency_key, count(*) AS ended
-    FROM done AS d
-    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
-    GROUP BY d.handler, d.concurrency_key
-"""
-    + _HEADS_OF_KEYS.replace("{heads_filter}", "")
-    .replace("{held_join}", "")
-    .replace(
-        "{held_slots}",
-        """((SELECT count(*) FROM django_dbworker_workitem AS h
-                    WHERE h.status = 'claimed'
-                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
-                   - keys.ended)""",
-    )
-    + """), moved AS (
-UPDATE django_dbworker_workitem AS w
-"""
-    + CLAIM_SET
-    + """FROM c
-WHERE w.id = c.id
-"""
-    + CLAIMED_COLUMNS
-    + """)
-SELECT true AS claimed, m.* FROM moved AS m
-UNION ALL
-SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
-       d.has_dependents, NULL
-FROM done AS d
-"""
-)
-
-SUCCEED_AND_TRANSFER = Statement(
-    "succeed_and_transfer",
-    "Record successes; claim the next ready rows of their limited keys (any queue).",
-    _SUCCEED_AND_TRANSFER.replace("{queues}", ""),
-)
-SUCCEED_AND_TRANSFER_IN_QUEUES = Statement(
-    "succeed_and_transfer_in_queues",
-    "Record successes; claim the next ready rows of their limited keys in some queues.",
-    _SUCCEED_AND_TRANSFER.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
-)
-
-
-def succeed_and_transfer_statement(
-    *,
-    outcomes: Sequence[tuple[int, Any, str | None]],
-    limit: int,
-    queues: Sequence[str] | None,
-    limits: Mapping[str, int],
-    worker: str,
-) -> tuple[str, dict[str, Any]]:
-    """The success write that hands its limited keys' slots over (``limits``: the handlers
-    whose keys it passes on, with their current limits), and its parameters."""
-    params: dict[str, Any] = {
-        "ids": [pk for pk, _, _ in outcomes],
-        "tokens": [token for _, token, _ in outcomes],
-        "results": [result for _, _, result in outcomes],
-        "limit": limit,
-        "limited": list(limits),
-        "limit_values": list(limits.values()),
-        "worker": worker,
-    }
-    if not queues:
-        return SUCCEED_AND_TRANSFER.sql, params
-    return SUCCEED_AND_TRANSFER_IN_QUEUES.sql, {**params, "queues": list(queues)}
-
-
-# A success write retried after its connection was lost at the commit finds its rows
-# recorded already, and claims nothing for their keys: the rows the lost write claimed (for
-# the same writer) would be in no buffer. Read them back; the worker takes those it does
-# not hold. Limit 1 only (``worker/handover.py``): the key's claimed row is that row.
-CLAIMED_FOR_KEYS = Statement(
-    "claimed_for_keys",
-    "Read the rows of these rows' keys claimed in this name (a retried hand-over's).",
-    f"""
-SELECT {", ".join("w." + c for c in CLAIM_COLUMNS)}
-FROM django_dbworker_workitem AS w
-WHERE w.status = 'claimed'
-  AND w.claimed_by = %(worker)s
-  AND (w.handler, w.concurrency_key) IN (
-      SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
-      WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL)
-""",
-)
-
-# The register of live workers (``worker/peers.py``) is written and read from the heartbeat
-# thread, the claim loop and the success writer: a lock on its row or table (an operator's
-# open transaction) must not hold them. Each of its transactions gives up soon instead.
-REGISTER_BOUNDED = Statement(
-    "register_bounded",
-    "Bound a register transaction's lock waits and statements (its transaction only).",
-    "SET LOCAL lock_timeout = '200ms';\nSET LOCAL statement_timeout = '1s';\n",
-)

@@ -33,7 +33,7 @@ CLAIM_COLUMNS = (
     # What its ending must settle: its batch, and whether items wait for it.
     "batch_id",
     "has_dependents",
-    # Its key's slot, which its ending frees (the success writer's hand-over).
+    # Its key's slot, which its ending frees (the claim loop claims again at once).
     "concurrency_key",
 )
 

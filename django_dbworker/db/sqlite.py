@@ -21,6 +21,7 @@ from functools import lru_cache
 from uuid import UUID
 
 from django_dbworker.db.base import (
+    Claimed,
     Statement,
     UnsupportedDatabase,
     VendorOperations,
@@ -294,7 +295,7 @@ class SQLiteOperations(VendorOperations):
                 f"this Python links SQLite {sqlite3.sqlite_version}."
             )
 
-    def claim(
+    def claim_rows(
         self,
         *,
         limit: int,
@@ -302,9 +303,7 @@ class SQLiteOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
-    ) -> list[WorkItem]:
-        if limit <= 0 or not handlers:
-            return []
+    ) -> Claimed[WorkItem]:
         queues = queues or ()
         params = {
             "worker": worker,

@@ -86,22 +86,31 @@ class RunTimes:
 
 
 class Claimed(list[T]):
-    """The rows a claim took, in claim order, and how many it held back for their keys.
+    """The rows a claim took, in claim order, and what a limit held back.
 
     ``throttled``: candidates the claim found ready but left pending because
     their (handler, concurrency_key) had no free slot (per-key concurrency
     limits); not attempts, untouched. The claim loop reads it so that a
     batch cut short by keys does not look like an empty queue.
+
+    A rate-limited claim (``claim(rate=...)``) also says ``held_back``: rows
+    asked for that its window did not allow, and ``full_for``: seconds (by
+    the database clock) until the window's earliest start leaves it, when
+    the window is full (None while starts are left).
     """
 
     def __init__(
-        self, items: Iterable[T] = (), throttled: int = 0, pending_keys: int | None = None
+        self,
+        items: Iterable[T] = (),
+        throttled: int = 0,
+        *,
+        held_back: int = 0,
+        full_for: float | None = None,
     ) -> None:
         super().__init__(items)
         self.throttled = throttled
-        #: The limited handlers' keys with pending rows, where the claim counted them (the
-        #: key-driven claim, ``postgresql_keyed_sql.py``): what workers share (``peers.py``).
-        self.pending_keys = pending_keys
+        self.held_back = held_back
+        self.full_for = full_for
 
 
 class Subscription(Protocol):

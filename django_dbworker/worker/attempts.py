@@ -120,8 +120,6 @@ class Ledger:
         #: How many buffered attempts there are of each priority.
         self._buffered: Counter[int] = Counter()
         self._on_retired = on_retired
-        #: Set when a stop takes the leftovers: nothing joins after that (``add``).
-        self._closed = False
 
     # -- reading -------------------------------------------------------------
 
@@ -161,16 +159,9 @@ class Ledger:
 
     # -- changing ------------------------------------------------------------
 
-    def add(self, attempts: Iterable[Attempt]) -> list[Attempt]:
-        """Claimed rows, in claim order (dicts keep it: shedding reads it).
-
-        Answers the attempts refused: all of them once a stop took the leftovers
-        (``withdraw_leftovers``), which nobody here would release (a hand-over that
-        commits after an immediate stop's drain); the caller releases them.
-        """
+    def add(self, attempts: Iterable[Attempt]) -> None:
+        """Claimed rows, in claim order (dicts keep it: shedding reads it)."""
         with self._lock:
-            if self._closed:
-                return list(attempts)
             for attempt in attempts:
                 self._attempts[attempt.key] = attempt
                 # The row was claimed again: any older attempt of it here was
@@ -181,7 +172,6 @@ class Ledger:
                 self._by_row[attempt.item.pk] = attempt
                 self._buffered[attempt.item.priority] += 1
                 self._push(attempt)
-        return []
 
     def _move(self, attempt: Attempt, state: State) -> None:
         """Change ``attempt``'s state (under the lock), keeping the buffer's priorities."""
@@ -343,7 +333,6 @@ class Ledger:
         finished job again), or, with ``everything``, all of them.
         """
         with self._lock:
-            self._closed = True
             leaving = [
                 a for a in self._attempts.values() if everything or a.state is not State.RECORDING
             ]

@@ -15,15 +15,14 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
-from django_dbworker.queues import paused_queues
 from django_dbworker.worker.attempts import Attempt, Ledger
+from django_dbworker.worker.claim import ClaimRoute
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import (
     MAX_CLAIM,
@@ -33,9 +32,6 @@ from django_dbworker.worker.config import (
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.flow import PausedQueues, RateHolds, concurrency_limits, keys_busy
-from django_dbworker.worker.identity import worker_id
-from django_dbworker.worker.peers import KeyShare
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -106,21 +102,14 @@ class ClaimLoop:
         #: The claim being made was sized by such wake-ups.
         self._urgent_claim = False
         self._urgent_lock = threading.Lock()
-        #: Rate-limited handlers whose window is full (``flow.py``).
-        self.rate_holds = RateHolds(ops, config.queues, metrics=metrics, clock=clock.now)
-        #: The last claim was keyed and took all it could: until a key is freed here
-        #: (``key_freed``; or handed over, ``handover.py``) or rows come, a low buffer
-        #: does not wake the loop (an empty keyed claim costs as much as a full one).
-        self.rests = False
-        self._count_lock = threading.Lock()
-        #: Paused queues, re-read once per poll interval, to give back
-        #: buffered rows of a queue paused after they were claimed.
-        self.paused = PausedQueues(
-            lambda: paused_queues(config.using), every=config.poll_interval, clock=clock.now
+        #: Which rows to claim, by which statement (``claim.py``).
+        self.route = ClaimRoute(
+            ops=ops, config=config, metrics=metrics, now=clock.now, handlers=handlers
         )
-        #: This worker's share of the keys among the live workers of its queues (``peers.py``;
-        #: a threaded worker where the vendor hands keys over), else None: no cap.
-        self.key_share: KeyShare | None = None
+        #: The last claim was keyed and took all it could: until a key is freed here
+        #: (``retired``) or rows come, a low buffer does not wake the loop (an empty keyed
+        #: claim costs as much as a full one).
+        self.rests = False
 
     # -- one step --------------------------------------------------------------
 
@@ -145,34 +134,15 @@ class ClaimLoop:
             return 0
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
-        handlers = self.handlers()
-        rates = self.rate_holds.rates(handlers)
-        dispatch = partial(self._dispatch, claimed_at=started)
-        free = min(limit, self._free_threads())
-        rated = self.rate_holds.claim_open(rates, limit=free, handlers=handlers, dispatch=dispatch)
-        limit -= rated
-        plain = [name for name in handlers if name not in rates]
-        limits = concurrency_limits(handlers, plain)
-        capped = False
-        if limits and self.key_share is not None:  # ``peers.py``
-            limit, capped = self.key_share.cap(limit, held=self._keyed_held(), limits=limits)
-            if limit <= 0:  # holding its share: it rests until keys end here
-                self._ran_dry, self.rests = True, not rates
-                with self._count_lock:
-                    self.claimed, self.claims = self.claimed + rated, self.claims + bool(rated)
-                return rated
+        lowest = self.ledger.lowest_buffered_priority()
+        taken: list[WorkItem] = []
+
+        def dispatch(items: Sequence[WorkItem]) -> None:
+            taken.extend(items)
+            self._dispatch(items, claimed_at=started)
+
         try:
-            items = (
-                self.ops.claim(
-                    limit=limit,
-                    handlers=plain,
-                    queues=self.config.queues,
-                    worker=worker_id(),
-                    limits=limits,
-                )
-                if plain and limit > 0
-                else []
-            )
+            result = self.route.claim(limit, free=self._free_threads(), dispatch=dispatch)
         except Exception:
             if self._urgent_claim:
                 with self._urgent_lock:
@@ -182,36 +152,24 @@ class ClaimLoop:
         self.metrics.claim_took(WORK_ITEM_LOOP, took)
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
-        with self._count_lock:
-            self.claimed += len(items) + rated
-            self.claims += bool(items or rated)
-        # Rows held back for their concurrency keys were there: a batch cut
-        # short by them is not an empty queue (the next claim skips those keys).
-        throttled = getattr(items, "throttled", 0)
-        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
-        if limits and self.key_share is not None:
-            self.key_share.counted(getattr(items, "pending_keys", None))
-        # A claim cut to the key share took what it may: as one that ran dry.
-        self._ran_dry = len(items) + throttled < limit or not plain or capped
-        self.rests = self._ran_dry and bool(limits) and not rates and not self._urgent_claim
-        lowest = self.ledger.lowest_buffered_priority()
-        self._dispatch(items, claimed_at=started)
-        if items and not self._ran_dry and lowest is not None:
-            top = min(item.priority for item in items)
+        self._ran_dry = result.dry
+        self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
+        if taken and not self._ran_dry and lowest is not None:
+            top = min(item.priority for item in taken)
             if self._urgent_claim:
                 if top > lowest:
                     # One wake-up may stand for a batch (enqueue_many sends
                     # one): while urgent claims come back full of outranking
                     # rows, claim twice as many of them next.
                     with self._urgent_lock:
-                        self._urgent += min(2 * len(items), MAX_CLAIM)
+                        self._urgent += min(2 * len(taken), MAX_CLAIM)
                     self.control.wake.set()
             else:
                 # A full claim of rows that outrank buffered ones: more such
                 # rows may be pending, which the buffer would keep this worker
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
-        return len(items) + rated
+        return result.taken
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -221,15 +179,6 @@ class ClaimLoop:
         """
         return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
 
-    def _window_soon(self) -> bool:
-        """A full rate window frees up within a second or a poll interval (burst mode waits).
-
-        Longer waits ("N/m", "N/h") leave the rows pending, as burst mode
-        leaves retries that are due later.
-        """
-        wait = self.rate_holds.next_release(self.clock.now())
-        return wait <= max(1.0, self.config.poll_interval)
-
     def _give_back_paused(self) -> None:
         """Give back buffered rows of queues paused since they were claimed (once per poll).
 
@@ -238,7 +187,7 @@ class ClaimLoop:
         """
         if not self.ledger.buffered():
             return
-        paused = self.paused.poll()
+        paused = self.route.paused_since_claim()
         if not paused or self.control.draining.is_set():
             return
         given_back = self._give_back(self.ledger.withdraw_in_queues(paused))
@@ -308,44 +257,28 @@ class ClaimLoop:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
 
-    def handover_room(self, ending: int) -> tuple[int, bool]:
-        """Freed keys' next rows the success writer may claim now (``handover.py``), as it
-        records ``ending`` keyed rows: the room a claim would fill, while resting (no
-        claimable row left behind to jump), within the key share; and whether the share
-        is what cut it (the keys left over are the other workers')."""
-        if not self.rests or self.control.stopping.is_set() or self.config.max_items is not None:
-            return 0, False
-        room = self._room(self.prefetch.target(self._youngest_running_age()))
-        if self.key_share is None:
-            return room, False
-        return self.key_share.handover_room(room, held=self._keyed_held() - ending)
-
-    def _keyed_held(self) -> int:
-        """Rows with a concurrency key this worker holds (buffered, running, being written)."""
-        return sum(1 for item in self.ledger.items() if item.concurrency_key is not None)
-
-    def take(self, items: Sequence[WorkItem]) -> list[Attempt]:
-        """Rows the hand-over claimed: attempts in flight, queued as a claim's (claim order);
-        answers those refused (``Ledger.add``: the worker stopped), for the caller to release."""
-        with self._count_lock:
-            self.claimed, self.claims = self.claimed + len(items), self.claims + 1
-        return self._dispatch(items, claimed_at=self.clock.now())
-
-    def key_freed(self) -> None:
-        """A slot of a limited key was freed here and not handed over: a resting loop claims
-        now (and learns whether it rests still); a busy one when its buffer runs low."""
-        if self.rests:
+    def retired(self, attempt: Attempt) -> None:
+        """An attempt left the ledger. If it held a slot of a limited key, a resting loop
+        claims now (the key's next row, without waiting for a poll) and learns whether it
+        rests still; otherwise the loop wakes when its buffer runs low."""
+        if (
+            self.rests
+            and attempt.item.concurrency_key is not None
+            and attempt.handler.concurrency_limit is not None
+        ):
             self.control.wake.set()
         else:
             self.maybe_wake()
 
-    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> list[Attempt]:
+    def _dispatch(self, items: Sequence[WorkItem], *, claimed_at: float) -> None:
         """Record claimed rows as attempts in flight and queue them, in claim order."""
+        if not items:
+            return
+        self.claimed, self.claims = self.claimed + len(items), self.claims + 1
         handlers = self.handlers()
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
-        refused = self.ledger.add(attempts)
-        self.pool.submit_many([self.run_next] * (len(attempts) - len(refused)))
-        return refused
+        self.ledger.add(attempts)
+        self.pool.submit_many([self.run_next] * len(attempts))
 
     def _shed_hoard(self) -> None:
         """Give back buffered rows this worker cannot start soon.
@@ -437,7 +370,7 @@ class ClaimLoop:
 
     def run(self) -> None:
         """Claim until stopped (or, in burst mode, until nothing is left to claim or run)."""
-        control, clock, cfg = self.control, self.clock, self.config
+        control, clock = self.control, self.clock
         while not control.stopping.is_set():
             self.cycled_at = clock.now()
             control.wake.clear()
@@ -479,19 +412,12 @@ class ClaimLoop:
                 and not claimed
                 and settled
                 and not self.ledger
-                and not self._window_soon()
-                and (
-                    self.config.inline
-                    or not keys_busy(self.handlers(), using=cfg.using, queues=cfg.queues)
-                )
+                and self.route.finished()
             ):
                 return
             if not claimed and self._ran_dry:
                 control.idle.set()
-            # A full rate window ends by itself: claim when it does. A loop that rests
-            # while sharing keys counts them again now and then (``peers.py``).
-            wait = min(self._poll.next(), self.rate_holds.next_release(clock.now()))
-            if self.rests and self.key_share is not None:
-                wait = min(wait, self.key_share.recount_in(self._keyed_held()))
+            # A full rate window ends by itself: claim when it does.
+            wait = min(self._poll.next(), self.route.next_window())
             clock.wait(control.wake, wait)
             control.idle.clear()

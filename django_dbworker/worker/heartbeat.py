@@ -42,7 +42,6 @@ class Heartbeat(threading.Thread):
         on_cancel_requested: Callable[[set[AttemptKey]], None] | None = None,
         observe: Callable[[float], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
-        also: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="dbworker-heartbeat", daemon=True)
         self.interval = interval
@@ -53,8 +52,6 @@ class Heartbeat(threading.Thread):
         self.using = using
         self.observe = observe
         self.clock = clock
-        #: Run after every beat (the worker's register row, ``peers.py``; it keeps its errors).
-        self.also = also
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -73,8 +70,6 @@ class Heartbeat(threading.Thread):
         started = self.clock.now()
         self.beat()
         self._observe(self.clock.now() - started)
-        if self.also is not None:
-            self.also()
         return self.interval
 
     def beat(self) -> None:

@@ -5,12 +5,12 @@ a module of its own:
 
 - ``config.py``: what the worker is told; ``parts.py``: threaded or inline;
 - ``claim_loop.py``: claim sizing, prefetch, shedding and dispatch, on the
-  calling (main) thread;
+  calling (main) thread; ``claim.py``: the one claim route (which rows, by
+  which statement: rate limits, concurrency keys, paused queues);
 - ``running.py``: one attempt on a pool thread (start-time fence check,
   ``execution.py``, hand-off to ``success_writer.py``);
 - ``attempts.py``: the ledger of attempts in flight;
 - ``settle.py``: the one place an attempt's ending is accounted for;
-- ``handover.py``: a success write passes its concurrency key's slot on;
 - ``recovery.py``: when stale recovery runs; ``heartbeat.py``;
 - ``shutdown.py``: drain and release; ``watchdog.py``; ``watchers.py``.
 
@@ -30,13 +30,12 @@ from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import AttemptKey
 from django_dbworker.worker.abandoned import AbandonedThreads
-from django_dbworker.worker.attempts import Ledger
+from django_dbworker.worker.attempts import Attempt, Ledger
 from django_dbworker.worker.claim_loop import ClaimLoop
 from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.handover import KeyHandOver, retired
 from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.own_table import HandlerLoop
@@ -85,9 +84,7 @@ class Worker:
         self.ops = operations(cfg.using)
         self.control = control = Control()
         self.abandoned = AbandonedThreads(self.metrics)
-        self.ledger = Ledger(
-            on_retired=lambda a: retired(a, self.claim_loop, self.handover, self._maybe_wake)
-        )
+        self.ledger = Ledger(on_retired=self._retired)
         self.watchdog = Watchdog(control=control, abandoned=self.abandoned, cap=cfg.abandoned_cap)
         self.settler = Settler(
             ledger=self.ledger,
@@ -110,7 +107,6 @@ class Worker:
         self.pool: Pool | None = None
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
-        self.handover: KeyHandOver | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -207,12 +203,8 @@ class Worker:
         for loop in loops:
             loop.start()
         try:
-            if self.handover is not None:  # in the register of workers sharing keys
-                self.handover.share.join(announce=self.handover.share_out)
             if self.claim_loop is not None:
                 self.claim_loop.run()
-            if self.handover is not None:  # claims no more: the others' shares grow now
-                self.handover.share.leave()
             # Own-table loops end by themselves in burst mode; otherwise they
             # run until a stop is requested.
             while any(loop.is_alive() for loop in loops) and not control.stopping.is_set():
@@ -267,8 +259,6 @@ class Worker:
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
         )
-        if parts.threaded:
-            self.handover = KeyHandOver.attach(self.claim_loop, writer, self.ops)
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -284,15 +274,13 @@ class Worker:
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,
-            also=self.handover.share.beat if self.handover is not None else None,
         )
         heartbeat.start()
         started.append(heartbeat)
         self.watchdog.watch("heartbeat", heartbeat)
         self.watchdog.watch("success writer", self.writer)
-        listens = self.ops.supports_notify and cfg.wakeups
-        if not cfg.burst or (listens and self.handover is not None and self.handover.listens):
-            if listens:
+        if not cfg.burst:
+            if self.ops.supports_notify and cfg.wakeups:
                 self.listener = Listener.of(cfg, wake=self._announced)
                 self.listener.start()
                 started.append(self.listener)
@@ -339,6 +327,13 @@ class Worker:
             self.control.wake.set()
         else:
             self.claim_loop.announce(priority)
+
+    def _retired(self, attempt: Attempt) -> None:
+        """An attempt left the ledger: the claim loop may claim (``ClaimLoop.retired``)."""
+        if self.claim_loop is None:
+            self.control.wake.set()
+        else:
+            self.claim_loop.retired(attempt)
 
     def _maybe_wake(self) -> None:
         """Wake the claim loop if its buffer is down to the refill mark (room to claim)."""

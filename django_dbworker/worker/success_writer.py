@@ -22,7 +22,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
@@ -36,10 +35,6 @@ from django_dbworker.worker.connections import (
     persist,
     tidy_unless_in_transaction,
 )
-from django_dbworker.worker.handover import TransferFailed
-
-if TYPE_CHECKING:
-    from django_dbworker.worker.handover import KeyHandOver
 
 logger = logging.getLogger("django_dbworker.worker")
 
@@ -100,9 +95,6 @@ class SuccessWriter(threading.Thread):
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        #: Passes the slots of limited keys that a batch frees on to the keys' next
-        #: rows, in the batch's transaction (``handover.py``); this thread's batches only.
-        self.handover: KeyHandOver | None = None
 
     def record(self, item: WorkItem, result_json: str | None) -> bool:
         """Record ``item`` as succeeded and wait; True if it was still ours (not fenced).
@@ -208,32 +200,20 @@ class SuccessWriter(threading.Thread):
             for entry in batch:
                 entry.finish()
 
-    def _settle(self, batch: list[_Pending], *, hand_over: bool = True) -> None:
+    def _settle(self, batch: list[_Pending]) -> None:
         """Write ``batch``; a batch the database refuses is retried row by row."""
-        handover = self.handover if hand_over and threading.current_thread() is self else None
-        transfer = handover.prepare([e.item for e in batch]) if handover is not None else None
         try:
             rows = [(e.item.pk, e.token, e.result_json) for e in batch]
             linked = transitions.linked_rows(e.item for e in batch)
             recorded = persist(
                 lambda: guarded(
                     self.using,
-                    lambda: transitions.succeed(
-                        rows, using=self.using, linked=linked, write=transfer
-                    ),
+                    lambda: transitions.succeed(rows, using=self.using, linked=linked),
                 ),
                 what="recording successes",
                 give_up=self.give_up,
                 using=self.using,
             )
-        except TransferFailed as failed:
-            # The same write without the hand-over: if that is refused too, the rows were.
-            assert handover is not None and transfer is not None
-            tidy_unless_in_transaction(self.using)
-            self._settle(batch, hand_over=False)
-            if not any(isinstance(e.written, Refused) for e in batch):
-                handover.failed(transfer, failed.__cause__ or failed)
-            return
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -244,8 +224,6 @@ class SuccessWriter(threading.Thread):
             for entry in batch:
                 self._settle([entry])
             return
-        if transfer is not None:
-            transfer.deliver()
         missing = [e for e in batch if e.key not in recorded]
         if missing:
             recorded |= persist(

@@ -19,14 +19,13 @@ from django.db import connection
 from django.db.models.functions import Now
 
 from django_dbworker import Snooze, UnknownQueue, pause_queue, resume_queue, transitions
-from django_dbworker.db import operations
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import RateStart, Status, WorkItem
 from django_dbworker.queues import paused_queues
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
-from tests.factories import age_heartbeat, claim, make_item, worker_config
+from tests.factories import age_heartbeat, claim, claim_rated, make_item, worker_config
 from tests.integration.interleave import Racer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -89,16 +88,15 @@ def test_a_rate_window_counts_only_its_own_handlers_starts() -> None:
     for i in range(2):
         make_item("s14_rated", payload={"i": i})
         make_item("S14_RATED", payload={"i": i})
-    ops = operations()
-    first = ops.claim_rated(
+    first = claim_rated(
         handler="s14_rated", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
     )
-    assert [i.handler for i in first.items] == ["s14_rated"]
-    other = ops.claim_rated(
+    assert [i.handler for i in first] == ["s14_rated"]
+    other = claim_rated(
         handler="S14_RATED", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
     )
     # "S14_RATED" has started nothing: its window allows one start now.
-    assert [i.handler for i in other.items] == ["S14_RATED"], (
+    assert [i.handler for i in other] == ["S14_RATED"], (
         "S14_RATED was held back by the start of s14_rated",
         list(RateStart.objects.values_list("handler", "started_at")),
     )
@@ -109,12 +107,11 @@ def test_another_handlers_claim_never_clears_a_window_that_is_still_running() ->
     hourly = [make_item("s14_rated", payload={"i": i}) for i in range(2)]
     make_item("S14_RATED", queue="s14-held")
     pause_queue("s14-held")  # its rows are ready but claimed by nobody
-    ops = operations()
 
     def hourly_claim() -> list[WorkItem]:
-        return ops.claim_rated(
+        return claim_rated(
             handler="s14_rated", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
-        ).items
+        )
 
     assert len(hourly_claim()) == 1
     # Ten seconds pass (by the database's clock): well inside the hour.
@@ -122,10 +119,10 @@ def test_another_handlers_claim_never_clears_a_window_that_is_still_running() ->
     RateStart.objects.filter(pk=start).update(started_at=Now() - timedelta(seconds=10))
     assert hourly_claim() == []
     # Another handler, "1/s", tries to claim: its row is in a paused queue.
-    got = ops.claim_rated(
+    got = claim_rated(
         handler="S14_RATED", starts=1, period=1.0, limit=5, queues=None, worker="t:1:b"
     )
-    assert got.items == []
+    assert got == []
     again = hourly_claim()
     assert again == [], (
         "a second start of s14_rated ('1/h') ten seconds after its first: the window's "

@@ -15,16 +15,16 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from django_dbworker import pause_queue
-from django_dbworker.db import operations
 from django_dbworker.models import RateStart, WorkItem
 from django_dbworker.testing import run_until_empty
+from tests.factories import claim_rated
 from tests.testapp.workers import Rated, RatedSlowly
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _claim(limit: int = 4) -> object:
-    return operations().claim_rated(
+    return claim_rated(
         handler="rated_slowly", starts=2, period=60.0, limit=limit, queues=None, worker="t:1:a"
     )
 
@@ -39,22 +39,22 @@ def test_rows_of_the_callers_transaction_are_seen_by_the_read() -> None:
 def test_a_row_due_now_by_the_database_clock_is_claimed() -> None:
     RatedSlowly.enqueue({"n": 1})
     WorkItem.objects.update(run_after=Now())
-    assert len(_claim().items) == 1  # type: ignore[attr-defined]
+    assert len(_claim()) == 1  # type: ignore[attr-defined]
 
 
 def test_a_full_window_is_still_reported_and_its_old_starts_still_go() -> None:
     for n in range(3):
         RatedSlowly.enqueue({"n": n})
     got = _claim()
-    assert len(got.items) == 2 and got.full_for is not None  # type: ignore[attr-defined]
+    assert len(got) == 2 and got.full_for is not None  # type: ignore[attr-defined]
     # The window's starts leave it; the next claim (a row is ready) deletes them.
     RateStart.objects.update(started_at=Now() - timedelta(hours=1))
     got = _claim()
-    assert len(got.items) == 1  # type: ignore[attr-defined]
+    assert len(got) == 1  # type: ignore[attr-defined]
     assert RateStart.objects.filter(handler="rated_slowly").count() == 1
 
 
 def test_a_ready_row_in_a_paused_queue_is_not_claimed() -> None:
     RatedSlowly.enqueue({"n": 1}, queue="stopped")
     pause_queue("stopped")
-    assert _claim().items == []  # type: ignore[attr-defined]
+    assert _claim() == []  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.validation import InvalidValue, rate_limit
 from tests.conftest import ROOT
-from tests.factories import claim, make_item
+from tests.factories import claim, claim_rated, make_item
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -180,7 +180,6 @@ def test_concurrent_claimers_never_take_more_than_n_starts_in_a_window() -> None
     n, period = 5, 0.5
     for i in range(200):
         make_item("rated", queue="rated", payload={"key": str(i)})
-    ops = operations()
     claimed: list[tuple[int, datetime]] = []
     lock = threading.Lock()
     deadline = time.monotonic() + 2.2
@@ -189,7 +188,7 @@ def test_concurrent_claimers_never_take_more_than_n_starts_in_a_window() -> None
     def claimer(index: int) -> None:
         try:
             while time.monotonic() < deadline:
-                got = ops.claim_rated(
+                got = claim_rated(
                     handler="rated",
                     starts=n,
                     period=period,
@@ -198,7 +197,7 @@ def test_concurrent_claimers_never_take_more_than_n_starts_in_a_window() -> None
                     worker=f"test:{index}:t",
                 )
                 with lock:
-                    claimed.extend((item.pk, item.claimed_at) for item in got.items)
+                    claimed.extend((item.pk, item.claimed_at) for item in got)
                 if got.full_for is not None:
                     time.sleep(min(got.full_for, 0.05))
         except BaseException as exc:
@@ -229,18 +228,17 @@ def test_concurrent_claimers_never_take_more_than_n_starts_in_a_window() -> None
 def test_a_full_window_says_when_it_frees_up() -> None:
     for i in range(5):
         make_item("rated_slowly", payload={"key": str(i)})
-    ops = operations()
-    got = ops.claim_rated(
+    got = claim_rated(
         handler="rated_slowly", starts=2, period=60.0, limit=5, queues=None, worker="t:1:a"
     )
-    assert len(got.items) == 2
+    assert len(got) == 2
     allowance = operations().rate_allowance
     assert got.full_for is not None and 59.0 < got.full_for <= 60.0 + allowance
     assert got.held_back == 3
-    again = ops.claim_rated(
+    again = claim_rated(
         handler="rated_slowly", starts=2, period=60.0, limit=5, queues=None, worker="t:1:a"
     )
-    assert again.items == [] and again.full_for is not None
+    assert again == [] and again.full_for is not None
     assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 3
 
 

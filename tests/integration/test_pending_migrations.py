@@ -7,18 +7,23 @@ graph's answer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.recorder import MigrationRecorder
 from django.test import override_settings
 
+import django_dbworker
 from django_dbworker.management.commands.run_workers import _pending_migrations
 
 pytestmark = pytest.mark.django_db
 
 #: The newest migration: a graph counts an unapplied one only below no applied child.
-LATEST = "0010_worker_register"
+LATEST = max(
+    path.stem for path in (Path(django_dbworker.__file__).parent / "migrations").glob("0*.py")
+)
 
 
 def _graph_plan() -> int:

@@ -14,24 +14,21 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from django_dbworker.db import operations
 from django_dbworker.models import FlowLock
-from tests.factories import make_item
+from tests.factories import claim_rated, make_item
 
 pytestmark = pytest.mark.django_db
 
 
 def _claim() -> object:
-    return operations().claim_rated(
-        handler="rated", starts=5, period=1.0, limit=4, queues=None, worker="t:1:a"
-    )
+    return claim_rated(handler="rated", starts=5, period=1.0, limit=4, queues=None, worker="t:1:a")
 
 
 def test_nothing_pending_is_one_read_and_no_lock() -> None:
     make_item("noop")  # another handler's row does not count
     with CaptureQueriesContext(connection) as queries:
         got = _claim()
-    assert got.items == [] and got.full_for is None  # type: ignore[attr-defined]
+    assert got == [] and got.full_for is None  # type: ignore[attr-defined]
     statements = [q["sql"] for q in queries.captured_queries]
     assert len(statements) == 1, statements
     assert "FOR UPDATE" not in statements[0]
@@ -41,5 +38,5 @@ def test_nothing_pending_is_one_read_and_no_lock() -> None:
 def test_a_pending_row_is_still_claimed_under_the_window() -> None:
     make_item("rated", payload={"key": "a"})
     got = _claim()
-    assert len(got.items) == 1  # type: ignore[attr-defined]
+    assert len(got) == 1  # type: ignore[attr-defined]
     assert FlowLock.objects.filter(name="rate:rated").exists()

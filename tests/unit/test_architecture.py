@@ -71,12 +71,3 @@ def test_only_the_settle_module_logs_a_fenced_outcome() -> None:
 def test_the_runtime_module_only_wires() -> None:
     """runtime.py builds and connects the parts; the concerns live in modules of their own."""
     assert len((PACKAGE / "worker" / "runtime.py").read_text().splitlines()) < 350
-
-
-def test_no_module_of_the_package_is_over_500_lines() -> None:
-    long = {
-        str(p.relative_to(PACKAGE)): n
-        for p in _modules()
-        if (n := len(p.read_text().splitlines())) > 500
-    }
-    assert long == {}

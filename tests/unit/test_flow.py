@@ -7,7 +7,8 @@ import math
 import pytest
 
 from django_dbworker.validation import InvalidValue, rate_limit
-from django_dbworker.worker.flow import PausedQueues, RateHolds
+from django_dbworker.worker.claim import ClaimRoute, PausedQueues
+from django_dbworker.worker.config import WorkerConfig
 
 
 @pytest.mark.parametrize(
@@ -35,25 +36,39 @@ class Handler:
         self.rate_limit = rate
 
 
-def test_rate_holds_read_each_handler_mapping_once_and_skip_bad_values() -> None:
-    holds = RateHolds()
+def route(now: list[float]) -> ClaimRoute:
+    """A claim route that never reaches a database (these tests claim nothing)."""
+    return ClaimRoute(
+        ops=None,  # type: ignore[arg-type]
+        config=WorkerConfig(),
+        metrics=None,  # type: ignore[arg-type]
+        now=lambda: now[0],
+        handlers=dict,
+    )
+
+
+def test_rates_are_read_once_per_handler_mapping_and_bad_values_skipped() -> None:
+    claims = route([0.0])
     handlers = {"a": Handler("10/s"), "b": Handler(None), "c": Handler("oops")}
-    assert holds.rates(handlers) == {"a": (10, 1.0)}  # type: ignore[arg-type]
+    assert claims.rates(handlers) == {"a": (10, 1.0)}  # type: ignore[arg-type]
     handlers["d"] = Handler("1/s")  # the worker replaces the mapping, never changes it
-    assert holds.rates(handlers) == {"a": (10, 1.0)}  # type: ignore[arg-type]
+    assert claims.rates(handlers) == {"a": (10, 1.0)}  # type: ignore[arg-type]
 
 
-def test_a_hold_ends_by_itself_and_says_when() -> None:
-    holds = RateHolds()
-    assert holds.next_release(0.0) == math.inf
-    holds.hold("a", until=5.0)
-    holds.hold("b", until=2.0)
-    assert holds.held("a", 1.0) and holds.held("b", 1.0)
-    assert holds.next_release(1.0) == 1.0
-    assert not holds.held("b", 2.0)  # ended: forgotten
-    assert holds.next_release(2.0) == 3.0
-    assert not holds.held("a", 6.0)
-    assert holds.next_release(6.0) == math.inf
+def test_a_full_window_ends_by_itself_and_says_when() -> None:
+    now = [0.0]
+    claims = route(now)
+    assert claims.next_window() == math.inf
+    claims._held_until.update(a=5.0, b=2.0)
+    now[0] = 1.0
+    assert claims._held("a") and claims._held("b")
+    assert claims.next_window() == 1.0
+    now[0] = 2.0
+    assert not claims._held("b")  # ended: forgotten
+    assert claims.next_window() == 3.0
+    now[0] = 6.0
+    assert not claims._held("a")
+    assert claims.next_window() == math.inf
 
 
 def test_paused_queues_are_read_at_most_once_per_interval() -> None:

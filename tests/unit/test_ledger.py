@@ -181,17 +181,3 @@ def test_the_lowest_buffered_priority_follows_every_way_out_of_the_buffer() -> N
     assert ledger.take_next(1.0, draining=False) == (high, State.RUNNING)
     assert ledger.lowest_buffered_priority() is None
     assert ledger.take_next(1.0, draining=False) == (low, State.LOST)  # to be dropped
-
-
-def test_after_a_stop_took_the_leftovers_the_ledger_refuses_new_attempts() -> None:
-    """A hand-over committed after an immediate stop's drain: nobody would release a row
-    added now, so ``add`` answers it for the caller to release (``Transfer.deliver``)."""
-    ledger = Ledger()
-    running = _attempt(1)
-    assert ledger.add([running]) == []
-    assert ledger.withdraw_leftovers(everything=True) == [running]
-    late = _attempt(2)
-    assert ledger.add([late]) == [late]
-    assert late.state is State.BUFFERED, "never entered: not released, not retired here"
-    assert ledger.take_next(1.0, draining=False) == (None, None)
-    assert late.key not in ledger.to_heartbeat(), "not heartbeated as ours"

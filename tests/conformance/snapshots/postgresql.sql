@@ -551,20 +551,12 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        ((SELECT count(*) FROM heads) + (
-            SELECT count(DISTINCT (p.handler, p.concurrency_key))
-            FROM django_dbworker_workitem AS p
-            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
-              AND p.handler = ANY(%(limited)s::text[]))) AS pending_keys, count(*) OVER () AS locked
+        count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (
-            SELECT count(DISTINCT (p.handler, p.concurrency_key))
-            FROM django_dbworker_workitem AS p
-            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
-              AND p.handler = ANY(%(limited)s::text[]))),
+SELECT NULL, NULL, NULL, NULL,
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
 
@@ -646,187 +638,11 @@ WITH RECURSIVE unkeyed AS (
     ORDER BY k.lock
 )
 (SELECT c.id, c.handler, c.concurrency_key, c.concurrency_limit,
-        ((SELECT count(*) FROM heads) + (
-            SELECT count(DISTINCT (p.handler, p.concurrency_key))
-            FROM django_dbworker_workitem AS p
-            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
-              AND p.handler = ANY(%(limited)s::text[])
-          AND p.queue = ANY(%(queues)s::text[]))) AS pending_keys, count(*) OVER () AS locked
+        count(*) OVER () AS locked
  FROM c
  WHERE (SELECT count(*) FROM locks) >= 0
  ORDER BY c.priority DESC, c.run_after, c.id)
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, ((SELECT count(*) FROM heads) + (
-            SELECT count(DISTINCT (p.handler, p.concurrency_key))
-            FROM django_dbworker_workitem AS p
-            WHERE p.status = 'claimed' AND p.concurrency_key IS NOT NULL
-              AND p.handler = ANY(%(limited)s::text[])
-          AND p.queue = ANY(%(queues)s::text[]))),
+SELECT NULL, NULL, NULL, NULL,
        CASE WHEN over THEN 1 WHEN unkeyed THEN 0 ELSE 2 END
 FROM walked WHERE over OR unkeyed OR NOT EXISTS (SELECT 1 FROM c);
-
--- name: succeed_and_transfer
--- Record successes; claim the next ready rows of their limited keys (any queue).
-WITH l AS MATERIALIZED (
-    SELECT id FROM django_dbworker_workitem
-    WHERE id = ANY(%(ids)s::bigint[])
-      AND claim_token = ANY(%(tokens)s::uuid[])
-      AND status = 'claimed'
-    ORDER BY id
-    FOR UPDATE
-), done AS (
-UPDATE django_dbworker_workitem AS w
-SET status = 'succeeded',
-    result = v.result,
-    finished_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    last_error = ''
-FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
-WHERE w.id = l.id
-  AND w.id = v.id
-  AND w.claim_token = v.token
-  AND w.status = 'claimed'
-RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
-), keys AS (
-    SELECT d.handler, d.concurrency_key, count(*) AS ended
-    FROM done AS d
-    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
-    GROUP BY d.handler, d.concurrency_key
-
-), heads AS (
-    SELECT hd.id
-    FROM keys
-    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-      ON l.handler = keys.handler
-
-    CROSS JOIN LATERAL (
-        SELECT p.id FROM django_dbworker_workitem AS p
-        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
-          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
-          AND p.run_after <= statement_timestamp()
-          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-        ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - ((SELECT count(*) FROM django_dbworker_workitem AS h
-                    WHERE h.status = 'claimed'
-                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
-                   - keys.ended), 0)
-    ) AS hd
-), c AS (
-    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
-    FROM django_dbworker_workitem AS p
-    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
-      AND p.status = 'pending'
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), moved AS (
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key
-)
-SELECT true AS claimed, m.* FROM moved AS m
-UNION ALL
-SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
-       d.has_dependents, NULL
-FROM done AS d;
-
--- name: succeed_and_transfer_in_queues
--- Record successes; claim the next ready rows of their limited keys in some queues.
-WITH l AS MATERIALIZED (
-    SELECT id FROM django_dbworker_workitem
-    WHERE id = ANY(%(ids)s::bigint[])
-      AND claim_token = ANY(%(tokens)s::uuid[])
-      AND status = 'claimed'
-    ORDER BY id
-    FOR UPDATE
-), done AS (
-UPDATE django_dbworker_workitem AS w
-SET status = 'succeeded',
-    result = v.result,
-    finished_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    last_error = ''
-FROM l, unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(id, token, result)
-WHERE w.id = l.id
-  AND w.id = v.id
-  AND w.claim_token = v.token
-  AND w.status = 'claimed'
-RETURNING w.id, w.claim_token, w.has_dependents, w.handler, w.concurrency_key
-), keys AS (
-    SELECT d.handler, d.concurrency_key, count(*) AS ended
-    FROM done AS d
-    WHERE d.concurrency_key IS NOT NULL AND d.handler = ANY(%(limited)s::text[])
-    GROUP BY d.handler, d.concurrency_key
-
-), heads AS (
-    SELECT hd.id
-    FROM keys
-    JOIN unnest(%(limited)s::text[], %(limit_values)s::integer[]) AS l(handler, lim)
-      ON l.handler = keys.handler
-
-    CROSS JOIN LATERAL (
-        SELECT p.id FROM django_dbworker_workitem AS p
-        WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
-          AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
-          AND p.run_after <= statement_timestamp()
-          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND p.queue = ANY(%(queues)s::text[])
-        ORDER BY p.priority DESC, p.run_after, p.id
-        LIMIT greatest(l.lim - ((SELECT count(*) FROM django_dbworker_workitem AS h
-                    WHERE h.status = 'claimed'
-                      AND h.handler = keys.handler AND h.concurrency_key = keys.concurrency_key)
-                   - keys.ended), 0)
-    ) AS hd
-), c AS (
-    SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
-    FROM django_dbworker_workitem AS p
-    WHERE p.id = ANY(ARRAY(SELECT heads.id FROM heads))
-      AND p.status = 'pending'
-    ORDER BY p.priority DESC, p.run_after, p.id
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), moved AS (
-UPDATE django_dbworker_workitem AS w
-SET status = 'claimed',
-    attempts = w.attempts + 1,
-    claimed_at = statement_timestamp(),
-    heartbeat_at = statement_timestamp(),
-    updated_at = statement_timestamp(),
-    claimed_by = %(worker)s,
-    claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
-RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
-          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key
-)
-SELECT true AS claimed, m.* FROM moved AS m
-UNION ALL
-SELECT false, d.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, d.claim_token, NULL, NULL,
-       d.has_dependents, NULL
-FROM done AS d;
-
--- name: claimed_for_keys
--- Read the rows of these rows' keys claimed in this name (a retried hand-over's).
-SELECT w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts, w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id, w.has_dependents, w.concurrency_key
-FROM django_dbworker_workitem AS w
-WHERE w.status = 'claimed'
-  AND w.claimed_by = %(worker)s
-  AND (w.handler, w.concurrency_key) IN (
-      SELECT e.handler, e.concurrency_key FROM django_dbworker_workitem AS e
-      WHERE e.id = ANY(%(ids)s::bigint[]) AND e.concurrency_key IS NOT NULL);
-
--- name: register_bounded
--- Bound a register transaction's lock waits and statements (its transaction only).
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '1s';;

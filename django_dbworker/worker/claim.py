@@ -1,0 +1,262 @@
+"""The one claim route: every ``pending -> claimed`` decision of a worker.
+
+The claim loop (``claim_loop.py``) asks for up to N rows, dispatches what comes back and
+sleeps; which rows, and by which statement, is decided here:
+
+1. Rate-limited handlers first, each in a claim of its own within its window, and only
+   for threads that are free now (a rate-limited row is not prefetched: its start was
+   counted at its claim). A handler whose window is full is left out until the database
+   says the window's earliest start leaves it, so its rows never hold back the rows of
+   other handlers.
+2. Then the other handlers in one claim: plain, or keyed where some of them declare a
+   ``concurrency_limit`` (the statement counts the keys' slots; rows held back by their
+   keys are ``throttled``, not an empty queue).
+
+Both go through ``VendorOperations.claim``, one call per statement, the same on every
+database. Paused queues are skipped by the statements themselves; this module also says
+which buffered rows to give back because their queue was paused after their claim
+(``paused_since_claim``) and whether a burst worker may leave (``finished``). Runs on the
+claim loop's thread; holds no lock beyond a claim statement; never runs handler code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from django_dbworker import validation
+from django_dbworker.db import VendorOperations
+from django_dbworker.flow_models import QueueState
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
+from django_dbworker.models import WorkItem
+from django_dbworker.queues import paused_queues
+from django_dbworker.worker.config import WorkerConfig
+from django_dbworker.worker.identity import worker_id
+
+logger = logging.getLogger("django_dbworker.worker")
+
+Dispatch = Callable[[Sequence[WorkItem]], object]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one round of the route claimed (every row already dispatched)."""
+
+    #: Rows claimed, rate-limited ones included.
+    taken: int
+    #: Fewer rows than asked for were claimable: a claim now would find nothing more.
+    dry: bool
+    #: The plain claim counted concurrency keys (a keyed claim that finds nothing costs
+    #: as much as a full one: the loop rests until a key is freed or rows come).
+    keyed: bool
+    #: Some handlers are rate-limited (their windows end by themselves: no rest).
+    rated: bool
+
+
+class ClaimRoute:
+    """Claims for one worker's WorkItem handlers, by the rules they declare."""
+
+    def __init__(
+        self,
+        *,
+        ops: VendorOperations,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        now: Callable[[], float],
+        handlers: Callable[[], Mapping[str, WorkItemHandler]],
+    ) -> None:
+        self.ops = ops
+        self.config = config
+        self.metrics = metrics
+        self.now = now
+        #: The WorkItem handlers claimed for, by name (replaced, never changed in place).
+        self.handlers = handlers
+        #: Rate-limited handlers whose window is full, until when (``now``'s clock).
+        self._held_until: dict[str, float] = {}
+        self._rates: dict[str, tuple[int, float]] = {}
+        self._rates_of: Mapping[str, WorkItemHandler] | None = None
+        self._paused = PausedQueues(
+            lambda: paused_queues(config.using), every=config.poll_interval, clock=now
+        )
+
+    def claim(self, limit: int, *, free: int, dispatch: Dispatch) -> Claim:
+        """Claim up to ``limit`` rows (rate-limited ones for at most ``free`` threads) and
+        ``dispatch`` each statement's rows as soon as it returns them, so that an error in
+        a later statement leaves no claimed row without an owner."""
+        handlers = self.handlers()
+        rates = self.rates(handlers)
+        rated = self._claim_rated(rates, min(limit, free), handlers, dispatch)
+        left = limit - rated
+        plain = [name for name in handlers if name not in rates]
+        limits = concurrency_limits(handlers, plain)
+        items = (
+            self.ops.claim(
+                limit=left,
+                handlers=plain,
+                queues=self.config.queues,
+                worker=worker_id(),
+                limits=limits,
+            )
+            if plain and left > 0
+            else []
+        )
+        throttled = getattr(items, "throttled", 0)
+        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
+        dispatch(items)
+        return Claim(
+            taken=rated + len(items),
+            # Rows held back for their keys were there: a batch cut short by them is not
+            # an empty queue (the next claim skips those keys).
+            dry=not plain or len(items) + throttled < left,
+            keyed=bool(limits),
+            rated=bool(rates),
+        )
+
+    # -- rate limits ---------------------------------------------------------------
+
+    def rates(self, handlers: Mapping[str, WorkItemHandler]) -> dict[str, tuple[int, float]]:
+        """``{name: (starts, period seconds)}`` of the rate-limited ones among ``handlers``.
+
+        Parsed once per handler mapping (it is replaced, never changed, when handlers are
+        added); a declaration the system check refuses runs without a limit, logged.
+        """
+        if handlers is not self._rates_of:
+            rates = {}
+            for name, handler in handlers.items():
+                value = getattr(handler, "rate_limit", None)
+                if value is None:
+                    continue
+                try:
+                    rates[name] = validation.rate_limit(value)
+                except validation.InvalidValue as exc:
+                    logger.error("Handler %r: rate_limit %s; running it without one.", name, exc)
+            self._rates, self._rates_of = rates, handlers
+        return self._rates
+
+    def _claim_rated(
+        self,
+        rates: dict[str, tuple[int, float]],
+        limit: int,
+        handlers: Mapping[str, WorkItemHandler],
+        dispatch: Dispatch,
+    ) -> int:
+        claimed = 0
+        for name, rate in rates.items():
+            left = limit - claimed
+            if left <= 0:
+                break
+            if self._held(name):
+                self.metrics.throttle(name, "rate")
+                continue
+            items = self.ops.claim(
+                limit=left,
+                handlers=[name],
+                queues=self.config.queues,
+                worker=worker_id(),
+                limits=concurrency_limits(handlers, [name]),
+                rate=rate,
+            )
+            dispatch(items)
+            claimed += len(items)
+            if items.full_for is not None:
+                self._held_until[name] = self.now() + items.full_for
+            self.metrics.throttle(name, "rate", items.held_back)
+        return claimed
+
+    def _held(self, name: str) -> bool:
+        until = self._held_until.get(name)
+        if until is None:
+            return False
+        if self.now() >= until:
+            del self._held_until[name]
+            return False
+        return True
+
+    def next_window(self) -> float:
+        """Seconds until a full rate window frees up (``inf`` without one)."""
+        if not self._held_until:
+            return math.inf
+        return max(0.0, min(self._held_until.values()) - self.now())
+
+    # -- what the loop asks besides claims --------------------------------------------
+
+    def paused_since_claim(self) -> frozenset[str] | None:
+        """The paused queues, once per poll interval (None between reads): the loop gives
+        back buffered rows of these (claimed before the pause)."""
+        return self._paused.poll()
+
+    def finished(self) -> bool:
+        """Whether a burst worker whose claim found nothing, with nothing in flight, may
+        leave: no rate window frees up soon and no ready row waits for a key's slot."""
+        if self.next_window() <= max(1.0, self.config.poll_interval):
+            return False
+        return self.config.inline or not keys_busy(
+            self.handlers(), using=self.config.using, queues=self.config.queues
+        )
+
+
+def concurrency_limits(
+    handlers: Mapping[str, WorkItemHandler], names: Sequence[str]
+) -> dict[str, int]:
+    """The current ``concurrency_limit`` of those of ``names`` that declare one."""
+    return {
+        name: limit for name in names if (limit := handlers[name].concurrency_limit) is not None
+    }
+
+
+def keys_busy(
+    handlers: Mapping[str, WorkItemHandler], *, using: str, queues: Sequence[str] | None
+) -> bool:
+    """Whether ready rows of ``handlers`` wait for a slot of their concurrency key.
+
+    Such a row's key is held by another worker's claimed row, so this claim found
+    nothing; the holder may end before it claims again, and a burst worker that left now
+    could leave the row behind with no one to run it. It waits for a poll interval and
+    claims again instead (stale recovery frees a dead holder's slot meanwhile). Not
+    inline (``run_until_empty``): a test's rows claimed by no running worker would hold
+    it until they went stale.
+    """
+    if not any(h.concurrency_limit is not None for h in handlers.values()):
+        return False
+    rows = WorkItem.objects.using(using).ready()
+    rows = rows.filter(handler__in=list(handlers), concurrency_limit__isnull=False)
+    if queues:
+        rows = rows.filter(queue__in=queues)
+    # A paused queue's rows wait for a resume, not for a slot: no claim takes them.
+    paused = QueueState.objects.using(using).filter(paused=True).values("name")
+    return rows.exclude(queue__in=paused).exists()
+
+
+class PausedQueues:
+    """The paused queue names, re-read when ``every`` seconds have passed.
+
+    A read of the few ``QueueState`` rows, at most once per poll interval, so that the
+    loop can give back buffered rows of a queue paused since they were claimed (the claim
+    statements skip paused queues themselves). Holds no lock or connection.
+    """
+
+    def __init__(
+        self, read: Callable[[], list[str]], *, every: float, clock: Callable[[], float]
+    ) -> None:
+        self._read = read
+        self._every = every
+        self._clock = clock
+        self._next = 0.0
+        self.names: frozenset[str] = frozenset()
+
+    def poll(self) -> frozenset[str] | None:
+        """The paused names if it was time to read them (None: not yet, or the read failed)."""
+        now = self._clock()
+        if now < self._next:
+            return None
+        self._next = now + self._every
+        try:
+            self.names = frozenset(self._read())
+        except Exception as exc:
+            # The claim that follows meets the same database and says so.
+            logger.debug("Could not read the paused queues: %s", exc)
+            return None
+        return self.names
