@@ -51,7 +51,8 @@ def main() -> None:
     try:
         setup_django(url)
         from bench.benchapp.workers import BenchRated
-        from django_dbworker.models import RateStart, WorkItem
+        from django_dbworker.flow.models import RateStart
+        from django_dbworker.models import WorkItem
 
         reset_table()
         RateStart.objects.all().delete()

@@ -71,7 +71,8 @@ def run_batch(items: int, processes: int) -> dict[str, float]:
 
     from bench.benchapp.workers import BenchBatchDone, BenchNoop
     from django_dbworker import batch
-    from django_dbworker.models import Batch, WorkItem
+    from django_dbworker.batches.models import Batch
+    from django_dbworker.models import WorkItem
 
     with batch(on_complete=BenchBatchDone) as b:
         for start in range(0, items, 5000):

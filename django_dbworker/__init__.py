@@ -14,12 +14,12 @@ from django_dbworker.registry import registry
 from django_dbworker.version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from django_dbworker.batches import batch
+    from django_dbworker.batches.block import batch
     from django_dbworker.claiming import claim_next
     from django_dbworker.enqueuing import enqueue, enqueue_many
+    from django_dbworker.flow.queues import UnknownQueue, pause_queue, resume_queue
     from django_dbworker.handlers import Handler, WorkItemHandler
-    from django_dbworker.periodic import PeriodicHandler
-    from django_dbworker.queues import UnknownQueue, pause_queue, resume_queue
+    from django_dbworker.periodic.handler import PeriodicHandler
 
 __all__ = [
     "Cancelled",
@@ -44,14 +44,14 @@ __all__ = [
 _LAZY = {
     "Handler": "django_dbworker.handlers",
     "WorkItemHandler": "django_dbworker.handlers",
-    "PeriodicHandler": "django_dbworker.periodic",
-    "batch": "django_dbworker.batches",
+    "PeriodicHandler": "django_dbworker.periodic.handler",
+    "batch": "django_dbworker.batches.block",
     "claim_next": "django_dbworker.claiming",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",
-    "pause_queue": "django_dbworker.queues",
-    "resume_queue": "django_dbworker.queues",
-    "UnknownQueue": "django_dbworker.queues",
+    "pause_queue": "django_dbworker.flow.queues",
+    "resume_queue": "django_dbworker.flow.queues",
+    "UnknownQueue": "django_dbworker.flow.queues",
 }
 
 

@@ -30,7 +30,7 @@ from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.periodic import periodic_handlers
+from django_dbworker.periodic.handler import periodic_handlers
 from django_dbworker.registry import registry
 from django_dbworker.routing import NOT_ATOMIC_CHECK, work_db_for_write
 

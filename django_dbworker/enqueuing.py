@@ -29,8 +29,9 @@ from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
 
-from django_dbworker import dependencies, tracing
-from django_dbworker.batches import current_batch_id
+from django_dbworker import tracing
+from django_dbworker.batches import dependencies
+from django_dbworker.batches.block import current_batch_id
 from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.errors import DatabaseNotReady, EnqueueError

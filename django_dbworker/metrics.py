@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from django_dbworker.outcomes import Outcome
-from django_dbworker.periodic import PeriodicHandler
+from django_dbworker.periodic.handler import PeriodicHandler
 from django_dbworker.registry import registry as handler_registry
 
 try:

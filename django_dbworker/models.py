@@ -2,11 +2,11 @@
 
 The worker's state changes (claim, heartbeat, outcomes, stale recovery) are
 fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
-retry, run now) are queryset verbs here, each one UPDATE narrowed to the
-eligible states, shared by the model methods and the admin actions; so
-this module imports nothing from the package but ``validation``'s constants
-and ``ports``, and ``transitions`` may import it (the row locking, ending
-transaction and settling the verbs need are plugged in at start, ``ports``).
+retry, run now) are ``verbs.py``'s; the queryset and model methods of those
+names call it when called (the one upward import: everything the verbs need
+imports this module). Otherwise this module imports nothing from the package
+but ``validation``'s constants. The rows of batches and flow control are in
+their packages' ``models.py`` (registered by ``apps.py``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from django.db import IntegrityError, connections, models, router, transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db import models, router
+from django.db.models import Q
 from django.db.models.functions import Now
 
-from django_dbworker.ports import connect_endings as connect_endings
-from django_dbworker.ports import connect_row_locker as connect_row_locker
-from django_dbworker.ports import endings, row_locker, settle_ended
 from django_dbworker.validation import PRIORITY_MAX, PRIORITY_MIN
 
 if TYPE_CHECKING:
@@ -79,164 +76,29 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
         return self.filter(status=Status.CLAIMED, cancel_requested_at__isnull=False)
 
     def cancel(self) -> int:
-        """Cancel: pending rows end ``cancelled``, claimed rows are asked to stop.
+        """Cancel: pending rows end ``cancelled``, claimed rows are asked to stop; returns
+        how many rows were cancelled now (``verbs.cancel``)."""
+        from django_dbworker import verbs  # the verbs' module: above this one (STYLE)
 
-        Returns how many rows were cancelled now (as it always has); the
-        claimed rows asked to stop are not in that count. ``cancel_pending``
-        and ``request_cancel`` are the two halves, each returning its own
-        count, for callers that report both (the admin). Pending rows go
-        first: a row claimed between the two statements is still asked.
-        Both run in one transaction on the write alias.
-        """
-        return self._cancel()[0]
-
-    def _cancel(self) -> tuple[int, int]:
-        """``cancel``: (rows cancelled, claimed rows asked to stop).
-
-        One transaction on the write alias, the rows that may change locked
-        first in ascending id order (as heartbeats and outcome writes lock
-        them): a row that its own attempt wrote back to pending between the
-        two halves (a retry) would otherwise be missed by both, and its
-        cancel lost. Locked, it is either claimed (asked) or pending
-        (cancelled), and the attempt's write waits for this one.
-        """
-        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
-        rows = self.using(db)
-        nested = connections[db].in_atomic_block
-        with endings.transaction(db):
-            rows._lock_cancellable(db)
-            cancelled, linked = rows._cancel_pending_rows(db)
-            asked = rows.request_cancel()
-            # Last: batch rows after every item row, the order endings lock them in.
-            settle_ended(db, linked, nested)
-        return cancelled, asked
-
-    def _lock_cancellable(self, db: str) -> None:
-        """Lock this queryset's pending and claimed rows, in ascending id order."""
-        live = self.using(db).filter(status__in=(Status.PENDING, Status.CLAIMED))
-        ids = sorted(live.values_list("pk", flat=True))
-        for start in range(0, len(ids), 1000):
-            chunk = WorkItem.objects.using(db).filter(pk__in=ids[start : start + 1000])
-            list(chunk.order_by("pk").select_for_update().values_list("pk", flat=True))
+        return verbs.cancel(self)[0]
 
     def cancel_pending(self) -> int:
-        """pending -> cancelled (waiting rows too). Rows in other states are left alone.
+        """pending -> cancelled, with what the endings set off (``verbs.cancel_pending``)."""
+        from django_dbworker import verbs
 
-        In one transaction with what the endings set off: dependents cancelled,
-        batches completed. The ids are read first and the rows' links read back
-        after the UPDATE, which waits for a racing ``after=`` enqueue's lock:
-        so a child enqueued meanwhile is found too.
-        """
-        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
-        nested = connections[db].in_atomic_block
-        with endings.transaction(db):
-            cancelled, linked = self._cancel_pending_rows(db)
-            settle_ended(db, linked, nested)
-        return cancelled
-
-    def _cancel_pending_rows(self, db: str) -> tuple[int, list[int]]:
-        """``cancel_pending``'s writes: how many, and those in a batch or with dependents."""
-        ids = sorted(self.using(db).pending().values_list("pk", flat=True))
-        cancelled = 0
-        linked: list[int] = []
-        for start in range(0, len(ids), 1000):
-            chunk = ids[start : start + 1000]
-            rows = WorkItem.objects.using(db).filter(pk__in=chunk)
-            cancelled += rows.filter(status=Status.PENDING).update(
-                status=Status.CANCELLED, waiting=False, finished_at=Now(), updated_at=Now()
-            )
-            linked += (
-                rows.filter(status=Status.CANCELLED)
-                .filter(Q(has_dependents=True) | Q(batch__isnull=False))
-                .values_list("pk", flat=True)
-            )
-        return cancelled, linked
+        return verbs.cancel_pending(self)
 
     def request_cancel(self) -> int:
-        """Claimed rows not asked yet get ``cancel_requested_at`` (DB clock); they stay claimed.
+        """Claimed rows are asked to stop (``verbs.request_cancel``)."""
+        from django_dbworker import verbs
 
-        The worker running one learns it with its next heartbeat and sets
-        the handler's ``cancel_requested`` for that attempt; the row ends
-        ``cancelled`` if the handler then raises (SPEC "Flow control").
-        """
-        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
-        asked = self.using(db).filter(status=Status.CLAIMED, cancel_requested_at__isnull=True)
-        ids = sorted(asked.values_list("pk", flat=True))
-        if not ids:
-            return 0
-        # Locked first in id order, as heartbeats and outcome writes lock them.
-        with row_locker[0](db, ids):
-            return (
-                WorkItem.objects.using(db)
-                .filter(pk__in=ids, status=Status.CLAIMED, cancel_requested_at__isnull=True)
-                .update(cancel_requested_at=Now(), updated_at=Now())
-            )
+        return verbs.request_cancel(self)
 
     def retry(self) -> int:
-        """failed | cancelled -> pending, attempts and snoozes reset to 0, due now.
+        """failed | cancelled -> pending, attempts reset, due now (``verbs.retry``)."""
+        from django_dbworker import verbs
 
-        A row whose ``unique_key`` is live again (another row of its handler
-        with that key is pending or claimed) is skipped: retrying it would
-        break the unique-work guarantee (and the unique index would refuse
-        it). Of several dead rows with one key, only the newest is retried,
-        for the same reason. The eligible ids are read first, then updated
-        by primary key: MySQL refuses an UPDATE whose subquery reads the
-        table it updates (error 1093). A key that came alive between the two
-        (a racing enqueue) skips its row instead of failing the others.
-        """
-        live_twin = WorkItem.objects.filter(
-            handler=OuterRef("handler"),
-            unique_key=OuterRef("unique_key"),
-            status__in=ACTIVE_STATUSES,
-        )
-        # The write alias for the read as for the update (read-your-writes).
-        db = getattr(self, "_db", None) or router.db_for_write(WorkItem)
-        dead = (Status.FAILED, Status.CANCELLED)
-        eligible = (
-            self.using(db)
-            .filter(status__in=dead)
-            .exclude(Q(unique_key__isnull=False) & Exists(live_twin))
-        )
-        ids: set[int] = set()
-        newest: dict[tuple[str, str], int] = {}
-        for pk, handler, key in eligible.values_list("pk", "handler", "unique_key"):
-            if key is None:
-                ids.add(pk)
-            else:
-                newest[(handler, key)] = max(pk, newest.get((handler, key), pk))
-        ids.update(newest.values())
-        if not ids:
-            return 0
-        rows = WorkItem.objects.using(db).filter(status__in=dead)
-        changes = {
-            "status": Status.PENDING,
-            "attempts": 0,
-            "run_after": Now(),
-            "finished_at": None,
-            "claim_token": None,
-            # A fresh start: no cancel request, no snoozes counted.
-            "cancel_requested_at": None,
-            "snoozes": 0,
-            "updated_at": Now(),
-        }
-        # A retried row with parents (after=) waits for them again, in the same
-        # transaction: retried with them, it runs after them again. The parents are
-        # locked first, as endings lock a parent before its children.
-        with endings.transaction(db):
-            endings.lock_parents(db, sorted(ids))
-            try:
-                with transaction.atomic(using=db):
-                    changed = rows.filter(pk__in=sorted(ids)).update(**changes)
-            except IntegrityError:
-                changed = 0
-                for pk in sorted(ids):
-                    try:
-                        with transaction.atomic(using=db):
-                            changed += rows.filter(pk=pk).update(**changes)
-                    except IntegrityError:
-                        continue  # its key is live again: skipped
-            endings.rewait(db, sorted(ids))
-        return changed
+        return verbs.retry(self)
 
     def run_now(self) -> int:
         """pending: make due now (DB clock); not rows waiting for their parents."""
@@ -280,7 +142,7 @@ class WorkItem(models.Model):
     snoozes = models.PositiveIntegerField(default=0, db_default=0)
     #: Set by ``cancel()`` on a claimed row; the heartbeat tells the handler.
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
-    #: ``batch_models.py``: the batch of its block; ``waiting`` on parents (due
+    #: ``batches/models.py``: the batch of its block; ``waiting`` on parents (due
     #: never, so no claim sees it); ``has_dependents``: its ending moves others.
     batch = models.ForeignKey(
         "django_dbworker.Batch",
@@ -397,7 +259,9 @@ class WorkItem(models.Model):
         handler sees ``self.cancel_requested`` within about one heartbeat
         interval. Asking again changes nothing (False).
         """
-        return self._change(lambda rows: sum(rows._cancel()))
+        from django_dbworker import verbs
+
+        return self._change(lambda rows: sum(verbs.cancel(rows)))
 
     def retry(self) -> bool:
         """Failed or cancelled -> pending with attempts reset. Returns whether it changed."""
@@ -474,11 +338,3 @@ class PeriodicSchedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-
-# Registered with the app through this module (batch_models.py says why apart).
-from django_dbworker.batch_models import Batch as Batch  # noqa: E402
-from django_dbworker.batch_models import Dependency as Dependency  # noqa: E402
-from django_dbworker.flow_models import FlowLock as FlowLock  # noqa: E402
-from django_dbworker.flow_models import QueueState as QueueState  # noqa: E402
-from django_dbworker.flow_models import RateStart as RateStart  # noqa: E402

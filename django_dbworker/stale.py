@@ -20,10 +20,10 @@ from datetime import timedelta
 from django.db.models import F, Value
 from django.db.models.functions import Concat, Now
 
-from django_dbworker import completion
+from django_dbworker.batches import completion
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import operations
-from django_dbworker.history import WORKER_LOST, with_history
+from django_dbworker.error_history import WORKER_LOST, with_history
 from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
 from django_dbworker.routing import work_db_for_write
 

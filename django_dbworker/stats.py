@@ -27,10 +27,10 @@ from django_dbworker.db.types import RunTimes
 from django_dbworker.errortext import error_pattern
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
-from django_dbworker.periodic import PeriodicHandler, periodic_handlers
+from django_dbworker.periodic.handler import PeriodicHandler, periodic_handlers
+from django_dbworker.periodic.schedules import taken_until
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read
-from django_dbworker.schedules import taken_until
 
 #: Below this many rows (planner estimate) everything is counted exactly.
 EXACT_BELOW = 200_000

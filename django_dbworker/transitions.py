@@ -22,11 +22,11 @@ from uuid import UUID
 from django.db.models import Case, CharField, F, Q, TextField, Value, When
 from django.db.models.functions import Now
 
-from django_dbworker import completion
+from django_dbworker.batches import completion
 from django_dbworker.db import operations
+from django_dbworker.error_history import WORKER_LOST as WORKER_LOST
+from django_dbworker.error_history import with_history
 from django_dbworker.errors import MAX_SNOOZES
-from django_dbworker.history import WORKER_LOST as WORKER_LOST
-from django_dbworker.history import with_history
 from django_dbworker.models import (
     Status,
     WorkItem,

@@ -283,6 +283,14 @@ def claim_rated(
     using: str | None = None,
 ) -> Claimed[WorkItem]:
     """One rate-limited claim of ``handler`` (``starts`` per ``period`` seconds)."""
-    return operations(using).claim(
-        limit=limit, handlers=[handler], queues=queues, worker=worker, rate=(starts, period)
+    from django_dbworker.flow.rates import claim_rated as claim
+
+    return claim(
+        operations(using),
+        handler=handler,
+        starts=starts,
+        period=period,
+        limit=limit,
+        queues=queues,
+        worker=worker,
     )

@@ -24,12 +24,12 @@ from django_dbworker.admin.queue_summary import QueueSummaryAdmin
 from django_dbworker.admin.queues import QueueAdmin
 from django_dbworker.admin.schedules import ScheduleAdmin
 from django_dbworker.admin.workitems import WorkItemAdmin
+from django_dbworker.batches.models import Batch
+from django_dbworker.flow.models import QueueState
 from django_dbworker.models import (
-    Batch,
     ClaimedWorkItem,
     FailedWorkItem,
     PeriodicSchedule,
-    QueueState,
     QueueSummary,
     WorkItem,
 )

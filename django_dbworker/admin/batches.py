@@ -28,8 +28,9 @@ from django_dbworker.admin import display
 from django_dbworker.admin.base import may
 from django_dbworker.admin.pagination import EstimatedCountPaginator
 from django_dbworker.admin.progress import items_url, progress_bar
-from django_dbworker.batch_stats import batch_progress
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.batches.stats import batch_progress
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from django_dbworker.admin import display
-from django_dbworker.batch_stats import Progress
+from django_dbworker.batches.stats import Progress
 from django_dbworker.models import Status
 
 #: The bar's segments, left to right: (Progress attribute, label, colour).

@@ -22,8 +22,8 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 
 from django_dbworker.admin.base import may, refuse_parameters
-from django_dbworker.models import QueueState
-from django_dbworker.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+from django_dbworker.flow.models import QueueState
+from django_dbworker.flow.queues import UnknownQueue, pause_queue, queue_list, resume_queue
 
 if TYPE_CHECKING:
     _QueueModelAdmin = admin.ModelAdmin[QueueState]

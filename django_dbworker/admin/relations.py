@@ -28,8 +28,9 @@ from django.utils.safestring import SafeString
 
 from django_dbworker.admin import display
 from django_dbworker.admin.progress import items_url, progress_bar
-from django_dbworker.batch_stats import Progress, batch_progress
-from django_dbworker.models import Batch, Dependency, Status, WorkItem
+from django_dbworker.batches.models import Batch, Dependency
+from django_dbworker.batches.stats import Progress, batch_progress
+from django_dbworker.models import Status, WorkItem
 
 if TYPE_CHECKING:
     _Base = admin.ModelAdmin[WorkItem]

@@ -25,9 +25,9 @@ from django_dbworker.admin import display
 from django_dbworker.admin.base import may, refuse_parameters
 from django_dbworker.enqueuing import enqueue
 from django_dbworker.models import PeriodicSchedule, WorkItem
-from django_dbworker.periodic import PeriodicHandler
+from django_dbworker.periodic.handler import PeriodicHandler
+from django_dbworker.periodic.schedules import slot_key
 from django_dbworker.registry import registry
-from django_dbworker.schedules import slot_key
 from django_dbworker.stats import schedule_stats
 
 

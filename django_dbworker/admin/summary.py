@@ -15,8 +15,8 @@ from django.db.models.functions import Now
 
 from django_dbworker.admin import charts, display
 from django_dbworker.conf import dbworker_settings
+from django_dbworker.flow.queues import paused_queues
 from django_dbworker.models import WorkItem
-from django_dbworker.queues import paused_queues
 from django_dbworker.stats import (
     FAILURE_SAMPLE,
     RECENT,

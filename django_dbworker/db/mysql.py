@@ -36,17 +36,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
-from django_dbworker.db.base import (
-    Candidate,
-    Claimed,
-    VendorOperations,
-    as_uuid,
-    current_limits,
-    flow_lock_name,
-    numbered_params,
-    within_limits,
-)
+from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, numbered_params
 from django_dbworker.db.errors import mysql_error_code
+from django_dbworker.db.keys import Candidate, current_limits, flow_lock_name, within_limits
 from django_dbworker.db.mysql_sql import (
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
@@ -182,7 +174,7 @@ class MySQLOperations(VendorOperations):
 
     # -- claims and outcomes -----------------------------------------------------
 
-    def claim_rows(
+    def claim(
         self,
         *,
         limit: int,

@@ -28,7 +28,8 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, current_limits
+from django_dbworker.db.base import Claimed, VendorOperations, as_uuid
+from django_dbworker.db.keys import current_limits
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
     HEADS_PLAN,
@@ -105,7 +106,7 @@ class PostgresOperations(VendorOperations):
                 f"django-dbworker needs PostgreSQL 13 or newer; this server is {version}."
             )
 
-    def claim_rows(
+    def claim(
         self,
         *,
         limit: int,

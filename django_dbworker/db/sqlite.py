@@ -295,7 +295,7 @@ class SQLiteOperations(VendorOperations):
                 f"this Python links SQLite {sqlite3.sqlite_version}."
             )
 
-    def claim_rows(
+    def claim(
         self,
         *,
         limit: int,

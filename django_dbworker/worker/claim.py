@@ -12,9 +12,10 @@ sleeps; which rows, and by which statement, is decided here:
    ``concurrency_limit`` (the statement counts the keys' slots; rows held back by their
    keys are ``throttled``, not an empty queue).
 
-Both go through ``VendorOperations.claim``, one call per statement, the same on every
-database. Paused queues are skipped by the statements themselves; this module also says
-which buffered rows to give back because their queue was paused after their claim
+Both go through ``VendorOperations.claim``, one call per claim statement, the same on
+every database (a rate-limited handler's inside its window's lock, ``flow/rates.py``).
+Paused queues are skipped by the statements themselves; this module also says which
+buffered rows to give back because their queue was paused after their claim
 (``paused_since_claim``) and whether a burst worker may leave (``finished``). Runs on the
 claim loop's thread; holds no lock beyond a claim statement; never runs handler code.
 """
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 
 from django_dbworker import validation
 from django_dbworker.db import VendorOperations
-from django_dbworker.flow_models import QueueState
+from django_dbworker.flow.models import QueueState
+from django_dbworker.flow.queues import paused_queues
+from django_dbworker.flow.rates import claim_rated
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
-from django_dbworker.queues import paused_queues
 from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.identity import worker_id
 
@@ -151,13 +153,16 @@ class ClaimRoute:
             if self._held(name):
                 self.metrics.throttle(name, "rate")
                 continue
-            items = self.ops.claim(
+            starts, period = rate
+            items = claim_rated(
+                self.ops,
+                handler=name,
+                starts=starts,
+                period=period,
                 limit=left,
-                handlers=[name],
                 queues=self.config.queues,
                 worker=worker_id(),
                 limits=concurrency_limits(handlers, [name]),
-                rate=rate,
             )
             dispatch(items)
             claimed += len(items)

@@ -12,7 +12,7 @@ a module of its own:
 - ``attempts.py``: the ledger of attempts in flight;
 - ``settle.py``: the one place an attempt's ending is accounted for;
 - ``recovery.py``: when stale recovery runs; ``heartbeat.py``;
-- ``shutdown.py``: drain and release; ``watchdog.py``; ``watchers.py``.
+- ``shutdown.py``: drain and release; ``watchdog.py``; ``slow_checks.py``.
 
 Handler code never runs on the main thread and never inside the claim
 transaction.
@@ -36,9 +36,9 @@ from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.health import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
+from django_dbworker.worker.handler_loop import HandlerLoop
+from django_dbworker.worker.health_file import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
-from django_dbworker.worker.own_table import HandlerLoop
 from django_dbworker.worker.parts import parts_for
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
@@ -47,10 +47,10 @@ from django_dbworker.worker.running import AttemptRunner
 from django_dbworker.worker.scheduler import Scheduler, start_scheduler
 from django_dbworker.worker.settle import Settler
 from django_dbworker.worker.shutdown import Shutdown
+from django_dbworker.worker.slow_checks import Watcher
 from django_dbworker.worker.success_writer import SuccessWriter
 from django_dbworker.worker.wakeup import Listener, LocalWaker
 from django_dbworker.worker.watchdog import Watchdog
-from django_dbworker.worker.watchers import Watcher
 
 __all__ = ["Worker", "WorkerConfig"]
 

@@ -39,7 +39,12 @@ from django.db.models.functions import Now
 from django_dbworker import enqueuing
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import ACTIVE_STATUSES, PeriodicSchedule, WorkItem
-from django_dbworker.periodic import PeriodicHandler, periodic_handlers, slot_key, taken_until
+from django_dbworker.periodic.handler import (
+    PeriodicHandler,
+    periodic_handlers,
+    slot_key,
+    taken_until,
+)
 from django_dbworker.worker.connections import Backoff, run_until_stopped
 
 logger = logging.getLogger("django_dbworker.worker")

@@ -20,7 +20,7 @@ from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import RECORD_GRACE, WorkerConfig
 from django_dbworker.worker.connections import persist
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.own_table import HandlerLoop
+from django_dbworker.worker.handler_loop import HandlerLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.success_writer import SuccessWriter
 

@@ -60,7 +60,8 @@ def test_batch_and_after_examples_run_in_run_workers(project: Project) -> None:
     worker = project.manage("run_workers", "--burst")
     rows = project.query(
         "import json\n"
-        "from django_dbworker.models import Batch, WorkItem\n"
+        "from django_dbworker.batches.models import Batch\n"
+        "from django_dbworker.models import WorkItem\n"
         "items = WorkItem.objects.order_by('pk')\n"
         "print(json.dumps({'items': [{'id': i.pk, 'handler': i.handler, 'status': i.status,\n"
         "    'payload': i.payload, 'result': i.result, 'last_error': i.last_error,\n"

@@ -181,7 +181,8 @@ def test_readme_quick_start_runs(quickstart: Project) -> None:
 def test_readme_batches_example_ran_in_order(quickstart: Project) -> None:
     """After the quick start's run: the callback's payload, the chain and the fan-in."""
     batches, rows = quickstart.query(
-        "import json\nfrom django_dbworker.models import Batch, WorkItem\n"
+        "import json\nfrom django_dbworker.batches.models import Batch\n"
+        "from django_dbworker.models import WorkItem\n"
         "print(json.dumps([list(Batch.objects.values_list('pk', flat=True)), "
         "[[i.handler, i.payload, i.claimed_at.isoformat(), i.finished_at.isoformat()] "
         "for i in WorkItem.objects.exclude(handler='greet').order_by('pk')]]))"

@@ -13,7 +13,8 @@ import pytest
 from django.contrib.auth.models import User
 
 from django_dbworker import batch
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
 from tests.e2e.test_admin_browser import browser_page  # noqa: F401  (the fixture)
 from tests.factories import claim

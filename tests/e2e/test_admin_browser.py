@@ -265,7 +265,7 @@ def test_the_work_items_list_shows_each_error_at_1280_px(browser_page, live_serv
 
 def test_queues_page_pauses_and_resumes_a_queue(browser_page, live_server) -> None:  # type: ignore[no-untyped-def]
     from django_dbworker import pause_queue
-    from django_dbworker.models import QueueState
+    from django_dbworker.flow.models import QueueState
 
     User.objects.create_superuser("admin", "admin@example.com", "s3cret-pass")
     for queue, pending in (("default", 12), ("emails", 40), ("reports", 3)):

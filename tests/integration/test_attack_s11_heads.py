@@ -43,7 +43,8 @@ from django.utils import timezone
 from django_dbworker import pause_queue, resume_queue
 from django_dbworker.db import operations
 from django_dbworker.db.postgresql_keyed_sql import candidates_statement, heads_statement
-from django_dbworker.models import QueueState, Status, WorkItem
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.transitions import release
 from django_dbworker.worker import Worker

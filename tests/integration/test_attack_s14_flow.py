@@ -19,9 +19,10 @@ from django.db import connection
 from django.db.models.functions import Now
 
 from django_dbworker import Snooze, UnknownQueue, pause_queue, resume_queue, transitions
+from django_dbworker.flow.models import RateStart
+from django_dbworker.flow.queues import paused_queues
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import RateStart, Status, WorkItem
-from django_dbworker.queues import paused_queues
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker

@@ -17,7 +17,8 @@ from django.core.management.color import no_style
 from django.db import connections
 
 from django_dbworker import EnqueueError
-from django_dbworker.models import Dependency, Status, WorkItem
+from django_dbworker.batches.models import Dependency
+from django_dbworker.models import Status, WorkItem
 from tests.routers import WORK_ALIAS
 from tests.testapp.workers import Noop
 

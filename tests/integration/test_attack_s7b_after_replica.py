@@ -21,7 +21,8 @@ from django.db import connections, router
 from django.test import override_settings
 
 from django_dbworker import EnqueueError
-from django_dbworker.models import Dependency, WorkItem
+from django_dbworker.batches.models import Dependency
+from django_dbworker.models import WorkItem
 from tests.testapp.workers import Noop
 
 pytestmark = pytest.mark.django_db(transaction=True)

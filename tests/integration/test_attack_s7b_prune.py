@@ -20,8 +20,9 @@ import pytest
 from django.db import connections
 from django.db.models.functions import Now
 
-from django_dbworker.models import Dependency, Status, WorkItem
-from django_dbworker.pruning import prune
+from django_dbworker.batches.models import Dependency
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.retention import prune
 from tests.conftest import wait_until
 from tests.factories import make_item
 

@@ -15,7 +15,8 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from django_dbworker import pause_queue
-from django_dbworker.models import RateStart, WorkItem
+from django_dbworker.flow.models import RateStart
+from django_dbworker.models import WorkItem
 from django_dbworker.testing import run_until_empty
 from tests.factories import claim_rated
 from tests.testapp.workers import Rated, RatedSlowly

@@ -21,8 +21,9 @@ from django.utils import timezone
 
 from django_dbworker import pause_queue, resume_queue
 from django_dbworker.db import operations
-from django_dbworker.db.flow import within_limits
-from django_dbworker.models import QueueState, Status, WorkItem
+from django_dbworker.db.keys import within_limits
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker

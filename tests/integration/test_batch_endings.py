@@ -18,7 +18,8 @@ from django.db import connection, connections, transaction
 from prometheus_client import REGISTRY
 
 from django_dbworker import batch, transitions
-from django_dbworker.models import Batch, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import WorkItem
 from tests.conftest import lock_waiters, wait_until
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Noop

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 from django.db import close_old_connections, connection
 
-from django_dbworker import batch, completion, transitions
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker import batch, transitions
+from django_dbworker.batches import completion
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import Status, WorkItem
 from tests.conftest import lock_waiters, wait_until
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Noop

@@ -10,8 +10,9 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from django_dbworker import batch
-from django_dbworker.batch_stats import OLDEST_OPEN, batch_progress, open_batches, waiting_count
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.batches.stats import OLDEST_OPEN, batch_progress, open_batches, waiting_count
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Echo, Noop, NoRetry, Record

@@ -15,8 +15,9 @@ import pytest
 from django.db import transaction
 
 from django_dbworker import EnqueueError, batch, transitions
-from django_dbworker.completion import sweep
-from django_dbworker.models import Batch, Dependency, Status, WorkItem
+from django_dbworker.batches.completion import sweep
+from django_dbworker.batches.models import Batch, Dependency
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks import task as dbtask
 from django_dbworker.testing import run_until_empty
 from tests.factories import claim, run_retries

@@ -19,7 +19,8 @@ import pytest
 from django.db import OperationalError, connection, transaction
 
 from django_dbworker import EnqueueError, batch, transitions
-from django_dbworker.models import Batch, Dependency, Status, WorkItem
+from django_dbworker.batches.models import Batch, Dependency
+from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.factories import claim, run_retries
 from tests.integration.interleave import Held, Racer, lock_waiters, wait_for_lock_waiters
@@ -249,7 +250,7 @@ def test_pruning_a_succeeded_parent_never_cancels_its_waiting_child() -> None:
     """A child waits for p1 (succeeded, old enough to prune) and p2 (running). Retention
     prunes p1 while p2's success is written.
 
-    pruning.py ``prune`` deletes the batch of work items (its own committed
+    retention.py ``prune`` deletes the batch of work items (its own committed
     statement), then, in another statement, their ``Dependency`` rows. Any
     ending that settles the child between the two (here p2's success; the
     same for ``completion.sweep``) finds a link to a parent that no longer
@@ -266,7 +267,7 @@ def test_pruning_a_succeeded_parent_never_cancels_its_waiting_child() -> None:
 
     from django.db.models.functions import Now
 
-    from django_dbworker.pruning import prune
+    from django_dbworker.retention import prune
 
     p1 = Record.enqueue({"key": "p1"})
     p2 = Record.enqueue({"key": "p2"})
@@ -311,7 +312,7 @@ def test_an_enqueue_in_a_thread_running_the_blocks_context_is_rolled_back_with_i
     """
     import contextvars
 
-    from django_dbworker.models import Batch
+    from django_dbworker.batches.models import Batch
 
     def block() -> None:
         with batch(on_complete=BatchDone):
@@ -416,7 +417,7 @@ def test_deleting_a_succeeded_parent_does_not_cancel_its_waiting_child() -> None
     deleted lets the child run: the two operator paths disagree. SPEC: the
     item runs once every listed item has succeeded, and is cancelled only
     if one "fails or is cancelled". Fix: a parent that succeeded is no
-    condition any more (batch_models.py ``Dependency`` says so for parents
+    condition any more (batches/models.py ``Dependency`` says so for parents
     that succeeded before the enqueue): delete a parent's links when it
     succeeds, in the ending's transaction (``_follow`` has them in hand; the admin would then
     show parents from another record), which also closes the prune window
@@ -591,7 +592,7 @@ def test_after_stops_reading_at_the_limit_of_parents() -> None:
     at the 1,001st distinct id. Here a counting generator shows how far it
     reads. Fix: a ``set`` beside the list, and the check inside the loop.
     """
-    from django_dbworker.dependencies import MAX_PARENTS
+    from django_dbworker.batches.dependencies import MAX_PARENTS
 
     drawn = 0
 

@@ -21,10 +21,12 @@ import pytest
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
-from django_dbworker import batch, completion, transitions
+from django_dbworker import batch, transitions
+from django_dbworker.batches import completion
+from django_dbworker.batches.models import Dependency
 from django_dbworker.db import operations
-from django_dbworker.models import Dependency, Status, WorkItem
-from django_dbworker.pruning import prune
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.retention import prune
 from tests.conftest import lock_waiters, wait_until
 from tests.factories import age_heartbeat, claim
 from tests.integration.interleave import TIMEOUT, Racer
@@ -120,7 +122,7 @@ def test_pruning_racing_a_retry_keeps_the_retried_childs_link_to_its_parent() ->
     failed and cancelled rows while an operator retries both (the guide: "retry the
     parent and its children in one action").
 
-    pruning.py ``prune`` reads a batch of ids, then deletes the rows still
+    retention.py ``prune`` reads a batch of ids, then deletes the rows still
     finished (``status__in=allowed``: the retried a and b are pending now and
     stay) and, in the same transaction, the ``Dependency`` rows of *every id
     it read* (``Q(child_id__in=ids) | Q(parent_id__in=ids)``), including the

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from django_dbworker import batch, transitions
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import Status, WorkItem
 from tests.factories import age_heartbeat, claim
 from tests.integration.interleave import Held, Racer, wait_for_lock_waiters
 from tests.testapp.workers import BatchDone, Noop, Record
@@ -207,7 +208,7 @@ def test_held_pruning_a_succeeded_parent_lets_its_waiting_child_run() -> None:
 
     from django.db.models.functions import Now
 
-    from django_dbworker.pruning import prune
+    from django_dbworker.retention import prune
 
     p1 = Record.enqueue({"key": "p1"})
     p2 = Record.enqueue({"key": "p2"})

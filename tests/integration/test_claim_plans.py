@@ -164,7 +164,7 @@ def test_the_pause_filter_is_one_hashed_subplan_on_the_claim_index_path(
 ) -> None:
     # Paused queues are a hashed set, read once per statement and probed per
     # candidate row: the claim index still drives the scan.
-    from django_dbworker.models import QueueState
+    from django_dbworker.flow.models import QueueState
 
     QueueState.objects.bulk_create([QueueState(name=f"q{i}", paused=i % 2 == 0) for i in range(20)])
     with connection.cursor() as cursor:

@@ -134,7 +134,7 @@ def test_run_workers_repeats_the_orphan_warning_while_it_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Rows of an unregistered handler enqueued after start-up are reported too."""
-    from django_dbworker.worker.watchers import OrphanWatch
+    from django_dbworker.worker.slow_checks import OrphanWatch
 
     stopping = threading.Event()
     caplog.set_level(logging.WARNING, logger="django_dbworker")

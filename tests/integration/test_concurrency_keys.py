@@ -24,7 +24,8 @@ from django.db import connection, connections, transaction
 from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many
 from django_dbworker.checks import concurrency_limit_errors
 from django_dbworker.db import operations
-from django_dbworker.models import FlowLock, Status, WorkItem
+from django_dbworker.flow.models import FlowLock
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from tests.conftest import lock_waiters as shared_lock_waiters
 from tests.conftest import wait_until

@@ -23,9 +23,10 @@ from django.db import connection
 from django_dbworker import UnknownQueue, pause_queue, resume_queue
 from django_dbworker.checks import rate_limit_errors
 from django_dbworker.db import operations
+from django_dbworker.flow.models import QueueState, RateStart
+from django_dbworker.flow.queues import known_queues, paused_queues, queue_list
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import QueueState, RateStart, Status, WorkItem
-from django_dbworker.queues import known_queues, paused_queues, queue_list
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.validation import InvalidValue, rate_limit

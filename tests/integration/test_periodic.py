@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem
-from django_dbworker.periodic import slot_key
+from django_dbworker.periodic.handler import slot_key
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from django_dbworker.worker.scheduler import (

@@ -19,7 +19,7 @@ from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 
 from django_dbworker.models import Status, WorkItem
-from django_dbworker.pruning import prune
+from django_dbworker.retention import prune
 
 pytestmark = pytest.mark.django_db
 

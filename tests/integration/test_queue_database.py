@@ -24,12 +24,13 @@ from django.db.models.functions import Now
 from django.test import override_settings
 
 from django_dbworker import batch, enqueue
+from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.checks import check_work_database, not_atomic_warnings
 from django_dbworker.contrib.prometheus.collector import register
 from django_dbworker.db import operations, setup_problem
-from django_dbworker.models import Batch, Dependency, QueueState, Status, WorkItem
-from django_dbworker.pruning import prune
-from django_dbworker.retention import PruneFinished
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.retention import PruneFinished, prune
 from django_dbworker.routing import NOT_ATOMIC_CHECK, QueueRouter
 from django_dbworker.stale import recover_stale
 from tests.factories import age_heartbeat

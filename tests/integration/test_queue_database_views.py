@@ -24,8 +24,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from django_dbworker import batch, pause_queue
+from django_dbworker.batches.models import Batch
 from django_dbworker.contrib.prometheus.collector import QueueCollector
-from django_dbworker.models import Batch, QueueState, Status, WorkItem
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import queue_stats
 from tests.factories import make_item
 from tests.routers import WORK_ALIAS

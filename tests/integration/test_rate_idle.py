@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from django_dbworker.models import FlowLock
+from django_dbworker.flow.models import FlowLock
 from tests.factories import claim_rated, make_item
 
 pytestmark = pytest.mark.django_db

@@ -234,7 +234,7 @@ def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worke
     """
     import sys
 
-    from django_dbworker.worker.watchers import TaskDiscovery
+    from django_dbworker.worker.slow_checks import TaskDiscovery
 
     discovery = TaskDiscovery("default", interval=0.001)
     worker = Worker([registry["noop"]], worker_config(), watchers=[discovery])
@@ -289,7 +289,7 @@ def test_the_orphan_watch_resumes_after_its_connection_is_killed(
     the life of the process; SPEC: the process "resumes when the database is
     back".
     """
-    from django_dbworker.worker.watchers import OrphanWatch
+    from django_dbworker.worker.slow_checks import OrphanWatch
     from tests.conftest import kill_other_connections
     from tests.factories import make_item
 

@@ -111,8 +111,8 @@ def test_schedules_rates_keys_and_cancel_all_live_on_the_queue_database(
 ) -> None:
     """Periodic slots, rate-limit starts, concurrency-key slots and a cancel of a running
     item: every row they need is on the queue database, none on default."""
-    from django_dbworker.flow_models import FlowLock, RateStart
-    from django_dbworker.models import PeriodicSchedule, QueueState
+    from django_dbworker.flow.models import FlowLock, QueueState, RateStart
+    from django_dbworker.models import PeriodicSchedule
     from tests.testapp.workers import Keyed, Rated, StopWhenCancelled
 
     rated = Rated.enqueue_many([{"key": f"r{n}"} for n in range(3)])

@@ -31,7 +31,8 @@ from django.db import connection, transaction
 from django.db.models import Max
 
 from django_dbworker import batch
-from django_dbworker.models import Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import Status, WorkItem
 from tests.conftest import WorkerProcess, wait_until
 from tests.testapp.models import Execution
 from tests.testapp.workers import BatchDone, KillWorker, Step

@@ -11,7 +11,7 @@ from django.db.models import Count
 from django.db.models.functions import Now
 
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem
-from django_dbworker.periodic import slot_key
+from django_dbworker.periodic.handler import slot_key
 from tests.conftest import wait_until
 from tests.testapp.models import Execution
 from tests.testapp.workers import Nightly

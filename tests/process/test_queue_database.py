@@ -17,7 +17,9 @@ import pytest
 from django.db import connections
 
 from django_dbworker import batch
-from django_dbworker.models import Batch, Dependency, PeriodicSchedule, QueueState, WorkItem
+from django_dbworker.batches.models import Batch, Dependency
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import PeriodicSchedule, WorkItem
 from tests.conftest import wait_until
 from tests.routers import WORK_ALIAS
 from tests.testapp.models import Execution

@@ -13,7 +13,7 @@ from typing import Any
 from django.utils import timezone
 
 from django_dbworker import Cancelled, Handler, NoTask, PeriodicHandler, WorkItemHandler, claim_next
-from django_dbworker.periodic import slot_key
+from django_dbworker.periodic.handler import slot_key
 from tests.testapp.models import Effect, Execution, Invoice
 
 

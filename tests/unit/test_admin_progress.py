@@ -12,7 +12,7 @@ from django.utils.html import strip_tags
 
 from django_dbworker.admin.display import short_timestamp
 from django_dbworker.admin.progress import progress_bar
-from django_dbworker.batch_stats import Progress
+from django_dbworker.batches.stats import Progress
 
 
 def _widths(html: str) -> dict[str, float]:

@@ -59,7 +59,7 @@ def test_only_the_settle_module_observes_finished_tasks() -> None:
     Those have no claim token, ledger or hook of ours: the user's ``process``
     records their outcome itself, and the loop only counts it.
     """
-    own_table = PACKAGE / "worker" / "own_table.py"
+    own_table = PACKAGE / "worker" / "handler_loop.py"
     assert set(_calls_of("task_done")) == {SETTLE, own_table}
     assert _calls_of("task_done")[SETTLE] == 1
 

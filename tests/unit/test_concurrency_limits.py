@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from django_dbworker.db.flow import FLOW_LOCK_NAME_MAX, flow_lock_name, within_limits
+from django_dbworker.db.keys import FLOW_LOCK_NAME_MAX, flow_lock_name, within_limits
 from django_dbworker.validation import CONCURRENCY_LIMIT_MAX, concurrency_limit_problem
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from django_dbworker.worker.clock import ManualClock
-from django_dbworker.worker.health import CYCLE_SLACK, HealthFile, worker_problem
+from django_dbworker.worker.health_file import CYCLE_SLACK, HealthFile, worker_problem
 from tests.conftest import wait_until
 
 

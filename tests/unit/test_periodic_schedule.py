@@ -8,7 +8,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from django_dbworker.schedules import (
+from django_dbworker.periodic.schedules import (
     CronSchedule,
     IntervalSchedule,
     InvalidSchedule,

@@ -9,7 +9,7 @@ import pytest
 from django.test import override_settings
 
 from django_dbworker.checks import check_settings
-from django_dbworker.periodic import periodic_handlers
+from django_dbworker.periodic.handler import periodic_handlers
 from django_dbworker.retention import PruneFinished, retention_ages
 from django_dbworker.validation import DEFAULT_RETENTION, retention
 

@@ -17,7 +17,7 @@ class _Complete(VendorOperations):
     def check_version(self) -> None:
         return None
 
-    def claim_rows(
+    def claim(
         self, *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
     ) -> list[Any]:
         return []

@@ -10,7 +10,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from django_dbworker.models import QueueState, Status
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import queue_stats
 

@@ -11,7 +11,7 @@ from django.db import DatabaseError
 
 from django_dbworker.db import setup_problem
 from django_dbworker.models import FINISHED_STATUSES
-from django_dbworker.pruning import prune
+from django_dbworker.retention import prune
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.validation import InvalidValue, queue_name
 

@@ -1,6 +1,6 @@
 """``manage.py dbworker_queue pause|resume QUEUE [--by WHO]`` and ``dbworker_queue list``.
 
-Parses flags and calls ``django_dbworker.queues``; nothing else. A bad or
+Parses flags and calls ``django_dbworker.flow.queues``; nothing else. A bad or
 unknown queue name, an unknown ``--database``, or a database not migrated is
 one line on stderr and exit status 1 (CommandError), never a traceback.
 """
@@ -15,7 +15,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections
 
 from django_dbworker.db import setup_problem
-from django_dbworker.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+from django_dbworker.flow.queues import UnknownQueue, pause_queue, queue_list, resume_queue
 from django_dbworker.routing import work_db_for_read, work_db_for_write
 
 

@@ -9,9 +9,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from django_dbworker.batch_stats import open_batches, waiting_count
+from django_dbworker.batches.stats import open_batches, waiting_count
 from django_dbworker.db import setup_problem
-from django_dbworker.queues import queue_list
+from django_dbworker.flow.queues import queue_list
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
     flow_stats,

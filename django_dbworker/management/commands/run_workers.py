@@ -24,12 +24,17 @@ from django_dbworker.db import UnsupportedDatabase, migrate_command, operations,
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
-from django_dbworker.periodic import periodic_handlers
+from django_dbworker.periodic.handler import periodic_handlers
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_write
 from django_dbworker.stats import orphaned_handlers
 from django_dbworker.worker.runtime import Worker, WorkerConfig
-from django_dbworker.worker.watchers import OrphanWatch, TaskDiscovery, Watcher, warn_about_orphans
+from django_dbworker.worker.slow_checks import (
+    OrphanWatch,
+    TaskDiscovery,
+    Watcher,
+    warn_about_orphans,
+)
 
 logger = logging.getLogger("django_dbworker")
 

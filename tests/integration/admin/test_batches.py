@@ -13,7 +13,8 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from django_dbworker import batch
-from django_dbworker.models import Batch, Dependency, Status, WorkItem
+from django_dbworker.batches.models import Batch, Dependency
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
 from tests.factories import claim
 from tests.testapp.workers import BatchDone, Echo, Noop, NoRetry, Record

@@ -7,7 +7,8 @@ from django.contrib.admin.models import LogEntry
 from django.test import Client
 
 from django_dbworker import pause_queue
-from django_dbworker.models import QueueState, Status
+from django_dbworker.flow.models import QueueState
+from django_dbworker.models import Status
 from tests.factories import claim, make_item
 from tests.integration.admin.conftest import _staff
 

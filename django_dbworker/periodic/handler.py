@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from django.core.exceptions import ImproperlyConfigured
 
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.schedules import (
+from django_dbworker.periodic.schedules import (
     CRON_FIELDS,
     MIN_EVERY,
     CronExpression,

@@ -21,9 +21,10 @@ from typing import Any
 from django.db import router
 from django.db.models.functions import Now
 
-from django_dbworker.completion import settle_rows, waiting_run_after
+from django_dbworker.batches.completion import settle_rows, waiting_run_after
+from django_dbworker.batches.models import Dependency
 from django_dbworker.errors import EnqueueError
-from django_dbworker.models import ACTIVE_STATUSES, Dependency, Status, WorkItem
+from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 
 #: Most parents of one item.
 MAX_PARENTS = 1000

@@ -26,8 +26,9 @@ from django.db.models.functions import Now
 
 from django_dbworker import validation
 from django_dbworker.db import operations
+from django_dbworker.flow.models import QueueState
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import QueueState, Status, WorkItem
+from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.routing import work_db_for_read, work_db_for_write
 

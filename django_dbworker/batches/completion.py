@@ -34,11 +34,12 @@ from django.db.models import Count, Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from django_dbworker import metrics
+from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.db import operations
 from django_dbworker.db.batch_probe import holds_a_pending_item
-from django_dbworker.models import ACTIVE_STATUSES, Batch, Dependency, Status, WorkItem
+from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 
-logger = logging.getLogger("django_dbworker.completion")
+logger = logging.getLogger("django_dbworker.batches.completion")
 
 #: Rows and batches one sweep settles at most.
 SWEEP_LIMIT = 500

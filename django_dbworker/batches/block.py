@@ -22,10 +22,11 @@ from typing import Any
 from django.db import transaction
 from django.db.models.functions import Now
 
-from django_dbworker.completion import complete_batches
+from django_dbworker.batches.completion import complete_batches
+from django_dbworker.batches.models import Batch
 from django_dbworker.errors import EnqueueError
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.models import Batch, WorkItem
+from django_dbworker.models import WorkItem
 from django_dbworker.payloads import encode_payload
 from django_dbworker.registry import registry
 from django_dbworker.routing import warn_if_outside_transaction, work_db_for_write

@@ -1,6 +1,7 @@
-"""Flow-controlled claims that every vendor shares: a ``FlowLock`` row lock, the rate window.
+"""Rate limits: the claim of a rate-limited handler, within its window, cluster-wide.
 
-``claim_rated`` is the claim of a rate-limited handler: in one short
+``claim_rated`` is the claim of a rate-limited handler (the claim route's,
+``worker/claim.py``): in one short
 transaction, lock the handler's ``FlowLock`` row ``rate:<handler>``, read
 the database clock, count the handler's ``RateStart`` rows of the last
 period, claim at most what is left (the vendor's own claim statement,
@@ -12,33 +13,24 @@ period, cluster-wide. Row locks only, released at commit: nothing holds a
 session, so PgBouncer's transaction mode keeps working.
 
 The statements are the ORM's, the same on every vendor; the vendor's part
-is its claim and its transaction (``VendorOperations.claim_rated``). Never
-runs handler code; holds the lock only for the claim.
+is its claim (``VendorOperations.claim``), its transaction
+(``ending_transaction``: reads after the lock see the previous holder's
+commit, whatever the isolation level) and its ``rate_allowance``. Never runs
+handler code; holds the lock only for the claim.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
 
 from django.db.models import Count, Min
 from django.db.models.functions import Now
 
+from django_dbworker.db import VendorOperations
 from django_dbworker.db.types import Claimed
-from django_dbworker.models import FlowLock, RateStart, WorkItem
-
-#: Seconds added to a rate limit's period when its window is counted at a
-#: claim (the default of ``VendorOperations.rate_allowance``). A claim
-#: counts as the row's start, but the handler starts a few milliseconds
-#: later (the claim's commit, dispatch to a thread), and the claims that
-#: follow a full window come in bursts as the window's earliest starts
-#: leave it: without an allowance, two bursts one period apart at the claim
-#: could start less than one period apart in the handlers. 20 ms costs 2%
-#: of a "N/s" limit's throughput and nothing measurable of "N/m" or "N/h".
-RATE_ALLOWANCE = 0.02
+from django_dbworker.flow.models import FlowLock, RateStart
+from django_dbworker.models import WorkItem
 
 
 def lock_flow(using: str, name: str) -> datetime:
@@ -62,23 +54,45 @@ def lock_flow(using: str, name: str) -> datetime:
 
 
 def claim_rated(
+    ops: VendorOperations,
     *,
-    using: str,
-    transaction: Callable[[], AbstractContextManager[Any]],
-    claim: Callable[[int], Claimed[WorkItem]],
     handler: str,
     starts: int,
     period: float,
     limit: int,
-    allowance: float = RATE_ALLOWANCE,
+    queues: Sequence[str] | None,
+    worker: str,
+    limits: Mapping[str, int] | None = None,
 ) -> Claimed[WorkItem]:
     """Claim up to ``limit`` rows of ``handler``, allowed ``starts`` starts per ``period`` seconds.
 
-    The window counted is one period plus ``allowance`` seconds. Rows beyond
-    the limit stay pending and use no attempt. ``full_for`` says when the
-    window frees up, so that the worker can leave the handler out of its
-    claims until then (and claim other handlers' rows meanwhile).
+    The window counted is one period plus the vendor's ``rate_allowance``.
+    Rows beyond the limit stay pending and use no attempt (``held_back``).
+    ``full_for`` says when the window frees up, so that the worker can leave
+    the handler out of its claims until then (and claim other handlers' rows
+    meanwhile). ``limits``: the handler's concurrency limit, when it has one.
+    A deadlock or lock wait timeout (MySQL) runs the transaction again.
     """
+    return ops.retrying(
+        lambda: _claim_rated(
+            ops, handler, starts, period, limit, queues=queues, worker=worker, limits=limits
+        ),
+        "claiming",
+    )
+
+
+def _claim_rated(
+    ops: VendorOperations,
+    handler: str,
+    starts: int,
+    period: float,
+    limit: int,
+    *,
+    queues: Sequence[str] | None,
+    worker: str,
+    limits: Mapping[str, int] | None,
+) -> Claimed[WorkItem]:
+    using = ops.using
     if limit <= 0:
         return Claimed()
     # Nothing of the handler ready: one indexed read, no transaction, no lock
@@ -87,8 +101,8 @@ def claim_rated(
     # it is the next poll's or wake-up's, as after any claim that found none.
     if not WorkItem.objects.using(using).ready().filter(handler=handler).exists():
         return Claimed()
-    window = timedelta(seconds=period + allowance)
-    with transaction():
+    window = timedelta(seconds=period + ops.rate_allowance)
+    with ops.ending_transaction():
         now = lock_flow(using, f"rate:{handler}")
         since = now - window
         counted = (
@@ -98,7 +112,17 @@ def claim_rated(
         )
         used, first = int(counted["n"]), counted["first"]
         room = max(0, starts - used)
-        items = claim(min(limit, room)) if room else Claimed[WorkItem]()
+        items = (
+            ops.claim(
+                limit=min(limit, room),
+                handlers=[handler],
+                queues=queues,
+                worker=worker,
+                limits=limits,
+            )
+            if room
+            else Claimed[WorkItem]()
+        )
         if items:
             RateStart.objects.using(using).bulk_create(
                 [RateStart(handler=handler, started_at=now) for _ in items]
@@ -114,56 +138,3 @@ def claim_rated(
     return Claimed(
         items, items.throttled, held_back=limit - len(items) if capped else 0, full_for=full_for
     )
-
-
-# -- the keyed claim's decisions (per-key concurrency limits) ------------------
-
-#: A claim candidate of the keyed claim: ``(id, handler, concurrency_key,
-#: concurrency_limit)``, as the vendors' candidate statements return it.
-Candidate = tuple[int, str, str | None, int | None]
-
-FLOW_LOCK_NAME_MAX = 255  # FlowLock.name's width
-
-
-def flow_lock_name(handler: str, key: str) -> str:
-    """The ``FlowLock`` row that serialises the claims of one (handler, concurrency_key).
-
-    Readable when it fits the column, a digest otherwise. Pairs that share a
-    name (``"a:b"``/``"c"``, ``"a"``/``"b:c"``) only share a lock, not counts.
-    """
-    name = f"key:{handler}:{key}"
-    if len(name) <= FLOW_LOCK_NAME_MAX:
-        return name
-    digest = hashlib.sha256(f"{handler}\0{key}".encode()).hexdigest()
-    return f"key#{digest}"
-
-
-def current_limits(candidates: Sequence[Candidate], limits: Mapping[str, int]) -> list[Candidate]:
-    """``candidates`` with each keyed row's limit its handler's current one (None: unlimited)."""
-    return [(pk, h, key, None if key is None else limits.get(h)) for pk, h, key, _ in candidates]
-
-
-def within_limits(
-    candidates: Sequence[Candidate], held: dict[tuple[str, str], int]
-) -> tuple[list[int], int]:
-    """The ids to claim of ``candidates`` (in claim order), and how many are held back.
-
-    ``held``: claimed rows per (handler, key), counted under the keys' locks.
-    A candidate without a limit is taken; one with a limit (its handler's
-    current one) while its key holds fewer rows, counting those taken before.
-    """
-    taken: dict[tuple[str, str], int] = {}
-    ids: list[int] = []
-    throttled = 0
-    for pk, handler, key, limit in candidates:
-        if key is None or limit is None:
-            ids.append(pk)
-            continue
-        slot = (handler, key)
-        used = held.get(slot, 0) + taken.get(slot, 0)
-        if used < limit:
-            taken[slot] = taken.get(slot, 0) + 1
-            ids.append(pk)
-        else:
-            throttled += 1
-    return ids, throttled

@@ -23,7 +23,8 @@ from typing import Any
 
 from django.db.models import Count, Q
 
-from django_dbworker.models import ACTIVE_STATUSES, Batch, Status, WorkItem
+from django_dbworker.batches.models import Batch
+from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 from django_dbworker.routing import work_db_for_read
 
 #: Open batches listed by ``open_batches`` (the oldest first).
