@@ -31,7 +31,7 @@ from django.db.models.signals import post_init, pre_init
 
 from django_dbworker import tracing
 from django_dbworker.batches import dependencies
-from django_dbworker.batches.block import current_batch_id
+from django_dbworker.batches.context import current_batch_id
 from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.errors import DatabaseNotReady, EnqueueError

@@ -342,6 +342,14 @@ def connect_enqueuer(enqueuer: Enqueuer) -> None:
     _port[:] = [enqueuer]
 
 
+def insert(
+    cls: type[WorkItemHandler], payload: Any, options: EnqueueOptions
+) -> tuple[WorkItem, bool]:
+    """The one insert path (``enqueuing.insert_one``), for the package's own enqueues
+    from below enqueuing's layer (a batch's callback, ``batches/completion.py``)."""
+    return _enqueuer().insert_one(cls, payload, options)
+
+
 def _enqueuer() -> Enqueuer:
     if not _port:
         raise ImproperlyConfigured(

@@ -4,7 +4,7 @@ The block is one transaction on the work table's alias (a savepoint inside
 the caller's): the ``Batch`` row, every item enqueued in the block and the
 seal commit together, or, if the block raises or the caller's transaction
 rolls back, none of them. Items join the batch through a context variable
-that ``enqueuing`` reads, so any enqueue in the block's thread (a
+(``context.py``) that ``enqueuing`` reads, so any enqueue in the block's thread (a
 handler's ``enqueue``, ``enqueue_many``, a Django ``@task``'s) belongs to
 it; another thread's does not. An empty batch, or one whose items all ended
 at enqueue, completes at the seal. Completion itself is ``completion.py``.
@@ -15,14 +15,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
 from django.db.models.functions import Now
 
 from django_dbworker.batches.completion import complete_batches
+from django_dbworker.batches.context import Open, current
 from django_dbworker.batches.models import Batch
 from django_dbworker.errors import EnqueueError
 from django_dbworker.handlers import WorkItemHandler
@@ -35,42 +34,15 @@ from django_dbworker.routing import warn_if_outside_transaction, work_db_for_wri
 RESERVED_KEYS = ("batch", "succeeded", "failed", "cancelled")
 
 
-@dataclass(frozen=True)
-class _Open:
-    batch: Batch
-    using: str
-    #: The block's thread: a context copied into another thread (asyncio.to_thread,
-    #: sync_to_async) would enqueue on that thread's connection, outside the block.
-    thread: int
-
-
-_current: ContextVar[_Open | None] = ContextVar("dbworker_batch", default=None)
-
-
-def current_batch_id(using: str) -> int | None:
-    """The id of the batch block this thread is in (None outside one, and in another
-    thread that copied the block's context: its writes are not the block's).
-
-    Raises ``EnqueueError`` for an enqueue to another database than the batch's.
-    """
-    open_ = _current.get()
-    if open_ is None or open_.thread != threading.get_ident():
-        return None
-    if using != open_.using:
-        raise EnqueueError(
-            f"This enqueue writes to database {using!r}, its batch #{open_.batch.pk} "
-            f"lives on {open_.using!r}: a batch's items share its database."
-        )
-    return open_.batch.pk
-
-
 def _callback_handler(on_complete: Any) -> type[WorkItemHandler]:
     name = getattr(on_complete, "name", None) if isinstance(on_complete, type) else on_complete
     cls = registry.get(name) if isinstance(name, str) else None
     if cls is None or not issubclass(cls, WorkItemHandler):
+        known = sorted(n for n, c in registry.items() if issubclass(c, WorkItemHandler))
         raise EnqueueError(
             f"batch(on_complete=...) takes a registered WorkItemHandler or its name, "
-            f"got {str(on_complete)[:80]!r}."
+            f"got {str(on_complete)[:80]!r}. Registered WorkItemHandlers: "
+            f"{', '.join(known) or 'none'}."
         )
     return cls
 
@@ -106,7 +78,7 @@ def batch(
     """
     handler = _callback_handler(on_complete)
     data = _callback_payload(payload)
-    if _current.get() is not None:
+    if current.get() is not None:
         raise EnqueueError("batch() blocks do not nest: close the open batch first.")
     db = work_db_for_write(using)
     warn_if_outside_transaction(db)
@@ -117,11 +89,11 @@ def batch(
             queue=handler.queue,
             max_attempts=handler.get_max_attempts(),
         )
-        token = _current.set(_Open(row, db, threading.get_ident()))
+        token = current.set(Open(row, db, threading.get_ident()))
         try:
             yield row
         finally:
-            _current.reset(token)
+            current.reset(token)
         total = WorkItem.objects.using(db).filter(batch_id=row.pk).count()
         Batch.objects.using(db).filter(pk=row.pk).update(sealed_at=Now(), total=total)
         row.total = total

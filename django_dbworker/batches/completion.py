@@ -34,10 +34,14 @@ from django.db.models import Count, Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from django_dbworker import metrics
+from django_dbworker.batches.context import outside
 from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.db import operations
 from django_dbworker.db.batch_probe import holds_a_pending_item
+from django_dbworker.enqueue_options import EnqueueOptions
+from django_dbworker.handlers import WorkItemHandler, insert
 from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
+from django_dbworker.registry import registry
 
 logger = logging.getLogger("django_dbworker.batches.completion")
 
@@ -265,14 +269,8 @@ def _complete(batch: Batch, using: str) -> bool:
         "failed": failed,
         "cancelled": cancelled,
     }
-    callback = WorkItem.objects.using(using).create(
-        handler=batch.on_complete,
-        queue=batch.queue,
-        payload=payload,
-        max_attempts=batch.max_attempts,
-    )
+    callback = _enqueue_callback(batch, payload, using)
     Batch.objects.using(using).filter(pk=batch.pk).update(callback_id=callback.pk)
-    operations(using).notify([batch.queue], 0)
 
     def told() -> None:
         # Once committed: a completion that rolls back (and is done again) is not one.
@@ -290,6 +288,34 @@ def _complete(batch: Batch, using: str) -> bool:
 
     transaction.on_commit(told, using=using, robust=True)
     return True
+
+
+def _enqueue_callback(batch: Batch, payload: dict[str, Any], using: str) -> WorkItem:
+    """Insert ``batch``'s callback through the one insert path (validation, span, wake-up),
+    in no batch, whatever block this thread is in.
+
+    A handler this process has not registered (a ``@task`` callback a worker of other
+    tasks never imported) is inserted by name as it is, for the workers that know it:
+    refusing it here would roll back the ending that completed the batch.
+    """
+    cls = registry.get(batch.on_complete)
+    if cls is None or not issubclass(cls, WorkItemHandler):
+        logger.warning(
+            "Batch #%d: its callback %r is not a handler of this process; enqueued by name.",
+            batch.pk,
+            batch.on_complete,
+        )
+        item = WorkItem.objects.using(using).create(
+            handler=batch.on_complete,
+            queue=batch.queue,
+            payload=payload,
+            max_attempts=batch.max_attempts,
+        )
+        operations(using).notify([batch.queue], 0)
+        return item
+    options = EnqueueOptions(queue=batch.queue, max_attempts=batch.max_attempts, using=using)
+    with outside():
+        return insert(cls, payload, options)[0]
 
 
 def sweep(using: str, *, limit: int = SWEEP_LIMIT) -> None:

@@ -391,7 +391,7 @@ def test_cancelling_a_batch_while_a_worker_finishes_one_of_its_items_does_not_de
 @pytest.mark.postgres_only
 def test_a_transaction_opened_on_commit_of_an_ending_runs_at_the_projects_level() -> None:
     """PostgreSQL, a project at SERIALIZABLE (``OPTIONS["isolation_level"]``): an
-    operator cancels the last item of a batch; a ``post_save`` receiver of the callback's
+    operator cancels the last item of a batch; a ``post_init`` receiver of the callback's
     row (an audit trail) registers ``transaction.on_commit`` work that opens a
     transaction of its own.
 
@@ -411,7 +411,7 @@ def test_a_transaction_opened_on_commit_of_an_ending_runs_at_the_projects_level(
     callback (Django runs them in order) besides the ``finally``.
     """
     import psycopg
-    from django.db.models.signals import post_save
+    from django.db.models.signals import post_init
 
     connection.ensure_connection()
     connection.connection.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
@@ -424,15 +424,15 @@ def test_a_transaction_opened_on_commit_of_an_ending_runs_at_the_projects_level(
             cursor.execute("SHOW transaction_isolation")
             seen.append(cursor.fetchone()[0])
 
-    def receiver(sender: Any, instance: WorkItem, created: bool, **kwargs: Any) -> None:
-        if created and instance.handler == BatchDone.name:
+    def receiver(sender: Any, instance: WorkItem, **kwargs: Any) -> None:
+        if instance.pk is None and instance.handler == BatchDone.name:
             transaction.on_commit(audit)
 
-    post_save.connect(receiver, sender=WorkItem)
+    post_init.connect(receiver, sender=WorkItem)
     try:
         assert last.cancel()
     finally:
-        post_save.disconnect(receiver, sender=WorkItem)
+        post_init.disconnect(receiver, sender=WorkItem)
         connection.close()  # the next test's connection gets the default level again
     assert len(callbacks(b.id)) == 1
     assert seen == ["serializable"]

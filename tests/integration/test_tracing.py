@@ -120,3 +120,29 @@ def test_without_an_sdk_nothing_is_recorded_or_stored() -> None:
     item = Noop.enqueue(None)
     assert WorkItem.objects.get(pk=item.pk).trace_context == {}
     assert run_until_empty() == {"succeeded": 1}
+
+
+def test_a_batch_callback_is_sent_like_any_enqueue_and_joins_the_last_items_trace(
+    exporter: Any,
+) -> None:
+    """The callback goes through the one insert path: a PRODUCER span, in the trace of the
+    attempt whose ending completed the batch."""
+    from django_dbworker.batches.block import batch
+    from tests.testapp.workers import BatchDone
+
+    memory, _ = exporter
+    with batch(on_complete=BatchDone) as b:
+        Noop.enqueue({})
+    assert run_until_empty(handlers=["noop"]) == {"succeeded": 1}
+    spans = memory.get_finished_spans()
+    (process,) = by_name(spans, "process default")
+    (callback,) = WorkItem.objects.filter(handler=BatchDone.name)
+    (send,) = [
+        s
+        for s in spans
+        if s.kind == SpanKind.PRODUCER
+        and s.attributes["messaging.message.id"] == str(callback.pk)
+    ]
+    assert send.attributes["worker.name"] == BatchDone.name
+    assert send.context.trace_id == process.context.trace_id
+    assert callback.batch_id is None and callback.payload["batch"] == b.id
