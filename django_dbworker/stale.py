@@ -6,7 +6,7 @@ claimed by a worker that died or froze; the pass returns it to
 attempts are used up, and cancels it when an operator had asked it to
 stop. Every UPDATE repeats the staleness condition, so many processes can
 run passes at once; what the rows' endings set off (dependents, batches)
-is settled in the pass's transaction, after all its writes.
+is propagated in the pass's transaction, after all its writes.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def recover_stale(
     # already): batch rows locked after all the item rows, as endings lock them.
     with ops.ending_transaction():
         ended = _recover_chunks(base, message, using, batch_size, result)
-        completion.settle_rows(ended, ops.using)
+        completion.propagate_rows(ended, ops.using)
     completion.sweep(ops.using)
     if log:
         result.log()

@@ -102,7 +102,7 @@ def succeed(
 
     ``linked`` (``linked_rows``: row id -> batch id, from the claim): their write and
     what it sets off (dependents, batch) are one transaction. A row that gained
-    dependents after its claim is settled right after (the sweep covers a crash).
+    dependents after its claim is propagated right after (the sweep covers a crash).
     """
     ops = operations(using)
     if not linked:
@@ -110,7 +110,7 @@ def succeed(
         late = [pk for pk, _, has_dependents in rows if has_dependents]
         if late:
             with ops.ending_transaction():
-                completion.settle(ops.using, ended=late)
+                completion.propagate(ops.using, ended=late)
         return {(pk, token) for pk, token, _ in rows}
     nested = ops.connection.in_atomic_block  # an atomic handler's: its isolation level
     with ops.ending_transaction():
@@ -118,9 +118,9 @@ def succeed(
         ended = [pk for pk, _, has_dependents in rows if has_dependents]
         batches = [linked.get(pk) for pk, _, _ in rows]
         # Nested, no probe: at a caller's REPEATABLE READ it is a serialization failure.
-        completion.settle(ops.using, ended=ended, batches=batches, quick=not nested)
+        completion.propagate(ops.using, ended=ended, batches=batches, quick=not nested)
     if nested and rows:
-        completion.settle_after_commit(ops.using, ended=ended, batches=batches)
+        completion.propagate_after_commit(ops.using, ended=ended, batches=batches)
     return {(pk, token) for pk, token, _ in rows}
 
 
@@ -140,7 +140,7 @@ def _ending(item: WorkItem, rows: WorkItemQuerySet, **changes: Any) -> bool:
     with ops.ending_transaction():
         ended = rows.update(**changes) == 1
         if ended:
-            completion.settle_rows([item.pk], ops.using)
+            completion.propagate_rows([item.pk], ops.using)
     return ended
 
 
@@ -152,7 +152,7 @@ def already_succeeded(
     When a success write's connection dies after the commit but before the
     answer, the write is retried and no longer matches ``claimed``;
     ``succeeded`` under the attempt's own token tells it from a fenced one.
-    What those endings set off is settled here (again: it is idempotent),
+    What those endings set off is propagated here (again: it is idempotent),
     since the lost answer may have hidden dependents found after the claim.
     """
     if not attempts:
@@ -166,7 +166,7 @@ def already_succeeded(
     if confirmed:
         ops = operations(using)
         with ops.ending_transaction():
-            completion.settle_rows(sorted(pk for pk, _ in confirmed), ops.using)
+            completion.propagate_rows(sorted(pk for pk, _ in confirmed), ops.using)
     return confirmed
 
 
@@ -302,5 +302,5 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                 updated_at=Now(),
             )
         )
-        completion.settle_rows(list(claims), ops.using)  # those that ended cancelled
+        completion.propagate_rows(list(claims), ops.using)  # those that ended cancelled
     return released

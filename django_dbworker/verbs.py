@@ -46,7 +46,7 @@ def cancel(rows: WorkItemQuerySet) -> tuple[int, int]:
         cancelled, linked = _cancel_pending_rows(rows, db)
         asked = request_cancel(rows)
         # Last: batch rows after every item row, the order endings lock them in.
-        _settle_ended(db, linked, nested)
+        _propagate_ended(db, linked, nested)
     return cancelled, asked
 
 
@@ -62,7 +62,7 @@ def cancel_pending(rows: WorkItemQuerySet) -> int:
     nested = connections[db].in_atomic_block
     with operations(db).ending_transaction():
         cancelled, linked = _cancel_pending_rows(rows, db)
-        _settle_ended(db, linked, nested)
+        _propagate_ended(db, linked, nested)
     return cancelled
 
 
@@ -180,10 +180,10 @@ def _cancel_pending_rows(rows: WorkItemQuerySet, db: str) -> tuple[int, list[int
     return cancelled, linked
 
 
-def _settle_ended(db: str, linked: list[int], nested: bool) -> None:
+def _propagate_ended(db: str, linked: list[int], nested: bool) -> None:
     """What the rows a verb ended set off; once more after the commit of a caller's
     transaction (``nested``), whose isolation level may be stricter."""
     if linked:
-        completion.settle_rows(linked, db)
+        completion.propagate_rows(linked, db)
         if nested:
-            completion.settle_rows_after_commit(linked, db)
+            completion.propagate_rows_after_commit(linked, db)

@@ -1,6 +1,6 @@
 """What a row's final state sets off: its waiting dependents, and its batch's callback.
 
-SPEC "Batches and dependencies". ``settle`` runs inside the transaction
+SPEC "Batches and dependencies". ``propagate`` runs inside the transaction
 that wrote the final states (the success writer's, a failure's, stale
 recovery's, an operator's cancel), so a dependent is released or
 cancelled, and a batch's callback enqueued, exactly when that ending
@@ -18,7 +18,7 @@ inserted by the conditional ``completed_at IS NULL`` update, exactly once.
 ``sweep`` is the safety net, run by every worker's stale-recovery pass: a
 batch whose items were deleted, a dependent whose parent was pruned, or
 one whose parent an operator cancelled in a transaction that raced its
-enqueue, are settled there from the rows' states alone.
+enqueue, are propagated there from the rows' states alone.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from django_dbworker.registry import registry
 
 logger = logging.getLogger("django_dbworker.batches.completion")
 
-#: Rows and batches one sweep settles at most.
+#: Rows and batches one sweep propagates at most.
 SWEEP_LIMIT = 500
 
 
@@ -63,7 +63,7 @@ def waiting_run_after() -> datetime:
     return never.replace(tzinfo=UTC) if settings.USE_TZ else never
 
 
-def settle(
+def propagate(
     using: str,
     *,
     ended: Collection[int] = (),
@@ -84,34 +84,34 @@ def settle(
         complete_batches(touched, using, quick=quick)
 
 
-def settle_after_commit(
+def propagate_after_commit(
     using: str, *, ended: Collection[int] = (), batches: Iterable[int | None] = ()
 ) -> None:
-    """``settle`` again once the caller's transaction commits, in one of its own at READ
+    """``propagate`` again once the caller's transaction commits, in one of its own at READ
     COMMITTED: a caller's transaction at a stricter level (an atomic handler's, in a
     project configured so) read the other finishers' rows in its first snapshot."""
     batches = list(batches)
 
     def again() -> None:
         with operations(using).ending_transaction():
-            settle(using, ended=ended, batches=batches)
+            propagate(using, ended=ended, batches=batches)
 
     transaction.on_commit(again, using=using, robust=True)
 
 
-def settle_rows_after_commit(ids: Collection[int], using: str) -> None:
-    """``settle_rows`` again once the caller's transaction commits, at READ COMMITTED."""
+def propagate_rows_after_commit(ids: Collection[int], using: str) -> None:
+    """``propagate_rows`` again once the caller's transaction commits, at READ COMMITTED."""
     ids = list(ids)
 
     def again() -> None:
         with operations(using).ending_transaction():
-            settle_rows(ids, using)
+            propagate_rows(ids, using)
 
     transaction.on_commit(again, using=using, robust=True)
 
 
-def settle_rows(ids: Collection[int], using: str) -> None:
-    """``settle`` for rows whose batch and dependents the caller does not know."""
+def propagate_rows(ids: Collection[int], using: str) -> None:
+    """``propagate`` for rows whose batch and dependents the caller does not know."""
     rows: list[tuple[int, bool, int | None]] = []
     for chunk in _chunks(ids):
         rows += (
@@ -121,7 +121,7 @@ def settle_rows(ids: Collection[int], using: str) -> None:
             .values_list("pk", "has_dependents", "batch_id")
         )
     if rows:
-        settle(
+        propagate(
             using,
             ended=[pk for pk, has, _ in rows if has],
             batches=[batch for _, _, batch in rows],
@@ -129,7 +129,7 @@ def settle_rows(ids: Collection[int], using: str) -> None:
 
 
 def _follow(parents: set[int], using: str) -> set[int]:
-    """Settle the dependents of ``parents``, transitively; the batches of those cancelled."""
+    """Propagate to the dependents of ``parents``, transitively; the batches of those cancelled."""
     touched: set[int] = set()
     while parents:
         children: set[int] = set()
@@ -319,7 +319,7 @@ def _enqueue_callback(batch: Batch, payload: dict[str, Any], using: str) -> Work
 
 
 def sweep(using: str, *, limit: int = SWEEP_LIMIT) -> None:
-    """Settle, from the rows' states alone, what no ending settled (see the module doc)."""
+    """Propagate, from the rows' states alone, what no ending propagated (see the module doc)."""
     live = WorkItem.objects.using(using).filter(status__in=ACTIVE_STATUSES)
     batches = list(
         Batch.objects.using(using)

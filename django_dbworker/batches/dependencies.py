@@ -3,13 +3,13 @@
 An item with unfinished parents is written ``pending`` but ``waiting``, due
 at ``completion.waiting_run_after()`` (after every real time), so the claim
 statements, their indexes and their plans do not change at all: a waiting
-row is simply never due. ``completion.settle`` makes it due when its last
+row is simply never due. ``completion.propagate`` makes it due when its last
 parent succeeds, or cancels it when one fails or is cancelled.
 
 The parents are locked (in id order) in the enqueue's transaction and
 marked ``has_dependents``, so a parent that ends at the same moment either
 ends before (the child then sees its final state here) or after the child
-commits (its ending then finds the child and settles it): never neither.
+commits (its ending then finds the child and propagates to it): never neither.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from django.db import router
 from django.db.models.functions import Now
 
-from django_dbworker.batches.completion import settle_rows, waiting_run_after
+from django_dbworker.batches.completion import propagate_rows, waiting_run_after
 from django_dbworker.batches.models import Dependency
 from django_dbworker.errors import EnqueueError
 from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
@@ -204,4 +204,4 @@ def wait_again(ids: list[int], using: str) -> None:
             ),
         )
     if blamed:
-        settle_rows(sorted(blamed), using)
+        propagate_rows(sorted(blamed), using)

@@ -30,7 +30,7 @@ CLAIM_COLUMNS = (
     "claimed_by",
     "claim_token",
     "trace_context",
-    # What its ending must settle: its batch, and whether items wait for it.
+    # What its ending sets off: its batch, and whether items wait for it.
     "batch_id",
     "has_dependents",
     # Its key's slot, which its ending frees (the claim loop claims again at once).

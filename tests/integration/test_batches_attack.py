@@ -385,7 +385,7 @@ def test_a_lost_connection_after_a_parents_success_does_not_leave_its_child_wait
     succeeded (issue 22: wake-ups, not polls). The loss is forced here by
     holding the child's row lock and killing the writer's connection while
     it waits for it. Fix: settle the rows that ``already_succeeded``
-    confirms (``completion.settle_rows`` is idempotent), or write the
+    confirms (``completion.propagate_rows`` is idempotent), or write the
     success of a row with dependents in the ending's transaction always
     (``succeed_rows`` of ``has_dependents`` rows can be re-run under
     ``ending_transaction`` when it returns them).

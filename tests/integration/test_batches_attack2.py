@@ -581,11 +581,11 @@ def test_cancelling_a_big_batch_on_a_standard_sqlite_build() -> None:
 
     models.py ``cancel_pending`` reads the ids and updates them in chunks of
     1,000, but hands every cancelled row of the selection to
-    ``_endings.settle`` at once: completion.py ``settle_rows`` filters
+    ``_endings.settle`` at once: completion.py ``propagate_rows`` filters
     ``pk__in`` all 33,000 ids in one statement, which SQLite refuses (``too
     many SQL variables``), and the whole cancel rolls back. Expected: the
     33,000 rows are cancelled and the batch completes, one callback. Fix:
-    chunk ``settle_rows``' read (and ``_follow``'s ``parent_id__in``) as
+    chunk ``propagate_rows``' read (and ``_follow``'s ``parent_id__in``) as
     the UPDATE is chunked, or collect the linked rows per chunk with a
     subquery instead of an id list; the same limit is 65,535 parameters on
     PostgreSQL with ``OPTIONS["server_side_binding"]``.
@@ -699,7 +699,7 @@ def test_a_cancel_in_a_request_transaction_at_repeatable_read_completes_the_batc
     which keeps the caller's level inside a caller's transaction: its check
     after the batch row's lock reads the request's snapshot, a still
     claimed, and does not complete the batch; nothing settles it again
-    after the request commits (``settle_after_commit`` is only in
+    after the request commits (``propagate_after_commit`` is only in
     ``succeed``, for atomic handlers). No callback until a worker's sweep
     (up to ``STALE_AFTER / 4``, 15 s by default). The guide ("What it
     costs", Isolation): the endings' reads after a lock must see what the
@@ -707,7 +707,7 @@ def test_a_cancel_in_a_request_transaction_at_repeatable_read_completes_the_batc
     Expected: the callback once the request commits. Fix: in the operator
     verbs (``cancel_pending``, ``retry``'s ``rewait``), when
     ``ending_transaction`` joined a caller's transaction, also register
-    ``completion.settle_after_commit`` for the rows they ended (as
+    ``completion.propagate_after_commit`` for the rows they ended (as
     ``succeed`` does for a nested write).
     """
     with batch(on_complete=BatchDone) as b:
@@ -834,7 +834,7 @@ def test_a_recovery_pass_of_several_chunks_does_not_deadlock_with_a_zombies_succ
     break that order. Expected: both commit (x2's success kept, x1
     failed). Fix: in ``recover_stale``, settle the ended rows of every
     chunk once, after the last chunk's writes (collect ``ended`` and call
-    ``settle_rows`` at the end), so that the batch rows are locked last;
+    ``propagate_rows`` at the end), so that the batch rows are locked last;
     or commit per chunk.
     """
     batch_id, (x1, x2) = claimed_batch_of_two()

@@ -140,8 +140,7 @@ def test_a_batch_callback_is_sent_like_any_enqueue_and_joins_the_last_items_trac
     (send,) = [
         s
         for s in spans
-        if s.kind == SpanKind.PRODUCER
-        and s.attributes["messaging.message.id"] == str(callback.pk)
+        if s.kind == SpanKind.PRODUCER and s.attributes["messaging.message.id"] == str(callback.pk)
     ]
     assert send.attributes["worker.name"] == BatchDone.name
     assert send.context.trace_id == process.context.trace_id
