@@ -113,14 +113,18 @@ def prune(
     """Delete finished rows whose ``finished_at`` is older than ``older_than`` (DB clock).
 
     Batched so that no single statement locks or logs millions of rows;
-    pending and claimed rows are never touched, whatever ``statuses`` says.
-    ``queues`` narrows it to those queues; ``dry_run`` counts the rows it
-    would delete and deletes none.
+    pending and claimed rows are never touched, whatever ``statuses`` says,
+    nor the items of a batch that is still open (its callback counts them
+    when its last item ends, however long that takes). ``queues`` narrows it
+    to those queues; ``dry_run`` counts the rows it would delete and deletes
+    none.
     """
     using = work_db_for_write(using)  # the deletes and their transactions: one alias
     allowed = [s for s in statuses if s in FINISHED_STATUSES]
     base = WorkItem.objects.using(using).filter(
-        status__in=allowed, finished_at__lt=Now() - older_than
+        Q(batch__isnull=True) | Q(batch__completed_at__isnull=False),
+        status__in=allowed,
+        finished_at__lt=Now() - older_than,
     )
     if queues is not None:
         base = base.filter(queue__in=list(queues))
@@ -143,7 +147,12 @@ def prune(
             # chosen is no longer old (its DELETE waited for its lock).
             count, _ = (
                 WorkItem.objects.using(using)
-                .filter(pk__in=ids, status__in=allowed, finished_at__lt=Now() - older_than)
+                .filter(
+                    Q(batch__isnull=True) | Q(batch__completed_at__isnull=False),
+                    pk__in=ids,
+                    status__in=allowed,
+                    finished_at__lt=Now() - older_than,
+                )
                 .delete()
             )
             # Only the links of rows deleted here: one retried meanwhile stays, linked.

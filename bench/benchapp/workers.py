@@ -10,10 +10,13 @@ from django_dbworker import WorkItemHandler
 
 
 class BenchNoop(WorkItemHandler):
+    """No work; or, with a payload ``{"ms": N}``, N milliseconds of sleep (W7's job length)."""
+
     name = "bench_noop"
 
     def handle(self, payload: Any) -> None:
-        return None
+        if payload:
+            time.sleep(payload["ms"] / 1000.0)
 
 
 class BenchLatency(WorkItemHandler):
@@ -45,13 +48,14 @@ class BenchRated(WorkItemHandler):
 
 
 class BenchKeyed(WorkItemHandler):
-    """No work, one item per concurrency key at a time (W7)."""
+    """``BenchNoop``, one item per concurrency key at a time (W7)."""
 
     name = "bench_keyed"
     concurrency_limit = 1
 
     def handle(self, payload: Any) -> None:
-        return None
+        if payload:
+            time.sleep(payload["ms"] / 1000.0)
 
 
 class BenchBatchDone(WorkItemHandler):

@@ -134,6 +134,13 @@ class Ledger:
         with self._lock:
             return [a.item for a in self._attempts.values()]
 
+    def count_of(self, handlers: Collection[str]) -> int:
+        """Attempts of ``handlers`` in flight (buffered, running, recording)."""
+        if not handlers:
+            return 0
+        with self._lock:
+            return sum(1 for a in self._attempts.values() if a.item.handler in handlers)
+
     def attempts(self) -> list[Attempt]:
         with self._lock:
             return list(self._attempts.values())

@@ -10,9 +10,10 @@ sleeps; which rows, and by which statement, is decided here:
    other handlers.
 2. Then the other handlers in one claim: plain, or keyed where some of them declare a
    ``concurrency_limit`` (the statement counts the keys' slots; rows held back by their
-   keys are ``throttled``, not an empty queue).
+   keys are ``throttled``, not an empty queue). A keyed claim takes a few rows per thread
+   at most (``KEYED_IN_FLIGHT``): a buffered row of a key holds the key's slot.
 
-Both go through ``VendorOperations.claim``, one call per claim statement, the same on
+All go through ``VendorOperations.claim``, one call per claim statement, the same on
 every database (a rate-limited handler's inside its window's lock, ``flow/rates.py``).
 Paused queues are skipped by the statements themselves; this module also says which
 buffered rows to give back because their queue was paused after their claim
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from django_dbworker import validation
 from django_dbworker.db import VendorOperations
+from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import paused_queues
 from django_dbworker.flow.rates import claim_rated
@@ -41,6 +43,14 @@ from django_dbworker.worker.identity import worker_id
 logger = logging.getLogger("django_dbworker.worker")
 
 Dispatch = Callable[[Sequence[WorkItem]], object]
+
+#: Rows of limited handlers a process holds at most (buffered, running, being written), per
+#: thread. One per thread leaves each thread idle for a claim after every job (W7: 100 keys,
+#: limit 1, 5 ms jobs); the whole prefetch buffer gave one process every key.
+KEYED_IN_FLIGHT = 3
+#: A resting loop claims the keys' next rows once this few per thread are left in flight:
+#: a claim for every ended row cost a keyed claim (two statements) per job.
+KEYED_REFILL = 2
 
 
 @dataclass(frozen=True)
@@ -84,37 +94,61 @@ class ClaimRoute:
             lambda: paused_queues(config.using), every=config.poll_interval, clock=now
         )
 
-    def claim(self, limit: int, *, free: int, dispatch: Dispatch) -> Claim:
-        """Claim up to ``limit`` rows (rate-limited ones for at most ``free`` threads) and
-        ``dispatch`` each statement's rows as soon as it returns them, so that an error in
-        a later statement leaves no claimed row without an owner."""
+    def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
+        """Claim up to ``limit`` rows and ``dispatch`` each statement's rows as soon as it
+        returns them, so that an error in a later statement leaves no claimed row without
+        an owner. Rate-limited rows only for the ``free`` threads; a keyed claim only while
+        this process holds fewer than ``KEYED_IN_FLIGHT`` rows per thread of limited
+        handlers (``limited_in_flight``: buffered, running or being written)."""
         handlers = self.handlers()
         rates = self.rates(handlers)
         rated = self._claim_rated(rates, min(limit, free), handlers, dispatch)
         left = limit - rated
-        plain = [name for name in handlers if name not in rates]
-        limits = concurrency_limits(handlers, plain)
-        items = (
-            self.ops.claim(
-                limit=left,
-                handlers=plain,
-                queues=self.config.queues,
-                worker=worker_id(),
-                limits=limits,
-            )
-            if plain and left > 0
-            else []
-        )
-        throttled = getattr(items, "throttled", 0)
-        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", throttled)
+        others = [name for name in handlers if name not in rates]
+        limits = concurrency_limits(handlers, others)
+        asked = left
+        if limits:
+            # A buffered row of a limited key holds the key's slot until it starts: a
+            # buffer sized for the job length (PREFETCH_HORIZON) took every key into one
+            # process while the others' threads idled. A few rows per thread keep the
+            # threads busy while the claims of the keys' next rows are under way. The
+            # claim stays one statement over every handler, in claim order (a limited
+            # handler's claim apart from the others' took its rows ahead of better ones).
+            # Threads with nothing to start are claimed for whatever is held.
+            room = KEYED_IN_FLIGHT * self.config.concurrency - limited_in_flight
+            asked = min(left, max(room, free))
+        items = self._claim(others, asked, limits) if others and asked > 0 else Claimed()
         dispatch(items)
         return Claim(
             taken=rated + len(items),
             # Rows held back for their keys were there: a batch cut short by them is not
-            # an empty queue (the next claim skips those keys).
-            dry=not plain or len(items) + throttled < left,
+            # an empty queue (the next claim skips those keys). Cut to the room: a claim
+            # now would find nothing more either.
+            dry=not others or asked < left or len(items) + items.throttled < asked,
             keyed=bool(limits),
             rated=bool(rates),
+        )
+
+    def _claim(self, handlers: list[str], limit: int, limits: dict[str, int]) -> Claimed[WorkItem]:
+        items = self.ops.claim(
+            limit=limit,
+            handlers=handlers,
+            queues=self.config.queues,
+            worker=worker_id(),
+            limits=limits or None,
+        )
+        self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", items.throttled)
+        return items
+
+    def limited(self) -> frozenset[str]:
+        """The handlers whose rows count against ``KEYED_IN_FLIGHT``: those with a
+        ``concurrency_limit`` that are not rate-limited."""
+        handlers = self.handlers()
+        rates = self.rates(handlers)
+        return frozenset(
+            name
+            for name, handler in handlers.items()
+            if handler.concurrency_limit is not None and name not in rates
         )
 
     # -- rate limits ---------------------------------------------------------------

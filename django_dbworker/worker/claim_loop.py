@@ -22,7 +22,7 @@ from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt, Ledger
-from django_dbworker.worker.claim import ClaimRoute
+from django_dbworker.worker.claim import KEYED_REFILL, ClaimRoute
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import (
     MAX_CLAIM,
@@ -142,7 +142,12 @@ class ClaimLoop:
             self._dispatch(items, claimed_at=started)
 
         try:
-            result = self.route.claim(limit, free=self._free_threads(), dispatch=dispatch)
+            result = self.route.claim(
+                limit,
+                free=self._free_threads(),
+                limited_in_flight=self.ledger.count_of(self.route.limited()),
+                dispatch=dispatch,
+            )
         except Exception:
             if self._urgent_claim:
                 with self._urgent_lock:
@@ -259,12 +264,13 @@ class ClaimLoop:
 
     def retired(self, attempt: Attempt) -> None:
         """An attempt left the ledger. If it held a slot of a limited key, a resting loop
-        claims now (the key's next row, without waiting for a poll) and learns whether it
-        rests still; otherwise the loop wakes when its buffer runs low."""
+        claims once this process holds few such rows (``KEYED_REFILL`` per thread): the
+        keys' next rows, without waiting for a poll, a batch at a time. Otherwise the loop
+        wakes when its buffer runs low."""
         if (
             self.rests
-            and attempt.item.concurrency_key is not None
             and attempt.handler.concurrency_limit is not None
+            and self.ledger.count_of(self.route.limited()) <= KEYED_REFILL * self.config.concurrency
         ):
             self.control.wake.set()
         else:

@@ -38,7 +38,7 @@ SCRIPTS = [
     ),
     ("w7_keys.py", ["--items", "300", "--keys", "30"], "w7_keys"),
     ("w7_keys.py", ["--items", "60", "--keys", "60"], "w7_keys"),  # no chain: no free time
-    ("w7_keys.py", ["--items", "300", "--keys", "30", "--split"], "w7_keys"),  # by queue
+    ("w7_keys.py", ["--items", "300", "--keys", "30", "--job-ms", "2"], "w7_keys"),  # real jobs
     ("w1_throughput.py", ["--items", "300", "--also", "bench_keyed"], "w1_throughput"),
     ("claim_cost.py", ["--rounds", "2", "--claim", "20", "--keys", "5"], "claim_cost"),
     ("startup.py", ["--runs", "1"], "startup"),
@@ -77,8 +77,8 @@ def test_bench_script_runs(script: str, args: list[str], name: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.splitlines()[0])
     assert result["bench"] == name
-    if name == "w7_keys":  # the legs' CPU figures (Linux), and --split as asked
-        assert result["split"] == ("--split" in args)
+    if name == "w7_keys":  # the legs' CPU figures (Linux), and the job length as asked
+        assert result["job_ms"] == (2.0 if "--job-ms" in args else 0.0)
         assert result["key_overlaps"] == 0
         for leg in ("keyed", "plain"):
             assert 0 < result[f"{leg}_cpu_busy"] <= 1
