@@ -14,16 +14,21 @@ The loop cycles at least once a poll interval while idle and once a backoff
 (at most 10 s) while the database is away, so an outage alone does not make
 the file stale: restarting every worker because the database restarts helps
 nobody, and the worker recovers by itself. The file is written to a
-temporary name and renamed, so a probe never reads half of it, and removed
-when the worker stops.
+temporary file and renamed, so a probe never reads half of it, and removed
+when the worker stops. The temporary file gets a random name, created
+exclusively (``mkstemp``: no planted link at a name another user could
+guess is ever followed, in a shared directory such as /tmp), and the rename
+replaces whatever is at the path, a link included, with the worker's file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import tempfile
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -119,10 +124,8 @@ class HealthFile(threading.Thread):
             "pid": os.getpid(),
             "updated_at": datetime.now(UTC).isoformat(),
         }
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            temporary.write_text(json.dumps(body) + "\n")
-            os.replace(temporary, self.path)
+            self._replace(json.dumps(body) + "\n")
         except OSError as exc:
             self._complain(f"cannot write the health file {self.path}: {exc}")
             return False
@@ -130,6 +133,18 @@ class HealthFile(threading.Thread):
             logger.info("Health file %s is being refreshed again.", self.path)
             self._complained = None
         return True
+
+    def _replace(self, text: str) -> None:
+        """``text`` at the path, all at once, through a temporary file only this call made."""
+        fd, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write(text)
+            os.replace(temporary, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
 
     def remove(self) -> None:
         """A stopped worker is not healthy: take the file away."""

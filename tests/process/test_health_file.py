@@ -74,3 +74,34 @@ def test_the_probe_refuses_a_bad_max_age(worker_env: dict[str, str], tmp_path: P
     assert out.returncode != 0
     assert "argument --max-age: 'soon' is not a number of seconds" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_worker_never_follows_a_link_planted_where_it_writes(
+    start_worker, tmp_path: Path
+) -> None:
+    """A shared directory (/tmp): another local user plants a link at the temporary name the
+    worker would write (it sees the pid); the file it points at stays as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    victim = tmp_path / "victim.conf"
+    victim.write_text("precious settings\n")
+    health = shared / "worker-health.json"
+    worker = start_worker("noop", "--health-file", str(health))
+    planted = shared / f".{health.name}.{worker.pid}.tmp"
+    planted.symlink_to(victim)
+    wait_until(health.exists, timeout=60, what="the health file to appear")
+    worker.kill()
+    assert victim.read_text() == "precious settings\n"
+    assert not health.is_symlink()
+
+
+def test_the_probe_refuses_a_link_at_the_path(worker_env: dict[str, str], tmp_path: Path) -> None:
+    """A fresh file that another user linked (or wrote) at the path is not the worker's."""
+    fresh = tmp_path / "anything.json"
+    fresh.write_text('{"pid": 1, "host": "elsewhere"}\n')
+    path = tmp_path / "worker-health.json"
+    path.symlink_to(fresh)
+    out = probe(worker_env, path)
+    assert out.returncode == 1
+    assert "is a link, not the worker's file" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -5,12 +5,16 @@ PATH`` keeps fresh was written within ``--max-age`` seconds, 1 with one
 line saying why not otherwise (missing: the worker is not running or has
 stopped; stale: it is stuck or unhealthy, and its log says why). It reads
 only the file: no database query, no Django setup beyond the command's
-own, so a probe every few seconds costs the database nothing.
+own, so a probe every few seconds costs the database nothing. The file must
+be a regular file of the probing user (or of anyone, for root): a link at
+the path, or a file another user wrote there, is not the worker's.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from argparse import ArgumentTypeError
 from pathlib import Path
@@ -49,7 +53,18 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["file"])
         try:
-            age = time.time() - path.stat().st_mtime
+            found = path.lstat()
+            if not stat.S_ISREG(found.st_mode):
+                what = "a link" if stat.S_ISLNK(found.st_mode) else "not a regular file"
+                raise CommandError(
+                    f"Unhealthy: {path} is {what}, not the worker's file.", returncode=1
+                )
+            if os.geteuid() not in (0, found.st_uid):
+                raise CommandError(
+                    f"Unhealthy: {path} belongs to another user, not to the worker's.",
+                    returncode=1,
+                )
+            age = time.time() - found.st_mtime
             body = json.loads(path.read_text())
         except FileNotFoundError:
             raise CommandError(
