@@ -122,14 +122,14 @@ def _item_maker() -> Callable[[dict[str, Any]], WorkItem]:
 
 
 def _build(
-    cls: type[WorkItemHandler], payload: Any, options: EnqueueOptions
+    cls: type[WorkItemHandler], payload: Any, options: EnqueueOptions, db: str
 ) -> tuple[WorkItem, str, dict[str, Any]]:
     """A validated, unsaved item, its payload as JSON text, and its values but the payload.
 
     ``enqueue_many`` builds the other items of a batch from those values
     (``_sibling``): the options every item shares are validated once.
     """
-    encoded = encode_payload(payload)
+    encoded = encode_payload(payload, max_depth=operations(db).max_json_depth)
     values = {"handler": cls.name, **options.columns(cls)}
     item = _item_maker()({**values, "payload": payload})
     value = options.run_after_value()
@@ -233,8 +233,8 @@ def insert_one(
 ) -> tuple[WorkItem, bool]:
     """``insert`` with its options in one object: what the layers above pass on."""
     cls = _handler_class(handler)
-    item, payload_json, _ = _build(cls, payload, options)
     db = work_db_for_write(options.using)
+    item, payload_json, _ = _build(cls, payload, options, db)
     parents = dependencies.parent_ids(options.after, db)
     if parents and options.unique_key is not None:
         raise EnqueueError(
@@ -421,6 +421,8 @@ def insert_many(
     if isinstance(payloads, (str, bytes, dict)):
         raise EnqueueError("enqueue_many takes an iterable of payloads, not a single payload.")
     cls = _handler_class(handler)
+    db = work_db_for_write(options.using)
+    depth = operations(db).max_json_depth
     items: list[WorkItem] = []
     encoded: list[str | None] = []
     make = _item_maker()
@@ -428,10 +430,10 @@ def insert_many(
     for index, payload in enumerate(payloads):
         try:
             if items:
-                payload_json = encode_payload(payload)
+                payload_json = encode_payload(payload, max_depth=depth)
                 item = _sibling(make, values, payload, options)
             else:
-                item, payload_json, values = _build(cls, payload, options)
+                item, payload_json, values = _build(cls, payload, options, db)
         except EnqueueError as exc:
             raise EnqueueError(f"Payload #{index}: {exc}") from None
         items.append(item)
@@ -439,7 +441,6 @@ def insert_many(
     if not items:
         return []
     run_after = options.run_after
-    db = work_db_for_write(options.using)
     warn_if_outside_transaction(db)
     batch_id = current_batch_id(db)
     if batch_id is not None:

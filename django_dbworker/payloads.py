@@ -108,8 +108,12 @@ def _key_kind(key: Any) -> str:
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
-def encode_payload(payload: Any) -> str:
-    """The payload as JSON text; raises EnqueueError if it cannot arrive as it was sent."""
+def encode_payload(payload: Any, *, max_depth: int | None = None) -> str:
+    """The payload as JSON text; raises EnqueueError if it cannot arrive as it was sent.
+
+    ``max_depth``: the nesting the database stores at most (MariaDB: 32 levels; its JSON
+    CHECK constraint refuses deeper documents with an IntegrityError that says nothing of
+    why), None for no limit."""
     try:
         encoded = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -140,6 +144,14 @@ def encode_payload(payload: Any) -> str:
                 f"JSON object keys are strings, so it would arrive as {_as_json_key(key)!r}. "
                 "Use string keys."
             )
+    # Only a text with that many brackets can nest that deep: one count for the others.
+    if max_depth is not None and encoded.count("[") + encoded.count("{") > max_depth:
+        depth = _depth(payload)
+        if depth > max_depth:
+            raise EnqueueError(
+                f"Payload nests {depth} levels of lists and dicts; this database stores JSON "
+                f"nested at most {max_depth} levels deep."
+            )
     limit = int(dbworker_settings.MAX_PAYLOAD_BYTES)
     # json.dumps escapes every non-ASCII character: one character, one byte.
     size = len(encoded)
@@ -148,3 +160,12 @@ def encode_payload(payload: Any) -> str:
             f"Payload is {size} bytes of JSON, more than MAX_PAYLOAD_BYTES ({limit})."
         )
     return encoded
+
+
+def _depth(value: Any) -> int:
+    """Levels of JSON arrays and objects in ``value`` (0 for a scalar)."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, (list, tuple)):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0

@@ -118,6 +118,12 @@ class VendorOperations(ABC):
     #: 2% of a "N/s" limit's throughput and nothing measurable of "N/m" or "N/h".
     rate_allowance: ClassVar[float] = 0.02
 
+    @property
+    def max_json_depth(self) -> int | None:
+        """The deepest nesting of JSON arrays and objects the database stores (None: no
+        limit worth checking before the write)."""
+        return None
+
     def __init__(self, using: str) -> None:
         missing = [name for name in CAPABILITIES if not hasattr(type(self), name)]
         if missing:

@@ -120,6 +120,15 @@ class MySQLOperations(VendorOperations):
         if problem:
             raise UnsupportedDatabase(problem)
 
+    @property
+    def max_json_depth(self) -> int | None:
+        """MariaDB's JSON_VALID (its JSONField CHECK constraint) refuses documents of 32
+        levels or more (``json_valid(repeat('[', 32) ...)`` is 0 on 10.11); MySQL 8 stores
+        up to 100."""
+        connection: Any = self.connection
+        connection.ensure_connection()
+        return 31 if connection.mysql_is_mariadb else 100
+
     def binlog_format(self) -> str | None:
         """The binary log's format, or None when the binary log is off."""
         ((log_bin, binlog_format),) = self._fetch(SERVER_SETTINGS.sql)

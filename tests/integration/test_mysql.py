@@ -481,3 +481,28 @@ def test_the_database_checks_pass_on_this_server() -> None:
     assert check_mysql_server(databases=["default"]) == []
     # Not asked about any database: nothing is checked, nothing connects.
     assert check_mysql_server(databases=None) == []
+
+
+def test_a_payload_nested_deeper_than_the_database_stores_is_an_enqueue_error() -> None:
+    """MariaDB stores JSON nested at most 31 levels (MySQL 100): a deeper payload is refused
+    with a message that names the limit, and nothing is written."""
+    from django_dbworker.db import operations
+    from django_dbworker.errors import EnqueueError
+    from tests.testapp.workers import Noop
+
+    limit = operations().max_json_depth
+    assert limit in (31, 100)
+
+    def nested(levels: int) -> object:
+        value: object = "leaf"
+        for level in range(levels):
+            value = {"k": value} if level % 2 else [value]
+        return value
+
+    Noop.enqueue(nested(limit))
+    Noop.enqueue_many([nested(limit)])
+    with pytest.raises(EnqueueError, match=f"nested at most {limit} levels"):
+        Noop.enqueue(nested(limit + 1))
+    with pytest.raises(EnqueueError, match=f"Payload #1: .*nested at most {limit} levels"):
+        Noop.enqueue_many([{}, nested(limit + 1)])
+    assert WorkItem.objects.count() == 2
