@@ -171,6 +171,7 @@ class VendorOperations(ABC):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
     ) -> Claimed[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
 
@@ -183,8 +184,9 @@ class VendorOperations(ABC):
         worker are skipped, never waited for and never returned twice.
 
         ``limits`` (handler -> its current ``concurrency_limit``): the keyed
-        claim, keys held to these limits, not to the rows' stored ones; rows it
-        leaves for their keys are counted in ``throttled``. A rate-limited
+        claim, keys held to these limits, not to the rows' stored ones, and at
+        most ``keyed_cap`` rows of limited keys taken (None: no cap); rows it
+        leaves for their keys or the cap are counted in ``throttled``. A rate-limited
         handler's claim is this one, inside ``flow.rates.claim_rated``'s lock.
         """
 

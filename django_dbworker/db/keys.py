@@ -36,26 +36,45 @@ def current_limits(candidates: Sequence[Candidate], limits: Mapping[str, int]) -
 
 
 def within_limits(
-    candidates: Sequence[Candidate], held: dict[tuple[str, str], int]
+    candidates: Sequence[Candidate],
+    held: dict[tuple[str, str], int],
+    keyed_cap: int | None = None,
 ) -> tuple[list[int], int]:
     """The ids to claim of ``candidates`` (in claim order), and how many are held back.
 
     ``held``: claimed rows per (handler, key), counted under the keys' locks.
     A candidate without a limit is taken; one with a limit (its handler's
-    current one) while its key holds fewer rows, counting those taken before.
+    current one) while its key holds fewer rows, counting those taken before,
+    and while fewer than ``keyed_cap`` such rows were taken (None: no cap).
     """
     taken: dict[tuple[str, str], int] = {}
     ids: list[int] = []
-    throttled = 0
+    throttled = keyed = 0
     for pk, handler, key, limit in candidates:
         if key is None or limit is None:
             ids.append(pk)
             continue
         slot = (handler, key)
         used = held.get(slot, 0) + taken.get(slot, 0)
-        if used < limit:
+        if used < limit and (keyed_cap is None or keyed < keyed_cap):
             taken[slot] = taken.get(slot, 0) + 1
+            keyed += 1
             ids.append(pk)
         else:
             throttled += 1
     return ids, throttled
+
+
+def capped(candidates: Sequence[Candidate], keyed_cap: int | None) -> list[Candidate]:
+    """``candidates`` without the keyed ones past the first ``keyed_cap`` (None: all)."""
+    if keyed_cap is None:
+        return list(candidates)
+    kept: list[Candidate] = []
+    keyed = 0
+    for candidate in candidates:
+        if candidate[2] is not None and candidate[3] is not None:
+            if keyed >= keyed_cap:
+                continue
+            keyed += 1
+        kept.append(candidate)
+    return kept

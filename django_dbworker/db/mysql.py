@@ -191,6 +191,7 @@ class MySQLOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
     ) -> Claimed[WorkItem]:
         queues = list(queues or ())
         params: dict[str, Any] = {"limit": limit, **numbered_params("handler", handlers)}
@@ -199,7 +200,7 @@ class MySQLOperations(VendorOperations):
         else:
             params.update(numbered_params("queue", queues))
         if limits:
-            return self._claim_keyed(params, worker, len(handlers), len(queues), limits)
+            return self._claim_keyed(params, worker, len(handlers), len(queues), limits, keyed_cap)
         select = claim_select_sql(len(handlers), len(queues))
 
         def attempt() -> list[tuple[Any, ...]]:
@@ -226,6 +227,7 @@ class MySQLOperations(VendorOperations):
         handlers: int,
         queues: int,
         limits: Mapping[str, int],
+        keyed_cap: int | None,
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys (``mysql_sql``, "the keyed claim")."""
         select = claim_candidates_sql(handlers, queues, len(limits))
@@ -248,7 +250,7 @@ class MySQLOperations(VendorOperations):
                     held = {(h, k): int(n) for h, k, n in cursor.fetchall()}
                     # A pair the count did not name back is full, never free.
                     held.update({s: limits[s[0]] for s in slots if s not in held})
-                ids, throttled = within_limits(candidates, held)
+                ids, throttled = within_limits(candidates, held, keyed_cap)
                 if not ids:
                     return [], throttled
                 return self._claim_ids(cursor, sorted(ids), worker), throttled

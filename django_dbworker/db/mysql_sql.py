@@ -151,6 +151,23 @@ _KEY_FILTER = """
            GROUP BY h.handler, h.concurrency_key
            HAVING count(*) >= min(CASE h.handler {limits} END)))"""
 
+
+# A worker of some queues leaves a limited key's row while a better row of the key (in claim
+# order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
+# whichever worker serves it (a key split across queues of different workers starved one of
+# them). Rows of paused queues do not count. Not locking: a plain read inside the locking one.
+def _best_of_its_key(served: str) -> str:
+    return f"""
+  AND (p.concurrency_key IS NULL OR p.handler NOT IN ({{limited}}) OR NOT EXISTS (
+      SELECT 1 FROM django_dbworker_workitem AS b
+      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+        AND b.handler = p.handler AND {served}
+        AND b.run_after <= UTC_TIMESTAMP(6)
+        AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+        AND (b.priority > p.priority OR (b.priority = p.priority
+             AND (b.run_after, b.id) < (p.run_after, p.id)))))"""
+
+
 CLAIM_CANDIDATES = Statement(
     "claim_candidates",
     "Lock the next ready rows of some handlers, in any queue, skipping keys at their limit.",
@@ -177,7 +194,9 @@ WHERE p.queue = %(queue)s
   AND p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN ({{handlers}})
-  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}{
+        _best_of_its_key("b.queue <> %(queue)s")
+    }
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
@@ -194,7 +213,9 @@ WHERE p.status = 'pending'
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN ({{handlers}})
   AND p.queue IN ({{queues}})
-  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}
+  AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}{
+        _best_of_its_key("b.queue NOT IN ({queues})")
+    }
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED

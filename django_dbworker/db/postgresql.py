@@ -29,7 +29,7 @@ from django.db.models import QuerySet
 from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, VendorOperations, as_uuid
-from django_dbworker.db.keys import current_limits
+from django_dbworker.db.keys import capped, current_limits
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
     HEADS_PLAN,
@@ -114,10 +114,16 @@ class PostgresOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
     ) -> Claimed[WorkItem]:
         if limits:
             return self._claim_keyed(
-                limit=limit, handlers=handlers, queues=queues, worker=worker, limits=limits
+                limit=limit,
+                handlers=handlers,
+                queues=queues,
+                worker=worker,
+                limits=limits,
+                keyed_cap=keyed_cap,
             )
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
         connection = self.connection
@@ -135,6 +141,7 @@ class PostgresOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int],
+        keyed_cap: int | None,
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys: the heads of free keys, or the walk."""
         connection = self.connection
@@ -159,7 +166,10 @@ class PostgresOperations(VendorOperations):
                 return Claimed()
             # Each row carries how many rows the statement locked (some held back by keys).
             locked = found[0][-1]
-            chosen = current_limits([row[:-1] for row in found], limits)
+            # Past the cap: left pending, locked until this claim commits (``throttled``).
+            chosen = capped(current_limits([row[:-1] for row in found], limits), keyed_cap)
+            if not chosen:
+                return Claimed(throttled=locked)
             columns = list(zip(*chosen, strict=True))
             rows = self._fetch_bound(
                 CLAIM_WITHIN_LIMITS.sql,

@@ -90,6 +90,23 @@ WHERE (SELECT count(*) FROM locks) >= 0
 ORDER BY r.priority DESC, r.run_after, r.id"""
 
 
+# A worker of some queues leaves a limited key's row while a better row of the key (in claim
+# order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
+# whichever worker serves it (a key split across queues of different workers starved one of
+# them). Rows of paused queues do not count. One probe of dbworker_key_pending_idx per
+# keyed candidate, in the walks of a worker of some queues only.
+def _best_of_its_key(served: str) -> str:
+    return f"""
+      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
+          SELECT 1 FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
+            AND {served}
+            AND b.run_after <= statement_timestamp()
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))"""
+
+
 def _candidates(queue_filter: str) -> str:
     return _CANDIDATES_HEAD + queue_filter + _KEY_FILTER + _CANDIDATES_TAIL + "\n"
 
@@ -102,12 +119,15 @@ CLAIM_CANDIDATES = Statement(
 CLAIM_CANDIDATES_IN_QUEUE = Statement(
     "claim_candidates_in_queue",
     "Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.",
-    _candidates("\n      AND p.queue = %(queue)s"),
+    _candidates("\n      AND p.queue = %(queue)s" + _best_of_its_key("b.queue <> %(queue)s")),
 )
 CLAIM_CANDIDATES_IN_QUEUES = Statement(
     "claim_candidates_in_queues",
     "Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.",
-    _candidates("\n      AND p.queue = ANY(%(queues)s::text[])"),
+    _candidates(
+        "\n      AND p.queue = ANY(%(queues)s::text[])"
+        + _best_of_its_key("b.queue <> ALL(%(queues)s::text[])")
+    ),
 )
 
 READ_COMMITTED = Statement(
@@ -212,7 +232,9 @@ WALK_FOR = 10.0
 
 # A key's free slots (its limit less its claimed rows, ``held``) offer its first ready rows,
 # found in dbworker_key_pending_idx; those heads are locked in claim order (SKIP LOCKED below
-# the LIMIT), then the keys' advisory locks are taken (``_LOCK_HEADS``).
+# the LIMIT), then the keys' advisory locks are taken (``_LOCK_HEADS``). A key's heads are
+# its first rows of every queue that is not paused: a worker of some queues takes those in
+# its queues, and leaves a key whose best row is in another queue to that queue's workers.
 _HEADS_OF_KEYS = """
 ), heads AS (
     SELECT hd.id
@@ -222,15 +244,15 @@ _HEADS_OF_KEYS = """
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id FROM django_dbworker_workitem AS p
+        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
-          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){queues}
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
         ORDER BY p.priority DESC, p.run_after, p.id
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
-    WHERE NOT (SELECT over FROM walked)
+    WHERE NOT (SELECT over FROM walked){heads_queues}
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -320,12 +342,14 @@ HEADS_PLAN = Statement(
 CLAIM_HEADS = Statement(
     "claim_heads",
     "Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.",
-    _HEADS.replace("{queues}", ""),
+    _HEADS.replace("{queues}", "").replace("{heads_queues}", ""),
 )
 CLAIM_HEADS_IN_QUEUES = Statement(
     "claim_heads_in_queues",
     "Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.",
-    _HEADS.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])"),
+    _HEADS.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])").replace(
+        "{heads_queues}", "\n      AND hd.queue = ANY(%(queues)s::text[])"
+    ),
 )
 
 

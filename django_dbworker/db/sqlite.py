@@ -111,7 +111,8 @@ RETURNING id, handler, queue, payload, priority, run_after, attempts,
 # from the claimed keyed rows of dbworker_key_slots_idx, so rows behind a
 # key at its limit are claimed); among the candidates, a
 # key's rows are ranked in claim order and only those that fit the slots
-# left are claimed, the rest stay pending untouched.
+# left are claimed, the rest stay pending untouched, and at most keyed_cap rows of limited
+# keys are claimed (nth: the fitting ones, counted in claim order).
 CLAIM_KEYED = Statement(
     "claim_keyed",
     "Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.",
@@ -126,7 +127,12 @@ SET status = 'claimed',
     claim_token = lower(hex(randomblob(16)))
 WHERE id IN (
     SELECT r.id FROM (
-        SELECT c.id,
+    SELECT q.*,
+           sum(CASE WHEN q.concurrency_limit IS NOT NULL AND q.held + q.n <= q.concurrency_limit
+                    THEN 1 ELSE 0 END)
+           OVER (ORDER BY q.priority DESC, q.run_after, q.id ROWS UNBOUNDED PRECEDING) AS nth
+    FROM (
+        SELECT c.id, c.priority, c.run_after,
                CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler {limits} END END
                AS concurrency_limit,
                row_number() OVER (
@@ -155,8 +161,10 @@ WHERE id IN (
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c
+    ) AS q
     ) AS r
-    WHERE r.concurrency_limit IS NULL OR r.held + r.n <= r.concurrency_limit
+    WHERE r.concurrency_limit IS NULL
+       OR (r.held + r.n <= r.concurrency_limit AND r.nth <= %(keyed_cap)s)
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
@@ -164,6 +172,21 @@ RETURNING id, handler, queue, payload, priority, run_after, attempts,
           concurrency_key
 """,
 )
+
+# A worker of some queues leaves a limited key's row while a better row of the key (in claim
+# order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
+# whichever worker serves it (a key split across queues of different workers starved one of
+# them). Rows of paused queues do not count. A part of CLAIM_KEYED's candidates, for a worker
+# of some queues ({served}: the better row is in another queue).
+_BEST_OF_ITS_KEY = """
+              AND (concurrency_key IS NULL OR handler NOT IN ({limited}) OR NOT EXISTS (
+                  SELECT 1 FROM django_dbworker_workitem AS b
+                  WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+                    AND b.handler = p.handler AND {served}
+                    AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                    AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+                    AND (b.priority > p.priority OR (b.priority = p.priority
+                         AND (b.run_after, b.id) < (p.run_after, p.id)))))"""
 
 # The separate "id IN (...)" pins the plan to primary-key lookups, whatever
 # the planner thinks of the join with the VALUES rows.
@@ -248,7 +271,12 @@ def claim_keyed_sql(handlers: int, queues: int, limited: int) -> str:
 
     ``limited``: how many handlers declare a limit now (``limited_<i>`` -> ``limit_<i>``).
     """
-    in_queues = f"\n              AND queue IN ({numbered('queue', queues)})" if queues else ""
+    in_queues = ""
+    if queues:
+        names = numbered("queue", queues)
+        in_queues = f"\n              AND queue IN ({names})" + _BEST_OF_ITS_KEY.format(
+            limited=numbered("limited", limited), served=f"b.queue NOT IN ({names})"
+        )
     return CLAIM_KEYED.render(
         handlers=numbered("handler", handlers),
         queues=in_queues,
@@ -303,6 +331,7 @@ class SQLiteOperations(VendorOperations):
         queues: Sequence[str] | None,
         worker: str,
         limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
     ) -> Claimed[WorkItem]:
         queues = queues or ()
         params = {
@@ -312,6 +341,7 @@ class SQLiteOperations(VendorOperations):
             **numbered_params("queue", queues),
         }
         if limits:
+            params["keyed_cap"] = limit if keyed_cap is None else keyed_cap
             params.update(numbered_params("limited", list(limits)))
             params.update(numbered_params("limit", list(limits.values())))
             sql = claim_keyed_sql(len(handlers), len(queues), len(limits))

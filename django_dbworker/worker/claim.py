@@ -10,8 +10,8 @@ sleeps; which rows, and by which statement, is decided here:
    other handlers.
 2. Then the other handlers in one claim: plain, or keyed where some of them declare a
    ``concurrency_limit`` (the statement counts the keys' slots; rows held back by their
-   keys are ``throttled``, not an empty queue). A keyed claim takes a few rows per thread
-   at most (``KEYED_IN_FLIGHT``): a buffered row of a key holds the key's slot.
+   keys are ``throttled``, not an empty queue). It takes a few rows of limited keys per
+   thread at most (``KEYED_IN_FLIGHT``): a buffered row of a key holds the key's slot.
 
 All go through ``VendorOperations.claim``, one call per claim statement, the same on
 every database (a rate-limited handler's inside its window's lock, ``flow/rates.py``).
@@ -97,45 +97,54 @@ class ClaimRoute:
     def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
         """Claim up to ``limit`` rows and ``dispatch`` each statement's rows as soon as it
         returns them, so that an error in a later statement leaves no claimed row without
-        an owner. Rate-limited rows only for the ``free`` threads; a keyed claim only while
-        this process holds fewer than ``KEYED_IN_FLIGHT`` rows per thread of limited
-        handlers (``limited_in_flight``: buffered, running or being written)."""
+        an owner. Rate-limited rows only for the ``free`` threads; rows of limited keys
+        while this process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them
+        (``limited_in_flight``: buffered, running or being written)."""
         handlers = self.handlers()
         rates = self.rates(handlers)
         rated = self._claim_rated(rates, min(limit, free), handlers, dispatch)
         left = limit - rated
         others = [name for name in handlers if name not in rates]
         limits = concurrency_limits(handlers, others)
-        asked = left
+        keyed_cap = None
         if limits:
             # A buffered row of a limited key holds the key's slot until it starts: a
             # buffer sized for the job length (PREFETCH_HORIZON) took every key into one
             # process while the others' threads idled. A few rows per thread keep the
-            # threads busy while the claims of the keys' next rows are under way. The
-            # claim stays one statement over every handler, in claim order (a limited
-            # handler's claim apart from the others' took its rows ahead of better ones).
-            # Threads with nothing to start are claimed for whatever is held.
+            # threads busy while the claims of the keys' next rows are under way; threads
+            # with nothing to start are claimed for whatever is held. Unkeyed rows are
+            # prefetched as usual: the claim stays one statement, in claim order.
             room = KEYED_IN_FLIGHT * self.config.concurrency - limited_in_flight
-            asked = min(left, max(room, free))
-        items = self._claim(others, asked, limits) if others and asked > 0 else Claimed()
+            keyed_cap = max(room, free, 0)
+        items = self._claim(others, left, limits, keyed_cap) if others and left > 0 else Claimed()
         dispatch(items)
+        keyed = sum(1 for item in items if item.concurrency_key is not None)
         return Claim(
             taken=rated + len(items),
             # Rows held back for their keys were there: a batch cut short by them is not
-            # an empty queue (the next claim skips those keys). Cut to the room: a claim
-            # now would find nothing more either.
-            dry=not others or asked < left or len(items) + items.throttled < asked,
-            keyed=bool(limits),
+            # an empty queue (the next claim skips those keys). Cut to the keyed cap: a
+            # claim now would find no more keyed rows either.
+            dry=(
+                not others
+                or len(items) + items.throttled < left
+                or (keyed_cap is not None and keyed >= keyed_cap)
+            ),
+            # Only limited handlers: an empty keyed claim costs as much as a full one, so
+            # the loop claims again when a key is freed, not when its buffer runs low.
+            keyed=bool(limits) and len(limits) == len(others),
             rated=bool(rates),
         )
 
-    def _claim(self, handlers: list[str], limit: int, limits: dict[str, int]) -> Claimed[WorkItem]:
+    def _claim(
+        self, handlers: list[str], limit: int, limits: dict[str, int], keyed_cap: int | None
+    ) -> Claimed[WorkItem]:
         items = self.ops.claim(
             limit=limit,
             handlers=handlers,
             queues=self.config.queues,
             worker=worker_id(),
             limits=limits or None,
+            keyed_cap=keyed_cap,
         )
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", items.throttled)
         return items

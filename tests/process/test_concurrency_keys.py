@@ -9,9 +9,11 @@ in time order exactly when no two of its runs overlapped
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
@@ -115,3 +117,73 @@ def test_burst_workers_leave_no_keyed_item_behind(start_worker) -> None:
         assert worker.wait(timeout=120) == 0, worker.log()
     assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == keys * per_key
     assert_no_key_overlaps()
+
+
+def _urgent_row_of_a_busy_key(start_worker, *, feed: bool) -> tuple[bool, int]:
+    """A key's rows in queue ``low`` (run by one worker), then a priority-100 row of the
+    same key in queue ``high`` (run by another, idle): whether it started within 15 s, and
+    how many ``low`` rows of the key started before it. ``feed``: ``low`` is fed as fast as
+    it runs (a customer's steady stream of bulk work)."""
+    with transaction.atomic():
+        for i in range(20 if feed else 300):
+            Keyed.enqueue({"key": f"low-{i}", "seconds": 0.03}, concurrency_key="k0", queue="low")
+    low = start_worker("keyed", "--queue", "low", "--concurrency", "4")
+    high = start_worker("keyed", "--queue", "high", "--concurrency", "4")
+    for worker in (low, high):
+        worker.wait_for_log("Starting worker", timeout=60)
+    stop = threading.Event()
+
+    def feeding() -> None:
+        n = 20
+        try:
+            while not stop.is_set():
+                Keyed.enqueue(
+                    {"key": f"low-{n}", "seconds": 0.03}, concurrency_key="k0", queue="low"
+                )
+                n += 1
+                time.sleep(0.03)
+        finally:
+            connection.close()
+
+    feeder = threading.Thread(target=feeding)
+    if feed:
+        feeder.start()
+    try:
+        wait_until(
+            lambda: Execution.objects.filter(kind="start", key__startswith="low-").count() >= 10,
+            timeout=60,
+            what="the low worker to run rows of k0",
+        )
+        mark = Execution.objects.order_by("-pk").values_list("pk", flat=True).first()
+        Keyed.enqueue(
+            {"key": "high", "seconds": 0.0}, concurrency_key="k0", queue="high", priority=100
+        )
+        started = None
+        deadline = time.monotonic() + 15
+        while started is None and time.monotonic() < deadline:
+            started = Execution.objects.filter(kind="start", key="high").first()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        if feed:
+            feeder.join(30)
+    before = Execution.objects.filter(kind="start", key__startswith="low-", pk__gt=mark)
+    if started is not None:
+        before = before.filter(pk__lt=started.pk)
+    for worker in (low, high):
+        worker.signal(signal.SIGTERM)
+    for worker in (low, high):
+        assert worker.wait(timeout=60) == 0, worker.log()
+    return started is not None, before.count()
+
+
+@pytest.mark.parametrize("feed", [False, True], ids=["backlog", "steady-stream"])
+def test_a_keys_rows_start_in_claim_order_across_queues_of_different_workers(
+    start_worker, feed: bool
+) -> None:
+    """A key's slot goes to its best ready row, whichever queue it is in: the worker of the
+    other queue leaves the key free for it (it claims at its next poll, 0.2 s in the tests),
+    so a priority-100 row waits for the running row and a poll, not for the backlog."""
+    started, low_before = _urgent_row_of_a_busy_key(start_worker, feed=feed)
+    assert started, f"the priority-100 row of k0 waited 15 s behind {low_before} low rows of k0"
+    assert low_before < 20, low_before

@@ -332,6 +332,14 @@ WITH c AS (
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
       AND p.queue = %(queue)s
+      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
+          SELECT 1 FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
+            AND b.queue <> %(queue)s
+            AND b.run_after <= statement_timestamp()
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -380,6 +388,14 @@ WITH c AS (
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
       AND p.queue = ANY(%(queues)s::text[])
+      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
+          SELECT 1 FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
+            AND b.queue <> ALL(%(queues)s::text[])
+            AND b.run_after <= statement_timestamp()
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -523,7 +539,7 @@ WITH RECURSIVE unkeyed AS (
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id FROM django_dbworker_workitem AS p
+        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
@@ -609,16 +625,16 @@ WITH RECURSIVE unkeyed AS (
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id FROM django_dbworker_workitem AS p
+        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND p.queue = ANY(%(queues)s::text[])
         ORDER BY p.priority DESC, p.run_after, p.id
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
+      AND hd.queue = ANY(%(queues)s::text[])
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p

@@ -64,7 +64,12 @@ SET status = 'claimed',
     claim_token = lower(hex(randomblob(16)))
 WHERE id IN (
     SELECT r.id FROM (
-        SELECT c.id,
+    SELECT q.*,
+           sum(CASE WHEN q.concurrency_limit IS NOT NULL AND q.held + q.n <= q.concurrency_limit
+                    THEN 1 ELSE 0 END)
+           OVER (ORDER BY q.priority DESC, q.run_after, q.id ROWS UNBOUNDED PRECEDING) AS nth
+    FROM (
+        SELECT c.id, c.priority, c.run_after,
                CASE WHEN c.concurrency_key IS NOT NULL THEN CASE c.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END END
                AS concurrency_limit,
                row_number() OVER (
@@ -81,6 +86,14 @@ WHERE id IN (
               AND run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
               AND handler IN (%(handler_0)s, %(handler_1)s)
               AND queue IN (%(queue_0)s, %(queue_1)s)
+              AND (concurrency_key IS NULL OR handler NOT IN (%(limited_0)s, %(limited_1)s) OR NOT EXISTS (
+                  SELECT 1 FROM django_dbworker_workitem AS b
+                  WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+                    AND b.handler = p.handler AND b.queue NOT IN (%(queue_0)s, %(queue_1)s)
+                    AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                    AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+                    AND (b.priority > p.priority OR (b.priority = p.priority
+                         AND (b.run_after, b.id) < (p.run_after, p.id)))))
               AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               AND (concurrency_key IS NULL
                    OR handler NOT IN (%(limited_0)s, %(limited_1)s)
@@ -94,8 +107,10 @@ WHERE id IN (
             ORDER BY priority DESC, run_after, id
             LIMIT %(limit)s
         ) AS c
+    ) AS q
     ) AS r
-    WHERE r.concurrency_limit IS NULL OR r.held + r.n <= r.concurrency_limit
+    WHERE r.concurrency_limit IS NULL
+       OR (r.held + r.n <= r.concurrency_limit AND r.nth <= %(keyed_cap)s)
 )
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
