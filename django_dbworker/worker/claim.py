@@ -236,6 +236,18 @@ class ClaimRoute:
         back buffered rows of these (claimed before the pause)."""
         return self._paused.poll()
 
+    def outranked(self, priority: int) -> bool:
+        """Whether a ready row of these handlers, of a priority above ``priority``, waits in
+        a queue this worker claims from (rows of limited keys aside: their keys decide)."""
+        handlers = self.handlers()
+        rows = WorkItem.objects.using(self.config.using).ready()
+        rows = rows.filter(handler__in=list(handlers), priority__gt=priority)
+        if self.config.queues:
+            rows = rows.filter(queue__in=self.config.queues)
+        rows = rows.exclude(concurrency_key__isnull=False, handler__in=self.limited())
+        paused = QueueState.objects.using(self.config.using).filter(paused=True).values("name")
+        return rows.exclude(queue__in=paused).exists()
+
     def finished(self) -> bool:
         """Whether a burst worker whose claim found nothing, with nothing in flight, may
         leave: no rate window frees up soon and no ready row waits for a key's slot."""

@@ -28,6 +28,7 @@ from django_dbworker.worker.config import (
     MAX_CLAIM,
     SHED_AFTER_HORIZONS,
     UNRECORDED_EXTRA,
+    URGENT_PEEK,
     WorkerConfig,
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
@@ -62,6 +63,7 @@ class ClaimLoop:
         run_next: Callable[[], None],
         healthy: Callable[[], bool],
         raise_errors: bool,
+        priorities_arrive: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config
         self.control = control
@@ -81,6 +83,9 @@ class ClaimLoop:
         self.healthy = healthy
         #: Inline, a claim error is the caller's (its connection, its transaction).
         self.raise_errors = raise_errors
+        #: Whether wake-ups say the priority of what was enqueued (a LISTEN that NOTIFY
+        #: reaches); if not, a worker with a buffer looks for outranking rows itself.
+        self.priorities_arrive = priorities_arrive
         #: Rows claimed so far, and by how many claim statements that found rows.
         self.claimed = 0
         self.claims = 0
@@ -359,6 +364,29 @@ class ClaimLoop:
         start = self.ledger.youngest_start()
         return self.clock.now() - start if start is not None else 0.0
 
+    def _peeks(self) -> bool:
+        """Whether to look for outranking rows now: something is buffered, and wake-ups do
+        not say their priority (no LISTEN, or one that NOTIFY does not reach)."""
+        return self.ledger.buffered() > 0 and not self.priorities_arrive()
+
+    def _peek(self) -> None:
+        """A ready row outranks the buffer: claim it now (``announce``), ahead of the buffer.
+
+        Where wake-ups carry priorities an urgent enqueue says so itself; elsewhere the
+        worker would learn of it only at its next refill, a PREFETCH_HORIZON of buffered
+        work later. One indexed read, no lock; a failure waits for the claim's own report.
+        """
+        lowest = self.ledger.lowest_buffered_priority()
+        if lowest is None:
+            return
+        try:
+            outranked = self.route.outranked(lowest)
+        except Exception as exc:
+            logger.debug("Could not look for outranking rows: %s", exc)
+            return
+        if outranked:
+            self.announce(None)
+
     def maybe_wake(self) -> None:
         """Wake the loop if the buffer is down to its refill mark.
 
@@ -425,5 +453,9 @@ class ClaimLoop:
                 control.idle.set()
             # A full rate window ends by itself: claim when it does.
             wait = min(self._poll.next(), self.route.next_window())
-            clock.wait(control.wake, wait)
+            peeking = self._peeks()
+            if peeking:
+                wait = min(wait, URGENT_PEEK)
+            if not clock.wait(control.wake, wait) and peeking:
+                self._peek()
             control.idle.clear()

@@ -18,6 +18,11 @@ from django_dbworker.routing import work_db_for_write
 UNRECORDED_EXTRA = 100
 #: Most rows one claim statement takes.
 MAX_CLAIM = 500
+#: Seconds between a buffering worker's looks for ready rows that outrank its buffer, where
+#: wake-ups do not say their priority (SQLite, MySQL/MariaDB, a pooler without
+#: WAKEUP_DATABASE): an urgent item waits for the running items and about this much
+#: buffered work, not for the whole buffer (PREFETCH_HORIZON).
+URGENT_PEEK = 0.05
 #: A buffered row that waited this many horizons (and at least a second)
 #: makes the worker reconsider what it holds.
 SHED_AFTER_HORIZONS = 2.0

@@ -3,9 +3,10 @@
 A worker busy with a backlog of low-priority items holds some of them
 claimed (its prefetch buffer). A higher-priority item enqueued meanwhile
 must start before every low-priority item claimed after it was enqueued,
-and, on the databases that poll, a buffer of low-priority rows is given
-back when a full claim shows that rows outranking them are pending. Order
-comes from the handlers' own start records; no timing is asserted.
+and soon: a wake-up that says its priority (PostgreSQL's LISTEN) or, where
+none does, the worker's own look for outranking rows (URGENT_PEEK) has it
+claimed ahead of the buffer. Order comes from the handlers' own start
+records; no timing is asserted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import signal
 import time
 
-from django.db import connection
+import pytest
 from django.db.models import Min
 
 from django_dbworker.models import Status, WorkItem
@@ -70,10 +71,34 @@ def test_urgent_items_start_before_bulk_claimed_after_them_and_outranked_rows_go
         k for k, at in starts.items() if k.startswith("bulk-") and first_claim < at < first_start
     ]
     assert len(overtaking) <= 1, f"the wave waited behind buffered bulk work: {overtaking}"
-    if connection.vendor != "postgresql":
-        # Polled: a full refill of outranking rows gave back the bulk rows
-        # the buffer held. (PostgreSQL's wake-up says the priority: the
-        # worker claims the wave ahead of its buffer instead.)
-        assert "of lower priority than 10: such rows are pending" in worker.log(), worker.log()[
-            -3000:
-        ]
+
+
+@pytest.mark.pgbouncer
+def test_an_urgent_item_waits_for_the_running_items_not_for_the_buffer(start_worker) -> None:
+    """Wherever the wake-up carries no priority (SQLite, MySQL/MariaDB, a pooler without a
+    wake-up database), the worker looks for outranking rows while it holds a buffer
+    (URGENT_PEEK): an urgent item starts after the running items and the few that start
+    within that look, not after the whole buffer (0.5 s of work, about 100 items here)."""
+    threads = 4
+    Sleep.enqueue_many([{"key": f"bulk-{n}", "seconds": 0.02} for n in range(3 * BULK)])
+    worker = start_worker("sleep", "--concurrency", str(threads))
+    wait_until(lambda: _started("bulk-") >= 50, timeout=30, what="a buffer to fill")
+    before = set(
+        Execution.objects.filter(kind="start", key__startswith="bulk-").values_list(
+            "key", flat=True
+        )
+    )
+    Sleep.enqueue({"key": "urgent", "seconds": 0.0}, priority=10)
+    wait_until(lambda: _started("urgent") == 1, timeout=30, what="the urgent item to start")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.log()
+    urgent_at = Execution.objects.get(kind="start", key="urgent").pk
+    overtaking = [
+        key
+        for key in Execution.objects.filter(
+            kind="start", key__startswith="bulk-", pk__lt=urgent_at
+        ).values_list("key", flat=True)
+        if key not in before
+    ]
+    # The running items' threads each take one more while the look and its claim run.
+    assert len(overtaking) <= 2 * threads, f"{len(overtaking)} bulk items started first"
