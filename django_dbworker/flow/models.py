@@ -62,17 +62,18 @@ class FlowLock(models.Model):
 
 
 class RateStart(models.Model):
-    """One row per start of a rate-limited handler within its latest window.
+    """The starts of a rate-limited handler within its latest window, a bucket a row.
 
-    The claim counts the rows of the last period (DB clock) under the
-    handler's ``FlowLock``, claims at most what is left, inserts one row
-    per start and deletes the rows older than the period: a sliding
-    window, exact in any window of one period, cluster-wide.
+    ``started_at`` is the bucket's start (a hundredth of the period wide) and ``count`` the
+    starts in it (``flow/rates.py``): a start counts the buckets of the last period (DB
+    clock) under the handler's ``FlowLock``, adds itself and deletes the buckets older than
+    the period: a sliding window, never exceeded in any window of one period, cluster-wide.
     """
 
     id = models.BigAutoField(primary_key=True)
     handler = models.CharField(max_length=200)
     started_at = models.DateTimeField(db_default=Now())
+    count = models.PositiveIntegerField(default=1, db_default=1)
 
     objects: models.Manager[RateStart] = models.Manager()
 

@@ -1,36 +1,39 @@
-"""Rate limits: the claim of a rate-limited handler, within its window, cluster-wide.
+"""Rate limits: a rate-limited handler's starts, counted cluster-wide as they happen.
 
-``claim_rated`` is the claim of a rate-limited handler (the claim route's,
-``worker/claim.py``): in one short
-transaction, lock the handler's ``FlowLock`` row ``rate:<handler>``, read
-the database clock, count the handler's ``RateStart`` rows of the last
-period, claim at most what is left (the vendor's own claim statement,
-restricted to the handler, passed in as ``claim``), write one
-``RateStart`` per row claimed and delete the handler's starts that left
-the window. Claimers of one handler decide one after the other, so two of
-them never both take the window's last start: the window is exact in any
-period, cluster-wide. Row locks only, released at commit: nothing holds a
-session, so PgBouncer's transaction mode keeps working.
+A rate limit promises that a handler starts at most N times in any window of its period,
+across every worker (SPEC "Flow control"). So the window counts starts, not claims: a
+worker claims a rate-limited handler's rows like any others, and just before a thread runs
+one it takes a start (``take_start``); a start the window does not allow is not taken, and
+the row goes back to pending without using an attempt (``worker/running.py``).
 
-The statements are the ORM's, the same on every vendor; the vendor's part
-is its claim (``VendorOperations.claim``), its transaction
-(``ending_transaction``: reads after the lock see the previous holder's
-commit, whatever the isolation level) and its ``rate_allowance``. Never runs
-handler code; holds the lock only for the claim.
+``take_start`` is one short transaction: lock the handler's ``FlowLock`` row
+``rate:<handler>``, read the database clock, count the window's starts, and add this one.
+Takers of one handler decide one after the other, at READ COMMITTED whatever the project's
+isolation (``ending_transaction``: each sees what the lock's previous holder committed), so
+two of them never both take the window's last start. Row locks only, released at commit:
+nothing holds a session, so PgBouncer's transaction mode keeps working.
+
+The starts are kept in buckets of a hundredth of the period (``RateStart`` rows with a
+count): a take reads at most about a hundred rows whatever the limit ("3600000/h" included),
+and a bucket counts whole, so the window counted is at most a bucket longer than the period
+(a limit loses at most 1% of its rate, never exceeds it). Starts dated after the database's
+"now" (its clock stepped back: an NTP step, a restored VM, a failover to a lagging replica)
+count as now: they leave the window a period later instead of when the clock catches up.
+The statements are the ORM's, the same on every vendor. Never runs handler code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
-from django.db.models import Count, Min
+from django.db.models import F, Min, Sum
 from django.db.models.functions import Now
 
 from django_dbworker.db import VendorOperations
-from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FlowLock, RateStart
-from django_dbworker.models import WorkItem
+
+#: Buckets a window is counted in: the cost of a take, and a limit's loss (one bucket).
+RATE_BUCKETS = 100
 
 
 def lock_flow(using: str, name: str) -> datetime:
@@ -53,88 +56,38 @@ def lock_flow(using: str, name: str) -> datetime:
     return now
 
 
-def claim_rated(
-    ops: VendorOperations,
-    *,
-    handler: str,
-    starts: int,
-    period: float,
-    limit: int,
-    queues: Sequence[str] | None,
-    worker: str,
-    limits: Mapping[str, int] | None = None,
-) -> Claimed[WorkItem]:
-    """Claim up to ``limit`` rows of ``handler``, allowed ``starts`` starts per ``period`` seconds.
+def take_start(ops: VendorOperations, *, handler: str, starts: int, period: float) -> float | None:
+    """Take one start of ``handler``'s window (``starts`` per ``period`` seconds) now.
 
-    The window counted is one period plus the vendor's ``rate_allowance``.
-    Rows beyond the limit stay pending and use no attempt (``held_back``).
-    ``full_for`` says when the window frees up, so that the worker can leave
-    the handler out of its claims until then (and claim other handlers' rows
-    meanwhile). ``limits``: the handler's concurrency limit, when it has one.
-    A deadlock or lock wait timeout (MySQL) runs the transaction again.
+    None when it was taken; else the seconds (by the database clock) until the window's
+    earliest start leaves it, and nothing was taken. A deadlock or lock wait timeout
+    (MySQL) runs the transaction again.
     """
-    return ops.retrying(
-        lambda: _claim_rated(
-            ops, handler, starts, period, limit, queues=queues, worker=worker, limits=limits
-        ),
-        "claiming",
-    )
+    return ops.retrying(lambda: _take_start(ops, handler, starts, period), "rate-limiting")
 
 
-def _claim_rated(
-    ops: VendorOperations,
-    handler: str,
-    starts: int,
-    period: float,
-    limit: int,
-    *,
-    queues: Sequence[str] | None,
-    worker: str,
-    limits: Mapping[str, int] | None,
-) -> Claimed[WorkItem]:
+def _take_start(ops: VendorOperations, handler: str, starts: int, period: float) -> float | None:
     using = ops.using
-    if limit <= 0:
-        return Claimed()
-    # Nothing of the handler ready: one indexed read, no transaction, no lock
-    # (idle processes took the FlowLock row at every poll, docs/scale.md). A
-    # superset of what the claim could take (any queue): a row enqueued after
-    # it is the next poll's or wake-up's, as after any claim that found none.
-    if not WorkItem.objects.using(using).ready().filter(handler=handler).exists():
-        return Claimed()
+    # The window as counted: the period, and the time from this take to the handler's start
+    # (the commit, the return to the thread: ``rate_allowance``).
     window = timedelta(seconds=period + ops.rate_allowance)
+    width = period / RATE_BUCKETS
     with ops.ending_transaction():
         now = lock_flow(using, f"rate:{handler}")
-        since = now - window
-        counted = (
-            RateStart.objects.using(using)
-            .filter(handler=handler, started_at__gt=since)
-            .aggregate(n=Count("id"), first=Min("started_at"))
-        )
-        used, first = int(counted["n"]), counted["first"]
-        room = max(0, starts - used)
-        items = (
-            ops.claim(
-                limit=min(limit, room),
-                handlers=[handler],
-                queues=queues,
-                worker=worker,
-                limits=limits,
-            )
-            if room
-            else Claimed[WorkItem]()
-        )
-        if items:
-            RateStart.objects.using(using).bulk_create(
-                [RateStart(handler=handler, started_at=now) for _ in items]
-            )
-        RateStart.objects.using(using).filter(handler=handler, started_at__lte=since).delete()
-    full_for = None
-    if used + len(items) >= starts:
-        leaves = (first if first is not None else now) + window
-        full_for = max(0.0, (leaves - now).total_seconds())
-    # Asked for more than the window allowed, and took all it allowed: rows
-    # were (probably) left pending by the limit.
-    capped = room < limit and len(items) == room
-    return Claimed(
-        items, items.throttled, held_back=limit - len(items) if capped else 0, full_for=full_for
-    )
+        epoch = now.timestamp()
+        bucket = datetime.fromtimestamp(epoch - epoch % width, UTC)
+        mine = RateStart.objects.using(using).filter(handler=handler)
+        # Starts dated ahead of the clock (it stepped back) count as this bucket's.
+        mine.filter(started_at__gt=bucket).update(started_at=bucket)
+        # A bucket counts whole: every bucket that may hold a start of the window.
+        since = now - window - timedelta(seconds=width)
+        mine.filter(started_at__lte=since).delete()
+        counted = mine.aggregate(used=Sum("count"), first=Min("started_at"))
+        used = int(counted["used"] or 0)
+        if used >= starts:
+            first = counted["first"] or bucket
+            leaves = first + timedelta(seconds=width) + window
+            return max(0.0, (leaves - now).total_seconds())
+        if not mine.filter(started_at=bucket).update(count=F("count") + 1):
+            RateStart.objects.using(using).create(handler=handler, started_at=bucket, count=1)
+    return None

@@ -324,6 +324,26 @@ class Ledger:
                 self._move(attempt, State.RELEASED)
         return found
 
+    def withdraw_of_handlers(self, handlers: Collection[str]) -> list[Attempt]:
+        """Withdraw every buffered attempt of one of ``handlers`` (a full rate window's)."""
+        with self._lock:
+            found = [
+                a
+                for a in self._attempts.values()
+                if a.state is State.BUFFERED and a.item.handler in handlers
+            ]
+            for attempt in found:
+                self._move(attempt, State.RELEASED)
+        return found
+
+    def unstart(self, attempt: Attempt) -> None:
+        """A taken attempt that may not start after all (its rate window is full): withdrawn
+        as if it had stayed buffered, to be released (or restored)."""
+        with self._lock:
+            if attempt.state is State.RUNNING:
+                self._move(attempt, State.RELEASED)
+                attempt.started_at = None
+
     def restore(self, attempts: Iterable[Attempt]) -> None:
         """Withdrawn attempts whose release failed: still ours, buffered again."""
         with self._lock:

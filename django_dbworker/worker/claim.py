@@ -1,30 +1,29 @@
-"""The one claim route: every ``pending -> claimed`` decision of a worker.
+"""The one claim route: every ``pending -> claimed`` decision of a worker, and the rate
+limits' say over a claimed row's start.
 
 The claim loop (``claim_loop.py``) asks for up to N rows, dispatches what comes back and
-sleeps; which rows, and by which statement, is decided here:
+sleeps; which rows, and by which statement, is decided here. The handlers go into one
+claim: plain, or keyed where some of them declare a ``concurrency_limit`` (the statement
+counts the keys' slots; rows held back by their keys are ``throttled``, not an empty
+queue). It takes a few rows of limited keys per thread at most (``KEYED_IN_FLIGHT``): a
+buffered row of a key holds the key's slot. A rate-limited handler whose window is full
+is left out of the claims until the window's earliest start leaves it, so its rows never
+hold back the rows of other handlers; its rows are otherwise claimed like any, and each
+takes its start in the window just before it runs (``start``, ``flow/rates.py``).
 
-1. Rate-limited handlers first, each in a claim of its own within its window, and only
-   for threads that are free now (a rate-limited row is not prefetched: its start was
-   counted at its claim). A handler whose window is full is left out until the database
-   says the window's earliest start leaves it, so its rows never hold back the rows of
-   other handlers.
-2. Then the other handlers in one claim: plain, or keyed where some of them declare a
-   ``concurrency_limit`` (the statement counts the keys' slots; rows held back by their
-   keys are ``throttled``, not an empty queue). It takes a few rows of limited keys per
-   thread at most (``KEYED_IN_FLIGHT``): a buffered row of a key holds the key's slot.
-
-All go through ``VendorOperations.claim``, one call per claim statement, the same on
-every database (a rate-limited handler's inside its window's lock, ``flow/rates.py``).
-Paused queues are skipped by the statements themselves; this module also says which
-buffered rows to give back because their queue was paused after their claim
-(``paused_since_claim``) and whether a burst worker may leave (``finished``). Runs on the
-claim loop's thread; holds no lock beyond a claim statement; never runs handler code.
+All claims go through ``VendorOperations.claim``, one call, the same on every database.
+Paused queues are skipped by the statement itself; this module also says which buffered
+rows to give back (``withheld``: their queue was paused, or their handler's window filled,
+after their claim) and whether a burst worker may leave (``finished``). Claims run on the
+claim loop's thread, ``start`` on the pool threads; it holds no lock beyond a statement
+and never runs handler code.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,10 +32,11 @@ from django_dbworker.db import VendorOperations
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import paused_queues
-from django_dbworker.flow.rates import claim_rated
+from django_dbworker.flow.rates import take_start
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
+from django_dbworker.worker.attempts import Attempt
 from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.identity import worker_id
 
@@ -86,8 +86,10 @@ class ClaimRoute:
         self.now = now
         #: The WorkItem handlers claimed for, by name (replaced, never changed in place).
         self.handlers = handlers
-        #: Rate-limited handlers whose window is full, until when (``now``'s clock).
+        #: Rate-limited handlers whose window is full, until when (``now``'s clock): set by
+        #: pool threads (``start``), read by the claim loop.
         self._held_until: dict[str, float] = {}
+        self._held_lock = threading.Lock()
         self._rates: dict[str, tuple[int, float]] = {}
         self._rates_of: Mapping[str, WorkItemHandler] | None = None
         self._paused = PausedQueues(
@@ -95,17 +97,13 @@ class ClaimRoute:
         )
 
     def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
-        """Claim up to ``limit`` rows and ``dispatch`` each statement's rows as soon as it
-        returns them, so that an error in a later statement leaves no claimed row without
-        an owner. Rate-limited rows only for the ``free`` threads; rows of limited keys
-        while this process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them
-        (``limited_in_flight``: buffered, running or being written)."""
+        """Claim up to ``limit`` rows and ``dispatch`` them. Rows of limited keys while this
+        process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them (``limited_in_
+        flight``: buffered, running or being written), or for the ``free`` threads."""
         handlers = self.handlers()
         rates = self.rates(handlers)
-        rated = self._claim_rated(rates, min(limit, free), handlers, dispatch)
-        left = limit - rated
-        others = [name for name in handlers if name not in rates]
-        limits = concurrency_limits(handlers, others)
+        names = [name for name in handlers if not (name in rates and self._held(name))]
+        limits = concurrency_limits(handlers, names)
         keyed_cap = None
         if limits:
             # A buffered row of a limited key holds the key's slot until it starts: a
@@ -116,22 +114,22 @@ class ClaimRoute:
             # prefetched as usual: the claim stays one statement, in claim order.
             room = KEYED_IN_FLIGHT * self.config.concurrency - limited_in_flight
             keyed_cap = max(room, free, 0)
-        items = self._claim(others, left, limits, keyed_cap) if others and left > 0 else Claimed()
+        items = self._claim(names, limit, limits, keyed_cap) if names else Claimed[WorkItem]()
         dispatch(items)
         keyed = sum(1 for item in items if item.concurrency_key is not None)
         return Claim(
-            taken=rated + len(items),
+            taken=len(items),
             # Rows held back for their keys were there: a batch cut short by them is not
             # an empty queue (the next claim skips those keys). Cut to the keyed cap: a
             # claim now would find no more keyed rows either.
             dry=(
-                not others
-                or len(items) + items.throttled < left
+                not names
+                or len(items) + items.throttled < limit
                 or (keyed_cap is not None and keyed >= keyed_cap)
             ),
             # Only limited handlers: an empty keyed claim costs as much as a full one, so
             # the loop claims again when a key is freed, not when its buffer runs low.
-            keyed=bool(limits) and len(limits) == len(others),
+            keyed=bool(limits) and len(limits) == len(names),
             rated=bool(rates),
         )
 
@@ -151,13 +149,9 @@ class ClaimRoute:
 
     def limited(self) -> frozenset[str]:
         """The handlers whose rows count against ``KEYED_IN_FLIGHT``: those with a
-        ``concurrency_limit`` that are not rate-limited."""
-        handlers = self.handlers()
-        rates = self.rates(handlers)
+        ``concurrency_limit``."""
         return frozenset(
-            name
-            for name, handler in handlers.items()
-            if handler.concurrency_limit is not None and name not in rates
+            name for name, handler in self.handlers().items() if handler.concurrency_limit
         )
 
     # -- rate limits ---------------------------------------------------------------
@@ -181,53 +175,50 @@ class ClaimRoute:
             self._rates, self._rates_of = rates, handlers
         return self._rates
 
-    def _claim_rated(
-        self,
-        rates: dict[str, tuple[int, float]],
-        limit: int,
-        handlers: Mapping[str, WorkItemHandler],
-        dispatch: Dispatch,
-    ) -> int:
-        claimed = 0
-        for name, rate in rates.items():
-            left = limit - claimed
-            if left <= 0:
-                break
-            if self._held(name):
-                self.metrics.throttle(name, "rate")
-                continue
-            starts, period = rate
-            items = claim_rated(
-                self.ops,
-                handler=name,
-                starts=starts,
-                period=period,
-                limit=left,
-                queues=self.config.queues,
-                worker=worker_id(),
-                limits=concurrency_limits(handlers, [name]),
-            )
-            dispatch(items)
-            claimed += len(items)
-            if items.full_for is not None:
-                self._held_until[name] = self.now() + items.full_for
-            self.metrics.throttle(name, "rate", items.held_back)
-        return claimed
+    def start(self, attempt: Attempt) -> bool:
+        """Whether ``attempt`` may start now (a pool thread asks, just before it runs it):
+        always, unless its handler is rate-limited; then only if the window had a start
+        left, which it now holds. A refusal leaves the handler out of claims until the
+        window frees up; the caller gives the row back."""
+        name = attempt.handler.name
+        rate = self.rates(self.handlers()).get(name)
+        if rate is None:
+            return True
+        if self._held(name):
+            self.metrics.throttle(name, "rate")
+            return False
+        starts, period = rate
+        full_for = take_start(self.ops, handler=name, starts=starts, period=period)
+        if full_for is None:
+            return True
+        with self._held_lock:
+            self._held_until[name] = self.now() + full_for
+        self.metrics.throttle(name, "rate")
+        return False
+
+    def withheld(self) -> frozenset[str] | None:
+        """The rate-limited handlers whose window is full now: the loop gives back their
+        buffered rows (None when there are none)."""
+        now = self.now()
+        with self._held_lock:
+            names = [name for name, until in self._held_until.items() if until > now]
+        return frozenset(names) or None
 
     def _held(self, name: str) -> bool:
         until = self._held_until.get(name)
         if until is None:
             return False
         if self.now() >= until:
-            del self._held_until[name]
+            with self._held_lock:
+                self._held_until.pop(name, None)
             return False
         return True
 
     def next_window(self) -> float:
         """Seconds until a full rate window frees up (``inf`` without one)."""
-        if not self._held_until:
-            return math.inf
-        return max(0.0, min(self._held_until.values()) - self.now())
+        with self._held_lock:
+            until = min(self._held_until.values(), default=math.inf)
+        return max(0.0, until - self.now())
 
     # -- what the loop asks besides claims --------------------------------------------
 

@@ -128,6 +128,7 @@ class ClaimLoop:
         self.recovery.maybe_recover()
         self._shed_hoard()
         self._give_back_paused()
+        self._give_back_withheld()
         limit = self._claim_limit()
         max_items = self.config.max_items
         if max_items is not None:
@@ -207,6 +208,27 @@ class ClaimLoop:
                 given_back,
                 ", ".join(sorted(paused)),
             )
+
+    def _give_back_withheld(self) -> None:
+        """Give back buffered rows of rate-limited handlers whose window filled since they
+        were claimed: they could not start before it frees up, and other handlers' rows
+        (or other workers, by then) can use the threads."""
+        if not self.ledger.buffered():
+            return
+        held = self.route.withheld()
+        if not held or self.control.draining.is_set():
+            return
+        given_back = self._give_back(self.ledger.withdraw_of_handlers(held))
+        if given_back:
+            logger.debug(
+                "Gave back %d buffered work item(s) of %s: the rate limit's window is full.",
+                given_back,
+                ", ".join(sorted(held)),
+            )
+
+    def give_back(self, attempts: list[Attempt]) -> int:
+        """Release attempts a pool thread could not start (their rate window is full)."""
+        return self._give_back(attempts)
 
     def announce(self, priority: int | None) -> None:
         """A wake-up: rows of ``priority`` were committed (None: unknown, after a reconnect).

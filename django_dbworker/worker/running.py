@@ -55,6 +55,8 @@ class AttemptRunner:
         enforce_timeout: bool,
         healthy: Callable[[], bool],
         on_started: Callable[[], None],
+        may_start: Callable[[Attempt], bool] = lambda attempt: True,
+        give_back: Callable[[list[Attempt]], int] = lambda attempts: 0,
     ) -> None:
         self.config = config
         self.control = control
@@ -70,6 +72,10 @@ class AttemptRunner:
         self.healthy = healthy
         #: Told when the buffer shrank (the claim loop may refill).
         self.on_started = on_started
+        #: Whether a taken attempt may start now (its rate limit: ``ClaimRoute.start``);
+        #: one that may not goes back to pending through ``give_back``.
+        self.may_start = may_start
+        self.give_back = give_back
 
     def run_next(self) -> None:
         """Start the best buffered attempt, execute it, hand its ending over."""
@@ -126,8 +132,28 @@ class AttemptRunner:
             self.ledger.lose(attempt)
             self.ledger.retire(attempt)
             return None
+        if not self._may_start(attempt):
+            self.ledger.unstart(attempt)
+            self.give_back([attempt])
+            self.on_started()
+            return None
         self.on_started()
         return attempt
+
+    def _may_start(self, attempt: Attempt) -> bool:
+        """``may_start``; if the database cannot say, the row waits (given back)."""
+        try:
+            return self.may_start(attempt)
+        except Exception as exc:
+            logger.warning(
+                "Could not take a start of %s's rate limit for work item %s (%s); it goes "
+                "back to pending.",
+                attempt.handler.name,
+                attempt.item.pk,
+                errortext.error_summary(exc),
+            )
+            close_quietly(self.config.using)
+            return False
 
     def _still_held(self, attempt: Attempt) -> bool:
         """Refresh the heartbeat of a buffered row that waited long; False if it is gone.

@@ -258,8 +258,10 @@ class Worker:
             run_next=runner.run_next,
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
-            priorities_arrive=self._priorities_arrive,
+            # Wake-ups say what they announce: a listener whose probe came back.
+            priorities_arrive=lambda: self.listener is not None and self.listener.reached,
         )
+        runner.may_start, runner.give_back = self.claim_loop.route.start, self.claim_loop.give_back
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
         """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
@@ -328,11 +330,6 @@ class Worker:
             self.control.wake.set()
         else:
             self.claim_loop.announce(priority)
-
-    def _priorities_arrive(self) -> bool:
-        """Wake-ups here say what they announce: a listener whose probe came back."""
-        listener = self.listener
-        return listener is not None and listener.reached and listener.listening.is_set()
 
     def _retired(self, attempt: Attempt) -> None:
         """An attempt left the ledger: the claim loop may claim (``ClaimLoop.retired``)."""

@@ -1,0 +1,229 @@
+"""Rate limits (SPEC "Flow control"): at most N starts of a handler in any window of its
+period, cluster-wide, counted as the handlers start (``flow/rates.py``), whatever the
+isolation level, the database clock or the size of the window."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db import connection, connections
+from django.db.models import Sum
+from django.db.models.functions import Now
+
+from django_dbworker.db import operations
+from django_dbworker.flow.models import FlowLock, RateStart
+from django_dbworker.flow.rates import RATE_BUCKETS, take_start
+from django_dbworker.models import Status, WorkItem
+from django_dbworker.testing import run_until_empty
+from tests.testapp.models import Execution
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def take(handler: str = "rated", starts: int = 5, period: float = 60.0) -> float | None:
+    return take_start(operations(), handler=handler, starts=starts, period=period)
+
+
+def most_in_a_window(times: list[datetime], period: float) -> int:
+    """The most times in any half-open window of ``period`` seconds."""
+    times = sorted(times)
+    most = start = 0
+    for end, t in enumerate(times):
+        while (t - times[start]).total_seconds() >= period:
+            start += 1
+        most = max(most, end - start + 1)
+    return most
+
+
+def test_a_window_allows_its_starts_then_says_when_it_frees_up() -> None:
+    assert [take(starts=2) for _ in range(2)] == [None, None]
+    full_for = take(starts=2)
+    allowance = operations().rate_allowance
+    assert full_for is not None and 59.0 < full_for <= 60.0 * (1 + 1 / RATE_BUCKETS) + allowance
+    assert RateStart.objects.aggregate(n=Sum("count"))["n"] == 2  # the refusal took nothing
+    # A minute later (the database's clock) the starts have left the window.
+    RateStart.objects.update(started_at=Now() - timedelta(seconds=62))
+    assert take(starts=2) is None
+    assert RateStart.objects.aggregate(n=Sum("count"))["n"] == 1  # the old ones deleted
+
+
+def test_a_window_counts_only_its_own_handlers_starts() -> None:
+    """Handler names are case-sensitive (MySQL: binary collation): "s14_rated" and
+    "S14_RATED" have windows of their own, and one's take never clears the other's."""
+    assert take("s14_rated", starts=1, period=3600.0) is None
+    assert take("S14_RATED", starts=1, period=3600.0) is None, "held by another's start"
+    assert take("s14_rated", starts=1, period=3600.0) is not None
+    RateStart.objects.filter(handler="s14_rated").update(started_at=Now() - timedelta(seconds=10))
+    for _ in range(3):  # "S14_RATED" as "1/s" now: it deletes its own old starts
+        take("S14_RATED", starts=1, period=1.0)
+    assert take("s14_rated", starts=1, period=3600.0) is not None, (
+        "a second start of a '1/h' handler ten seconds after its first"
+    )
+
+
+def test_concurrent_takers_never_start_more_than_n_in_a_window() -> None:
+    n, period = 5, 0.5
+    taken: list[datetime] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + 2.2
+    errors: list[BaseException] = []
+
+    def taker() -> None:
+        try:
+            while time.monotonic() < deadline:
+                full_for = take(starts=n, period=period)
+                if full_for is None:
+                    with lock:
+                        taken.append(datetime.now(UTC))
+                else:
+                    time.sleep(min(full_for, 0.05))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=taker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    # About 2.2 s of taking: 4 or 5 full windows of 5 starts (a bucket more of window).
+    assert 15 <= len(taken) <= 25, len(taken)
+    assert most_in_a_window(taken, period) <= n
+    # The window keeps a bucket a row: never more than the buckets of one window.
+    assert RateStart.objects.filter(handler="rated").count() <= RATE_BUCKETS + 2
+
+
+@pytest.mark.postgres_only
+@pytest.mark.parametrize("level", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
+def test_a_taker_counts_the_starts_of_the_lock_holder_before_it(level: str) -> None:
+    """A project at REPEATABLE READ (OPTIONS["isolation_level"], or the server's default):
+    a taker that waited for the handler's lock sees the starts its previous holder
+    committed meanwhile (a snapshot taken before the wait would not)."""
+    import psycopg
+
+    starts = 5
+    FlowLock.objects.create(name="rate:rated")
+    s = connection.settings_dict
+    holder = psycopg.connect(
+        f"host={s['HOST']} port={s['PORT']} dbname={s['NAME']} user={s['USER']}"
+        + (f" password={s['PASSWORD']}" if s.get("PASSWORD") else "")
+    )
+    holder.execute("SELECT name FROM django_dbworker_flowlock WHERE name = 'rate:rated' FOR UPDATE")
+    holder.execute(
+        "INSERT INTO django_dbworker_ratestart (handler, started_at, count) "
+        "VALUES ('rated', statement_timestamp(), %s)",
+        [starts],
+    )
+    got: list[float | None] = []
+    errors: list[BaseException] = []
+
+    def taker() -> None:
+        try:
+            with connections["default"].cursor() as cursor:
+                cursor.execute(
+                    f"SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {level}"
+                )
+            got.append(take(starts=starts))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections["default"].close()
+
+    thread = threading.Thread(target=taker)
+    thread.start()
+
+    def waiting() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query ILIKE '%%flowlock%%'"
+            )
+            return bool(cursor.fetchone()[0])
+
+    from tests.conftest import wait_until
+
+    wait_until(waiting, timeout=10, what="the taker to wait for the lock")
+    holder.commit()  # the whole window, committed before the taker gets the lock
+    holder.close()
+    thread.join(30)
+    assert not errors, errors
+    assert got[0] is not None, "a start taken beyond a full window"
+    assert RateStart.objects.aggregate(n=Sum("count"))["n"] == starts
+
+
+def test_starts_dated_after_a_clock_step_back_hold_the_window_one_period_at_most() -> None:
+    """The database's clock stepped back an hour (an NTP step, a restored VM, a failover):
+    the last window's starts are dated an hour ahead. They count as now, and leave the
+    window a period later, not when the clock catches up with them."""
+    RateStart.objects.create(handler="rated", count=20)
+    RateStart.objects.update(started_at=Now() + timedelta(hours=1))
+    full_for = take(starts=20, period=1.0)
+    assert full_for is not None and full_for <= 1.0 + 2 / RATE_BUCKETS + 0.1, full_for
+    RateStart.objects.update(started_at=Now() - timedelta(seconds=2))
+    assert take(starts=20, period=1.0) is None
+
+
+def test_a_large_hourly_window_reads_a_bucket_a_row() -> None:
+    """ "3600000/h": the window is counted in at most about a hundred rows, whatever its
+    starts (a row per start made every take count millions of them)."""
+    for _ in range(300):
+        assert take(starts=3_600_000, period=3600.0) is None
+    RateStart.objects.filter(handler="rated").update(started_at=Now() - timedelta(seconds=1800))
+    for _ in range(300):
+        assert take(starts=3_600_000, period=3600.0) is None
+    rows = RateStart.objects.filter(handler="rated")
+    assert rows.count() <= 2 and rows.aggregate(n=Sum("count"))["n"] == 600
+
+
+def test_a_full_window_leaves_rows_pending_without_using_an_attempt() -> None:
+    from tests.testapp.workers import RatedSlowly, Record
+
+    RatedSlowly.enqueue_many([{"key": f"r{i}"} for i in range(6)], priority=10)
+    Record.enqueue_many([{"key": f"p{i}"} for i in range(20)])
+    counts = run_until_empty(["rated_slowly", "record"])
+    assert counts["succeeded"] == 22
+    assert Execution.objects.filter(kind="rated_slowly").count() == 2
+    assert Execution.objects.filter(kind="run").count() == 20
+    waiting = WorkItem.objects.filter(handler="rated_slowly", status=Status.PENDING)
+    assert waiting.count() == 4
+    assert set(waiting.values_list("attempts", flat=True)) == {0}
+
+
+def test_refused_starts_are_counted(background_worker) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+    from django_dbworker.worker import Worker
+    from tests.factories import worker_config
+    from tests.testapp.workers import RatedSlowly
+
+    RatedSlowly.enqueue_many([{"key": str(i)} for i in range(5)])
+    reg = CollectorRegistry()
+    worker = Worker([RatedSlowly], worker_config(burst=True), metrics=WorkerMetrics(reg))
+    worker.run()
+    assert Execution.objects.filter(kind="rated_slowly").count() == 2
+    held = reg.get_sample_value(
+        "worker_throttled_total", {"worker": "rated_slowly", "reason": "rate"}
+    )
+    assert held is not None and held >= 1
+    pending = WorkItem.objects.filter(status=Status.PENDING)
+    assert pending.count() == 3 and set(pending.values_list("attempts", flat=True)) == {0}
+
+
+def test_a_burst_worker_waits_for_a_window_that_frees_up_soon(background_worker) -> None:
+    """The loop wakes when the window frees up (not at its next poll only)."""
+    from tests.conftest import wait_until
+    from tests.testapp.workers import Rated
+
+    Rated.enqueue_many([{"key": str(i)} for i in range(25)])
+    background_worker(["rated"], concurrency=2, poll_interval=5.0, burst=True)
+    wait_until(
+        lambda: Execution.objects.filter(kind="rated").count() == 25,
+        timeout=10,
+        what="all 25 rated items to run despite a 5 s poll interval",
+    )
