@@ -1,4 +1,4 @@
-"""Cancel running work and ``Snooze`` (issue 21, SPEC "Flow control"), on the real databases.
+"""Cancel running work and ``Snooze`` (SPEC "Flow control"), on the real databases.
 
 Cancel: ``item.cancel()`` cancels a pending row at once and marks a claimed
 one (``cancel_requested_at``); the heartbeat reports the mark per attempt,

@@ -451,7 +451,7 @@ def test_run_until_empty_keeps_a_manual_transaction_on_another_alias(
 # The enqueue on default inside work's atomic block is meant: the warning says so.
 @pytest.mark.filterwarnings("ignore:This enqueue writes to database:RuntimeWarning")
 def test_run_until_empty_keeps_an_atomic_block_on_another_alias() -> None:
-    """Control (holds): the caller's ``atomic()`` on the other alias is left alone."""
+    """Control: the caller's ``atomic()`` on the other alias is left alone."""
     with transaction.atomic(using=WORK_ALIAS):
         mine = WorkItem.objects.using(WORK_ALIAS).create(
             handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
@@ -463,7 +463,7 @@ def test_run_until_empty_keeps_an_atomic_block_on_another_alias() -> None:
 
 @pytest.mark.django_db(transaction=False, databases="__all__")
 def test_run_until_empty_in_a_testcase_on_every_alias_keeps_its_writes() -> None:
-    """Control (holds): a TestCase's transactions on every alias are left alone."""
+    """Control: a TestCase's transactions on every alias are left alone."""
     mine = WorkItem.objects.using(WORK_ALIAS).create(
         handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
     )
