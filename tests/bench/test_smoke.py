@@ -144,7 +144,7 @@ def test_ab_script_compares_two_trees(tmp_path: Path) -> None:
     assert "| `w1_throughput.py --items 200` | items_per_second_active |" in table
 
 
-#: The scale scripts (issue 23) start a durable cluster of their own, with
+#: The scale scripts start a durable cluster of their own, with
 #: pg_stat_statements loaded (a restart the test cluster must not take).
 SCALE_SCRIPTS = [
     (

@@ -1,4 +1,4 @@
-"""The Batches page in a real Chromium at 1280 px: progress bars, counts, callbacks (issue 22).
+"""The Batches page in a real Chromium at 1280 px: progress bars, counts, callbacks.
 
 ``DBWORKER_SCREENSHOTS=1 pytest tests/e2e -k batches`` writes the picture of
 the docs and the issue's closing note, ``docs/img/batches-page.png``.

@@ -1,4 +1,4 @@
-"""``dbworker_stats`` and ``batch_stats``: open batches, their progress, rows waiting (issue 22)."""
+"""``dbworker_stats`` and ``batch_stats``: open batches, their progress, rows waiting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cancel running work and ``Snooze`` (issue 21, SPEC "Flow control"), on the real databases.
+"""Cancel running work and ``Snooze`` (SPEC "Flow control"), on the real databases.
 
 Cancel: ``item.cancel()`` cancels a pending row at once and marks a claimed
 one (``cancel_requested_at``); the heartbeat reports the mark per attempt,
@@ -13,22 +13,28 @@ attempt; ``snoozes`` counts, and the 101st fails the row.
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.core.management import call_command
+from django.db import connection
 from django.db.models.functions import Now
 
 from django_dbworker import Cancelled, Snooze, transitions
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
+from django_dbworker.registry import registry
 from django_dbworker.tasks import task as dbtask
 from django_dbworker.testing import run_until_empty
+from django_dbworker.worker import Worker
 from tests.conftest import wait_until
-from tests.factories import claim, make_due, make_item
+from tests.factories import age_heartbeat, claim, make_due, make_item
+from tests.integration.interleave import Racer
 from tests.testapp.models import Execution
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -390,8 +396,6 @@ def test_the_snooze_write_leaves_a_cancel_requested_row_alone() -> None:
 def test_stats_count_cancel_requests_and_snoozed_rows() -> None:
     from io import StringIO
 
-    from django.core.management import call_command
-
     from django_dbworker.stats import flow_stats
 
     make_item()
@@ -414,8 +418,6 @@ def test_metrics_count_cancelled_and_snoozed_attempts() -> None:
     from prometheus_client import CollectorRegistry
 
     from django_dbworker.metrics import WorkerMetrics
-    from django_dbworker.registry import registry
-    from django_dbworker.worker import Worker
     from django_dbworker.worker.runtime import WorkerConfig
 
     reg = CollectorRegistry()
@@ -617,3 +619,117 @@ def test_a_task_cancelled_while_pending_after_a_failed_attempt_gets_the_marker()
 def test_cancel_check_outside_a_workers_attempt_is_always_false() -> None:
     check = LoopUntilCancelled().cancel_check
     assert check() is False
+
+
+# -- a cancel request is never lost to stale recovery or a retry -------------------------
+
+
+@pytest.mark.server_db
+def test_a_cancel_request_made_while_recovery_reads_the_row_is_not_lost() -> None:
+    """The request lands between the recovery's read of the stale rows and its write.
+
+    Either order of the two gives a cancelled row: asked first, recovery cancels it
+    (``stale._cancel_asked``); recovered first, ``cancel()`` finds it pending and
+    cancels it at once. Never a pending row that runs again with the request on it.
+    """
+    make_item()
+    (item,) = claim(handlers=["noop"])
+    age_heartbeat(item, 120)
+    racers: list[Racer] = []
+
+    def cancel_after_the_read(execute: Any, sql: str, params: Any, many: bool, ctx: Any) -> Any:
+        result = execute(sql, params, many, ctx)
+        text = sql.lstrip().upper()
+        if (
+            not racers
+            and text.startswith("SELECT")
+            and "CANCEL_REQUESTED_AT" in text
+            and "HEARTBEAT_AT" in text
+        ):
+            racers.append(Racer(lambda: WorkItem.objects.get(pk=item.pk).cancel()))
+            racers[0].outcome()
+        return result
+
+    with connection.execute_wrapper(cancel_after_the_read):
+        transitions.recover_stale(stale_after=60)
+    assert racers, "the recovery's read of the stale rows was not seen"
+    assert racers[0].result is True  # the operator was told the row is asked to stop
+    final = row(item.pk)
+    assert final.status == Status.CANCELLED, (
+        f"cancel() answered True, but the row is {final.status} "
+        f"(cancel_requested_at={final.cancel_requested_at}, attempts={final.attempts}): "
+        "it will run again"
+    )
+
+
+@pytest.mark.server_db
+@pytest.mark.parametrize("verb", ["item.cancel", "queryset.cancel"])
+def test_cancel_of_a_running_item_whose_attempt_is_being_retried_is_not_lost(verb: str) -> None:
+    """``item.cancel()`` (or ``QuerySet.cancel()``) on a claimed row whose failed attempt
+    is written back to pending (a retry) between the two halves of the cancel.
+
+    Either order of the two gives a cancelled row: cancel first, the retry's write refuses
+    a row asked to stop (``failures._cancelled_instead`` then ends it cancelled); retry
+    first, the cancel finds it pending and cancels it at once. Never a pending row that
+    runs again with no cancel recorded, while ``cancel()`` answers "nothing changed".
+    """
+    make_item()
+    (item,) = claim(handlers=["noop"])
+    racers: list[Racer] = []
+
+    def retry_after_the_pending_read(
+        execute: Any, sql: str, params: Any, many: bool, ctx: Any
+    ) -> Any:
+        result = execute(sql, params, many, ctx)
+        if (
+            not racers
+            and sql.lstrip().upper().startswith("SELECT")
+            and "pending" in [str(p) for p in (params or ())]
+        ):
+            racers.append(
+                Racer(lambda: transitions.retry_later(item, delay=60.0, error="ValueError: boom"))
+            )
+            racers[0].outcome()
+        return result
+
+    target = WorkItem.objects.get(pk=item.pk)
+    with connection.execute_wrapper(retry_after_the_pending_read):
+        if verb == "item.cancel":
+            changed: object = target.cancel()
+        else:
+            changed = WorkItem.objects.filter(pk=item.pk).cancel()
+    assert racers, "the cancel's read of the pending rows was not seen"
+    assert racers[0].result is True  # the attempt's retry was written
+    final = row(item.pk)
+    assert final.status == Status.CANCELLED, (
+        f"cancel() answered {changed}; the row is {final.status} "
+        f"(cancel_requested_at={final.cancel_requested_at}, run_after={final.run_after}): "
+        "the operator's cancel was lost and the item will run again"
+    )
+
+
+class SnoozeLong(WorkItemHandler):
+    """Snoozes for ``payload["delay"]`` (a name below), every run."""
+
+    name = "snooze_long"
+    max_attempts = 2
+
+    def handle(self, payload: Any) -> Any:
+        delays: dict[str, float | timedelta] = {
+            "inf": math.inf,
+            "big_int": 10**30,
+            "max_timedelta": timedelta.max,
+        }
+        raise Snooze(delays[payload["delay"]])
+
+
+@pytest.mark.parametrize("delay", ["inf", "big_int", "max_timedelta"])
+def test_the_longest_snooze_is_ten_years_on_every_database(delay: str) -> None:
+    item = SnoozeLong.enqueue({"delay": delay})
+    assert run_until_empty(["snooze_long"]) == {"snoozed": 1}
+    snoozed = row(item.pk)
+    assert (snoozed.status, snoozed.attempts, snoozed.snoozes) == (Status.PENDING, 0, 1)
+    due = WorkItem.objects.filter(pk=item.pk)
+    years = timedelta(days=10 * 365)
+    assert due.filter(run_after__gt=Now() + years - timedelta(minutes=1)).exists()
+    assert due.filter(run_after__lt=Now() + years + timedelta(minutes=1)).exists()

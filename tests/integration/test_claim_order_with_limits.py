@@ -1,14 +1,12 @@
-"""The claim order across a worker's limited and plain handlers (the attacks on 827da04).
+"""The claim order across a worker's limited and plain handlers.
 
-827da04 split the claim cycle: the limited handlers' rows by the keyed claim first, then
-the other handlers' rows by the plain claim in the room left. It broke the documented
-claim order (priority DESC, run_after, id; SPEC: "priority: higher runs first"): a
-high-priority or older plain row waited behind every keyed row, and an urgent batch
-behind a full buffer. h-attack-s9b proved it with these tests (the order, urgent and
-counter tests failed on 827da04 and passed before it; the --max-items and burst ones
-held). The split was reverted: a worker serving a limited handler claims all its
-handlers' rows in one keyed claim again (the cost is documented: flow-control.md,
-"Cost"). The tests stay as the guard of any later split.
+A worker serving a limited handler claims all its handlers' rows in one keyed claim,
+so the documented claim order holds across them (priority DESC, run_after, id; SPEC:
+"priority: higher runs first"): a high-priority or older plain row never waits behind
+every keyed row, nor an urgent batch behind a full buffer; ``--max-items`` and burst
+mode count both kinds. These guard any split of the claim cycle (keyed claim first,
+then the plain claim in the room left), which breaks that order; the cost of the one
+claim is documented (flow-control.md, "Cost").
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 class KeyedGate(WorkItemHandler):
     """``Gate`` with a concurrency limit: records its start; with ``wait``, waits for GATE."""
 
-    name = "attack_s9b_keyed_gate"
+    name = "keyed_gate"
     concurrency_limit = 1
 
     def handle(self, payload: Any) -> None:
@@ -135,9 +133,9 @@ def test_an_urgent_batch_is_claimed_ahead_of_a_full_buffer(
     rows wait pending behind the buffer.
     """
     if direction == "plain-batch-over-keyed":
-        buffered, batch, names = KeyedGate, Gate, ["attack_s9b_keyed_gate", "gate"]
+        buffered, batch, names = KeyedGate, Gate, ["keyed_gate", "gate"]
     else:
-        buffered, batch, names = Gate, KeyedGate, ["gate", "attack_s9b_keyed_gate"]
+        buffered, batch, names = Gate, KeyedGate, ["gate", "keyed_gate"]
     kw: Callable[[str], dict[str, Any]] = (
         (lambda key: {"concurrency_key": key}) if buffered is KeyedGate else (lambda key: {})
     )

@@ -1,8 +1,8 @@
 """Per-key concurrency limits on a real database: enqueue, the keyed claim, slots and races.
 
-The second half holds the attacks of h-attack-keys (each failed on h-keys
-before its fix, or asserts the documented behaviour it found: see
-docs/topics/flow-control.md) and the attacks the change withstood.
+Also the documented limits of the feature (docs/topics/flow-control.md, as
+strict xfails): what a claim reads behind a hot key, what a limited handler
+costs the others, and that a limit holds while the worker owns the attempt.
 
 A slot is a claimed row of a (handler, concurrency_key): these tests claim
 through the vendor operations directly (``tests.factories.claim``), so
@@ -272,25 +272,31 @@ def test_a_late_fenced_success_frees_no_slot_held_by_the_new_attempt() -> None:
 
 
 def _claim_on_own_connection(
-    barrier: threading.Barrier, worker: str, out: list[list[WorkItem]]
+    barrier: threading.Barrier, worker: str, size: int, out: list[list[WorkItem]]
 ) -> None:
     try:
         connection.ensure_connection()  # connected first: the claims start together
         barrier.wait(10)
-        # One row each: both claimers lock a row of the key (SKIP LOCKED
-        # gives them different ones), and both see the key's slot free.
-        out.append(keyed_claim(limit=1, worker=worker))
+        # Each claimer locks rows of the key (SKIP LOCKED gives them different
+        # ones), and each sees the key's slot free.
+        out.append(keyed_claim(limit=size, worker=worker))
     finally:
         connections.close_all()
 
 
-@pytest.mark.parametrize("limit_handler", [Keyed, KeyedPair])
+@pytest.mark.parametrize(
+    ("limit_handler", "sizes"),
+    [(Keyed, (1, 1, 1)), (KeyedPair, (1, 1, 1)), (KeyedPair, (1, 2, 3))],
+    ids=["limit_1", "limit_2", "limit_2_claims_of_1_2_3"],
+)
 def test_concurrent_claimers_never_both_take_the_last_slot(
-    limit_handler: type[WorkItemHandler],
+    limit_handler: type[WorkItemHandler], sizes: tuple[int, ...]
 ) -> None:
+    """Claimers on their own connections race for a key's last free slot, many rounds:
+    one row each, or claims of 1, 2 and 3 rows (more candidates of the key locked)."""
     limit = limit_handler.concurrency_limit
     assert limit is not None
-    rounds, claimers = 40, 3
+    rounds, claimers = 40, len(sizes)
     for n in range(rounds):
         key = f"race:{n}"
         # Each claimer finds rows of the key ready and one slot free: the
@@ -306,8 +312,10 @@ def test_concurrent_claimers_never_both_take_the_last_slot(
         barrier = threading.Barrier(claimers)
         out: list[list[WorkItem]] = []
         threads = [
-            threading.Thread(target=_claim_on_own_connection, args=(barrier, f"racer:{i}", out))
-            for i in range(claimers)
+            threading.Thread(
+                target=_claim_on_own_connection, args=(barrier, f"racer:{i}", size, out)
+            )
+            for i, size in enumerate(sizes)
         ]
         for t in threads:
             t.start()
@@ -376,13 +384,13 @@ def test_dbworker_stats_lists_the_keys_at_their_limit() -> None:
     assert "busy" in out.getvalue()
 
 
-# -- attacks: keys compare byte for byte, the current limit decides, slots and time --
+# -- keys compare byte for byte, the current limit decides, slots and time --------
 
 
 class KeyedTimeout(WorkItemHandler):
     """One item per key at once, abandoned after 0.5 s: records its start and end, then sleeps."""
 
-    name = "attack_keyed_timeout"
+    name = "keyed_timeout"
     concurrency_limit = 1
     timeout = 0.5
     max_attempts = 1
@@ -457,7 +465,7 @@ def test_a_race_never_claims_two_rows_of_a_key_with_limit_one_when_a_case_varian
     def z() -> None:
         try:
             with transaction.atomic():
-                got = keyed_claim(limit=2, worker="attack:z")
+                got = keyed_claim(limit=2, worker="claimer:z")
                 z_out.append(sorted(i.pk for i in got))
                 z_claimed.set()
                 assert z_commit.wait(30)
@@ -469,7 +477,7 @@ def test_a_race_never_claims_two_rows_of_a_key_with_limit_one_when_a_case_varian
 
     def x() -> None:
         try:
-            x_out.append(sorted(i.pk for i in keyed_claim(limit=10, worker="attack:x")))
+            x_out.append(sorted(i.pk for i in keyed_claim(limit=10, worker="claimer:x")))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
         finally:
@@ -528,7 +536,7 @@ def test_the_keyed_claim_holds_the_limit_at_repeatable_read() -> None:
     def z() -> None:
         try:
             with transaction.atomic():
-                out["z"] = [i.pk for i in keyed_claim(limit=1, worker="attack:z")]
+                out["z"] = [i.pk for i in keyed_claim(limit=1, worker="claimer:z")]
                 z_claimed.set()
                 assert z_commit.wait(30)
         except BaseException as exc:  # pragma: no cover - reported below
@@ -541,7 +549,7 @@ def test_the_keyed_claim_holds_the_limit_at_repeatable_read() -> None:
         try:
             connection.ensure_connection()
             connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            out["x"] = [i.pk for i in keyed_claim(limit=5, worker="attack:x")]
+            out["x"] = [i.pk for i in keyed_claim(limit=5, worker="claimer:x")]
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
         finally:
@@ -597,9 +605,8 @@ def test_a_deploy_that_drops_the_handlers_limit_runs_the_keys_rows_unlimited(
 ) -> None:
     """The handler's current declaration decides: rows stored with limit 1 run side by side.
 
-    (Attack #4 found that the stored limit was honoured or not depending on
-    the worker's other handlers; the lead's decision: the row's
-    ``concurrency_limit`` is the limit at enqueue, informational.)
+    The row's ``concurrency_limit`` is the limit at enqueue, informational: the
+    stored limit is not honoured (whatever the worker's other handlers).
     """
     for n in range(3):
         Keyed.enqueue({"key": "deploy", "seconds": 0.5, "n": n}, concurrency_key="deploy")
@@ -677,7 +684,7 @@ def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None
     The walk is the keyed claim of a worker that also serves an unlimited
     handler (``HANDLERS`` has ``noop``), and MySQL's and SQLite's; on
     PostgreSQL a worker of limited handlers only finds keys by index
-    instead (test_key_heads.py).
+    instead (test_keyed_claim_postgres.py).
 
     20,000 pending rows of one key (limit 1, one of them claimed), one row
     of another key behind them. The candidates' key filter runs per row in
@@ -685,9 +692,9 @@ def test_a_claim_does_not_read_every_pending_row_of_a_key_at_its_limit() -> None
     claimable row reads all 20,000: on PostgreSQL "Rows Removed by Filter:
     19999" and 20,000 SubPlan loops (about 56 ms per claim here, linear in
     the hot key's backlog: a million-row burst for one customer costs every
-    poll of every worker seconds). The plain claim reads one row. Still
-    so on h-keys 008b678, whose filter probes a hashed list of the full keys
-    per row instead of the slot index: cheaper per row, the same walk.
+    poll of every worker seconds). The plain claim reads one row. A filter
+    that probes a hashed list of the full keys per row instead of the slot
+    index is cheaper per row: the same walk.
     """
     for _ in range(4):
         Keyed.enqueue_many([{"key": "hot"}] * 5000, concurrency_key="hot")
@@ -773,7 +780,7 @@ def test_claims_of_unkeyed_rows_stay_one_statement_when_a_handler_declares_a_lim
     serves declares a limit (``run_workers`` serves every registered
     handler by default), also when no row has a key: BEGIN (at READ
     COMMITTED), the candidates, the claim, COMMIT, where the plain claim is
-    one UPDATE ... RETURNING. The issue: "without slowing the common path".
+    one UPDATE ... RETURNING: the common path should not slow down.
     """
     from django.test.utils import CaptureQueriesContext
 
@@ -806,7 +813,7 @@ def test_a_timed_out_attempt_frees_its_keys_slot_while_its_handler_runs(
     """
     KeyedTimeout.enqueue({"key": "T", "seconds": 3}, concurrency_key="T")
     KeyedTimeout.enqueue({"key": "T", "seconds": 0}, concurrency_key="T")
-    background_worker(["attack_keyed_timeout"], concurrency=2)
+    background_worker(["keyed_timeout"], concurrency=2)
     wait_until(
         lambda: Execution.objects.filter(key="T", kind="end").count() == 2,
         timeout=30,
@@ -841,20 +848,20 @@ def test_a_keys_finished_rows_do_not_make_its_claims_slower() -> None:
     assert read < 1000, f"claiming the one pending row of key K read {read} index entries"
 
 
-# -- attacks the change withstood: races, awkward keys, hot keys ------------------
+# -- races, awkward keys, hot keys -------------------------------------------------
 
 
 class KeyedThree(WorkItemHandler):
     """Three items per concurrency key at once; does nothing."""
 
-    name = "attack_keyed3"
+    name = "keyed_three"
     concurrency_limit = 3
 
     def handle(self, payload: Any) -> None:
         return None
 
 
-LIMITS = {"keyed": 1, "keyed_pair": 2, "attack_keyed3": 3}
+LIMITS = {"keyed": 1, "keyed_pair": 2, "keyed_three": 3}
 HELD_HANDLERS = [*LIMITS, "noop"]
 
 
@@ -894,7 +901,7 @@ def test_many_claimers_and_finishers_never_exceed_a_keys_limit() -> None:
                 deadline = time.monotonic() + 60
                 rounds = 0
                 # At least 30 claims, then on until the round's rows are all claimed (a
-                # slow SQLite leg left 2 of 576 pending after 30: CI of e048a0c).
+                # slow SQLite leg can leave a few of 576 pending after 30).
                 while rounds < 30 or (
                     time.monotonic() < deadline
                     and WorkItem.objects.filter(

@@ -1,7 +1,7 @@
 """Fault paths: every claimed attempt ends in exactly one recorded outcome.
 
 Each test here reproduces one way an attempt used to end without an owner
-(issue "Every claimed attempt ends in exactly one recorded outcome"): a
+("Every claimed attempt ends in exactly one recorded outcome"): a
 superseded attempt forgetting the newer one, writes the database refuses,
 failures that cannot be formatted, a heartbeat thread that dies, secrets in
 error texts, abandoned threads without a bound.

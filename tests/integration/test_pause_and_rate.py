@@ -14,11 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
+from django.db import connection, transaction
+from django.db.models.functions import Now
 
 from django_dbworker import UnknownQueue, pause_queue, resume_queue
 from django_dbworker.checks import rate_limit_errors
@@ -30,9 +31,11 @@ from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.validation import InvalidValue, rate_limit
+from django_dbworker.worker import Worker
 from tests.conftest import ROOT
-from tests.factories import claim, claim_rated, make_item
+from tests.factories import claim, claim_rated, make_item, worker_config
 from tests.testapp.models import Execution
+from tests.testapp.workers import Rated, RatedSlowly
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -392,3 +395,170 @@ def test_a_resume_wakes_an_idle_worker_at_once(background_worker) -> None:
         timeout=10,
         what="the resumed queue's item to run without waiting for a poll",
     )
+
+
+# -- queue names and handler names compare byte for byte; burst workers skip paused queues ---
+#
+# Queue names are case-sensitive everywhere else: enqueue accepts "reports" and
+# "Reports" as two queues, and the claim statements compare them byte for byte on
+# every vendor (MySQL: the binary collation of migration 0005).
+
+
+def test_pausing_a_queue_that_differs_from_a_paused_one_only_in_case_pauses_it() -> None:
+    make_item(queue="reports")
+    upper = make_item(queue="Reports")
+    pause_queue("reports", by="ops")
+    state = pause_queue("Reports", by="ops")
+    assert state.name == "Reports" and state.paused, (
+        f"pause_queue('Reports') answered the state of queue {state.name!r}"
+    )
+    assert paused_queues() == ["Reports", "reports"]
+    claimed = claim(queues=None)
+    assert claimed == [], (
+        f"both queues are paused, yet row {upper.pk} of 'Reports' was claimed: "
+        f"{[(i.pk, i.queue) for i in claimed]}"
+    )
+
+
+def test_resuming_a_lookalike_queue_leaves_the_paused_one_paused() -> None:
+    lower = make_item(queue="reports")
+    make_item(queue="Reports")
+    pause_queue("Reports", by="ops")
+    resume_queue("reports")  # a known queue (it has a row), running already: no change
+    assert paused_queues() == ["Reports"], "resuming 'reports' resumed 'Reports'"
+    assert [i.pk for i in claim(queues=None)] == [lower.pk]
+
+
+def test_a_lookalike_of_a_paused_queue_that_nothing_knows_is_refused() -> None:
+    make_item(queue="reports")
+    pause_queue("reports", by="ops")
+    # "REPORTS": no row, no handler and no pause names it; it is an unknown queue.
+    with pytest.raises(UnknownQueue, match="'REPORTS'"):
+        pause_queue("REPORTS")
+    with pytest.raises(CommandError, match="Unknown queue 'REPORTS'"):
+        call_command("dbworker_queue", "resume", "REPORTS")
+    assert paused_queues() == ["reports"], "resuming 'REPORTS' resumed 'reports'"
+
+
+def test_a_rate_window_counts_only_its_own_handlers_starts() -> None:
+    for i in range(2):
+        make_item("rated_lower", payload={"i": i})
+        make_item("RATED_LOWER", payload={"i": i})
+    first = claim_rated(
+        handler="rated_lower", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
+    )
+    assert [i.handler for i in first] == ["rated_lower"]
+    other = claim_rated(
+        handler="RATED_LOWER", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
+    )
+    # "RATED_LOWER" has started nothing: its window allows one start now.
+    assert [i.handler for i in other] == ["RATED_LOWER"], (
+        "RATED_LOWER was held back by the start of rated_lower",
+        list(RateStart.objects.values_list("handler", "started_at")),
+    )
+
+
+def test_another_handlers_claim_never_clears_a_window_that_is_still_running() -> None:
+    """A "1/h" handler starts at most once in any hour, whatever other handlers do."""
+    hourly = [make_item("rated_lower", payload={"i": i}) for i in range(2)]
+    make_item("RATED_LOWER", queue="held")
+    pause_queue("held")  # its rows are ready but claimed by nobody
+
+    def hourly_claim() -> list[WorkItem]:
+        return claim_rated(
+            handler="rated_lower", starts=1, period=3600.0, limit=5, queues=None, worker="t:1:a"
+        )
+
+    assert len(hourly_claim()) == 1
+    # Ten seconds pass (by the database's clock): well inside the hour.
+    (start,) = RateStart.objects.values_list("pk", flat=True)
+    RateStart.objects.filter(pk=start).update(started_at=Now() - timedelta(seconds=10))
+    assert hourly_claim() == []
+    # Another handler, "1/s", tries to claim: its row is in a paused queue.
+    got = claim_rated(
+        handler="RATED_LOWER", starts=1, period=1.0, limit=5, queues=None, worker="t:1:b"
+    )
+    assert got == []
+    again = hourly_claim()
+    assert again == [], (
+        "a second start of rated_lower ('1/h') ten seconds after its first: the window's "
+        "start row was deleted by RATED_LOWER's claim",
+        [i.pk for i in again],
+        [i.pk for i in hourly],
+    )
+
+
+def _burst_exits(names: list[str], timeout: float = 15.0) -> bool:
+    """Run a burst worker (not inline) in a thread; whether it returned within ``timeout``."""
+    worker = Worker([registry[n] for n in names], worker_config(burst=True, poll_interval=0.1))
+    thread = threading.Thread(target=worker.run, daemon=True, name="burst")
+    thread.start()
+    thread.join(timeout)
+    exited = not thread.is_alive()
+    if not exited:
+        worker.stop(immediate=True)
+        thread.join(15)
+        assert not thread.is_alive(), "the burst worker did not stop"
+    return exited
+
+
+def test_a_burst_worker_leaves_a_paused_queue_alone_with_or_without_keys() -> None:
+    """--burst ends when nothing is claimable; a paused queue's rows are claimable by no
+    worker. Unkeyed, the burst worker exits; keyed, it must not wait for them for ever."""
+    from tests.testapp.workers import Keyed, Paused
+
+    Paused.enqueue({"key": "plain"})
+    pause_queue("pausable")
+    assert _burst_exits(["pausable"]), "burst did not exit with a paused unkeyed row"
+
+    Keyed.enqueue({"key": "k"}, concurrency_key="k", queue="pausable")
+    assert _burst_exits(["keyed"]), (
+        "a burst worker for a handler with a concurrency_limit never exits while a keyed "
+        "row waits in a paused queue (keys_busy counts it as waiting for a key's slot)"
+    )
+    assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 2
+
+
+# -- the 'nothing ready' read before a rate-limited claim --------------------------------
+#
+# The read (``WorkItem.objects.ready().filter(handler=...)``, Django's ``Now()``) never
+# misses a row the claim statement (its vendor's clock) would take: rows enqueued in the
+# caller's own transaction, due just now; and the window's housekeeping still runs once
+# rows come back.
+
+
+def _claim(limit: int = 4) -> object:
+    return claim_rated(
+        handler="rated_slowly", starts=2, period=60.0, limit=limit, queues=None, worker="t:1:a"
+    )
+
+
+def test_rows_of_the_callers_transaction_are_seen_by_the_read() -> None:
+    with transaction.atomic():
+        Rated.enqueue({"n": 1})
+        Rated.enqueue({"n": 2})
+        assert run_until_empty(["rated"]).get("succeeded") == 2
+
+
+def test_a_row_due_now_by_the_database_clock_is_claimed() -> None:
+    RatedSlowly.enqueue({"n": 1})
+    WorkItem.objects.update(run_after=Now())
+    assert len(_claim()) == 1  # type: ignore[attr-defined]
+
+
+def test_a_full_window_is_still_reported_and_its_old_starts_still_go() -> None:
+    for n in range(3):
+        RatedSlowly.enqueue({"n": n})
+    got = _claim()
+    assert len(got) == 2 and got.full_for is not None  # type: ignore[attr-defined]
+    # The window's starts leave it; the next claim (a row is ready) deletes them.
+    RateStart.objects.update(started_at=Now() - timedelta(hours=1))
+    got = _claim()
+    assert len(got) == 1  # type: ignore[attr-defined]
+    assert RateStart.objects.filter(handler="rated_slowly").count() == 1
+
+
+def test_a_ready_row_in_a_paused_queue_is_not_claimed() -> None:
+    RatedSlowly.enqueue({"n": 1}, queue="stopped")
+    pause_queue("stopped")
+    assert _claim() == []  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""``run_workers``' start-up check of django_dbworker's migrations (issue 20: a fast start).
+"""``run_workers``' start-up check of django_dbworker's migrations (a fast start).
 
 The check reads ``django_migrations`` against the shipped migration files
 instead of building every app's migration graph; these tests hold it to the

@@ -13,17 +13,20 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.core.management.color import no_style
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
 from django.test import override_settings
 
-from django_dbworker import batch, enqueue
+from django_dbworker import EnqueueError, batch, enqueue
 from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.checks import check_work_database, not_atomic_warnings
 from django_dbworker.contrib.prometheus.collector import register
@@ -33,6 +36,7 @@ from django_dbworker.models import Status, WorkItem
 from django_dbworker.retention import PruneFinished, prune
 from django_dbworker.routing import NOT_ATOMIC_CHECK, QueueRouter
 from django_dbworker.stale import recover_stale
+from django_dbworker.testing import run_until_empty
 from tests.factories import age_heartbeat
 from tests.routers import WORK_ALIAS
 from tests.testapp.models import Effect
@@ -262,3 +266,208 @@ def test_a_missing_work_table_on_the_queue_database_names_its_migrate_command() 
     assert "run `manage.py migrate` first" in str(
         setup_problem("default", missing_table("default"))
     )
+
+
+# -- after= and a parent of another database ---------------------------------------------
+#
+# ``after=`` takes work items (or ids), and an item names its own database
+# (``item._state.db``): a parent enqueued on the ``work`` alias given to an enqueue that
+# goes to ``default`` is refused, not matched by id against ``default``'s rows (an
+# unrelated row could have that id), as ``batch()`` refuses the same mismatch.
+
+
+def test_after_a_parent_of_another_database_is_refused_not_matched_by_id() -> None:
+    parent = Noop.enqueue({"n": "parent"}, using=WORK_ALIAS)
+    assert parent._state.db == WORK_ALIAS
+    # default holds an unrelated row with the same id (ids are per database).
+    WorkItem.objects.using("default").filter(pk=parent.pk).delete()
+    stranger = WorkItem.objects.using("default").create(
+        pk=parent.pk,
+        handler="noop",
+        payload={"n": "stranger"},
+        max_attempts=1,
+        status=Status.FAILED,
+    )
+    default = connections["default"]
+    with default.cursor() as cursor:  # default's ids go on after the stranger's
+        for sql in default.ops.sequence_reset_sql(no_style(), [WorkItem]):
+            cursor.execute(sql)
+    try:
+        child = Noop.enqueue({"n": "child"}, after=[parent])
+    except EnqueueError:
+        return  # refused: the parent is not on the child's database
+    # Accepted: the child waits for default's row, and is settled by it.
+    links = list(
+        Dependency.objects.using("default")
+        .filter(child_id=child.pk)
+        .values_list("parent_id", flat=True)
+    )
+    child.refresh_from_db()
+    pytest.fail(
+        f"child #{child.pk} on {child._state.db!r} was linked to {links} there "
+        f"(default's row #{stranger.pk}, {stranger.status}) for parent #{parent.pk} on "
+        f"{parent._state.db!r}; it is now {child.status}: {child.last_error[:120]!r}"
+    )
+
+
+# -- the enqueue-time warning points at the enqueuing line -------------------------------
+#
+# The warning of a queue database of its own points at "the enqueuing line"
+# (``routing._caller_level``: the first frame outside django-dbworker and Django), so
+# that Python shows it once per line of the project's code, also when the project's
+# package name starts with "django" (a plain prefix of Django's folder), and not in an
+# on-commit callback or another thread, where the enqueue is not in the caller's
+# transaction.
+
+
+def _run_as(filename: str) -> None:
+    """Enqueue inside atomic() on default from code whose file is ``filename``."""
+    source = "def place_order():\n    Noop.enqueue({'n': 1})\n"
+    namespace = {"Noop": Noop}
+    exec(compile(source, filename, "exec"), namespace)
+    with transaction.atomic():
+        namespace["place_order"]()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        # A project's app or a third-party app installed next to Django.
+        str(Path(django.__file__).resolve().parent) + "_myapp",
+        str(Path(django.__file__).resolve().parent) + "_celery_beat",
+    ],
+    ids=["django_myapp", "django_celery_beat"],
+)
+def test_the_warning_points_at_an_enqueue_in_a_package_named_django_something(
+    routed: None, package: str
+) -> None:
+    views = f"{package}/views.py"
+    with pytest.warns(RuntimeWarning, match="writes to database 'work'") as record:
+        _run_as(views)
+    assert record[0].filename == views, record[0].filename
+
+
+def test_control_an_enqueue_in_any_other_package_is_pointed_at(routed: None) -> None:
+    views = str(Path(django.__file__).resolve().parent.parent / "myapp" / "views.py")
+    with pytest.warns(RuntimeWarning) as record:
+        _run_as(views)
+    assert record[0].filename == views
+
+
+def _enqueuing_view(request: object) -> object:
+    from django.http import HttpResponse
+
+    Noop.enqueue({"n": "view"})  # the line the warning must name
+    return HttpResponse("ok")
+
+
+urlpatterns = [__import__("django.urls").urls.path("enqueue/", _enqueuing_view)]
+
+
+def test_a_view_under_atomic_requests_is_warned_at_its_enqueue(routed: None) -> None:
+    from django.db import connections
+    from django.test import Client
+
+    default = connections["default"]
+    default.settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        with (
+            override_settings(ROOT_URLCONF=__name__),
+            pytest.warns(RuntimeWarning, match="open on 'default'") as record,
+        ):
+            assert Client().get("/enqueue/").status_code == 200
+    finally:
+        default.settings_dict["ATOMIC_REQUESTS"] = False
+    assert record[0].filename == __file__
+    assert record[0].lineno == _enqueuing_view.__code__.co_firstlineno + 3
+
+
+def test_no_warning_in_an_on_commit_callback_or_another_thread(routed: None) -> None:
+    import threading
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic():
+            transaction.on_commit(lambda: Noop.enqueue({"n": "later"}))
+            errors: list[BaseException] = []
+
+            def elsewhere() -> None:
+                try:
+                    Noop.enqueue({"n": "thread"})
+                except BaseException as exc:
+                    errors.append(exc)
+                finally:
+                    from django.db import connections
+
+                    connections.close_all()
+
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join(30)
+            assert errors == []
+
+
+# -- run_until_empty keeps a caller's transactions on other aliases ----------------------
+#
+# A worker thread tidies every connection it opened after each job, leaving alone a
+# caller's transaction: in Django's manual transaction mode (``set_autocommit(False)``,
+# ``AUTOCOMMIT: False``) too, where ``in_atomic_block`` is False. ``run_until_empty``
+# (the calling thread, the caller's connections) keeps the caller's uncommitted writes
+# on the other alias and its autocommit setting.
+
+
+@pytest.fixture
+def manual_on_other_alias() -> Iterator[None]:
+    transaction.set_autocommit(False, using=WORK_ALIAS)
+    try:
+        yield
+    finally:
+        if not connections[WORK_ALIAS].get_autocommit():
+            transaction.rollback(using=WORK_ALIAS)
+            transaction.set_autocommit(True, using=WORK_ALIAS)
+
+
+def test_run_until_empty_keeps_a_manual_transaction_on_another_alias(
+    manual_on_other_alias: None,
+) -> None:
+    # The caller's uncommitted write on the other alias (any table will do).
+    mine = WorkItem.objects.using(WORK_ALIAS).create(
+        handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
+    )
+    Noop.enqueue({"n": 1})  # the work: on default
+    counts = run_until_empty()
+    assert counts.get("succeeded") == 1, counts
+    still_manual = not connections[WORK_ALIAS].get_autocommit()
+    transaction.commit(using=WORK_ALIAS)
+    kept = WorkItem.objects.using(WORK_ALIAS).filter(pk=mine.pk).exists()
+    assert still_manual and kept, (
+        f"run_until_empty on default tidied the caller's manual transaction on "
+        f"{WORK_ALIAS!r}: autocommit turned back on: {not still_manual}; its "
+        f"uncommitted row #{mine.pk} kept: {kept}"
+    )
+
+
+# The enqueue on default inside work's atomic block is meant: the warning says so.
+@pytest.mark.filterwarnings("ignore:This enqueue writes to database:RuntimeWarning")
+def test_run_until_empty_keeps_an_atomic_block_on_another_alias() -> None:
+    """Control: the caller's ``atomic()`` on the other alias is left alone."""
+    with transaction.atomic(using=WORK_ALIAS):
+        mine = WorkItem.objects.using(WORK_ALIAS).create(
+            handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
+        )
+        Noop.enqueue({"n": 1})
+        assert run_until_empty().get("succeeded") == 1
+    assert WorkItem.objects.using(WORK_ALIAS).filter(pk=mine.pk).exists()
+
+
+@pytest.mark.django_db(transaction=False, databases="__all__")
+def test_run_until_empty_in_a_testcase_on_every_alias_keeps_its_writes() -> None:
+    """Control: a TestCase's transactions on every alias are left alone."""
+    mine = WorkItem.objects.using(WORK_ALIAS).create(
+        handler="noop", payload={"mine": True}, max_attempts=1, status=Status.SUCCEEDED
+    )
+    Noop.enqueue({"n": 1})
+    assert run_until_empty().get("succeeded") == 1
+    assert connections[WORK_ALIAS].in_atomic_block
+    assert WorkItem.objects.using(WORK_ALIAS).filter(pk=mine.pk).exists()

@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.db import connections, router
 from django.test import override_settings
 
+from django_dbworker import EnqueueError
 from django_dbworker.admin import actions
+from django_dbworker.batches.models import Dependency
 from django_dbworker.contrib.prometheus.collector import QueueCollector, register
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import orphaned_handlers, queue_stats
@@ -108,3 +111,71 @@ def test_testing_helpers_follow_the_routers(routed: None) -> None:
     Noop.enqueue({"n": 1})
     assert_enqueued(Noop, {"n": 1}, count=1)
     assert run_until_empty([Noop]) == {"succeeded": 1}
+
+
+# -- after= and a parent read through a primary/replica router ---------------------------
+#
+# A parent WorkItem whose ``_state.db`` is not the child's write alias is refused
+# ("ids are per database") unless ``router.allow_relation`` says the two may be
+# related, as Django's own relations ask: the primary/replica router of Django's docs
+# reads from a replica that holds the primary's rows under the same ids.
+
+
+REPLICA = "replica_after"
+
+
+class PrimaryReplicaRouter:
+    """Django docs' primary/replica router, with one replica (the same database here)."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str:
+        return REPLICA
+
+    def db_for_write(self, model: Any, **hints: Any) -> str:
+        return "default"
+
+    def allow_relation(self, obj1: Any, obj2: Any, **hints: Any) -> bool | None:
+        pool = {"default", REPLICA}
+        if obj1._state.db in pool and obj2._state.db in pool:
+            return True
+        return None
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool:
+        return db == "default"
+
+
+@pytest.fixture
+def replica() -> Iterator[None]:
+    # A replica of the test database: the same server and database (as a MIRROR is),
+    # made as Django makes a dynamic connection (this thread's only).
+    connections.settings[REPLICA] = {**connections["default"].settings_dict}
+    try:
+        conn = connections.create_connection(REPLICA)
+    finally:
+        del connections.settings[REPLICA]
+    setattr(connections._connections, REPLICA, conn)
+    try:
+        with override_settings(DATABASE_ROUTERS=[f"{__name__}.PrimaryReplicaRouter"]):
+            yield
+    finally:
+        conn.close()
+        delattr(connections._connections, REPLICA)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_a_parent_read_from_the_replica_is_accepted(replica: None) -> None:
+    parent = Noop.enqueue({"n": "parent"})
+    assert parent._state.db == "default"
+    loaded = WorkItem.objects.get(pk=parent.pk)  # a read: the replica
+    assert loaded._state.db == REPLICA
+    child = WorkItem(handler="noop")
+    child._state.db = "default"
+    assert router.allow_relation(loaded, child), "Django would relate them"
+    try:
+        child = Noop.enqueue({"n": "child"}, after=[loaded])
+    except EnqueueError as exc:
+        pytest.fail(f"after= refused a parent its router relates to the child: {exc}")
+    assert list(
+        Dependency.objects.using("default")
+        .filter(child_id=child.pk)
+        .values_list("parent_id", flat=True)
+    ) == [parent.pk]

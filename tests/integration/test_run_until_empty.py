@@ -1,8 +1,9 @@
 """``run_until_empty`` and ``claim_next`` as users' tests meet them.
 
-Written by the review of the issue 9 refactor (which must not change
-behaviour): each test states the behaviour before it (06bc459) and failed
-on the refactor before its fix. Handlers here are registered as ``r9_*``.
+Each test says what the worker's burst run does for a user's test: it goes on
+after a failed claim or a handler that broke its connection, records a refused
+result as a failure (in the span too), refuses unknown names and queues, and
+recovers and runs the rows a dead worker left.
 """
 
 from __future__ import annotations
@@ -19,25 +20,26 @@ from django_dbworker import WorkItemHandler
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
+from tests.factories import age_heartbeat, claim, make_item
 
 pytestmark = pytest.mark.django_db
 
 
-class R9Noop(WorkItemHandler):
-    name = "r9_noop"
+class BurstNoop(WorkItemHandler):
+    name = "burst_noop"
 
     def handle(self, payload: Any) -> None:
         return None
 
 
-class R9SwallowsDbError(WorkItemHandler):
+class SwallowsDbError(WorkItemHandler):
     """Swallows a database error without a savepoint (a common test-suite mistake).
 
     On PostgreSQL the caller's transaction is then aborted: every later
     statement fails with "current transaction is aborted".
     """
 
-    name = "r9_swallows_db_error"
+    name = "burst_swallows_db_error"
     max_attempts = 1
 
     def handle(self, payload: Any) -> None:
@@ -45,10 +47,10 @@ class R9SwallowsDbError(WorkItemHandler):
             cursor.execute("SELECT 1/0")
 
 
-class R9NulResult(WorkItemHandler):
+class NulResult(WorkItemHandler):
     """Returns a result PostgreSQL's jsonb refuses (\\u0000)."""
 
-    name = "r9_nul_result"
+    name = "burst_nul_result"
     max_attempts = 3
 
     def handle(self, payload: Any) -> str:
@@ -81,13 +83,10 @@ def deadline(seconds: int) -> Iterator[None]:
 def test_run_until_empty_raises_a_claim_error_instead_of_retrying_forever(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before: a claim that fails raised out of run_until_empty at once.
-
-    After: the inline Worker's claim loop logs it, closes the caller's
-    connection (close_quietly) and retries with backoff forever: a test
-    hangs instead of failing.
+    """A claim that fails raises out of run_until_empty at once: a test fails, it does not
+    hang in the claim loop's retries with backoff.
     """
-    R9Noop.enqueue(None)
+    BurstNoop.enqueue(None)
     ops_class = type(operations())
 
     def broken_claim(self: Any, **kwargs: Any) -> Any:
@@ -95,19 +94,17 @@ def test_run_until_empty_raises_a_claim_error_instead_of_retrying_forever(
 
     monkeypatch.setattr(ops_class, "claim", broken_claim)
     with deadline(5), pytest.raises(DatabaseError, match="injected"):
-        run_until_empty(handlers=[R9Noop])
+        run_until_empty(handlers=[BurstNoop])
 
 
 @pytest.mark.postgres_only
 def test_run_until_empty_in_an_aborted_transaction_raises_instead_of_hanging() -> None:
-    """Before: the next claim failed with "current transaction is aborted" and raised.
-
-    After: the claim loop swallows that error, closes the test's connection
-    and retries forever (backoff up to 10 s).
+    """A handler that swallowed a database error leaves the test's transaction aborted: the
+    next claim's "current transaction is aborted" raises, not retried forever.
     """
-    R9SwallowsDbError.enqueue(None)
+    SwallowsDbError.enqueue(None)
     with deadline(8), pytest.raises(DatabaseError):
-        run_until_empty(handlers=[R9SwallowsDbError])
+        run_until_empty(handlers=[SwallowsDbError])
 
 
 # -- run_until_empty: a result the database refuses ---------------------------------
@@ -115,8 +112,8 @@ def test_run_until_empty_in_an_aborted_transaction_raises_instead_of_hanging() -
 
 @pytest.mark.postgres_only
 def test_run_until_empty_refused_result_is_failed() -> None:
-    item = R9NulResult.enqueue(None)
-    assert run_until_empty(handlers=[R9NulResult]) == {"failed": 1}
+    item = NulResult.enqueue(None)
+    assert run_until_empty(handlers=[NulResult]) == {"failed": 1}
     item.refresh_from_db()
     assert item.status == Status.FAILED
     assert item.attempts == 1
@@ -124,11 +121,8 @@ def test_run_until_empty_refused_result_is_failed() -> None:
 
 @pytest.mark.postgres_only
 def test_run_until_empty_refused_result_span_says_failed() -> None:
-    """Before: the process span of an attempt whose result was refused said "failed".
-
-    After: run_until_empty hands the success to the (inline) writer, execute()
-    returns DEFERRED and marks the span "succeeded" before the writer's
-    refusal turns the attempt into "failed".
+    """The process span of an attempt whose result the success writer refused says "failed",
+    not the "succeeded" it had before the inline writer's refusal.
     """
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -141,8 +135,8 @@ def test_run_until_empty_refused_result_span_says_failed() -> None:
     provider.add_span_processor(SimpleSpanProcessor(memory))
     tracing.use_tracer_provider(provider)
     try:
-        R9NulResult.enqueue(None)
-        assert run_until_empty(handlers=[R9NulResult]) == {"failed": 1}
+        NulResult.enqueue(None)
+        assert run_until_empty(handlers=[NulResult]) == {"failed": 1}
     finally:
         tracing.use_tracer_provider(None)
     (span,) = [s for s in memory.get_finished_spans() if s.name.startswith("process")]
@@ -155,10 +149,8 @@ def test_run_until_empty_refused_result_span_says_failed() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_run_until_empty_refuses_own_table_handlers() -> None:
-    """Before: a name of an own-table Handler[T] claimed no WorkItem: {} and nothing ran.
-
-    The refactored worker started its HandlerLoop thread, outside the caller's
-    transaction. Now the name is refused with a clear error, and nothing runs.
+    """A name of an own-table ``Handler[T]`` is refused with a clear error, and nothing runs
+    (its HandlerLoop thread would run outside the caller's transaction).
     """
     from tests.testapp.models import Invoice
 
@@ -170,20 +162,20 @@ def test_run_until_empty_refuses_own_table_handlers() -> None:
 
 
 def test_run_until_empty_refuses_an_invalid_queue_name() -> None:
-    """Before: a queue name no row can have ran nothing, silently; now a clear error."""
-    R9Noop.enqueue(None)
+    """A queue name no row can have is a clear error, not a silent run of nothing."""
+    BurstNoop.enqueue(None)
     with pytest.raises(ValueError, match="queue"):
-        run_until_empty(handlers=[R9Noop], queues=["no such queue"])
+        run_until_empty(handlers=[BurstNoop], queues=["no such queue"])
     assert WorkItem.objects.get().status == Status.PENDING
 
 
 def test_run_until_empty_max_items_raises_only_when_work_remains() -> None:
-    """Before: running exactly ``max_items`` items raised even when nothing remained."""
-    R9Noop.enqueue_many([None, None])
-    assert run_until_empty(handlers=[R9Noop], max_items=2) == {"succeeded": 2}
-    R9Noop.enqueue_many([None, None, None])
+    """Running exactly ``max_items`` items raises only when work remains."""
+    BurstNoop.enqueue_many([None, None])
+    assert run_until_empty(handlers=[BurstNoop], max_items=2) == {"succeeded": 2}
+    BurstNoop.enqueue_many([None, None, None])
     with pytest.raises(RuntimeError, match="ran 2 items and work remains"):
-        run_until_empty(handlers=[R9Noop], max_items=2)
+        run_until_empty(handlers=[BurstNoop], max_items=2)
 
 
 # -- claim_next: own tables on any Django database ----------------------------------
@@ -192,13 +184,10 @@ def test_run_until_empty_max_items_raises_only_when_work_remains() -> None:
 def test_claim_next_works_on_a_database_dbworker_does_not_hold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before: claim_next asked Django's ``features.has_select_for_update_skip_locked``,
-    so an own table on any backend (MySQL, Oracle, ...) could be claimed.
-
-    After: claiming.py asks ``operations(db).supports_skip_locked``, and
-    ``operations`` raises UnsupportedDatabase for every vendor but
-    PostgreSQL and SQLite. (The vendor name is faked here; the connection
-    and its features are the real ones.)
+    """claim_next asks Django's ``features.has_select_for_update_skip_locked``, not
+    django-dbworker's vendor operations: an own table on any backend that skips locked rows
+    can be claimed. (The vendor name is faked here; the connection and its features are
+    the real ones.)
     """
     from django.db import connections
 
@@ -215,15 +204,24 @@ def test_claim_next_works_on_a_database_dbworker_does_not_hold(
 
 
 def test_run_until_empty_does_not_depend_on_worker_tuning_settings() -> None:
-    """Before: run_until_empty read none of the worker's tuning settings.
-
-    After: it builds a WorkerConfig, whose defaults come from DBWORKER and
-    whose __post_init__ validates them; a value the system checks would
-    flag (they do not run under pytest) now makes run_until_empty raise
-    InvalidValue. Here CONCURRENCY = 0 (e.g. "no background workers in tests").
+    """run_until_empty reads none of the worker's tuning settings: a value the system checks
+    would flag (they do not run under pytest), here CONCURRENCY = 0 ("no background workers
+    in tests"), does not make it raise.
     """
     from django.test import override_settings
 
-    R9Noop.enqueue(None)
+    BurstNoop.enqueue(None)
     with override_settings(DBWORKER={"CONCURRENCY": 0}):
-        assert run_until_empty(handlers=[R9Noop]) == {"succeeded": 1}
+        assert run_until_empty(handlers=[BurstNoop]) == {"succeeded": 1}
+
+
+# -- rows a dead worker left are recovered and run ---------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_until_empty_recovers_and_runs_a_dead_workers_row() -> None:
+    make_item()
+    [item] = claim(limit=1, handlers=["noop"], worker="dead:1:main")
+    age_heartbeat(item, 3600)
+    counts = run_until_empty(["noop"])
+    assert WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, counts

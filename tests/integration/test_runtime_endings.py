@@ -1,11 +1,10 @@
-"""Attacks on the runtime reshape of issue 19 ("no change of behaviour").
+"""How an attempt's endings are settled: one hook call, one count, whatever the route.
 
-Each test is a path where the reshaped runtime (``worker/settle.py``,
-``running.py``, ``attempts.py``, ``watchdog.py``...) behaves differently
-from commit 1d9b169, whose ``runtime.py``/``execution.py`` passed it. The
-docstring of each test states the bug. Interleavings are forced with
-events that user code (a handler, its ``backoff``, a log handler) waits
-on, never with sleeps that hope.
+A timed-out attempt's abandoned run may end after, or before, the thread that records
+the timeout; an ending may be refused by the database; a hook may trace, log or read
+the metrics; the watchers (task discovery, the orphan warning) must outlive a race and
+a killed connection. Interleavings are forced with events that user code (a handler,
+its ``backoff``, a log handler) waits on, never with sleeps that hope.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class LateFailureWins(WorkItemHandler):
     write) holds that write back until the abandoned run's failure landed.
     """
 
-    name = "attack_late_failure_wins"
+    name = "late_failure_wins"
     timeout = 0.3
     max_attempts = 3
     retry_on = (KeyError,)
@@ -115,24 +114,14 @@ class _AfterLateWrite(logging.Handler):
 def test_a_late_failure_that_landed_first_is_what_attempt_recorded_hears(
     no_stray_threads: None,
 ) -> None:
-    """Fixed: the hook is told ``None`` (fenced) for an attempt whose failure was recorded.
+    """A timed-out attempt whose abandoned run writes ``failed`` before the timing-out thread
+    writes the retry (which is then fenced): ``attempt_recorded`` hears ``failed``, the
+    write that landed (a Tasks backend sends ``task_finished``), not ``(None, None)``.
 
-    A timed-out attempt: its abandoned run ends and writes ``failed`` before
-    the timing-out thread writes the retry (which is then fenced). The row is
-    ``failed`` by this attempt's own write; 1d9b169 called ``attempt_recorded``
-    right after that write (``_record_failure`` -> ``notify_recorded``), so
-    the hook heard ``failed`` (a Tasks backend sends ``task_finished``).
-
-    Before the fix, ``failures.record_failure`` only returned an Ending; the late run's
-    ending reaches ``Settler.settle`` via ``on_late`` only after the whole
-    run has returned (log lines, ``tidy``, ``close_thread_connections``,
-    ``tracker.finish``: execution.py ``target``'s ``finally``), and
-    ``Ledger.settle_once`` gives the attempt's one hook call to whichever
-    ending is *settled* first, not to the write that landed: the fenced
-    timeout settles first and the hook hears ``(None, None)``; the failure's
-    own settle is then "late" and says nothing (settle.py ``if not first:
-    return``). A task whose last attempt failed this way never sends
-    ``task_finished``.
+    ``Ledger.settle_once`` gives the attempt's one hook call to the ending that is
+    settled first; the late run's failure is settled as it is recorded, not only after
+    its thread has returned (log lines, ``tidy``, ``tracker.finish``), so the fenced
+    timeout cannot take the hook call first.
     """
     for event in LATE.values():
         event.clear()
@@ -162,7 +151,7 @@ HOOK_SPANS: list[str | None] = []
 
 
 class FailsWithHook(WorkItemHandler):
-    name = "attack_fails_with_hook"
+    name = "fails_with_hook"
     max_attempts = 1
 
     def handle(self, payload: Any) -> None:
@@ -190,17 +179,9 @@ def tracer_provider() -> Iterator[None]:
 def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
     tracer_provider: None,
 ) -> None:
-    """Fixed: ``attempt_recorded`` of a failure now runs after the attempt's span closed.
-
-    In 1d9b169 the pool thread called the hook right after writing the
-    failure, inside ``execute``'s ``tracing.processing`` span (and inside
-    ``metrics.running``: the in-flight gauge still counted the attempt), so
-    whatever a hook (a ``task_finished`` receiver) traces or logs is part of
-    the job's ``process {queue}`` span. Now ``record_failure`` returns an
-    Ending and the hook runs from ``Settler.settle``, which
-    ``AttemptRunner.run`` calls in its ``finally`` after ``execute`` has
-    returned (running.py): the current span there is the caller's (none).
-    (Successes handed to an inline writer still run theirs inside the span.)
+    """``attempt_recorded`` of a failure runs inside the attempt's ``process {queue}`` span,
+    right after the failure is written: whatever a hook (a ``task_finished`` receiver)
+    traces or logs is part of the job's span, as for a success.
     """
     from django_dbworker.testing import run_until_empty
 
@@ -216,21 +197,12 @@ def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
 def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worker(
     no_stray_threads: None,
 ) -> None:
-    """Fixed: a race in task discovery now stops the whole worker (watchdog, exit non-zero).
-
-    ``TaskDiscovery.look`` -> ``discovery.new_pending_handlers`` iterates the
-    live registry dict (``registry.items()``) while other threads may
-    register handlers: a job that imports a module with ``@task``
-    functions (a lazy import inside a function, the usual way around an
-    import cycle) registers them from a pool thread. The iteration then
-    raises ``RuntimeError: dictionary changed size during iteration``;
-    ``Watcher.run`` catches only ``DatabaseError``, so the watcher thread
-    dies, and the new watchdog, which watches the watchers
-    (runtime.py ``self.watchdog.watch(watcher.what, watcher, ends_on_stop=True)``),
-    stops the worker: "the task discovery thread died". In 1d9b169 the
-    discovery thread was not watched: the same death cost task discovery,
-    not the process. (The race is amplified here with a tiny switch
-    interval and many registrations; nothing else is faked.)
+    """Task discovery reads the registry while a job that imports a module with ``@task``
+    functions (a lazy import, the usual way around an import cycle) registers them from a
+    pool thread. The look must not fail with "dictionary changed size during iteration":
+    its watcher's death would stop the worker (the watchdog watches the watchers). The
+    race is amplified here with a tiny switch interval and many registrations; nothing
+    else is faked.
     """
     import sys
 
@@ -242,8 +214,8 @@ def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worke
     old_interval = sys.getswitchinterval()
     # A registry of a few hundred handlers (a big project's tasks): each look
     # iterates it for longer.
-    ballast = [f"attack_ballast_{n}" for n in range(500)]
-    names = [f"attack_churn_{n}" for n in range(20)]
+    ballast = [f"ballast_{n}" for n in range(500)]
+    names = [f"churn_{n}" for n in range(20)]
     try:
         for name in ballast:
             type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
@@ -277,17 +249,11 @@ def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worke
 def test_the_orphan_watch_resumes_after_its_connection_is_killed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Bug (older than issue 19; same code in 1d9b169): a watcher never reconnects.
-
-    ``Watcher.run`` (``warn_about_orphans`` for the orphan watch) catches the
-    ``DatabaseError`` of a look and tries again at the next interval, but
-    never closes the thread's broken connection (the claim loop, heartbeat
-    and pool threads do: ``close_quietly``/``tidy``): with psycopg 3 every
-    later look fails with "the connection is closed" (Django reconnects only
-    when the connection object is closed), forever. After a failover or a
-    server restart, task discovery and the orphan warning silently stop for
-    the life of the process; SPEC: the process "resumes when the database is
-    back".
+    """A watcher (here the orphan warning) whose look fails with a ``DatabaseError`` closes its
+    broken connection before it tries again, as the claim loop, heartbeat and pool threads
+    do: with psycopg 3 every later look would fail with "the connection is closed".
+    SPEC: the process "resumes when the database is back", task discovery and the orphan
+    warning too.
     """
     from django_dbworker.worker.slow_checks import OrphanWatch
     from tests.conftest import kill_other_connections
@@ -299,12 +265,12 @@ def test_the_orphan_watch_resumes_after_its_connection_is_killed(
     watch.attach(stopping=stopping, add_handlers=lambda classes: None)
     watch.start()
     try:
-        make_item(handler="attack-orphan-before")
-        wait_until(lambda: "attack-orphan-before" in caplog.text, what="the first warning")
+        make_item(handler="orphan-before")
+        wait_until(lambda: "orphan-before" in caplog.text, what="the first warning")
         assert kill_other_connections() >= 1
-        make_item(handler="attack-orphan-after")
+        make_item(handler="orphan-after")
         wait_until(
-            lambda: "attack-orphan-after" in caplog.text,
+            lambda: "orphan-after" in caplog.text,
             timeout=10,
             what="the orphan watch to warn again after its connection was killed",
         )
@@ -330,7 +296,7 @@ class LateUnrecorded(WorkItemHandler):
     still in flight (heartbeated) while its timeout is not written yet.
     """
 
-    name = "attack_late_unrecorded"
+    name = "late_unrecorded"
     timeout = 0.3
     max_attempts = 3
     retry_on = (KeyError,)
@@ -368,52 +334,41 @@ def refuse_late_failures() -> Iterator[None]:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
-                "CREATE FUNCTION attack_refuse_late() RETURNS trigger AS $$ BEGIN "
-                f"IF {refused} THEN RAISE EXCEPTION 'attack: refused'; END IF; "
+                "CREATE FUNCTION refuse_late() RETURNS trigger AS $$ BEGIN "
+                f"IF {refused} THEN RAISE EXCEPTION 'refused'; END IF; "
                 "RETURN NEW; END $$ LANGUAGE plpgsql"
             )
             cursor.execute(
-                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
-                "FOR EACH ROW EXECUTE FUNCTION attack_refuse_late()"
+                f"CREATE TRIGGER refuse_late BEFORE UPDATE ON {TABLE} "
+                "FOR EACH ROW EXECUTE FUNCTION refuse_late()"
             )
         elif connection.vendor == "sqlite":
             cursor.execute(
-                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} "
-                f"FOR EACH ROW WHEN {refused} BEGIN SELECT RAISE(ABORT, 'attack: refused'); END"
+                f"CREATE TRIGGER refuse_late BEFORE UPDATE ON {TABLE} "
+                f"FOR EACH ROW WHEN {refused} BEGIN SELECT RAISE(ABORT, 'refused'); END"
             )
         else:  # MySQL/MariaDB: SIGNAL is error 1644, not a transient one
             cursor.execute(
-                f"CREATE TRIGGER attack_refuse_late BEFORE UPDATE ON {TABLE} FOR EACH ROW "
+                f"CREATE TRIGGER refuse_late BEFORE UPDATE ON {TABLE} FOR EACH ROW "
                 f"IF {refused} THEN "
-                "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'attack: refused'; END IF"
+                "SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused'; END IF"
             )
     yield
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(f"DROP TRIGGER IF EXISTS attack_refuse_late ON {TABLE}")
-            cursor.execute("DROP FUNCTION IF EXISTS attack_refuse_late()")
+            cursor.execute(f"DROP TRIGGER IF EXISTS refuse_late ON {TABLE}")
+            cursor.execute("DROP FUNCTION IF EXISTS refuse_late()")
         else:
-            cursor.execute("DROP TRIGGER IF EXISTS attack_refuse_late")
+            cursor.execute("DROP TRIGGER IF EXISTS refuse_late")
 
 
 def test_an_abandoned_run_that_records_nothing_does_not_take_the_attempts_ending(
     refuse_late_failures: None, no_stray_threads: None
 ) -> None:
-    """Fixed: a late UNRECORDED ending retires the attempt and takes its one settle.
-
-    A timed-out attempt whose abandoned run then fails in a way the database
-    refuses (the failure and its plain fallback): that run ends
-    ``UNRECORDED``. In 1d9b169 that was nothing: a non-final late outcome
-    was neither counted nor told (execution.py ``target`` only observed
-    final late outcomes), and the attempt stayed in flight until its own
-    thread recorded the timeout, whose hook and count it was.
-
-    Before the fix, ``on_late`` handed the UNRECORDED ending to ``Settler.settle``, which
-    (the attempt not settled yet) takes ``Ledger.settle_once`` for it, calls
-    the hook with ``(None, None)`` and retires the attempt (settle.py: only
-    an UNRECORDED *while aborting* keeps it): the row, still claimed by this
-    attempt and its timeout not yet written, is no longer heartbeated; the
-    timeout that is then recorded is a "late" ending: no hook, no count.
+    """A timed-out attempt whose abandoned run then fails in a way the database refuses (the
+    failure and its plain fallback) ends ``UNRECORDED``: that late ending neither retires
+    the attempt nor takes its one settle. The row, still claimed by the attempt, stays
+    heartbeated until its timeout is recorded, whose hook and count it is.
     """
     REFUSE["timed_out"].clear()
     REFUSE_SEEN.clear()
@@ -441,7 +396,7 @@ GAUGE: dict[str, Any] = {}
 
 
 class FailsAndReadsGauge(WorkItemHandler):
-    name = "attack_fails_reads_gauge"
+    name = "fails_reads_gauge"
     max_attempts = 1
 
     def handle(self, payload: Any) -> None:
@@ -458,13 +413,8 @@ class FailsAndReadsGauge(WorkItemHandler):
 def test_the_hook_of_a_recorded_failure_runs_while_the_attempt_counts_in_flight(
     no_stray_threads: None,
 ) -> None:
-    """Bug (same cause as the span test above): the in-flight gauge no longer covers the hook.
-
-    1d9b169 ran a failure's ``attempt_recorded`` inside ``metrics.running``
-    (``worker_tasks_in_flight`` still 1 for the attempt); now
-    ``Settler.settle`` runs it after ``execute`` returned (running.py), so a
-    slow ``task_finished`` receiver holds a pool thread while the gauge says
-    nothing runs.
+    """A failure's ``attempt_recorded`` runs while ``worker_tasks_in_flight`` still counts the
+    attempt: a slow ``task_finished`` receiver holds a pool thread, and the gauge says so.
     """
     from prometheus_client import CollectorRegistry
 

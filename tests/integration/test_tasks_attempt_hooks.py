@@ -257,7 +257,7 @@ def test_the_running_task_agrees_with_get_result_on_its_priority_and_queue() -> 
 
     ``where_am_i.using(priority=7, queue_name="other").enqueue()``: the row
     has priority 7 and queue "other", ``get_result`` answers
-    ``task.using(priority=7, queue_name="other")`` (fixed in 2f1f960), but
+    ``task.using(priority=7, queue_name="other")``, but
     the TaskResult the worker builds (``TaskContext.task_result``, and the
     one ``task_started``/``task_finished`` receivers get) carries the task
     as declared: priority 0, queue "default". django-tasks-db's worker
@@ -339,15 +339,14 @@ def test_recovering_a_mass_crash_fits_in_one_pass_of_the_worker() -> None:
     A worker with ``max_attempts=1`` jobs (or on last attempts) holds up to
     running + buffered rows claimed (MAX_CLAIM 500 per statement, more
     across statements); when a fleet is killed (OOM, node loss) every such row
-    is stale and exhausted. ``recover_stale`` now fails them one UPDATE
-    each (2,000 rows: 2,000 statements, where 71d4b93 used one per handler
-    per batch of 500). The worker's pass is rolled back as "it had to wait"
-    (``_RecoveryWaited``) when it takes longer than HEARTBEAT_INTERVAL, and
-    put off; every later pass redoes the same thousands of UPDATEs and is
-    rolled back again, until STALE_AFTER more has passed. Meanwhile (on
-    SQLite) each pass holds the database write lock. Here: one
-    pass of the worker, HEARTBEAT_INTERVAL 5 s (the production default),
-    over 2,000 rows: before 2f1f960 they are failed; now nothing is.
+    is stale and exhausted. ``recover_stale`` fails them with one UPDATE per
+    handler per batch of 500, not one per row: the worker's pass is rolled back
+    as "it had to wait" (``_RecoveryWaited``) when it takes longer than
+    HEARTBEAT_INTERVAL, and put off; every later pass would redo the same
+    thousands of UPDATEs and be rolled back again, until STALE_AFTER more has
+    passed, (on SQLite) holding the database write lock each time. Here: one
+    pass of the worker, HEARTBEAT_INTERVAL 5 s (the production default), over
+    2,000 rows: every one is failed.
     """
     _stale_exhausted_rows(2000)
     # The bound under test is the number of statements. The time it makes
@@ -359,9 +358,9 @@ def test_recovering_a_mass_crash_fits_in_one_pass_of_the_worker() -> None:
     with CaptureQueriesContext(connection) as queries:
         worker.recovery.maybe_recover()
     left = WorkItem.objects.filter(status=Status.CLAIMED).count()
-    # 71d4b93: 15 statements, 0.06 s (SQLite) / 0.11 s (PostgreSQL) for the
-    # 2,000 rows; 2f1f960: 2,015 statements, 2.2 s / 5.1 s (more than the
-    # production HEARTBEAT_INTERVAL of 5 s on PostgreSQL).
+    # One UPDATE per handler per 500 rows: about 15 statements, 0.06 s (SQLite) /
+    # 0.11 s (PostgreSQL) for the 2,000 rows; one per row: 2,015 statements,
+    # 2.2 s / 5.1 s (more than the production HEARTBEAT_INTERVAL of 5 s).
     assert (left, len(queries) <= 100) == (0, True), (
         f"{left} rows still claimed after the pass ({len(queries)} statements)"
     )

@@ -1,7 +1,7 @@
 """``DBWorkerBackend`` against Django's Tasks contract, one clause per test.
 
 Every test states Django's contract (django/tasks/*, django-tasks-db's worker,
-SPEC.md "Django Tasks backend" or issue 12) and checks our backend against it.
+SPEC.md "Django Tasks backend") and checks our backend against it.
 They run in-process like tests/integration/test_tasks.py, on SQLite and
 PostgreSQL, Django 5.2 + backport and Django 6.
 """
@@ -257,7 +257,7 @@ def test_get_result_on_a_backend_the_task_cannot_use_is_consistent() -> None:
     ``_as_enqueued`` tries ``task.using(backend="patient")``, which raises
     InvalidTask, and then keeps the task as declared: the result says
     ``backend == "patient"`` while ``result.task.backend == "default"``,
-    the inconsistency 2f1f960 fixed for compatible backends. "patient"
+    the inconsistency already fixed for compatible backends. "patient"
     cannot have issued this id (``add`` can never be enqueued there): like
     an id it never issued, it should raise ``TaskResultDoesNotExist``, or
     at least answer a result whose task is on the backend it names.
@@ -408,7 +408,7 @@ def test_a_task_failed_by_stale_recovery_sends_task_finished(
     The worker's stale-recovery pass turns the row FAILED (WorkerLost, attempts
     used up); ``task_finished`` is never sent for it, in any process, so a
     receiver waiting for the end of the task (notify the user, release a
-    resource) waits forever. Issue 12: "task_finished ... signals fire in the
+    resource) waits forever. The contract: "task_finished ... signals fire in the
     right processes"; a task left running by a crashed worker "is recovered
     like any WorkItem" (SPEC.md).
     """

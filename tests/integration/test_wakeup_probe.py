@@ -1,4 +1,4 @@
-"""The listener's start-up probe on a direct PostgreSQL connection (issue 23).
+"""The listener's start-up probe on a direct PostgreSQL connection.
 
 A probe that arrives means no warning; one that cannot arrive (the LISTEN
 connection reaches another database than the one enqueuers notify on: a

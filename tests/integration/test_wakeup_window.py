@@ -1,4 +1,4 @@
-"""Wake-ups that do not serialise commits (issue 23): WAKEUP_WINDOW and WAKEUPS on PostgreSQL.
+"""Wake-ups that do not serialise commits: WAKEUP_WINDOW and WAKEUPS on PostgreSQL.
 
 With a window, an enqueue sends its NOTIFY after its commit, at most once per
 queue per window per process unless a more urgent row comes; a worker claims

@@ -1,4 +1,4 @@
-"""Batches and ``after=`` across ``run_workers`` processes (issue 22, SPEC "Batches and
+"""Batches and ``after=`` across ``run_workers`` processes (SPEC "Batches and
 dependencies"), on every database of the run.
 
 The items are ``step`` handlers, which write a start and an end record

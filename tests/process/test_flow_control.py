@@ -9,15 +9,16 @@ one period, by the handlers' own start records.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
 
 from django_dbworker import pause_queue, resume_queue
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import wait_until
+from tests.conftest import WorkerProcess, wait_until
 from tests.testapp.models import Execution
-from tests.testapp.workers import Paused, Rated, Sleep
+from tests.testapp.workers import Keyed, Paused, Rated, Sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -122,3 +123,25 @@ def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     # Both workers started some: the limit is shared, not per process.
     assert len(set(Execution.objects.filter(kind="rated").values_list("pid", flat=True))) == 2
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
+
+
+# -- burst workers leave paused queues alone ---------------------------------------------
+#
+# ``--burst``: "process until nothing is claimable ... then exit 0". A paused queue's
+# rows are claimed by no worker, so they are not claimable: a burst run leaves them
+# pending and exits, whether or not the handler has a ``concurrency_limit``.
+
+
+def test_burst_exits_with_a_paused_queue_with_or_without_concurrency_keys(
+    start_worker: Callable[..., WorkerProcess],
+) -> None:
+    Paused.enqueue({"key": "plain"})
+    pause_queue("pausable", by="test")
+    plain = start_worker("pausable", "--burst", "--interval", "0.2")
+    assert plain.wait(60) == 0
+
+    Keyed.enqueue({"key": "k"}, concurrency_key="k", queue="pausable")
+    keyed = start_worker("keyed", "--burst", "--interval", "0.2")
+    # Killed and failed after 30 s if it is still running.
+    assert keyed.wait(30) == 0
+    assert WorkItem.objects.filter(status=Status.PENDING, attempts=0).count() == 2

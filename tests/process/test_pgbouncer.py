@@ -1,4 +1,4 @@
-"""Wake-ups through PgBouncer in transaction mode (issue 23): WAKEUP_DATABASE, or a warning.
+"""Wake-ups through PgBouncer in transaction mode: WAKEUP_DATABASE, or a warning.
 
 The PgBouncer leg of ``scripts/test`` runs the tests marked ``pgbouncer``
 with DATABASE_URL going through a real PgBouncer 1.18 in transaction mode

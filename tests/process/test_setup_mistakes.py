@@ -114,7 +114,7 @@ def test_a_sqlite_file_in_a_missing_folder_is_named_by_enqueue_and_run_workers(
     [
         ["dbworker_stats"],
         ["dbworker_prune", "--older-than", "7d"],
-        # These three printed a traceback (attack s14).
+        # The queue verbs too: one line, not a traceback.
         ["dbworker_queue", "pause", "default"],
         ["dbworker_queue", "resume", "default"],
         ["dbworker_queue", "list"],

@@ -47,8 +47,7 @@ def test_a_task_defined_outside_a_tasks_module_runs_on_run_workers(start_worker)
     models.py ``DBTaskResult.task``), so a task in ``myapp/emails.py`` runs.
     ``run_workers`` only knows handlers registered by ``<app>.workers`` and
     ``<app>.tasks`` imports: the row stays READY forever (the worker logs it
-    as an orphan). Issue 12: "moving from django-tasks-db is a settings
-    change".
+    as an orphan). Moving from django-tasks-db should be a settings change.
     """
     result = outside_a_tasks_module.enqueue("anywhere")
     worker = start_worker("--burst")
@@ -63,17 +62,14 @@ def test_a_task_defined_outside_a_tasks_module_runs_on_run_workers(start_worker)
 def test_a_task_outside_a_tasks_module_enqueued_after_the_worker_started_runs(
     start_worker,
 ) -> None:
-    """2f1f960 imports task modules only for rows pending when ``run_workers`` starts.
+    """A task module is imported for rows enqueued after ``run_workers`` started too.
 
-    ``_import_pending_tasks`` runs once, before the worker is built, and
-    the worker claims only the handler names it was built with. A task
-    living in ``myapp/emails.py`` that is first enqueued after the worker
-    started (a deploy: workers restart first, the web enqueues later; or
-    simply the first signup of the day) is never claimed: its row stays
-    READY until the worker restarts. django-tasks-db's worker imports the
-    task of each row it runs (``DBTaskResult.task``: ``import_string``),
-    whenever it was enqueued; issue 12: "moving from django-tasks-db is a
-    settings change".
+    A task living in ``myapp/emails.py`` that is first enqueued after the
+    worker started (a deploy: workers restart first, the web enqueues later;
+    or simply the first signup of the day) is claimed and run, not left READY
+    until the worker restarts. django-tasks-db's worker imports the task of
+    each row it runs (``DBTaskResult.task``: ``import_string``), whenever it
+    was enqueued: moving from django-tasks-db is a settings change.
     """
     worker = start_worker()
     try:

@@ -68,7 +68,7 @@ def test_waits_no_thread_can_wait_for_are_reported(key: str, value: float) -> No
 
 
 def test_wakeup_database_must_be_a_postgresql_alias() -> None:
-    # Wake-ups through a pooler are lost (issue 23): WAKEUP_DATABASE names the
+    # Wake-ups through a pooler are lost: WAKEUP_DATABASE names the
     # alias to LISTEN on; one that is no alias, or not PostgreSQL, is a warning.
     assert check_wakeup_database() == []
     postgres = {"ENGINE": "django.db.backends.postgresql", "NAME": "app"}

@@ -1,4 +1,4 @@
-"""``WakeWindow``: which wake-ups an enqueuing process sends within WAKEUP_WINDOW (issue 23).
+"""``WakeWindow``: which wake-ups an enqueuing process sends within WAKEUP_WINDOW.
 
 Pure bookkeeping on a fake clock; what reaches the database is tested on
 PostgreSQL in tests/integration/test_wakeup_window.py.

@@ -1,4 +1,4 @@
-"""The admin's security properties (issue 25): what a user may filter on, see and do.
+"""The admin's security properties: what a user may filter on, see and do.
 
 - Lists accept only the lookups of their own filters and links: any other
   is refused (400), so a list is no oracle for payloads, results or errors

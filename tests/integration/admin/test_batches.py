@@ -1,5 +1,5 @@
 """The admin of batches and dependencies: the Batches page, the Work items batch filter,
-waiting rows, and a row's batch, parents and dependents (issue 22)."""
+waiting rows, and a row's batch, parents and dependents."""
 
 from __future__ import annotations
 

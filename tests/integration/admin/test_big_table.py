@@ -163,7 +163,7 @@ def test_the_select_all_confirmation_counts_without_a_scan(
 def test_the_batches_pages_are_index_driven(
     big_table: None, superuser_client: Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 22: the Batches list, a batch's items and a row's dependencies, beside 1M rows."""
+    """The Batches list, a batch's items and a row's dependencies, beside 1M rows."""
     from django_dbworker import batch
     from tests.testapp.workers import BatchDone, Noop, Record
 
