@@ -13,7 +13,6 @@ from django.db.models.functions import Now
 
 from django_dbworker import transitions
 from django_dbworker.db import operations
-from django_dbworker.db.types import Claimed
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.runtime import WorkerConfig
 
@@ -270,27 +269,3 @@ class RowLockHeld:
         self.release.set()
         self.thread.join(30)
         assert not self.thread.is_alive() and not self.errors, self.errors
-
-
-def claim_rated(
-    *,
-    handler: str,
-    starts: int,
-    period: float,
-    limit: int,
-    queues: list[str] | None = None,
-    worker: str = "test:1:t",
-    using: str | None = None,
-) -> Claimed[WorkItem]:
-    """One rate-limited claim of ``handler`` (``starts`` per ``period`` seconds)."""
-    from django_dbworker.flow.rates import claim_rated as claim
-
-    return claim(
-        operations(using),
-        handler=handler,
-        starts=starts,
-        period=period,
-        limit=limit,
-        queues=queues,
-        worker=worker,
-    )

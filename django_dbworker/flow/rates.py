@@ -19,11 +19,16 @@ and a bucket counts whole, so the window counted is at most a bucket longer than
 (a limit loses at most 1% of its rate, never exceeds it). Starts dated after the database's
 "now" (its clock stepped back: an NTP step, a restored VM, a failover to a lagging replica)
 count as now: they leave the window a period later instead of when the clock catches up.
+A start is counted from a moment before the handler starts; the handler starts within
+``rate_allowance`` of it or not at all (the window counted is that much longer), so the
+handlers' own starts keep the limit too, on a loaded host as well.
 The statements are the ORM's, the same on every vendor. Never runs handler code.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.db.models import F, Min, Sum
@@ -36,8 +41,9 @@ from django_dbworker.flow.models import FlowLock, RateStart
 RATE_BUCKETS = 100
 
 
-def lock_flow(using: str, name: str) -> datetime:
-    """Lock the ``FlowLock`` row ``name`` (made on first use) until commit; the DB time after.
+def lock_flow(using: str, name: str) -> tuple[datetime, float]:
+    """Lock the ``FlowLock`` row ``name`` (made on first use) until commit; the DB time after,
+    and this host's ``time.time()`` once the lock was held (before that DB time).
 
     Insert-or-ignore, then ``SELECT ... FOR UPDATE``, only when the row is
     missing: it exists after the first claim, and a lock taken straight
@@ -52,28 +58,40 @@ def lock_flow(using: str, name: str) -> datetime:
     if not list(locks.select_for_update().filter(name=name).values_list("name", flat=True)):
         locks.bulk_create([FlowLock(name=name)], ignore_conflicts=True)
         list(locks.select_for_update().filter(name=name).values_list("name", flat=True))
+    locked_at = time.time()
     now: datetime = locks.filter(name=name).annotate(now=Now()).values_list("now", flat=True)[0]
-    return now
+    return now, locked_at
 
 
-def take_start(ops: VendorOperations, *, handler: str, starts: int, period: float) -> float | None:
+@dataclass(frozen=True)
+class Take:
+    """What ``take_start`` answered."""
+
+    #: None when the start was taken; else the seconds (by the database clock) until the
+    #: window's earliest start leaves it, and nothing was taken.
+    full_for: float | None
+    #: This host's clock (``time.time()``) once the handler's lock was held, which is
+    #: before the database's "now" that dated the start: the handler must start within
+    #: ``rate_allowance`` of it, or the start it took goes unused (``worker/claim.py``).
+    locked_at: float
+
+
+def take_start(ops: VendorOperations, *, handler: str, starts: int, period: float) -> Take:
     """Take one start of ``handler``'s window (``starts`` per ``period`` seconds) now.
 
-    None when it was taken; else the seconds (by the database clock) until the window's
-    earliest start leaves it, and nothing was taken. A deadlock or lock wait timeout
-    (MySQL) runs the transaction again.
+    A deadlock or lock wait timeout (MySQL) runs the transaction again.
     """
     return ops.retrying(lambda: _take_start(ops, handler, starts, period), "rate-limiting")
 
 
-def _take_start(ops: VendorOperations, handler: str, starts: int, period: float) -> float | None:
+def _take_start(ops: VendorOperations, handler: str, starts: int, period: float) -> Take:
     using = ops.using
     # The window as counted: the period, and the time from this take to the handler's start
     # (the commit, the return to the thread: ``rate_allowance``).
     window = timedelta(seconds=period + ops.rate_allowance)
     width = period / RATE_BUCKETS
     with ops.ending_transaction():
-        now = lock_flow(using, f"rate:{handler}")
+        now, locked_at = lock_flow(using, f"rate:{handler}")
         epoch = now.timestamp()
         bucket = datetime.fromtimestamp(epoch - epoch % width, UTC)
         mine = RateStart.objects.using(using).filter(handler=handler)
@@ -87,7 +105,7 @@ def _take_start(ops: VendorOperations, handler: str, starts: int, period: float)
         if used >= starts:
             first = counted["first"] or bucket
             leaves = first + timedelta(seconds=width) + window
-            return max(0.0, (leaves - now).total_seconds())
+            return Take(max(0.0, (leaves - now).total_seconds()), locked_at)
         if not mine.filter(started_at=bucket).update(count=F("count") + 1):
             RateStart.objects.using(using).create(handler=handler, started_at=bucket, count=1)
-    return None
+    return Take(None, locked_at)
