@@ -152,20 +152,23 @@ _KEY_FILTER = """
            HAVING count(*) >= min(CASE h.handler {limits} END)))"""
 
 
-# A worker of some queues leaves a limited key's row while a better row of the key (in claim
-# order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
-# whichever worker serves it (a key split across queues of different workers starved one of
-# them). Rows of paused queues do not count. Not locking: a plain read inside the locking one.
+# A worker of some queues leaves a limited key's row while the key's best ready row (in claim
+# order) waits in a queue it does not serve and that is not paused: a key's slot goes to its
+# best ready row, whichever worker serves it (a key split across queues of different workers
+# starved one of them). Not locking: a plain read inside the locking one. It reads the key's
+# pending rows (dbworker_key_slots_idx), per keyed candidate of a worker of some queues.
 def _best_of_its_key(served: str) -> str:
     return f"""
   AND (p.concurrency_key IS NULL OR p.handler NOT IN ({{limited}}) OR NOT EXISTS (
-      SELECT 1 FROM django_dbworker_workitem AS b
-      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
-        AND b.handler = p.handler AND {served}
-        AND b.run_after <= UTC_TIMESTAMP(6)
-        AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-        AND (b.priority > p.priority OR (b.priority = p.priority
-             AND (b.run_after, b.id) < (p.run_after, p.id)))))"""
+      SELECT 1 FROM django_dbworker_workitem AS bq
+      WHERE bq.id = (
+          SELECT b.id FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+            AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+          ORDER BY b.priority DESC, b.run_after, b.id
+          LIMIT 1)
+        AND bq.id <> p.id AND {served}
+        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
 
 
 CLAIM_CANDIDATES = Statement(
@@ -195,7 +198,7 @@ WHERE p.queue = %(queue)s
   AND p.run_after <= UTC_TIMESTAMP(6)
   AND p.handler IN ({{handlers}})
   AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}{
-        _best_of_its_key("b.queue <> %(queue)s")
+        _best_of_its_key("bq.queue <> %(queue)s")
     }
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
@@ -214,7 +217,7 @@ WHERE p.status = 'pending'
   AND p.handler IN ({{handlers}})
   AND p.queue IN ({{queues}})
   AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){_KEY_FILTER}{
-        _best_of_its_key("b.queue NOT IN ({queues})")
+        _best_of_its_key("bq.queue NOT IN ({queues})")
     }
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s

@@ -93,18 +93,32 @@ ORDER BY r.priority DESC, r.run_after, r.id"""
 # A worker of some queues leaves a limited key's row while a better row of the key (in claim
 # order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
 # whichever worker serves it (a key split across queues of different workers starved one of
-# them). Rows of paused queues do not count. One probe of dbworker_key_pending_idx per
-# keyed candidate, in the walks of a worker of some queues only.
-def _best_of_its_key(served: str) -> str:
+# them). The key's best ready row is one descent of dbworker_key_pending_idx per keyed
+# candidate, in the walks of a worker of some queues only; its queue, read by id, says
+# whether it is elsewhere (and not paused). A row behind a better row of its key in its own
+# queue waits for that one anyway. The key is matched by a range, and leads the ORDER BY,
+# so that only that index returns the rows in order: as an equality the planner drops it
+# from the order, and with statistics that saw one key it took the claim index and read
+# the other queue's whole backlog of that key.
+def _best_of_its_key(served: str, row: str = "p") -> str:
     return f"""
-      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
-          SELECT 1 FROM django_dbworker_workitem AS b
-          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
-            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
+      AND ({row}.concurrency_key IS NULL OR {row}.handler <> ALL(%(limited)s::text[])
+           OR NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT b.id, b.priority, b.run_after FROM django_dbworker_workitem AS b
+              WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+                AND b.handler = {row}.handler
+                AND b.concurrency_key >= {row}.concurrency_key
+                AND b.concurrency_key <= {row}.concurrency_key
+                AND b.run_after <= statement_timestamp()
+              ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
+              LIMIT 1
+          ) AS best
+          JOIN django_dbworker_workitem AS bq ON bq.id = best.id
+          WHERE (best.priority, {row}.run_after, {row}.id)
+                > ({row}.priority, best.run_after, best.id)
             AND {served}
-            AND b.run_after <= statement_timestamp()
-            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))"""
+            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
 
 
 def _candidates(queue_filter: str) -> str:
@@ -119,14 +133,14 @@ CLAIM_CANDIDATES = Statement(
 CLAIM_CANDIDATES_IN_QUEUE = Statement(
     "claim_candidates_in_queue",
     "Lock the next ready rows of some handlers in one queue but keys at their limit; lock keys.",
-    _candidates("\n      AND p.queue = %(queue)s" + _best_of_its_key("b.queue <> %(queue)s")),
+    _candidates("\n      AND p.queue = %(queue)s" + _best_of_its_key("bq.queue <> %(queue)s")),
 )
 CLAIM_CANDIDATES_IN_QUEUES = Statement(
     "claim_candidates_in_queues",
     "Lock the next ready rows of some handlers in some queues but keys at their limit; lock keys.",
     _candidates(
         "\n      AND p.queue = ANY(%(queues)s::text[])"
-        + _best_of_its_key("b.queue <> ALL(%(queues)s::text[])")
+        + _best_of_its_key("bq.queue <> ALL(%(queues)s::text[])")
     ),
 )
 
@@ -232,9 +246,9 @@ WALK_FOR = 10.0
 
 # A key's free slots (its limit less its claimed rows, ``held``) offer its first ready rows,
 # found in dbworker_key_pending_idx; those heads are locked in claim order (SKIP LOCKED below
-# the LIMIT), then the keys' advisory locks are taken (``_LOCK_HEADS``). A key's heads are
-# its first rows of every queue that is not paused: a worker of some queues takes those in
-# its queues, and leaves a key whose best row is in another queue to that queue's workers.
+# the LIMIT), then the keys' advisory locks are taken (``_LOCK_HEADS``). A worker of some
+# queues leaves a key whose best ready row waits in a queue it does not serve
+# (``_best_of_its_key``, as the walk does).
 _HEADS_OF_KEYS = """
 ), heads AS (
     SELECT hd.id
@@ -244,15 +258,16 @@ _HEADS_OF_KEYS = """
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
+        SELECT p.id, p.handler, p.concurrency_key, p.priority, p.run_after
+        FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
-          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused){queues}
         ORDER BY p.priority DESC, p.run_after, p.id
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
-    WHERE NOT (SELECT over FROM walked){heads_queues}
+    WHERE NOT (SELECT over FROM walked){heads_best}
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p
@@ -342,13 +357,13 @@ HEADS_PLAN = Statement(
 CLAIM_HEADS = Statement(
     "claim_heads",
     "Lock the heads of free keys and the unkeyed rows of limited handlers (any queue); lock keys.",
-    _HEADS.replace("{queues}", "").replace("{heads_queues}", ""),
+    _HEADS.replace("{queues}", "").replace("{heads_best}", ""),
 )
 CLAIM_HEADS_IN_QUEUES = Statement(
     "claim_heads_in_queues",
     "Lock the heads of free keys and the unkeyed rows of limited handlers in some queues.",
     _HEADS.replace("{queues}", "\n          AND p.queue = ANY(%(queues)s::text[])").replace(
-        "{heads_queues}", "\n      AND hd.queue = ANY(%(queues)s::text[])"
+        "{heads_best}", _best_of_its_key("bq.queue <> ALL(%(queues)s::text[])", row="hd")
     ),
 )
 

@@ -173,20 +173,24 @@ RETURNING id, handler, queue, payload, priority, run_after, attempts,
 """,
 )
 
-# A worker of some queues leaves a limited key's row while a better row of the key (in claim
-# order) is ready in a queue it does not serve: a key's slot goes to its best ready row,
-# whichever worker serves it (a key split across queues of different workers starved one of
-# them). Rows of paused queues do not count. A part of CLAIM_KEYED's candidates, for a worker
+# A worker of some queues leaves a limited key's row while the key's best ready row (in claim
+# order) waits in a queue it does not serve and that is not paused: a key's slot goes to its
+# best ready row, whichever worker serves it (a key split across queues of different workers
+# starved one of them). A part of CLAIM_KEYED's candidates, for a worker
 # of some queues ({served}: the better row is in another queue).
 _BEST_OF_ITS_KEY = """
               AND (concurrency_key IS NULL OR handler NOT IN ({limited}) OR NOT EXISTS (
-                  SELECT 1 FROM django_dbworker_workitem AS b
-                  WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
-                    AND b.handler = p.handler AND {served}
-                    AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
-                    AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-                    AND (b.priority > p.priority OR (b.priority = p.priority
-                         AND (b.run_after, b.id) < (p.run_after, p.id)))))"""
+                  SELECT 1 FROM django_dbworker_workitem AS bq
+                  WHERE bq.id = (
+                      SELECT b.id FROM django_dbworker_workitem AS b
+                      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+                        AND b.handler = p.handler
+                        AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                      ORDER BY b.priority DESC, b.run_after, b.id
+                      LIMIT 1)
+                    AND bq.id <> p.id AND {served}
+                    AND bq.queue NOT IN (
+                        SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
 
 # The separate "id IN (...)" pins the plan to primary-key lookups, whatever
 # the planner thinks of the join with the VALUES rows.
@@ -275,7 +279,7 @@ def claim_keyed_sql(handlers: int, queues: int, limited: int) -> str:
     if queues:
         names = numbered("queue", queues)
         in_queues = f"\n              AND queue IN ({names})" + _BEST_OF_ITS_KEY.format(
-            limited=numbered("limited", limited), served=f"b.queue NOT IN ({names})"
+            limited=numbered("limited", limited), served=f"bq.queue NOT IN ({names})"
         )
     return CLAIM_KEYED.render(
         handlers=numbered("handler", handlers),

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db.models.functions import Now
 
+from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from tests.factories import claim, make_item
 
@@ -99,3 +101,58 @@ def test_a_batch_comes_back_in_claim_order() -> None:
     low = make_item(priority=-1, run_after=Now() - timedelta(seconds=60))
     plain = make_item()
     assert [i.pk for i in claim(limit=10)] == [top.pk, earlier.pk, later.pk, plain.pk, low.pk]
+
+
+# -- the keyed claim: per-key concurrency limits ----------------------------------------
+
+
+def keyed(n: int, key: str, queue: str = "default", handler: str = "keyed", **kw: Any) -> list:
+    return [make_item(handler=handler, concurrency_key=key, queue=queue, **kw) for _ in range(n)]
+
+
+def test_a_keyed_claim_takes_one_row_per_key_of_limit_one_and_skips_held_keys() -> None:
+    a = keyed(3, "A")
+    b = keyed(2, "B")
+    plain = make_item(handler="keyed")
+    got = claim(handlers=["keyed"], limited=True)
+    assert sorted(i.pk for i in got) == sorted([a[0].pk, b[0].pk, plain.pk])
+    assert claim(handlers=["keyed"], limited=True) == []  # both keys held, nothing else
+    WorkItem.objects.filter(pk=a[0].pk).update(status=Status.SUCCEEDED)
+    assert [i.pk for i in claim(handlers=["keyed"], limited=True)] == [a[1].pk]
+
+
+def test_a_keyed_claim_caps_the_rows_of_limited_keys() -> None:
+    rows = [make_item(handler="keyed", concurrency_key=f"k{n}") for n in range(5)]
+    plain = [make_item(handler="keyed") for _ in range(2)]
+    got = operations().claim(
+        limit=10,
+        handlers=["keyed"],
+        queues=None,
+        worker="test:1:main",
+        limits={"keyed": 1},
+        keyed_cap=2,
+    )
+    assert sorted(i.pk for i in got) == sorted([rows[0].pk, rows[1].pk] + [p.pk for p in plain])
+
+
+def test_a_worker_of_some_queues_leaves_a_key_whose_best_row_waits_elsewhere() -> None:
+    """A key's slot goes to its best ready row, whichever queue it is in."""
+    low = keyed(2, "K", queue="low")
+    high = keyed(1, "K", queue="high", priority=100)
+    mine = keyed(1, "M", queue="low")
+    assert [i.pk for i in claim(handlers=["keyed"], queues=["low"], limited=True)] == [mine[0].pk]
+    assert [i.pk for i in claim(handlers=["keyed"], queues=["high"], limited=True)] == [high[0].pk]
+    WorkItem.objects.filter(pk=high[0].pk).update(status=Status.SUCCEEDED)
+    assert [i.pk for i in claim(handlers=["keyed"], queues=["low"], limited=True)] == [low[0].pk]
+
+
+# -- rate limits: a handler's starts in its window ------------------------------------------
+
+
+def test_a_rate_window_takes_its_starts_then_refuses_with_when_it_frees_up() -> None:
+    from django_dbworker.flow.rates import take_start
+
+    ops = operations()
+    taken = [take_start(ops, handler="rated", starts=3, period=60.0) for _ in range(4)]
+    assert [t.full_for is None for t in taken] == [True, True, True, False]
+    assert 59.0 < (taken[-1].full_for or 0) <= 61.0

@@ -90,48 +90,80 @@ def place(item: WorkItem, *, priority: int = 0, seconds: int = 0) -> WorkItem:
     return item
 
 
+def best_rows(handlers: list[str]) -> dict[tuple[str, str], Any]:
+    """Each key's best ready row, in any queue (paused ones too): claim order's first."""
+    rows = WorkItem.objects.filter(
+        status=Status.PENDING,
+        handler__in=handlers,
+        concurrency_key__isnull=False,
+        run_after__lte=timezone.now(),
+    ).values_list("id", "handler", "concurrency_key", "priority", "run_after", "queue")
+    best: dict[tuple[str, str], Any] = {}
+    for r in sorted(rows, key=lambda r: (-r[3], r[4], r[0])):
+        best.setdefault((r[1], r[2]), r)
+    return best
+
+
+def blocked(r: Any, best: dict[tuple[str, str], Any], queues: list[str], paused: set[str]) -> bool:
+    """Whether the keyed row ``r`` waits: its key's best row is elsewhere, not paused."""
+    b = best[(r[1], r[2])]
+    return b[0] != r[0] and b[5] not in queues and b[5] not in paused
+
+
 def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple[list[int], int]:
     """The ids the claim should take (claim order) and how many it should hold back.
 
     With every handler limited, PostgreSQL's claim takes the keys' heads
     (``postgresql_keyed_sql.CLAIM_HEADS``): a key offers its first rows up to its free
     slots, so a key's later rows take no place among the ``limit``; otherwise (an unlimited
-    handler, or a ready row without a key) the walk's.
+    handler, or a ready row without a key) the walk's. Either way a worker of some queues
+    leaves a key's row while a better row of the key waits in a queue it does not serve
+    (and is not paused).
     """
-    rows = WorkItem.objects.filter(
-        status=Status.PENDING, handler__in=MIXED, run_after__lte=timezone.now()
-    ).exclude(queue__in=QueueState.objects.filter(paused=True).values("name"))
-    if queues:
-        rows = rows.filter(queue__in=queues)
+    paused = set(QueueState.objects.filter(paused=True).values_list("name", flat=True))
+    everywhere = [
+        r
+        for r in WorkItem.objects.filter(
+            status=Status.PENDING, handler__in=MIXED, run_after__lte=timezone.now()
+        ).values_list("id", "handler", "concurrency_key", "priority", "run_after", "queue")
+        if r[5] not in paused
+    ]
+    everywhere.sort(key=lambda r: (-r[3], r[4], r[0]))
     held = Counter(
         WorkItem.objects.filter(status=Status.CLAIMED, concurrency_key__isnull=False).values_list(
             "handler", "concurrency_key"
         )
     )
 
+    def served(r: Any) -> bool:
+        return not queues or r[5] in queues
+
     def at_limit(h: str, k: str | None) -> bool:
         return k is not None and h in limits and held[(h, k)] >= limits[h]
 
-    ready = sorted(
-        (
-            r
-            for r in rows.values_list("id", "handler", "concurrency_key", "priority", "run_after")
-            if not at_limit(r[1], r[2])
-        ),
-        key=lambda r: (-r[3], r[4], r[0]),
-    )
+    def limited(r: Any) -> bool:
+        return r[2] is not None and r[1] in limits
+
+    # A limited key's row is claimable here unless the key's best ready row (in any queue)
+    # waits in a queue this worker does not serve, and that is not paused.
+    best = best_rows(MIXED)
+    ready = [
+        r
+        for r in everywhere
+        if served(r)
+        and not at_limit(r[1], r[2])
+        and not (limited(r) and queues and blocked(r, best, queues, paused))
+    ]
     if set(MIXED) <= set(limits) and all(r[2] is not None for r in ready):
         offered: Counter[tuple[str, str]] = Counter()
         heads = []
         for r in ready:
-            if r[2] is not None:
-                offered[(r[1], r[2])] += 1
-                if offered[(r[1], r[2])] > limits[r[1]] - held[(r[1], r[2])]:
-                    continue
-            heads.append(r)
+            offered[(r[1], r[2])] += 1
+            if offered[(r[1], r[2])] <= limits[r[1]] - held[(r[1], r[2])]:
+                heads.append(r)
         ready = heads
     ready = ready[:limit]
-    candidates = [(pk, h, k, None if k is None else limits.get(h)) for pk, h, k, _, _ in ready]
+    candidates = [(pk, h, k, None if k is None else limits.get(h)) for pk, h, k, *_ in ready]
     return within_limits(candidates, dict(held))
 
 
@@ -152,7 +184,8 @@ def succeed(items: list[WorkItem]) -> None:
 def heads_model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> list[int]:
     """What the heads claim should take: the ready rows in claim order, a key offering its
     first rows up to its free slots (current limits); ``limit``. With a ready row without a
-    key the claim walks instead: the heads are keyed rows only.
+    key the claim walks instead: the heads are keyed rows only. Either way a keyed row waits
+    while a better row of its key waits in a queue this worker does not serve.
     """
     now = timezone.now()
     paused = set(QueueState.objects.filter(paused=True).values_list("name", flat=True))
@@ -161,20 +194,30 @@ def heads_model(limit: int, queues: list[str] | None, limits: dict[str, int]) ->
             "handler", "concurrency_key"
         )
     )
-    rows = [
+    everywhere = [
         r
         for r in WorkItem.objects.filter(status=Status.PENDING, handler__in=LIMITED).values_list(
             "id", "handler", "concurrency_key", "priority", "run_after", "queue"
         )
-        if r[4] <= now and r[5] not in paused and (not queues or r[5] in queues)
+        if r[4] <= now and r[5] not in paused
     ]
-    rows.sort(key=lambda r: (-r[3], r[4], r[0]))
+    everywhere.sort(key=lambda r: (-r[3], r[4], r[0]))
+    rows = [r for r in everywhere if not queues or r[5] in queues]
+    best = best_rows(LIMITED)
     offered: Counter[tuple[str, str]] = Counter()
     out = []
     if any(r[2] is None for r in rows):
         # A ready row without a key: the claim walks (the next ``limit`` ready rows but
-        # keys at their limit, then those that fit).
-        walked = [r for r in rows if r[2] is None or held[(r[1], r[2])] < limits[r[1]]]
+        # keys at their limit or with a better row elsewhere, then those that fit).
+        walked = [
+            r
+            for r in rows
+            if r[2] is None
+            or (
+                held[(r[1], r[2])] < limits[r[1]]
+                and not (queues and blocked(r, best, queues, paused))
+            )
+        ]
         for pk, handler, key, *_ in walked[:limit]:
             if key is not None:
                 offered[(handler, key)] += 1
@@ -182,11 +225,13 @@ def heads_model(limit: int, queues: list[str] | None, limits: dict[str, int]) ->
                     continue
             out.append(pk)
         return out
-    for pk, handler, key, *_ in rows:
-        if key is not None:
-            offered[(handler, key)] += 1
-            if offered[(handler, key)] > limits[handler] - held[(handler, key)]:
-                continue
+    for r in rows:
+        pk, handler, key = r[0], r[1], r[2]
+        offered[(handler, key)] += 1
+        if offered[(handler, key)] > limits[handler] - held[(handler, key)]:
+            continue
+        if queues and blocked(r, best, queues, paused):
+            continue
         out.append(pk)
     return out[:limit]
 
@@ -508,14 +553,17 @@ def test_queue_filters_and_slots_held_in_another_queue() -> None:
         place(KeyedPair.enqueue({"n": n}, concurrency_key="K", queue="q2"), seconds=10 + n)
         for n in range(3)
     ]
+    # K's best rows wait in q1: a worker of q2 leaves the key to q1's workers.
     got = keyed_claim(limit=10, queues=["q2"])
-    assert sorted(i.pk for i in got) == [q2[0].pk, q2[1].pk]
-    assert got.throttled == 1
-    got = keyed_claim(limit=10, queues=["q1"])  # the key is at its limit: nothing
     assert list(got) == [] and got.throttled == 0
-    succeed(list(WorkItem.objects.filter(pk=q2[0].pk)))
+    got = keyed_claim(limit=10, queues=["q1"])
+    assert sorted(i.pk for i in got) == [q1[0].pk, q1[1].pk]
+    assert got.throttled == 1
+    got = keyed_claim(limit=10, queues=["q2"])  # the key is at its limit: nothing
+    assert list(got) == [] and got.throttled == 0
+    succeed(list(WorkItem.objects.filter(pk=q1[0].pk)))
     got = keyed_claim(limit=10, queues=["q1", "q2"])
-    assert [i.pk for i in got] == [q1[0].pk]
+    assert [i.pk for i in got] == [q1[2].pk]
     assert got.throttled == 3
 
 

@@ -86,13 +86,15 @@ WHERE p.queue = %(queue)s
            GROUP BY h.handler, h.concurrency_key
            HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
   AND (p.concurrency_key IS NULL OR p.handler NOT IN (%(limited_0)s, %(limited_1)s) OR NOT EXISTS (
-      SELECT 1 FROM django_dbworker_workitem AS b
-      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
-        AND b.handler = p.handler AND b.queue <> %(queue)s
-        AND b.run_after <= UTC_TIMESTAMP(6)
-        AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-        AND (b.priority > p.priority OR (b.priority = p.priority
-             AND (b.run_after, b.id) < (p.run_after, p.id)))))
+      SELECT 1 FROM django_dbworker_workitem AS bq
+      WHERE bq.id = (
+          SELECT b.id FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+            AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+          ORDER BY b.priority DESC, b.run_after, b.id
+          LIMIT 1)
+        AND bq.id <> p.id AND bq.queue <> %(queue)s
+        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -116,13 +118,15 @@ WHERE p.status = 'pending'
            GROUP BY h.handler, h.concurrency_key
            HAVING count(*) >= min(CASE h.handler WHEN %(limited_0)s THEN %(limit_0)s WHEN %(limited_1)s THEN %(limit_1)s END)))
   AND (p.concurrency_key IS NULL OR p.handler NOT IN (%(limited_0)s, %(limited_1)s) OR NOT EXISTS (
-      SELECT 1 FROM django_dbworker_workitem AS b
-      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
-        AND b.handler = p.handler AND b.queue NOT IN (%(queue_0)s, %(queue_1)s)
-        AND b.run_after <= UTC_TIMESTAMP(6)
-        AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-        AND (b.priority > p.priority OR (b.priority = p.priority
-             AND (b.run_after, b.id) < (p.run_after, p.id)))))
+      SELECT 1 FROM django_dbworker_workitem AS bq
+      WHERE bq.id = (
+          SELECT b.id FROM django_dbworker_workitem AS b
+          WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+            AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+          ORDER BY b.priority DESC, b.run_after, b.id
+          LIMIT 1)
+        AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)
+        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;

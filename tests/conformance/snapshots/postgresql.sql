@@ -332,14 +332,23 @@ WITH c AS (
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
       AND p.queue = %(queue)s
-      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
-          SELECT 1 FROM django_dbworker_workitem AS b
-          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
-            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
-            AND b.queue <> %(queue)s
-            AND b.run_after <= statement_timestamp()
-            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))
+      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[])
+           OR NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT b.id, b.priority, b.run_after FROM django_dbworker_workitem AS b
+              WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+                AND b.handler = p.handler
+                AND b.concurrency_key >= p.concurrency_key
+                AND b.concurrency_key <= p.concurrency_key
+                AND b.run_after <= statement_timestamp()
+              ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
+              LIMIT 1
+          ) AS best
+          JOIN django_dbworker_workitem AS bq ON bq.id = best.id
+          WHERE (best.priority, p.run_after, p.id)
+                > (p.priority, best.run_after, best.id)
+            AND bq.queue <> %(queue)s
+            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -388,14 +397,23 @@ WITH c AS (
       AND p.handler = ANY(%(handlers)s::text[])
       AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
       AND p.queue = ANY(%(queues)s::text[])
-      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[]) OR NOT EXISTS (
-          SELECT 1 FROM django_dbworker_workitem AS b
-          WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
-            AND b.handler = p.handler AND b.concurrency_key = p.concurrency_key
-            AND b.queue <> ALL(%(queues)s::text[])
-            AND b.run_after <= statement_timestamp()
-            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-            AND (b.priority, p.run_after, p.id) > (p.priority, b.run_after, b.id)))
+      AND (p.concurrency_key IS NULL OR p.handler <> ALL(%(limited)s::text[])
+           OR NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT b.id, b.priority, b.run_after FROM django_dbworker_workitem AS b
+              WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+                AND b.handler = p.handler
+                AND b.concurrency_key >= p.concurrency_key
+                AND b.concurrency_key <= p.concurrency_key
+                AND b.run_after <= statement_timestamp()
+              ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
+              LIMIT 1
+          ) AS best
+          JOIN django_dbworker_workitem AS bq ON bq.id = best.id
+          WHERE (best.priority, p.run_after, p.id)
+                > (p.priority, best.run_after, best.id)
+            AND bq.queue <> ALL(%(queues)s::text[])
+            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -539,7 +557,8 @@ WITH RECURSIVE unkeyed AS (
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
+        SELECT p.id, p.handler, p.concurrency_key, p.priority, p.run_after
+        FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
@@ -625,16 +644,34 @@ WITH RECURSIVE unkeyed AS (
     LEFT JOIN held
       ON held.handler = keys.handler AND held.concurrency_key = keys.concurrency_key
     CROSS JOIN LATERAL (
-        SELECT p.id, p.queue FROM django_dbworker_workitem AS p
+        SELECT p.id, p.handler, p.concurrency_key, p.priority, p.run_after
+        FROM django_dbworker_workitem AS p
         WHERE p.status = 'pending' AND p.concurrency_key IS NOT NULL
           AND p.handler = keys.handler AND p.concurrency_key = keys.concurrency_key
           AND p.run_after <= statement_timestamp()
           AND p.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND p.queue = ANY(%(queues)s::text[])
         ORDER BY p.priority DESC, p.run_after, p.id
         LIMIT greatest(l.lim - coalesce(held.slots, 0), 0)
     ) AS hd
     WHERE NOT (SELECT over FROM walked)
-      AND hd.queue = ANY(%(queues)s::text[])
+      AND (hd.concurrency_key IS NULL OR hd.handler <> ALL(%(limited)s::text[])
+           OR NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT b.id, b.priority, b.run_after FROM django_dbworker_workitem AS b
+              WHERE b.status = 'pending' AND b.concurrency_key IS NOT NULL
+                AND b.handler = hd.handler
+                AND b.concurrency_key >= hd.concurrency_key
+                AND b.concurrency_key <= hd.concurrency_key
+                AND b.run_after <= statement_timestamp()
+              ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
+              LIMIT 1
+          ) AS best
+          JOIN django_dbworker_workitem AS bq ON bq.id = best.id
+          WHERE (best.priority, hd.run_after, hd.id)
+                > (hd.priority, best.run_after, best.id)
+            AND bq.queue <> ALL(%(queues)s::text[])
+            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p

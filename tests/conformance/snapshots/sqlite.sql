@@ -87,13 +87,17 @@ WHERE id IN (
               AND handler IN (%(handler_0)s, %(handler_1)s)
               AND queue IN (%(queue_0)s, %(queue_1)s)
               AND (concurrency_key IS NULL OR handler NOT IN (%(limited_0)s, %(limited_1)s) OR NOT EXISTS (
-                  SELECT 1 FROM django_dbworker_workitem AS b
-                  WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
-                    AND b.handler = p.handler AND b.queue NOT IN (%(queue_0)s, %(queue_1)s)
-                    AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
-                    AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-                    AND (b.priority > p.priority OR (b.priority = p.priority
-                         AND (b.run_after, b.id) < (p.run_after, p.id)))))
+                  SELECT 1 FROM django_dbworker_workitem AS bq
+                  WHERE bq.id = (
+                      SELECT b.id FROM django_dbworker_workitem AS b
+                      WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
+                        AND b.handler = p.handler
+                        AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                      ORDER BY b.priority DESC, b.run_after, b.id
+                      LIMIT 1)
+                    AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)
+                    AND bq.queue NOT IN (
+                        SELECT name FROM django_dbworker_queuestate WHERE paused)))
               AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               AND (concurrency_key IS NULL
                    OR handler NOT IN (%(limited_0)s, %(limited_1)s)
