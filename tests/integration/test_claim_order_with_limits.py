@@ -12,7 +12,6 @@ claim is documented (flow-control.md, "Cost").
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -119,55 +118,39 @@ def test_a_threaded_worker_starts_the_high_priority_plain_row_among_the_first(
 
 
 @pytest.mark.postgres_only
-@pytest.mark.parametrize("direction", ["plain-batch-over-keyed", "keyed-batch-over-plain"])
-def test_an_urgent_batch_is_claimed_ahead_of_a_full_buffer(
-    background_worker: Callable[..., Worker], gate: None, direction: str
+def test_an_urgent_batch_of_a_limited_handler_is_claimed_ahead_of_a_full_buffer_up_to_its_cap(
+    background_worker: Callable[..., Worker], gate: None
 ) -> None:
-    """test_priority_wakeups' setup; the buffered handler and the outranking batch's
-    handler are one limited, one plain.
+    """A worker of a plain and a limited handler, its one thread held by a gate and its
+    buffer full of the plain handler's rows. A batch of the limited handler's rows that
+    outranks the buffer is claimed ahead of it (a wake-up stands for the whole
+    ``enqueue_many``), but only up to the rows of limited keys this worker may hold
+    (``KEYED_IN_FLIGHT`` per thread): the rest stay pending, for workers that can start
+    them, instead of waiting in this buffer."""
+    from django_dbworker.worker.claim import KEYED_IN_FLIGHT
 
-    A wake-up stands for a whole enqueue_many: while urgent claims come back full of
-    outranking rows, the next asks twice as many. Now the urgent claim also asks the
-    buffered handler's part for the urgent count, which claims a buffered-priority row:
-    the claim's lowest priority no longer outranks the buffer, and the batch's other
-    rows wait pending behind the buffer.
-    """
-    if direction == "plain-batch-over-keyed":
-        buffered, batch, names = KeyedGate, Gate, ["keyed_gate", "gate"]
-    else:
-        buffered, batch, names = Gate, KeyedGate, ["gate", "keyed_gate"]
-    kw: Callable[[str], dict[str, Any]] = (
-        (lambda key: {"concurrency_key": key}) if buffered is KeyedGate else (lambda key: {})
-    )
     for n in range(5):
-        buffered.enqueue({"key": f"fast-{n}"}, priority=10, **kw(f"fast-{n}"))
+        Gate.enqueue({"key": f"fast-{n}"}, priority=10)
     for n in range(300):
-        buffered.enqueue({"key": f"gated-{n}", "wait": True}, **kw(f"gated-{n}"))
-    worker = background_worker(names, concurrency=1, poll_interval=30.0, prefetch_horizon=5.0)
+        Gate.enqueue({"key": f"gated-{n}", "wait": True})
+    worker = background_worker(
+        ["gate", "keyed_gate"], concurrency=1, poll_interval=30.0, prefetch_horizon=5.0
+    )
     wait_buffered_behind_gate(worker)
-    # More rows of the buffered handler's priority: they outrank nothing buffered (no
-    # urgent claim), and the buffer is far above its refill mark (no claim).
-    for n in range(50):
-        buffered.enqueue({"key": f"later-{n}", "wait": True}, **kw(f"later-{n}"))
-    time.sleep(0.5)
-    assert WorkItem.objects.filter(handler=buffered.name, status=Status.PENDING).count() >= 10
-    if batch is KeyedGate:
-        items = KeyedGate.enqueue_many([{"key": f"hi-{n}"} for n in range(40)], priority=5)
-        # distinct keys: enqueue_many takes one key for all, so set them per row
-        for n, item in enumerate(items):
-            WorkItem.objects.filter(pk=item.pk, status=Status.PENDING).update(
-                concurrency_key=f"hi-{n}"
-            )
-    else:
-        items = Gate.enqueue_many([{"key": f"hi-{n}"} for n in range(40)], priority=5)
+    items = KeyedGate.enqueue_many([{"key": f"hi-{n}"} for n in range(40)], priority=5)
+    for n, item in enumerate(items):  # enqueue_many gives every row one key
+        WorkItem.objects.filter(pk=item.pk, status=Status.PENDING).update(concurrency_key=f"hi-{n}")
     pks = [i.pk for i in items]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        left = WorkItem.objects.filter(pk__in=pks, status=Status.PENDING).count()
-        if not left:
-            break
-        time.sleep(0.1)
-    assert not left, f"{left} of 40 outranking rows still pending behind the buffer after 10 s"
+    rows = WorkItem.objects.filter(pk__in=pks)
+    wait_until(
+        lambda: rows.filter(status=Status.CLAIMED).count() >= KEYED_IN_FLIGHT,
+        timeout=10,
+        what="the batch's first rows to be claimed ahead of the buffer",
+    )
+    # The loop quiet again: the urgent claims (a wake-up's doubling included) are done.
+    wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")
+    assert rows.filter(status=Status.CLAIMED).count() == KEYED_IN_FLIGHT
+    assert set(rows.filter(status=Status.PENDING).values_list("attempts", flat=True)) == {0}
 
 
 # -- --max-items, burst mode ---------------------------------------------------------

@@ -549,10 +549,8 @@ def test_queue_filters_and_slots_held_in_another_queue() -> None:
         place(KeyedPair.enqueue({"n": n}, concurrency_key="K", queue="q1"), seconds=n)
         for n in range(3)
     ]
-    q2 = [
+    for n in range(3):
         place(KeyedPair.enqueue({"n": n}, concurrency_key="K", queue="q2"), seconds=10 + n)
-        for n in range(3)
-    ]
     # K's best rows wait in q1: a worker of q2 leaves the key to q1's workers.
     got = keyed_claim(limit=10, queues=["q2"])
     assert list(got) == [] and got.throttled == 0
