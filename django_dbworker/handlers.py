@@ -93,7 +93,7 @@ class WorkItemHandler(Handler["WorkItem"]):
     retry_on: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
     #: At most N starts in any window of one period, cluster-wide: "N/s",
     #: "N/m" or "N/h" (None: no limit). Items beyond it wait pending; waiting
-    #: is not an attempt (``worker/claim_loop.py``, ``VendorOperations.claim_rated``).
+    #: is not an attempt (``flow/rates.py``: each start is taken as the handler starts).
     rate_limit: ClassVar[str | None] = None
     #: At most this many items of one ``concurrency_key`` claimed at once,
     #: across all workers (items enqueued without a key are not limited);

@@ -186,8 +186,7 @@ class VendorOperations(ABC):
         ``limits`` (handler -> its current ``concurrency_limit``): the keyed
         claim, keys held to these limits, not to the rows' stored ones, and at
         most ``keyed_cap`` rows of limited keys taken (None: no cap); rows it
-        leaves for their keys or the cap are counted in ``throttled``. A rate-limited
-        handler's claim is this one, inside ``flow.rates.claim_rated``'s lock.
+        leaves for their keys or the cap are counted in ``throttled``.
         """
 
     def ending_transaction(self) -> AbstractContextManager[Any]:

@@ -272,7 +272,7 @@ class PostgresOperations(VendorOperations):
     def locked_in_id_order(self, ids: Collection[int]) -> Iterator[None]:
         # The bulk writers of claimed rows lock them in the plan's order (the
         # table's) unless locked first: against the id order of the heartbeat
-        # and the success write, a deadlock (tests/integration/test_attack_s7b_pg_lock_order.py).
+        # and the success write, a deadlock (tests/integration/test_postgres_lock_order.py).
         ordered = sorted(set(ids))
         with transaction.atomic(using=self.using, savepoint=False):
             if ordered:

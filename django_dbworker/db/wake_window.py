@@ -2,7 +2,7 @@
 
 PostgreSQL takes a database-wide lock at commit for every transaction that
 issued NOTIFY (to keep its notification queue in commit order), so a
-NOTIFY inside every enqueue serialises concurrent enqueuers (issue 23).
+NOTIFY inside every enqueue serialises concurrent enqueuers.
 With ``WAKEUP_WINDOW`` above 0 an enqueue runs without its NOTIFY; once it
 has committed (``transaction.on_commit``; in autocommit at once) this
 process sends ``pg_notify`` as a statement of its own, unless it already

@@ -7,7 +7,7 @@ queue ``reports`` paused, ``pause_queue("Reports")`` answered ``reports``' state
 ``Reports`` running, ``resume_queue("reports")`` could resume ``Reports``, and handlers
 ``s14_rated`` and ``S14_RATED`` counted (and pruned) one rate window. Now they are
 different names, as in the claims and on PostgreSQL and SQLite
-(``tests/integration/test_attack_s14_flow.py``). Two rows that differ only in case could
+(``tests/integration/test_pause_and_rate.py``). Two rows that differ only in case could
 not have been stored before, so nothing existing collides. A no-op elsewhere; reversed
 to the table's default.
 """
