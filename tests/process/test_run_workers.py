@@ -402,3 +402,32 @@ def test_stale_rows_are_recovered_while_claims_keep_failing(start_worker) -> Non
             cursor.execute(
                 "ALTER TABLE dbworker_queuestate_moved RENAME TO django_dbworker_queuestate"
             )
+
+
+def test_a_killed_workers_buffered_rows_use_an_attempt_too(start_worker) -> None:
+    """Decided (docs/topics/retries.md): an attempt is counted when a row is claimed, and
+    stale recovery cannot tell a row that started from one that waited in the killed
+    worker's buffer; with ``max_attempts = 1`` such a row ends ``failed`` without having
+    run. (max_attempts >= 2, or PREFETCH_HORIZON = 0, keeps it.)"""
+    from django_dbworker import enqueue
+
+    items = [enqueue("sleep", {"key": f"s{n}", "seconds": 0.05}, max_attempts=1) for n in range(60)]
+    victim = start_worker("sleep", "--concurrency", "1", env=FAST_STALE)
+    claimed = WorkItem.objects.filter(pk__in=[i.pk for i in items], status=Status.CLAIMED)
+    wait_until(lambda: claimed.count() >= 3, timeout=30, what="a buffer behind the running row")
+    victim.signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    held = list(claimed.values_list("pk", flat=True))
+    survivor = start_worker("sleep", env=FAST_STALE)
+    rows = WorkItem.objects.filter(pk__in=held)
+    wait_until(
+        lambda: rows.filter(status=Status.FAILED).count() == len(held),
+        timeout=30,
+        what="stale recovery to end the dead worker's rows",
+    )
+    started = set(Execution.objects.filter(kind="start").values_list("key", flat=True))
+    never_ran = [r for r in rows if r.payload["key"] not in started]
+    assert never_ran, "every held row had started: no buffer was killed"
+    assert all(r.attempts == 1 and "stale" in r.last_error for r in never_ran)
+    survivor.signal(signal.SIGTERM)
+    assert survivor.wait(30) == 0, survivor.log()
