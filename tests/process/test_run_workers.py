@@ -431,3 +431,14 @@ def test_a_killed_workers_buffered_rows_use_an_attempt_too(start_worker) -> None
     assert all(r.attempts == 1 and "stale" in r.last_error for r in never_ran)
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(30) == 0, survivor.log()
+
+
+def test_a_worker_starts_without_warnings_about_its_own_models(start_worker) -> None:
+    """Whatever the database (MySQL/MariaDB: Django warns that they ignore the work table's
+    conditional indexes, W036/W037, which django-dbworker's MySQL migration answers), and
+    whatever Django (6.1 runs the model checks against every alias), a start prints no
+    check warnings; ``manage.py check --database`` still does."""
+    worker = start_worker("noop", "--burst", env={"DBWORKER_TEST_UNSILENCED": "1"})
+    assert worker.wait() == 0, worker.log()
+    assert "System check identified" not in worker.log(), worker.log()
+    assert "W036" not in worker.log() and "W037" not in worker.log(), worker.log()
