@@ -102,7 +102,9 @@ class WorkItemQuerySet(models.QuerySet["WorkItem"]):
 
     def run_now(self) -> int:
         """pending: make due now (DB clock); not rows waiting for their parents."""
-        return self.pending().filter(waiting=False).update(run_after=Now(), updated_at=Now())
+        from django_dbworker import verbs
+
+        return verbs.run_now(self)
 
 
 class WorkItem(models.Model):

@@ -152,6 +152,11 @@ def retry(rows: WorkItemQuerySet) -> int:
     return changed
 
 
+def run_now(rows: WorkItemQuerySet) -> int:
+    """pending: make due now (DB clock); not rows waiting for their parents."""
+    return rows.pending().filter(waiting=False).update(run_after=Now(), updated_at=Now())
+
+
 def _lock_cancellable(rows: WorkItemQuerySet, db: str) -> None:
     """Lock the queryset's pending and claimed rows, in ascending id order."""
     live = rows.using(db).filter(status__in=(Status.PENDING, Status.CLAIMED))

@@ -27,6 +27,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 
+from django_dbworker import verbs
 from django_dbworker.admin import confirm
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem, WorkItemQuerySet
@@ -43,9 +44,7 @@ def cancel_rows(queryset: WorkItemQuerySet) -> int:
     end cancelled if their handler then stops; ``report`` counts those
     apart. Rows in other states are left alone.
     """
-    cancelled = queryset.cancel_pending()
-    queryset.request_cancel()
-    return cancelled
+    return verbs.cancel(queryset)[0]
 
 
 #: The states Cancel applies to: its row button shows on rows in them, and
@@ -72,7 +71,7 @@ RETRY = Verb(
     "retry",
     "Retry",
     "Retry selected (failed/cancelled → pending)",
-    WorkItemQuerySet.retry,
+    verbs.retry,
     "set to pending for a new run",
     (Status.FAILED, Status.CANCELLED),
 )
@@ -88,7 +87,7 @@ RUN_NOW = Verb(
     "run_now",
     "Run now",
     "Run selected now (pending: due now)",
-    WorkItemQuerySet.run_now,
+    verbs.run_now,
     "made due now",
     (Status.PENDING,),
 )
