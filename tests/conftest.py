@@ -184,13 +184,15 @@ def restart_server() -> None:
 class WorkerProcess:
     """A real ``manage.py run_workers`` subprocess with its log captured to a file."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path = ROOT
+    ) -> None:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in wait()/kill()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "django", "run_workers", *args],
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
