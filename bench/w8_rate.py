@@ -16,7 +16,8 @@ every item ran. The handler returns the time it started. Reported:
 - ``rate_error_pct``: how far the long-run rate is from ``rate``;
 - ``claim_to_start_ms_p50`` / ``_max``: from the row's claim (the
   database's clock; the same host) to its handler's start: rate-limited
-  rows are claimed for free threads only, so a claim is a start;
+  rows are claimed (and buffered) like any others, and each takes its start
+  in the window just before it runs;
 - ``per_process``: how the starts split between the processes.
 """
 
