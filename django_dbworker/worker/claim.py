@@ -194,7 +194,10 @@ class ClaimRoute:
             # Counted from when the lock was held: a handler that would start later than
             # the window's allowance after it could share a window with starts counted
             # after its own (a loaded host). Its start goes unused: the limit holds.
-            return time.time() - taken.locked_at <= self.ops.rate_allowance
+            if time.time() - taken.locked_at <= self.ops.rate_allowance:
+                return True
+            self.metrics.throttle(name, "rate")
+            return False
         with self._held_lock:
             self._held_until[name] = self.now() + taken.full_for
         self.metrics.throttle(name, "rate")
