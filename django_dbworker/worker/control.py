@@ -2,7 +2,9 @@
 
 One object, shared by the claim loop, the attempt runner, shutdown and the
 watchdog, so that "stopping" means the same thing everywhere. Events, not
-flags: signal handlers set them and helper threads wait on them.
+flags: a stop signal sets them (from run_workers' signal thread: a signal
+handler that took their locks could interrupt a holder of one and wait for
+it forever) and helper threads wait on them.
 """
 
 from __future__ import annotations

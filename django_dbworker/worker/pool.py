@@ -82,7 +82,7 @@ class Pool:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
-                # Short waits so that ``abort`` (set from a signal handler) is noticed.
+                # Short waits so that ``abort`` (set on a second stop signal) is noticed.
                 self._cond.wait(0.1 if remaining is None else min(0.1, remaining))
             return True
 

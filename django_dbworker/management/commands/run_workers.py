@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import pkgutil
+import queue
 import signal
+import threading
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -207,7 +209,7 @@ class Command(BaseCommand):
             watchers.append(TaskDiscovery(using))
         worker = Worker([registry[n] for n in names], config, watchers=watchers)
         # Before the start-up line, which supervisors and scripts wait for: a
-        # stop signal from then on is a clean stop (``run`` then claims nothing).
+        # stop signal from then on is a clean stop.
         signals = self._install_signal_handlers(worker)
         logger.info(
             "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s",
@@ -225,8 +227,9 @@ class Command(BaseCommand):
         try:
             worker.run()
         finally:
+            signals.close()
             metrics.mark_process_dead()
-        if config.burst and not signals["count"] and worker.unhealthy is None:
+        if config.burst and not signals.count and worker.unhealthy is None:
             # The expected end of a burst run: a summary, not a shutdown notice.
             logger.info(
                 "Burst done, the queue is drained (nothing left to claim for handlers=%s, "
@@ -296,27 +299,57 @@ class Command(BaseCommand):
         if found:
             logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
-    def _install_signal_handlers(self, worker: Worker) -> dict[str, int]:
-        """SIGTERM and SIGINT stop ``worker``; returns the count of signals received."""
-        received = {"count": 0}
+    def _install_signal_handlers(self, worker: Worker) -> _StopOnSignal:
+        """SIGTERM and SIGINT stop ``worker`` (``_StopOnSignal``)."""
+        return _StopOnSignal(worker)
 
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            received["count"] += 1
+
+class _StopOnSignal:
+    """SIGTERM and SIGINT stop a worker: the first drains it, the next releases at once.
+
+    The handlers only hand the signal over, with ``SimpleQueue.put`` (reentrant
+    C code that takes no lock of Python's), to a thread that logs it and stops
+    the worker. Python runs a signal handler on the main thread between two
+    bytecodes of whatever that thread is doing, another handler included: a
+    handler that takes a lock (``Event.set`` takes its condition's, a logging
+    handler its own) waits forever when the code it interrupted holds it. A
+    second signal that came while the first one's handler was inside
+    ``stopping.set()`` hung the worker that way, before its drain. On a
+    thread of its own, a stop waits for such a lock only until the main
+    thread lets go of it.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        #: Stop signals handled so far.
+        self.count = 0
+        self._arrived: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="dbworker-signals", daemon=True)
+        self._thread.start()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._arrived.put(signum)
+
+    def _serve(self) -> None:
+        while (signum := self._arrived.get()) is not None:
+            self.count += 1
             name = signal.Signals(signum).name
-            if received["count"] == 1:
+            if self.count == 1:
                 logger.info(
                     "%s received: finishing running items, then stopping "
                     "(send again to stop at once).",
                     name,
                 )
-                worker.stop()
+                self.worker.stop()
             else:
                 logger.warning("%s received again: releasing running items and stopping now.", name)
-                worker.stop(immediate=True)
+                self.worker.stop(immediate=True)
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        return received
+    def close(self) -> None:
+        """End the thread (the worker has stopped): after the signals already handed over."""
+        self._arrived.put(None)
 
 
 def _unreachable(using: str, exc: BaseException) -> str:
