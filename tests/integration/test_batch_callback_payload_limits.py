@@ -72,3 +72,16 @@ def test_stale_recovery_of_such_a_batch_item_does_not_stop_every_other_recovery(
     assert other.status == Status.PENDING
     assert item.status == Status.FAILED
     assert Batch.objects.get(pk=b.id).completed_at is not None
+
+
+def test_an_operator_can_cancel_the_last_pending_item_of_such_a_batch() -> None:
+    """``item.cancel()`` (and the admin's Cancel action) ends the batch's last item; the
+    batch completes in the same transaction: the callback's refusal must not make the
+    operator's cancel fail."""
+    with override_settings(DBWORKER={**settings.DBWORKER, "MAX_PAYLOAD_BYTES": LIMIT}):
+        with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
+            item = Noop.enqueue({})
+        item.cancel()
+    item.refresh_from_db()
+    assert item.status == Status.CANCELLED
+    assert Batch.objects.get(pk=b.id).completed_at is not None
