@@ -23,6 +23,7 @@ from django.db.models.functions import Now
 from django_dbworker.batches.completion import complete_batches
 from django_dbworker.batches.context import Open, current
 from django_dbworker.batches.models import Batch
+from django_dbworker.db import operations
 from django_dbworker.errors import EnqueueError
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem
@@ -47,7 +48,9 @@ def _callback_handler(on_complete: Any) -> type[WorkItemHandler]:
     return cls
 
 
-def _callback_payload(payload: Any) -> dict[str, Any]:
+def _callback_payload(payload: Any, db: str) -> dict[str, Any]:
+    """The callback's payload as given; refused unless it still fits once the batch adds
+    its id and counts (the callback is enqueued, and validated, when the batch completes)."""
     if payload is None:
         return {}
     if not isinstance(payload, Mapping):
@@ -61,7 +64,11 @@ def _callback_payload(payload: Any) -> dict[str, Any]:
             f"batch(payload=...) may not use the key(s) {', '.join(taken)}: the callback's "
             "payload gets the batch id and the counts under those names."
         )
-    encode_payload(dict(payload))
+    completed = {**payload, **dict.fromkeys(RESERVED_KEYS, 2**63 - 1)}
+    try:
+        encode_payload(completed, max_depth=operations(db).max_json_depth)
+    except EnqueueError as exc:
+        raise EnqueueError(f"batch(payload=...), with the batch's id and counts: {exc}") from None
     return dict(payload)
 
 
@@ -77,10 +84,10 @@ def batch(
     table (default: the routers' write alias). Blocks do not nest.
     """
     handler = _callback_handler(on_complete)
-    data = _callback_payload(payload)
     if current.get() is not None:
         raise EnqueueError("batch() blocks do not nest: close the open batch first.")
     db = work_db_for_write(using)
+    data = _callback_payload(payload, db)
     warn_if_outside_transaction(db)
     with transaction.atomic(using=db):
         row = Batch.objects.using(db).create(

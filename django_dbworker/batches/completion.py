@@ -39,6 +39,7 @@ from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.db import operations
 from django_dbworker.db.batch_probe import holds_a_pending_item
 from django_dbworker.enqueue_options import EnqueueOptions
+from django_dbworker.errors import EnqueueError
 from django_dbworker.handlers import WorkItemHandler, insert
 from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 from django_dbworker.registry import registry
@@ -294,28 +295,34 @@ def _enqueue_callback(batch: Batch, payload: dict[str, Any], using: str) -> Work
     """Insert ``batch``'s callback through the one insert path (validation, span, wake-up),
     in no batch, whatever block this thread is in.
 
-    A handler this process has not registered (a ``@task`` callback a worker of other
-    tasks never imported) is inserted by name as it is, for the workers that know it:
-    refusing it here would roll back the ending that completed the batch.
+    Nothing here may refuse it: that would roll back the ending that completed the batch
+    (a success write, a stale recovery pass, an operator's cancel) and every later try of
+    it. So a handler this process has not registered (a ``@task`` callback that a worker of
+    other tasks never imported), and a payload the enqueue checks refuse now (the block
+    checked it with room for the counts; a lower MAX_PAYLOAD_BYTES since), are inserted as
+    they are, by name, with a warning.
     """
     cls = registry.get(batch.on_complete)
-    if cls is None or not issubclass(cls, WorkItemHandler):
-        logger.warning(
-            "Batch #%d: its callback %r is not a handler of this process; enqueued by name.",
-            batch.pk,
-            batch.on_complete,
-        )
-        item = WorkItem.objects.using(using).create(
-            handler=batch.on_complete,
-            queue=batch.queue,
-            payload=payload,
-            max_attempts=batch.max_attempts,
-        )
-        operations(using).notify([batch.queue], 0)
-        return item
-    options = EnqueueOptions(queue=batch.queue, max_attempts=batch.max_attempts, using=using)
-    with outside():
-        return insert(cls, payload, options)[0]
+    if cls is not None and issubclass(cls, WorkItemHandler):
+        options = EnqueueOptions(queue=batch.queue, max_attempts=batch.max_attempts, using=using)
+        try:
+            with outside():
+                return insert(cls, payload, options)[0]
+        except EnqueueError as exc:
+            why = f"the enqueue checks refuse it ({exc})"
+    else:
+        why = "it is not a handler of this process"
+    logger.warning(
+        "Batch #%d: its callback %r: %s; enqueued as it is.", batch.pk, batch.on_complete, why
+    )
+    item = WorkItem.objects.using(using).create(
+        handler=batch.on_complete,
+        queue=batch.queue,
+        payload=payload,
+        max_attempts=batch.max_attempts,
+    )
+    operations(using).notify([batch.queue], 0)
+    return item
 
 
 def sweep(using: str, *, limit: int = SWEEP_LIMIT) -> None:

@@ -1,14 +1,16 @@
-"""A batch's callback is enqueued whatever the batch's payload, once the batch was accepted.
+"""A batch's callback is enqueued whatever the enqueue checks say by then, once the batch
+was accepted.
 
-``batch(payload=...)`` validates the user's payload at the block; the callback's payload is
-that payload plus four keys (``batch``, ``succeeded``, ``failed``, ``cancelled``). Since the
-callback goes through the enqueue path (validated), a payload accepted at the block but
-within a few dozen bytes of MAX_PAYLOAD_BYTES makes the callback's own validation refuse it
-inside the transaction that records the batch's last ending: that ending must not be lost,
-and the worker must not loop on it.
+``batch(payload=...)`` checks the payload at the block with room for the four keys the batch
+adds (``batch``, ``succeeded``, ``failed``, ``cancelled``). The callback goes through the
+enqueue path when the batch completes, inside the transaction that records the batch's
+last ending; if its checks refuse it then (MAX_PAYLOAD_BYTES lowered since the block), it
+is inserted as it is: that ending must not be lost, and nothing may loop on it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -30,10 +32,25 @@ def _payload_just_under_the_limit() -> dict[str, str]:
     return {"note": "x" * (LIMIT - 12)}
 
 
+def _lowered() -> Any:
+    """MAX_PAYLOAD_BYTES lowered after the block (a deploy): the callback no longer fits."""
+    return override_settings(DBWORKER={**settings.DBWORKER, "MAX_PAYLOAD_BYTES": LIMIT})
+
+
+def test_a_batch_payload_without_room_for_the_counts_is_refused_at_the_block() -> None:
+    from django_dbworker import EnqueueError
+
+    payload = _payload_just_under_the_limit()
+    refused = pytest.raises(EnqueueError, match="with the batch's id and counts")
+    with _lowered(), refused, batch(on_complete=BatchDone, payload=payload):
+        Noop.enqueue({})
+    assert not Batch.objects.exists() and not WorkItem.objects.exists()
+
+
 def test_a_batch_payload_accepted_at_the_block_still_gets_its_callback() -> None:
-    with override_settings(DBWORKER={**settings.DBWORKER, "MAX_PAYLOAD_BYTES": LIMIT}):
-        with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
-            item = Noop.enqueue({})
+    with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
+        item = Noop.enqueue({})
+    with _lowered():
         run_until_empty([Noop])
     item.refresh_from_db()
     row = Batch.objects.get(pk=b.id)
@@ -49,9 +66,9 @@ def test_stale_recovery_of_such_a_batch_item_does_not_stop_every_other_recovery(
     refusal must not roll back the whole recovery pass (every other stale row with it)."""
     from tests.factories import age_heartbeat, claim, make_item
 
-    with override_settings(DBWORKER={**settings.DBWORKER, "MAX_PAYLOAD_BYTES": LIMIT}):
-        with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
-            item = Noop.enqueue({})
+    with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
+        item = Noop.enqueue({})
+    with _lowered():
         WorkItem.objects.filter(pk=item.pk).update(max_attempts=1)
         other = make_item("echo")
         taken = claim(limit=10, handlers=["noop", "echo"])
@@ -78,9 +95,9 @@ def test_an_operator_can_cancel_the_last_pending_item_of_such_a_batch() -> None:
     """``item.cancel()`` (and the admin's Cancel action) ends the batch's last item; the
     batch completes in the same transaction: the callback's refusal must not make the
     operator's cancel fail."""
-    with override_settings(DBWORKER={**settings.DBWORKER, "MAX_PAYLOAD_BYTES": LIMIT}):
-        with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
-            item = Noop.enqueue({})
+    with batch(on_complete=BatchDone, payload=_payload_just_under_the_limit()) as b:
+        item = Noop.enqueue({})
+    with _lowered():
         item.cancel()
     item.refresh_from_db()
     assert item.status == Status.CANCELLED
