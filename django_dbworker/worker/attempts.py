@@ -134,12 +134,17 @@ class Ledger:
         with self._lock:
             return [a.item for a in self._attempts.values()]
 
-    def count_of(self, handlers: Collection[str]) -> int:
-        """Attempts of ``handlers`` in flight (buffered, running, recording)."""
+    def keyed_of(self, handlers: Collection[str]) -> int:
+        """Attempts of rows with a concurrency key of ``handlers`` in flight (buffered,
+        running, recording): the slots of limited keys this process holds."""
         if not handlers:
             return 0
         with self._lock:
-            return sum(1 for a in self._attempts.values() if a.item.handler in handlers)
+            return sum(
+                1
+                for a in self._attempts.values()
+                if a.item.concurrency_key is not None and a.item.handler in handlers
+            )
 
     def attempts(self) -> list[Attempt]:
         with self._lock:

@@ -99,7 +99,8 @@ class ClaimRoute:
     def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
         """Claim up to ``limit`` rows and ``dispatch`` them. Rows of limited keys while this
         process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them (``limited_in_
-        flight``: buffered, running or being written), or for the ``free`` threads."""
+        flight``: keyed rows of limited handlers, buffered, running or being written; their
+        unkeyed rows hold no slot), or for the ``free`` threads."""
         handlers = self.handlers()
         rates = self.rates(handlers)
         names = [name for name in handlers if not (name in rates and self._held(name))]
@@ -229,10 +230,14 @@ class ClaimRoute:
 
     def outranked(self, priority: int) -> bool:
         """Whether a ready row of these handlers, of a priority above ``priority``, waits in
-        a queue this worker claims from (rows of limited keys aside: their keys decide)."""
-        handlers = self.handlers()
+        a queue this worker claims from: one the next claim would take (rows of limited keys
+        aside: their keys decide; a rate-limited handler's while its window is full aside)."""
+        held = self.withheld() or frozenset()
+        names = [name for name in self.handlers() if name not in held]
+        if not names:
+            return False
         rows = WorkItem.objects.using(self.config.using).ready()
-        rows = rows.filter(handler__in=list(handlers), priority__gt=priority)
+        rows = rows.filter(handler__in=names, priority__gt=priority)
         if self.config.queues:
             rows = rows.filter(queue__in=self.config.queues)
         rows = rows.exclude(concurrency_key__isnull=False, handler__in=self.limited())

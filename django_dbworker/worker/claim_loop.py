@@ -151,7 +151,7 @@ class ClaimLoop:
             result = self.route.claim(
                 limit,
                 free=self._free_threads(),
-                limited_in_flight=self.ledger.count_of(self.route.limited()),
+                limited_in_flight=self.ledger.keyed_of(self.route.limited()),
                 dispatch=dispatch,
             )
         except Exception:
@@ -297,7 +297,7 @@ class ClaimLoop:
         if (
             self.rests
             and attempt.handler.concurrency_limit is not None
-            and self.ledger.count_of(self.route.limited()) <= KEYED_REFILL * self.config.concurrency
+            and self.ledger.keyed_of(self.route.limited()) <= KEYED_REFILL * self.config.concurrency
         ):
             self.control.wake.set()
         else:
