@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from uuid import UUID
 
 from django.db.models import Case, CharField, F, Q, TextField, Value, When
-from django.db.models.functions import Now
+from django.db.models.functions import Least, Now
 
 from django_dbworker.batches import completion
 from django_dbworker.db import operations
@@ -297,7 +297,9 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
                     output_field=TextField(),
                 ),
                 attempts=_ATTEMPT_HANDED_BACK,
-                run_after=Now(),
+                # Its place in the claim order kept: a row given back (a paused queue, a
+                # full rate window, a stop) goes before the rows that waited behind it.
+                run_after=Least(F("run_after"), Now()),
                 claim_token=None,
                 updated_at=Now(),
             )
