@@ -165,10 +165,10 @@ def _best_of_its_key(served: str) -> str:
           SELECT b.id FROM django_dbworker_workitem AS b
           WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
             AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
           ORDER BY b.priority DESC, b.run_after, b.id
           LIMIT 1)
-        AND bq.id <> p.id AND {served}
-        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
+        AND bq.id <> p.id AND {served}))"""
 
 
 CLAIM_CANDIDATES = Statement(

@@ -111,14 +111,14 @@ def _best_of_its_key(served: str, row: str = "p") -> str:
                 AND b.concurrency_key >= {row}.concurrency_key
                 AND b.concurrency_key <= {row}.concurrency_key
                 AND b.run_after <= statement_timestamp()
+                AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
               LIMIT 1
           ) AS best
           JOIN django_dbworker_workitem AS bq ON bq.id = best.id
           WHERE (best.priority, {row}.run_after, {row}.id)
                 > ({row}.priority, best.run_after, best.id)
-            AND {served}
-            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
+            AND {served}))"""
 
 
 def _candidates(queue_filter: str) -> str:

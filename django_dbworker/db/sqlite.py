@@ -186,11 +186,11 @@ _BEST_OF_ITS_KEY = """
                       WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
                         AND b.handler = p.handler
                         AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                        AND b.queue NOT IN (
+                            SELECT name FROM django_dbworker_queuestate WHERE paused)
                       ORDER BY b.priority DESC, b.run_after, b.id
                       LIMIT 1)
-                    AND bq.id <> p.id AND {served}
-                    AND bq.queue NOT IN (
-                        SELECT name FROM django_dbworker_queuestate WHERE paused)))"""
+                    AND bq.id <> p.id AND {served}))"""
 
 # The separate "id IN (...)" pins the plan to primary-key lookups, whatever
 # the planner thinks of the join with the VALUES rows.

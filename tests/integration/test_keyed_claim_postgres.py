@@ -91,13 +91,18 @@ def place(item: WorkItem, *, priority: int = 0, seconds: int = 0) -> WorkItem:
 
 
 def best_rows(handlers: list[str]) -> dict[tuple[str, str], Any]:
-    """Each key's best ready row, in any queue (paused ones too): claim order's first."""
-    rows = WorkItem.objects.filter(
-        status=Status.PENDING,
-        handler__in=handlers,
-        concurrency_key__isnull=False,
-        run_after__lte=timezone.now(),
-    ).values_list("id", "handler", "concurrency_key", "priority", "run_after", "queue")
+    """Each key's best ready row, in any queue that is not paused: claim order's first."""
+    paused = QueueState.objects.filter(paused=True).values("name")
+    rows = (
+        WorkItem.objects.filter(
+            status=Status.PENDING,
+            handler__in=handlers,
+            concurrency_key__isnull=False,
+            run_after__lte=timezone.now(),
+        )
+        .exclude(queue__in=paused)
+        .values_list("id", "handler", "concurrency_key", "priority", "run_after", "queue")
+    )
     best: dict[tuple[str, str], Any] = {}
     for r in sorted(rows, key=lambda r: (-r[3], r[4], r[0])):
         best.setdefault((r[1], r[2]), r)
@@ -105,9 +110,10 @@ def best_rows(handlers: list[str]) -> dict[tuple[str, str], Any]:
 
 
 def blocked(r: Any, best: dict[tuple[str, str], Any], queues: list[str], paused: set[str]) -> bool:
-    """Whether the keyed row ``r`` waits: its key's best row is elsewhere, not paused."""
+    """Whether the keyed row ``r`` waits: its key's best row (of the queues not paused) is
+    in another queue."""
     b = best[(r[1], r[2])]
-    return b[0] != r[0] and b[5] not in queues and b[5] not in paused
+    return b[0] != r[0] and b[5] not in queues
 
 
 def model(limit: int, queues: list[str] | None, limits: dict[str, int]) -> tuple[list[int], int]:

@@ -91,10 +91,10 @@ WHERE p.queue = %(queue)s
           SELECT b.id FROM django_dbworker_workitem AS b
           WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
             AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
           ORDER BY b.priority DESC, b.run_after, b.id
           LIMIT 1)
-        AND bq.id <> p.id AND bq.queue <> %(queue)s
-        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
+        AND bq.id <> p.id AND bq.queue <> %(queue)s))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
@@ -123,10 +123,10 @@ WHERE p.status = 'pending'
           SELECT b.id FROM django_dbworker_workitem AS b
           WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
             AND b.handler = p.handler AND b.run_after <= UTC_TIMESTAMP(6)
+            AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
           ORDER BY b.priority DESC, b.run_after, b.id
           LIMIT 1)
-        AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)
-        AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
+        AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)))
 ORDER BY p.priority DESC, p.run_after, p.id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;

@@ -341,14 +341,14 @@ WITH c AS (
                 AND b.concurrency_key >= p.concurrency_key
                 AND b.concurrency_key <= p.concurrency_key
                 AND b.run_after <= statement_timestamp()
+                AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
               LIMIT 1
           ) AS best
           JOIN django_dbworker_workitem AS bq ON bq.id = best.id
           WHERE (best.priority, p.run_after, p.id)
                 > (p.priority, best.run_after, best.id)
-            AND bq.queue <> %(queue)s
-            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
+            AND bq.queue <> %(queue)s))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -406,14 +406,14 @@ WITH c AS (
                 AND b.concurrency_key >= p.concurrency_key
                 AND b.concurrency_key <= p.concurrency_key
                 AND b.run_after <= statement_timestamp()
+                AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
               LIMIT 1
           ) AS best
           JOIN django_dbworker_workitem AS bq ON bq.id = best.id
           WHERE (best.priority, p.run_after, p.id)
                 > (p.priority, best.run_after, best.id)
-            AND bq.queue <> ALL(%(queues)s::text[])
-            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
+            AND bq.queue <> ALL(%(queues)s::text[])))
       AND (p.concurrency_key IS NULL
            OR p.handler <> ALL(%(limited)s::text[])
            OR (p.handler, p.concurrency_key) NOT IN (
@@ -664,14 +664,14 @@ WITH RECURSIVE unkeyed AS (
                 AND b.concurrency_key >= hd.concurrency_key
                 AND b.concurrency_key <= hd.concurrency_key
                 AND b.run_after <= statement_timestamp()
+                AND b.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               ORDER BY b.concurrency_key, b.priority DESC, b.run_after, b.id
               LIMIT 1
           ) AS best
           JOIN django_dbworker_workitem AS bq ON bq.id = best.id
           WHERE (best.priority, hd.run_after, hd.id)
                 > (hd.priority, best.run_after, best.id)
-            AND bq.queue <> ALL(%(queues)s::text[])
-            AND bq.queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)))
+            AND bq.queue <> ALL(%(queues)s::text[])))
 ), c AS (
     SELECT p.id, p.handler, p.concurrency_key, p.concurrency_limit, p.priority, p.run_after
     FROM django_dbworker_workitem AS p

@@ -93,11 +93,11 @@ WHERE id IN (
                       WHERE b.status = 'pending' AND b.concurrency_key = p.concurrency_key
                         AND b.handler = p.handler
                         AND b.run_after <= STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')
+                        AND b.queue NOT IN (
+                            SELECT name FROM django_dbworker_queuestate WHERE paused)
                       ORDER BY b.priority DESC, b.run_after, b.id
                       LIMIT 1)
-                    AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)
-                    AND bq.queue NOT IN (
-                        SELECT name FROM django_dbworker_queuestate WHERE paused)))
+                    AND bq.id <> p.id AND bq.queue NOT IN (%(queue_0)s, %(queue_1)s)))
               AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
               AND (concurrency_key IS NULL
                    OR handler NOT IN (%(limited_0)s, %(limited_1)s)
