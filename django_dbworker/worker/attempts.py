@@ -256,13 +256,14 @@ class Ledger:
 
         An attempt whose outcome was being written lost nothing: the
         heartbeat raced the write (and a fenced write says so itself); it is
-        not in the answer, but it is no longer heartbeated either.
+        not in the answer, but it is no longer heartbeated either. Nor did one
+        being given back: the heartbeat raced its release.
         """
         lost: list[Attempt] = []
         with self._lock:
             for key in keys:
                 attempt = self._attempts.get(key)
-                if attempt is None or attempt.state is State.LOST:
+                if attempt is None or attempt.state in (State.LOST, State.RELEASED):
                     continue
                 if attempt.state is not State.RECORDING:
                     lost.append(attempt)

@@ -210,8 +210,9 @@ class ClaimRoute:
         if until is None:
             return False
         if self.now() >= until:
-            with self._held_lock:
-                self._held_until.pop(name, None)
+            with self._held_lock:  # not a hold a pool thread set since (a fuller window)
+                if self._held_until.get(name) == until:
+                    del self._held_until[name]
             return False
         return True
 
