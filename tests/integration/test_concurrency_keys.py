@@ -16,17 +16,19 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
 
-from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many
+from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many, pause_queue
 from django_dbworker.checks import concurrency_limit_errors
 from django_dbworker.db import operations
 from django_dbworker.flow.models import FlowLock
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
+from django_dbworker.worker import Worker
 from tests.conftest import lock_waiters as shared_lock_waiters
 from tests.conftest import wait_until
 from tests.factories import age_heartbeat, assert_no_key_overlaps, claim
@@ -1006,3 +1008,70 @@ def test_a_hot_key_at_the_head_does_not_delay_other_keys_until_the_next_poll(
         what="the other keys' rows to succeed while the hot key runs",
     )
     assert Execution.objects.filter(key="hot", kind="end").count() < 40
+
+
+# -- a paused best row ---------------------------------------------------------------------
+# A key's slot goes to its best ready row, whichever worker serves it, also when the key's
+# very best row waits in a paused queue.
+#
+# A worker of some queues leaves a limited key's row while a better row of the key waits in
+# a queue it does not serve (SPEC "Flow control", docs "the best ready row of a key"): a
+# key split across queues of different workers starved one of them. A row in a paused queue
+# is claimed by no worker: it cannot take the slot, so the better rows behind it in other
+# served queues must still be preferred. The rule only looks at the key's single best row,
+# and a paused one switches it off for the whole key.
+
+
+def test_a_paused_best_row_does_not_hand_the_keys_slot_to_a_worse_row() -> None:
+    held = Keyed.enqueue({"key": "held"}, concurrency_key="K", queue="held", priority=10)
+    theirs = Keyed.enqueue({"key": "theirs"}, concurrency_key="K", queue="theirs", priority=5)
+    mine = Keyed.enqueue({"key": "mine"}, concurrency_key="K", queue="mine", priority=0)
+    pause_queue("held")
+    # The worker of "mine" alone: "theirs" (priority 5, ready, not paused) is the best row
+    # any worker can take for K, and waits in a queue this worker does not serve.
+    got = claim(limit=10, handlers=["keyed"], queues=["mine"], limited=True)
+    assert [i.pk for i in got] == [], (
+        f"the worker of 'mine' took K's slot for #{mine.pk} (priority 0) while #{theirs.pk} "
+        f"(priority 5) waits in 'theirs'; #{held.pk} (priority 10) is paused"
+    )
+    # Without the paused row it does leave the key to "theirs" (the rule as it stands).
+    WorkItem.objects.filter(pk=held.pk).delete()
+    assert claim(limit=10, handlers=["keyed"], queues=["mine"], limited=True) == []
+
+
+# -- the keyed cap counts keyed rows -------------------------------------------------------
+# The keyed cap (KEYED_IN_FLIGHT rows per thread) counts rows of limited *keys*, not every
+# row of a handler that declares a limit.
+#
+# A handler with a ``concurrency_limit`` limits only the rows enqueued with a
+# ``concurrency_key``; its rows without one are "not limited" (SPEC "Flow control") and are
+# prefetched like any unkeyed row (``worker/claim.py``). The cap on keyed rows must not count
+# them: a buffer of such unkeyed rows would leave no room for any keyed row, and a keyed row
+# of a higher priority would wait behind the whole unkeyed backlog of lower priority.
+
+
+def test_a_keyed_row_is_claimed_beside_a_buffer_of_the_handlers_unkeyed_rows(
+    background_worker: Callable[..., Worker],
+) -> None:
+    # 400 unkeyed rows of the limited handler, 50 ms each: 10 s of work for two threads,
+    # prefetched for a horizon of 2 s (some 80 rows buffered).
+    Keyed.enqueue_many([{"key": f"bulk-{n}", "seconds": 0.05} for n in range(400)])
+    worker = background_worker(["keyed"], concurrency=2, poll_interval=0.2, prefetch_horizon=2.0)
+    wait_until(
+        lambda: Execution.objects.filter(kind="end").count() >= 6,
+        what="the pace to be known: a buffer of unkeyed rows behind the running ones",
+    )
+    loop = worker.claim_loop
+    assert loop is not None
+    urgent = Keyed.enqueue({"key": "urgent", "seconds": 0}, concurrency_key="K", priority=10)
+    # Its key is free and it outranks every buffered row: it starts within a refill or two.
+    started = Execution.objects.filter(key="urgent", kind="start")
+    deadline = time.monotonic() + 3
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), (
+        f"the keyed priority-10 row (key free) is still "
+        f"{WorkItem.objects.get(pk=urgent.pk).status} after 3 s, while "
+        f"{Execution.objects.filter(kind='end').count()} unkeyed rows of priority 0 ran and "
+        f"{loop.ledger.buffered()} are buffered"
+    )

@@ -6,19 +6,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, connections
 from django.db.models import Sum
 from django.db.models.functions import Now
+from prometheus_client import CollectorRegistry
 
 from django_dbworker.db import operations
 from django_dbworker.flow.models import FlowLock, RateStart
 from django_dbworker.flow.rates import RATE_BUCKETS, take_start
+from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
+from django_dbworker.worker import Worker
+from tests.conftest import wait_until
+from tests.factories import worker_config
 from tests.testapp.models import Execution
+from tests.testapp.workers import Rated
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -230,3 +239,137 @@ def test_a_burst_worker_waits_for_a_window_that_frees_up_soon(background_worker)
         timeout=10,
         what="all 25 rated items to run despite a 5 s poll interval",
     )
+
+
+# -- a busy process ------------------------------------------------------------------------
+# A rate limit refuses only starts beyond it (SPEC "Flow control": "starts beyond the limit
+# wait pending"), also on a busy worker process.
+#
+# A start is taken in the window just before the handler runs (``flow/rates.py``). In a
+# worker whose other threads run Python code (CPU-bound handlers), each return from the
+# database waits for Python's lock, and a take's return took 100-500 ms here: a start that
+# is taken must run, however late, never be refused for it (refusing such starts livelocked
+# a busy process: none of 10 ran in 15 s).
+
+STOP = threading.Event()
+
+
+class GenerousRate(WorkItemHandler):
+    """Rate-limited far above what the test asks of it: its window never fills."""
+
+    name = "generous_rate"
+    rate_limit = "1000/s"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+class Crunch(WorkItemHandler):
+    """CPU-bound Python (a parser, a report): holds the GIL between switch intervals."""
+
+    name = "crunch"
+
+    def handle(self, payload: Any) -> None:
+        deadline = time.monotonic() + float(payload["seconds"])
+        while time.monotonic() < deadline and not STOP.is_set():
+            sum(range(2000))
+
+
+@pytest.fixture
+def stopped_crunch() -> Any:
+    STOP.clear()
+    yield
+    STOP.set()
+
+
+def test_a_rated_handler_with_room_in_its_window_starts_beside_cpu_bound_neighbours(
+    stopped_crunch: None,
+) -> None:
+    Crunch.enqueue_many([{"seconds": 30} for _ in range(3)], priority=10)
+    GenerousRate.enqueue_many([{} for _ in range(10)])
+    reg = CollectorRegistry()
+    worker = Worker(
+        [Crunch, GenerousRate], worker_config(concurrency=4), metrics=WorkerMetrics(reg)
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        done = WorkItem.objects.filter(handler=GenerousRate.name, status=Status.SUCCEEDED)
+
+        def refused() -> float:
+            return (
+                reg.get_sample_value(
+                    "worker_throttled_total", {"worker": GenerousRate.name, "reason": "rate"}
+                )
+                or 0.0
+            )
+
+        deadline = time.monotonic() + 15
+        while done.count() < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done.count() == 10, (
+            f"{done.count()} of 10 rated items (1000/s: room to spare) ran in 15 s beside "
+            f"CPU-bound ones; {refused():.0f} starts refused"
+        )
+        # Not one start was beyond the limit: none may be refused.
+        assert not refused(), f"{refused():.0f} starts refused although the window had room"
+    finally:
+        STOP.set()
+        worker.stop(immediate=True)
+        thread.join(15)
+
+
+# -- rows given back keep their place ------------------------------------------------------
+# A rate-limited handler's rows start in claim order (priority, then ``run_after``, then id),
+# window after window.
+#
+# Rate limits count starts (``flow/rates.py``): rows of a rated handler are claimed and
+# buffered like any others, and those its full window refuses go back to pending. Going back
+# must not move them behind the rows that were never claimed: with ``run_after`` reset to
+# "now" at the give-back, the rows a window refused (the oldest of the backlog) wait until
+# the whole backlog behind them has run.
+
+
+def test_rows_refused_by_a_full_window_start_before_the_rows_behind_them(
+    background_worker: Callable[..., Worker],
+) -> None:
+    items = Rated.enqueue_many([{"key": str(n)} for n in range(70)])
+    order = [item.pk for item in items]  # one run_after for all: claim order is the id's
+    # 20 starts a second; claims of 10 rows at most, so the backlog is claimed window by window.
+    background_worker(["rated"], concurrency=2, batch_size=10)
+    done = WorkItem.objects.filter(handler="rated", status=Status.SUCCEEDED)
+    wait_until(lambda: done.count() == 70, timeout=20, what="the 70 rated rows to run")
+    # The handler returns its start time (time.time()): the rows by when they started.
+    started = sorted(done.values_list("result", "pk"))
+    position = {pk: n for n, (_, pk) in enumerate(started)}
+    # Two threads and a claim of ten rows may swap neighbours; no row may start dozens of
+    # places late.
+    late = {pk: position[pk] - n for n, pk in enumerate(order) if position[pk] - n > 12}
+    assert not late, f"rows that started far behind their place in claim order: {late}"
+
+
+# -- a clock stepped back ------------------------------------------------------------------
+# A rate window counts each start once, also after the database's clock stepped back.
+#
+# ``take_start`` counts starts dated after the database's "now" (the clock stepped back: an
+# NTP step, a restored VM, a failover to a lagging replica) as the current bucket's
+# (``flow/rates.py``). Several buckets of the last window then share the current bucket's
+# time: a start added to "the current bucket" must add one start, not one per row that now
+# carries that time.
+
+
+def _take(starts: int, period: float) -> float | None:
+    return take_start(operations(), handler="rated", starts=starts, period=period)
+
+
+def test_starts_after_a_clock_step_back_are_counted_once_each() -> None:
+    # The last window's five buckets, one start each, dated 1 to 5 minutes ahead of the
+    # database's clock (it stepped back five minutes; the period is an hour).
+    for minutes in range(1, 6):
+        row = RateStart.objects.create(handler="rated", count=1)
+        RateStart.objects.filter(pk=row.pk).update(started_at=Now() + timedelta(minutes=minutes))
+    taken = [_take(starts=100, period=3600.0) for _ in range(30)]
+    total = RateStart.objects.filter(handler="rated").aggregate(n=Sum("count"))["n"]
+    # 5 + 30 starts in a window of 100: every one taken, each counted once.
+    assert taken.count(None) == 30, f"{30 - taken.count(None)} of 30 starts refused"
+    assert total == 35, f"the window counts {total} starts for 35"
