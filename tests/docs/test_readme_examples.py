@@ -101,6 +101,9 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
         yield project
 
 
+# The databases page's and the tutorial's settings blocks for the leg's server are
+# what connects: on every database's leg (tests/conftest.py, NEUTRAL_FOLDERS).
+@pytest.mark.every_database
 def test_settings_blocks_pass_the_system_checks(project: Project) -> None:
     # --fail-level WARNING: on SQLite, the Install section's options are what
     # silence django_dbworker.W001-W003; the DBWORKER reference must be valid.
