@@ -96,7 +96,10 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
             "pytest.ini": PYTEST_INI,
         },
         settings_tail='\n# The scaffolding\nINSTALLED_APPS += ["myapp"]\n'
-        'EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"\n',
+        # Django 6.1's new project prints e-mails already (MAILERS) and refuses
+        # EMAIL_BACKEND beside it.
+        'if "MAILERS" not in globals():\n'
+        '    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"\n',
     ) as project:
         yield project
 
