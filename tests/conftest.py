@@ -103,7 +103,9 @@ def is_vendor_neutral(item: pytest.Item) -> bool:
         return False
     if any(item.get_closest_marker(name) for name in VENDOR_MARKERS):
         return False
-    folder = Path(str(item.path)).resolve().parent.relative_to(ROOT / "tests").as_posix()
+    parent = Path(str(item.path)).resolve().parent
+    tests = ROOT / "tests"
+    folder = parent.relative_to(tests).as_posix() if parent.is_relative_to(tests) else ""
     if any(folder == f or folder.startswith(f + "/") for f in NEUTRAL_FOLDERS):
         return True
     uses_db = item.get_closest_marker("django_db") is not None or bool(
