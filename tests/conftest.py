@@ -72,6 +72,55 @@ def slow_retries() -> Iterator[None]:
         yield
 
 
+#: Folders whose tests hold the same on any database: the admin's pages, the
+#: browser tests, the docs' examples and the deployment recipes. With the
+#: tests that use no database, they run once per Django version, in the
+#: vendor-neutral leg of scripts/test (on SQLite); the rest runs on every database.
+NEUTRAL_FOLDERS = ("unit", "integration/admin", "e2e", "docs", "deploy")
+#: Markers that tie a test to databases: such a test runs in the vendor legs.
+VENDOR_MARKERS = ("postgres_only", "server_db", "mysql_only", "sqlite_only", "pgbouncer")
+#: Fixtures through which a test reaches the database (pytest-django's).
+DATABASE_FIXTURES = frozenset(
+    {
+        "db",
+        "transactional_db",
+        "django_db_reset_sequences",
+        "django_db_serialized_rollback",
+        "live_server",
+    }
+)
+
+
+def is_vendor_neutral(item: pytest.Item) -> bool:
+    """Whether ``item`` runs in the vendor-neutral leg (once) rather than on every database.
+
+    A test is vendor-neutral unless it carries a vendor marker or
+    ``every_database``, and it either sits in one of ``NEUTRAL_FOLDERS`` or
+    uses no database (no ``django_db`` marker, none of ``DATABASE_FIXTURES``).
+    So a new test that uses the database runs on every database by default.
+    """
+    if item.get_closest_marker("every_database"):
+        return False
+    if any(item.get_closest_marker(name) for name in VENDOR_MARKERS):
+        return False
+    parent = Path(str(item.path)).resolve().parent
+    tests = ROOT / "tests"
+    folder = parent.relative_to(tests).as_posix() if parent.is_relative_to(tests) else ""
+    if any(folder == f or folder.startswith(f + "/") for f in NEUTRAL_FOLDERS):
+        return True
+    uses_db = item.get_closest_marker("django_db") is not None or bool(
+        DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+    return not uses_db
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the vendor-neutral tests ``vendor_neutral`` (scripts/test selects by it)."""
+    for item in items:
+        if is_vendor_neutral(item):
+            item.add_marker(pytest.mark.vendor_neutral)
+
+
 def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 

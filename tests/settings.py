@@ -145,6 +145,13 @@ if os.environ.get("DBWORKER_TEST_DB_NAME"):
         DATABASES["direct"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
 if os.environ.get("DBWORKER_TEST_WORK_DB_NAME"):
     DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_WORK_DB_NAME"]
+elif os.environ.get("DBWORKER_TEST_DB_NAME") and _url:
+    # No queue database of its own: "work" names the test database, which
+    # exists. From Django 6.1 the system checks of every command (run_workers'
+    # included) look at every alias, and on MySQL/MariaDB that connects (the
+    # column types depend on the server's version): "<name>_work" was never
+    # created outside the routing tests.
+    DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
 # ... and, for a queue database of its own (tests/process/test_queue_database.py),
 # at the router that puts the work there.
 if os.environ.get("DBWORKER_TEST_ROUTERS"):

@@ -67,6 +67,9 @@ def test_the_page_is_its_own_project_and_is_run_whole() -> None:
     assert "illustrative" not in kinds, kinds
 
 
+# The page's settings block for the leg's server is what makes the queue database:
+# on every database's leg (tests/conftest.py, NEUTRAL_FOLDERS).
+@pytest.mark.every_database
 def test_the_recipe_puts_the_work_on_the_queue_database(project: Project) -> None:
     project.manage("migrate", "--database", "queue", "-v", "0")
     tables = project.query(TABLES)
