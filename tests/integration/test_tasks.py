@@ -111,6 +111,7 @@ def test_get_result_reads_any_task_and_refuses_the_rest() -> None:
             backend.get_result(unknown)
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_a_failing_task_retries_and_keeps_every_error() -> None:
     result = tasks.flaky.enqueue("f", fail_times=2)
     run_until_empty()

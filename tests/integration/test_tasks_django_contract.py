@@ -300,6 +300,7 @@ def test_the_context_of_a_task_retried_by_an_operator_matches_get_result() -> No
 # -- error_history that is not a JSON array ------------------------------------------
 
 
+@pytest.mark.usefixtures("slow_retries")
 def test_a_failure_is_recorded_whatever_error_history_holds() -> None:
     """A row whose ``error_history`` is not a JSON array (edited by hand) breaks failure writes.
 
