@@ -121,8 +121,15 @@ def prune(
     """
     using = work_db_for_write(using)  # the deletes and their transactions: one alias
     allowed = [s for s in statuses if s in FINISHED_STATUSES]
+    # An open batch's finished items stay: its callback counts them. A subquery on the
+    # batches, not a join: a DELETE that joins is Django's ``id IN (SELECT ...)`` of its
+    # own table, which PostgreSQL evaluates in the snapshot taken before the lock wait
+    # (the re-check below would read the row as it was chosen).
+    settled = Q(batch__isnull=True) | Q(
+        batch_id__in=Batch.objects.using(using).filter(completed_at__isnull=False).values("pk")
+    )
     base = WorkItem.objects.using(using).filter(
-        Q(batch__isnull=True) | Q(batch__completed_at__isnull=False),
+        settled,
         status__in=allowed,
         finished_at__lt=Now() - older_than,
     )
@@ -148,7 +155,7 @@ def prune(
             count, _ = (
                 WorkItem.objects.using(using)
                 .filter(
-                    Q(batch__isnull=True) | Q(batch__completed_at__isnull=False),
+                    settled,
                     pk__in=ids,
                     status__in=allowed,
                     finished_at__lt=Now() - older_than,
