@@ -189,7 +189,9 @@ def test_a_large_hourly_window_reads_a_bucket_a_row() -> None:
     for _ in range(300):
         assert take(starts=3_600_000, period=3600.0) is None
     rows = RateStart.objects.filter(handler="rated")
-    assert rows.count() <= 2 and rows.aggregate(n=Sum("count"))["n"] == 600
+    # A bucket is 36 s of the grid: each run of 300 takes fills one, or two where it
+    # crosses a bucket's end (a row per start would be 600).
+    assert rows.count() <= 4 and rows.aggregate(n=Sum("count"))["n"] == 600
 
 
 def test_a_full_window_leaves_rows_pending_without_using_an_attempt() -> None:
@@ -342,9 +344,11 @@ def test_rows_refused_by_a_full_window_start_before_the_rows_behind_them(
     # The handler returns its start time (time.time()): the rows by when they started.
     started = sorted(done.values_list("result", "pk"))
     position = {pk: n for n, (_, pk) in enumerate(started)}
-    # Two threads and a claim of ten rows may swap neighbours; no row may start dozens of
-    # places late.
-    late = {pk: position[pk] - n for n, pk in enumerate(order) if position[pk] - n > 12}
+    # Two threads race for each start: one that waited for the start's lock (SQLite's
+    # writer lock is not first come, first served; seen: 100 ms) finds the window taken by
+    # the other and starts in the next one, up to a window's starts (20) and a claim (10)
+    # late. A row given back behind the backlog would start about 50 places late.
+    late = {pk: position[pk] - n for n, pk in enumerate(order) if position[pk] - n > 30}
     assert not late, f"rows that started far behind their place in claim order: {late}"
 
 
