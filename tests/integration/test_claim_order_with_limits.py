@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.db import transaction
 
 from django_dbworker import WorkItemHandler
 from django_dbworker.models import Status, WorkItem
@@ -137,9 +138,12 @@ def test_an_urgent_batch_of_a_limited_handler_is_claimed_ahead_of_a_full_buffer_
         ["gate", "keyed_gate"], concurrency=1, poll_interval=30.0, prefetch_horizon=5.0
     )
     wait_buffered_behind_gate(worker)
-    items = KeyedGate.enqueue_many([{"key": f"hi-{n}"} for n in range(40)], priority=5)
-    for n, item in enumerate(items):  # enqueue_many gives every row one key
-        WorkItem.objects.filter(pk=item.pk, status=Status.PENDING).update(concurrency_key=f"hi-{n}")
+    # enqueue_many gives every row one key: each row gets its own in the same transaction
+    # (keyed after the commit, the worker's wake-up could claim rows while still unkeyed).
+    with transaction.atomic():
+        items = KeyedGate.enqueue_many([{"key": f"hi-{n}"} for n in range(40)], priority=5)
+        for n, item in enumerate(items):
+            WorkItem.objects.filter(pk=item.pk).update(concurrency_key=f"hi-{n}")
     pks = [i.pk for i in items]
     rows = WorkItem.objects.filter(pk__in=pks)
     wait_until(
