@@ -84,8 +84,8 @@ def test_a_pause_stops_every_worker_survives_a_restart_and_resume_restarts_them(
 
 
 def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
-    n, items = 20, 70
-    workers = [start_worker("rated", "--concurrency", "4") for _ in range(2)]
+    n, items, threads = 20, 70, 4
+    workers = [start_worker("rated", "--concurrency", str(threads)) for _ in range(2)]
     for worker in workers:
         worker.wait_for_log("Starting worker", timeout=60)
     Rated.enqueue_many([{"key": str(i)} for i in range(items)])
@@ -101,13 +101,16 @@ def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
         timeout=60,
         what=f"all {items} rated items to run and succeed",
     )
-    # The handlers' own records of their starts: never more than 20 in any second (the
-    # limit counts starts, taken just before each runs; one that would start late goes
-    # unused).
+    # The handlers' own records of their starts. The limit counts starts as they are taken,
+    # just before each runs: a thread the machine keeps waiting after its take starts its
+    # handler later than its count (documented: "the starts of a window can then bunch by
+    # that much"; a loaded CI run saw 21 in a second). Each thread holds at most one taken,
+    # not yet started start, so a second of records holds at most the limit plus the threads.
     starts = [datetime.fromtimestamp(float(t), UTC) for t in rows.values_list("result", flat=True)]
-    assert _most_in_a_window(starts, 1.0) <= n
-    # 70 items at 20 a second: at least three windows were waited for.
-    assert (max(starts) - min(starts)).total_seconds() >= 3.0
+    assert _most_in_a_window(starts, 1.0) <= n + threads * len(workers)
+    # 70 items at 20 a second: three windows were waited for (3.06 s less a late first
+    # start); one limit per process, 40 a second, would take half of that.
+    assert (max(starts) - min(starts)).total_seconds() >= 2.5
     # Both workers started some: the limit is shared, not per process.
     assert len(set(Execution.objects.filter(kind="rated").values_list("pid", flat=True))) == 2
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
