@@ -32,9 +32,15 @@ def background_worker() -> Iterator[Callable[..., Worker]]:
         thread.join(10)
         assert not thread.is_alive(), "worker did not stop"
     # Abandoned handler threads (released or timed out) may still be running
-    # user code; let them end before the next test's tables are in use.
+    # user code; let them end before the next test's tables are in use. Not the
+    # wake-up listener (PostgreSQL): it runs no user code and holds no lock, and
+    # notices the stop within its one-second wait for notifications.
     wait_until(
-        lambda: not [t for t in threading.enumerate() if t.name.startswith("dbworker")],
+        lambda: not [
+            t
+            for t in threading.enumerate()
+            if t.name.startswith("dbworker") and t.name != "dbworker-listener"
+        ],
         timeout=30,
         what="abandoned handler threads to finish",
     )
