@@ -36,11 +36,13 @@ def background_worker() -> Iterator[Callable[..., Worker]]:
     # wake-up listener (PostgreSQL): it runs no user code and holds no lock, and
     # notices the stop within its one-second wait for notifications.
     wait_until(
-        lambda: not [
-            t
-            for t in threading.enumerate()
-            if t.name.startswith("dbworker") and t.name != "dbworker-listener"
-        ],
+        lambda: (
+            not [
+                t
+                for t in threading.enumerate()
+                if t.name.startswith("dbworker") and t.name != "dbworker-listener"
+            ]
+        ),
         timeout=30,
         what="abandoned handler threads to finish",
     )
