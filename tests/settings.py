@@ -152,6 +152,10 @@ elif os.environ.get("DBWORKER_TEST_DB_NAME") and _url:
     # column types depend on the server's version): "<name>_work" was never
     # created outside the routing tests.
     DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
+# The development migrations, for the test that compares them with the one of 0.1
+# (tests/integration/test_migrations.py).
+if os.environ.get("DBWORKER_TEST_MIGRATIONS"):
+    MIGRATION_MODULES = {"django_dbworker": os.environ["DBWORKER_TEST_MIGRATIONS"]}
 # ... and, for a queue database of its own (tests/process/test_queue_database.py),
 # at the router that puts the work there.
 if os.environ.get("DBWORKER_TEST_ROUTERS"):
