@@ -165,7 +165,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # MySQL has no partial indexes or conditional unique constraints, and
 # MariaDB no expression indexes: Django builds or skips those of WorkItem
-# there and says so (models.W036, W037, W043). Migration 0004 gives MySQL
+# there and says so (models.W036, W037, W043). The initial migration gives MySQL
 # its own claim indexes and a unique generated column instead, so on MySQL
 # those warnings are known and silenced, and only there.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql" and not os.environ.get(

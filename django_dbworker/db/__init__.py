@@ -170,7 +170,7 @@ def unfinished_development_migrations(using: str) -> str | None:
         f"to {reached[-1]}; 0.1 replaces those migrations with one and needs all of them "
         f"applied first. Install the last snapshot that has "
         f"{DEVELOPMENT_MIGRATIONS[-1]}.py, run `{migrate_command(using)}`, then install "
-        f"this version (docs/upgrading.md, 'From a development snapshot')."
+        f"this version (docs/upgrading.md, '0.1.0: from a development snapshot')."
     )
 
 

@@ -220,3 +220,33 @@ def test_a_database_at_the_development_migrations_has_nothing_to_migrate() -> No
     finally:
         for name in added:
             recorder.record_unapplied("django_dbworker", name)
+
+
+def test_a_database_a_snapshot_left_short_of_the_last_development_migration_is_refused() -> None:
+    """Such a database has ``0001_initial`` recorded, so ``migrate`` would find nothing to
+    do while its tables lack what 0.1 uses: ``migrate`` and ``check --database`` stop
+    with E022, and ``run_workers`` refuses to start, each naming the way out."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from django_dbworker.checks import check_development_migrations
+
+    recorder = MigrationRecorder(connection)
+    recorded = set(
+        recorder.migration_qs.filter(app="django_dbworker").values_list("name", flat=True)
+    )
+    added = [name for name in DEVELOPMENT[:7] if name not in recorded]
+    for name in added:
+        recorder.record_applied("django_dbworker", name)
+    try:
+        [error] = check_development_migrations(databases=["default"])
+        assert error.id == "django_dbworker.E022"
+        assert "up to 0007_batches_and_dependencies" in error.msg
+        assert "0012_rate_start_buckets.py" in error.msg and "migrate" in error.msg
+        with pytest.raises(CommandError, match="development snapshot"):
+            call_command("run_workers", "--burst")
+        assert check_development_migrations(databases=None) == []
+    finally:
+        for name in added:
+            recorder.record_unapplied("django_dbworker", name)
+    assert check_development_migrations(databases=["default"]) == []
