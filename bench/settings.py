@@ -29,7 +29,7 @@ DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
     # A mysql:// URL (scripts/mariadbcluster.py start --durable): utf8mb4, and
     # the checks Django raises about the model's partial indexes are known
-    # (migration 0005 builds MySQL's own; see tests/settings.py).
+    # (the initial migration builds MySQL's own; see tests/settings.py).
     DATABASES["default"]["OPTIONS"] = {"charset": "utf8mb4"}
     SILENCED_SYSTEM_CHECKS = ["models.W036", "models.W037", "models.W043"]
 # BENCH_PREPARE_THRESHOLD=N: psycopg's prepare_threshold (Django's default is

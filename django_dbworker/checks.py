@@ -7,7 +7,8 @@ Django's tasks checks), E018 for a database server too old to run the worker
 (MySQL/MariaDB), E019 for a number of seconds no thread can wait for
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
 ``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
-``concurrency_limit``, W001-W009 for risky but
+``concurrency_limit``, E022 for a database migrated by a development snapshot
+short of its last migration, W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based;
 W005: a WAKEUP_DATABASE that is no PostgreSQL alias of DATABASES; W006:
 work written to another database than the one transactions are opened on).
@@ -24,11 +25,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, DatabaseError
 
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
-from django_dbworker.db import server_problems
+from django_dbworker.db import server_problems, unfinished_development_migrations
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.periodic.handler import periodic_handlers
 from django_dbworker.registry import registry
@@ -241,6 +242,24 @@ def check_database_servers(
         for problem in server_problems(alias):
             kind, check_id = SERVER_CHECKS[problem.check]
             messages.append(kind(problem.message, hint=problem.hint, id=check_id))
+    return messages
+
+
+@register(Tags.database)
+def check_development_migrations(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """E022: a database migrated by a development snapshot that stopped short of the last
+    development migration (``migrate`` would find nothing to do and the tables lack
+    what 0.1 uses). Only for the aliases Django asks about, since it reads them."""
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        try:
+            problem = unfinished_development_migrations(alias)
+        except DatabaseError:
+            continue  # unreachable: the command that connects says so
+        if problem:
+            messages.append(Error(problem, id="django_dbworker.E022"))
     return messages
 
 

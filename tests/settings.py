@@ -152,6 +152,10 @@ elif os.environ.get("DBWORKER_TEST_DB_NAME") and _url:
     # column types depend on the server's version): "<name>_work" was never
     # created outside the routing tests.
     DATABASES["work"]["NAME"] = os.environ["DBWORKER_TEST_DB_NAME"]
+# The development migrations, for the test that compares them with the one of 0.1
+# (tests/integration/test_migrations.py).
+if os.environ.get("DBWORKER_TEST_MIGRATIONS"):
+    MIGRATION_MODULES = {"django_dbworker": os.environ["DBWORKER_TEST_MIGRATIONS"]}
 # ... and, for a queue database of its own (tests/process/test_queue_database.py),
 # at the router that puts the work there.
 if os.environ.get("DBWORKER_TEST_ROUTERS"):
@@ -161,7 +165,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # MySQL has no partial indexes or conditional unique constraints, and
 # MariaDB no expression indexes: Django builds or skips those of WorkItem
-# there and says so (models.W036, W037, W043). Migration 0004 gives MySQL
+# there and says so (models.W036, W037, W043). The initial migration gives MySQL
 # its own claim indexes and a unique generated column instead, so on MySQL
 # those warnings are known and silenced, and only there.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql" and not os.environ.get(

@@ -46,6 +46,7 @@ __all__ = [
     "setup_problem",
     "skip_locked_options",
     "supports_skip_locked",
+    "unfinished_development_migrations",
     "wake_payload",
 ]
 
@@ -127,6 +128,50 @@ def migrate_command(using: str) -> str:
     if using == DEFAULT_DB_ALIAS:
         return "manage.py migrate"
     return f"manage.py migrate --database {using}"
+
+
+#: The development migrations that 0.1's ``0001_initial`` replaces (it builds the same
+#: schema: tests/integration/test_migrations.py). A database that recorded some of them
+#: but not the last has ``0001_initial`` recorded, so Django would count it as migrated.
+DEVELOPMENT_MIGRATIONS = (
+    "0002_periodic_schedule",
+    "0003_workitem_dbworker_finished_idx",
+    "0004_workitem_error_history",
+    "0005_mysql_support",
+    "0006_flow_control",
+    "0007_batches_and_dependencies",
+    "0008_key_heads",
+    "0009_flow_names_binary",
+    "0010_worker_register",
+    "0011_drop_worker_register",
+    "0012_rate_start_buckets",
+)
+
+
+def unfinished_development_migrations(using: str) -> str | None:
+    """Why ``using``'s database cannot be used as migrated, or None; reads one table.
+
+    A database migrated by a development snapshot before 0.1 that stopped short of
+    the last development migration lacks columns and tables that 0.1 uses, while
+    ``migrate`` finds nothing to do (``0001_initial`` is recorded)."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    recorder = MigrationRecorder(connections[using])
+    if not recorder.has_table():
+        return None
+    applied = set(
+        recorder.migration_qs.filter(app="django_dbworker").values_list("name", flat=True)
+    )
+    reached = sorted(applied.intersection(DEVELOPMENT_MIGRATIONS))
+    if not reached or DEVELOPMENT_MIGRATIONS[-1] in applied:
+        return None
+    return (
+        f"Database {using!r} was migrated by a development snapshot of django-dbworker, up "
+        f"to {reached[-1]}; 0.1 replaces those migrations with one and needs all of them "
+        f"applied first. Install the last snapshot that has "
+        f"{DEVELOPMENT_MIGRATIONS[-1]}.py, run `{migrate_command(using)}`, then install "
+        f"this version (docs/upgrading.md, '0.1.0: from a development snapshot')."
+    )
 
 
 def setup_problem(using: str, exc: BaseException) -> str | None:

@@ -14,7 +14,7 @@ MySQL connection to UTC so that both agree.) Claim tokens are
 stores on MySQL, which MariaDB's native UUID type (10.7+) also takes;
 unique per row, which is what fencing needs.
 
-There are no partial indexes: migration 0005 gives MySQL its claim indexes
+There are no partial indexes: the initial migration gives MySQL its claim indexes
 ``dbworker_my_claim_idx`` ``(status, priority DESC, run_after, id)`` and
 ``dbworker_my_claim_queue_idx`` ``(queue, status, ...)``, whose order is
 the claim order, so the LIMIT stops the index scan and SKIP LOCKED never

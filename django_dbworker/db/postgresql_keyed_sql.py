@@ -224,7 +224,7 @@ def candidates_statement(
 # backlog of 20,000 rows is read by every claim while its slot is held (15.7 ms a claim,
 # linear in the backlog; bench/claim_cost.py). Here each pending key is found in one descent
 # of dbworker_key_pending_idx (pending keyed rows by handler and key, in claim order within a
-# key: migration 0008), and a key offers its first ready rows up to its free slots (its head,
+# key: the initial migration), and a key offers its first ready rows up to its free slots (its head,
 # one more descent; a key at its limit offers none). The heads of every free key are then
 # locked in claim order up to the claim's limit, skipping rows another claim holds (SKIP
 # LOCKED below the LIMIT, as in the walk: a claim beside a claim in flight takes the next

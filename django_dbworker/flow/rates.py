@@ -103,7 +103,7 @@ def _take_start(ops: VendorOperations, handler: str, starts: int, period: float)
 
 def _add(using: str, handler: str, bucket: datetime, count: int) -> None:
     """``count`` starts in ``handler``'s bucket ``bucket``: on one row of it (workers before
-    migration 0012 wrote a row per start, at any time), or a new one."""
+    the development snapshots before 0.1 wrote a row per start, at any time), or a new one."""
     if not count:
         return
     rows = RateStart.objects.using(using).filter(handler=handler, started_at=bucket)

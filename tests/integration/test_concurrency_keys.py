@@ -422,7 +422,7 @@ def lock_waiters() -> int:
 def test_keys_differing_only_in_case_accent_or_trailing_space_are_different_keys() -> None:
     """MariaDB: ``concurrency_key`` has the table's utf8mb4_unicode_ci (PAD SPACE) collation.
 
-    README: "Names compare byte for byte" (migration 0005 gives handler,
+    README: "Names compare byte for byte" (the initial migration gives handler,
     queue and unique_key a binary NO PAD collation); PostgreSQL and SQLite
     compare keys byte for byte, and ``within_limits`` keys its counts by the
     Python strings. On MariaDB the claim's key filter compares with the

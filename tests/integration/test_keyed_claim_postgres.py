@@ -2,9 +2,9 @@
 
 A worker whose handlers all declare a ``concurrency_limit`` finds the pending keys by
 a loose scan of ``dbworker_key_pending_idx`` and claims the free keys' first rows (their
-heads, ``postgresql_keyed_sql.CLAIM_HEADS``, migration 0008): a key at its limit costs one
-index descent, not a read of its backlog. Past KEYS_WALKED keys, with a ready row
-without a key, or when a handler is unlimited, it walks the candidates instead
+heads, ``postgresql_keyed_sql.CLAIM_HEADS``): a key at its limit costs one index
+descent, not a read of its backlog. Past KEYS_WALKED keys, with a ready row without a
+key, or when a handler is unlimited, it walks the candidates instead
 (``candidates_statement``): the next ready rows in claim order, a key's rows only up to
 its limit (the rest stay locked and count as ``throttled``).
 
@@ -332,7 +332,7 @@ def _walked(texts: list[str]) -> bool:
 # -- the heads ---------------------------------------------------------------------
 
 
-def test_the_indexes_of_migration_0008_exist() -> None:
+def test_the_keyed_claims_indexes_exist() -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT indexname FROM pg_indexes WHERE tablename = 'django_dbworker_workitem'"

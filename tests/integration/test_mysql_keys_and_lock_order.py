@@ -29,12 +29,11 @@ TABLE = "django_dbworker_workitem"
 
 # -- unique_key and PAD SPACE ----------------------------------------------------------
 #
-# Migration 0005 gives unique_key the collation utf8mb4_bin, which is PAD
-# SPACE on MariaDB and on MySQL 8: 'k' = 'k ' in every comparison. The unique
-# index is on a VARBINARY column, where they differ. So the database keeps
-# 'k' and 'k ' live side by side (as PostgreSQL does) but every lookup by
-# key (enqueue's "return the live row", retry()'s live-twin test) confuses
-# them.
+# A PAD SPACE collation (utf8mb4_bin among them, on MariaDB and MySQL 8) makes 'k' = 'k '
+# in every comparison, while the unique index is on a VARBINARY column, where they
+# differ: the database would keep 'k' and 'k ' live side by side (as PostgreSQL does) but
+# every lookup by key (enqueue's "return the live row", retry()'s live-twin test) would
+# confuse them. The initial migration gives unique_key a NO PAD binary collation.
 
 
 def test_enqueue_again_returns_the_row_of_its_own_key_not_one_with_a_trailing_space() -> None:

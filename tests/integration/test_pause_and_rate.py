@@ -281,7 +281,7 @@ def test_a_resume_wakes_an_idle_worker_at_once(background_worker) -> None:
 #
 # Queue names are case-sensitive everywhere else: enqueue accepts "reports" and
 # "Reports" as two queues, and the claim statements compare them byte for byte on
-# every vendor (MySQL: the binary collation of migration 0005).
+# every vendor (MySQL: the binary collation the initial migration gives).
 
 
 def test_pausing_a_queue_that_differs_from_a_paused_one_only_in_case_pauses_it() -> None:

@@ -22,7 +22,13 @@ from django.db.migrations.recorder import MigrationRecorder
 from django.utils import timezone
 
 from django_dbworker import metrics, validation
-from django_dbworker.db import UnsupportedDatabase, migrate_command, operations, setup_problem
+from django_dbworker.db import (
+    UnsupportedDatabase,
+    migrate_command,
+    operations,
+    setup_problem,
+    unfinished_development_migrations,
+)
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
 from django_dbworker.outcomes import Outcome
@@ -263,6 +269,9 @@ class Command(BaseCommand):
                 f"django_dbworker migrations are not applied to database {using!r} "
                 f"({pending} pending). Run `{migrate_command(using)}` first."
             )
+        unfinished = unfinished_development_migrations(using)
+        if unfinished:
+            raise CommandError(unfinished)
 
     def _start_metrics_server(self, options: dict[str, Any]) -> None:
         from django_dbworker.conf import dbworker_settings
