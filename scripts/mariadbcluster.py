@@ -165,7 +165,17 @@ def start(state: Path, durable: bool) -> dict[str, object]:
     ]
     if owner:
         install_cmd.append(f"--user={owner}")
-    subprocess.run(install_cmd, check=True, text=True, capture_output=True)
+    # Once more if it fails: a CI run saw one of two installs started in the same second
+    # fail (its output was not kept then; now it is printed).
+    for attempt in (1, 2):
+        done = subprocess.run(install_cmd, text=True, capture_output=True)
+        if done.returncode == 0:
+            break
+        output = (done.stderr.strip() or done.stdout.strip())[-3000:]
+        log(f"mariadb-install-db failed (exit {done.returncode}, try {attempt} of 2):\n{output}")
+        if attempt == 2:
+            raise SystemExit(1)
+        shutil.rmtree(datadir, ignore_errors=True)
     port = throwaway.free_port()
     info: dict[str, object] = {
         "base": str(base),

@@ -98,6 +98,8 @@ def test_systemd_unit_stops_gracefully_and_restarts_on_failure() -> None:
     assert service["KillSignal"] == "SIGTERM"
     assert systemd_seconds(service["TimeoutStopSec"]) >= LONGEST_STOP + MARGIN
     assert service["Restart"] == "on-failure"
+    # A usage error (a bad flag or setting) is not restarted: no restart can fix it.
+    assert "2" in service["RestartPreventExitStatus"].split()
     options = run_workers_options(shlex.split(service["ExecStart"]))
     assert options["shutdown_timeout"] is None  # the default, which the timeout above covers
 
@@ -135,6 +137,11 @@ def test_dockerfile_signals_the_process_itself() -> None:
     (cmd,) = [line for line in lines if line.startswith("CMD ")]
     # Exec form (a JSON array): no shell in between that would swallow SIGTERM.
     assert cmd.startswith("CMD ["), cmd
+
+
+def test_dockerfile_collects_the_static_files_the_admin_needs() -> None:
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    assert "RUN python manage.py collectstatic --no-input" in lines
 
 
 def compose_seconds(value: str) -> float:
@@ -188,3 +195,62 @@ def test_procfile_drains_within_the_platforms_grace() -> None:
     # must end before, with time to release the unfinished rows.
     assert options["shutdown_timeout"] is not None
     assert options["shutdown_timeout"] + MARGIN <= PLATFORM_GRACE
+
+
+# -- the liveness probe --------------------------------------------------------
+
+
+def probe_commands() -> list[list[str]]:
+    """The health probes of the container recipes, as they run them."""
+    compose = yaml_load(COMPOSE)["services"]["worker"]["healthcheck"]["test"]
+    assert compose[0] == "CMD"
+    (container,) = yaml_load(K8S)["spec"]["template"]["spec"]["containers"]
+    return [compose[1:], container["livenessProbe"]["exec"]["command"]]
+
+
+def test_the_recipes_probes_answer_from_the_file_without_django(tmp_path: Path) -> None:
+    """Each recipe's probe, run as the recipe runs it but without DJANGO_SETTINGS_MODULE
+    (Django set up would fail without it): fresh is 0, stale or missing is 1, a bad
+    --max-age is a usage error, and ``dbworker_health`` says the same."""
+    import json
+    import os
+    import socket
+    import time
+
+    health = tmp_path / "worker-health"
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env["PYTHONPATH"] = str(DEPLOY.parent)
+    for command in probe_commands():
+        assert command[:3] == ["python", "-m", "django_dbworker.probe"], command
+        argv = [sys.executable, *command[1:]]
+        argv[argv.index("--file") + 1] = str(health)
+
+        def run(args: list[str] = argv) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+
+        health.unlink(missing_ok=True)
+        missing = run()
+        assert missing.returncode == 1 and "does not exist" in missing.stderr, missing
+        health.write_text(json.dumps({"pid": 7, "host": socket.gethostname()}))
+        fresh = run()
+        assert fresh.returncode == 0 and fresh.stdout.startswith("Healthy: pid 7"), fresh
+        old = time.time() - 120
+        os.utime(health, (old, old))
+        stale = run()
+        assert stale.returncode == 1 and "more than 30 s" in stale.stderr, stale
+        command_env = {**env, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+        said = subprocess.run(
+            [sys.executable, "-m", "django", "dbworker_health", *argv[3:]],
+            env=command_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert said.returncode == 1, said
+
+        def line(text: str) -> str:  # the age is read again: a second may have passed
+            return re.sub(r"\d+ s ago", "N s ago", text.strip())
+
+        assert line(said.stderr) == f"CommandError: {line(stale.stderr)}", said
+        bad = run([*argv[:-1], "soon"])
+        assert bad.returncode == 2 and "not a number of seconds" in bad.stderr, bad

@@ -194,57 +194,6 @@ def test_the_hook_of_a_recorded_failure_runs_inside_the_attempts_span(
 # -- the watchdog and the watchers -----------------------------------------------------
 
 
-def test_a_handler_registered_while_task_discovery_looks_does_not_stop_the_worker(
-    no_stray_threads: None,
-) -> None:
-    """Task discovery reads the registry while a job that imports a module with ``@task``
-    functions (a lazy import, the usual way around an import cycle) registers them from a
-    pool thread. The look must not fail with "dictionary changed size during iteration":
-    its watcher's death would stop the worker (the watchdog watches the watchers). The
-    race is amplified here with a tiny switch interval and many registrations; nothing
-    else is faked.
-    """
-    import sys
-
-    from django_dbworker.worker.slow_checks import TaskDiscovery
-
-    discovery = TaskDiscovery("default", interval=0.001)
-    worker = Worker([registry["noop"]], worker_config(), watchers=[discovery])
-    thread = threading.Thread(target=worker.run, daemon=True)
-    old_interval = sys.getswitchinterval()
-    # A registry of a few hundred handlers (a big project's tasks): each look
-    # iterates it for longer.
-    ballast = [f"ballast_{n}" for n in range(500)]
-    names = [f"churn_{n}" for n in range(20)]
-    try:
-        for name in ballast:
-            type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
-        thread.start()
-        wait_until(lambda: worker.idle.is_set(), what="the worker to start")
-        sys.setswitchinterval(1e-6)
-        for _ in range(20_000):
-            if not discovery.is_alive():
-                break
-            for name in names:
-                type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
-            for name in names:
-                registry.unregister(name)
-    finally:
-        sys.setswitchinterval(old_interval)
-        for name in names + ballast:
-            registry.unregister(name)
-    try:
-        # Two more steps of the claim loop: each asks the watchdog first.
-        for _ in range(2):
-            worker.idle.clear()
-            worker.wake.set()
-            wait_until(lambda: worker.idle.is_set() or worker.stopping.is_set())
-        assert worker.unhealthy is None
-        assert discovery.is_alive(), "the task discovery thread died"
-    finally:
-        stop(worker, thread)
-
-
 @pytest.mark.server_db
 def test_the_orphan_watch_resumes_after_its_connection_is_killed(
     caplog: pytest.LogCaptureFixture,

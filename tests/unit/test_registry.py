@@ -114,3 +114,48 @@ def test_a_work_item_handler_is_not_driven_on_its_own(cleanup: list[str]) -> Non
     cleanup.append("unit-jobs")
     with pytest.raises(TypeError, match="shared claim loop"):
         Jobs().claim()
+
+
+def test_the_registry_can_be_read_while_another_thread_registers() -> None:
+    """Handlers register from any thread (a job that imports a module of ``@task``
+    functions), while the worker's watchers iterate the registry (task discovery, the
+    periodic schedules): reading it must never fail with "dictionary changed size during
+    iteration", which would kill the watcher and so stop the worker. The race is
+    amplified with a tiny switch interval and a registry of a few hundred handlers."""
+    import sys
+    import threading
+
+    ballast = [f"ballast_{n}" for n in range(500)]
+    names = [f"churn_{n}" for n in range(20)]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                list(registry)
+                dict(registry.items())
+        except BaseException as exc:  # the finding
+            errors.append(exc)
+
+    old_interval = sys.getswitchinterval()
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        for name in ballast:
+            type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
+        reader.start()
+        sys.setswitchinterval(1e-6)
+        for _ in range(2_000):
+            if errors:
+                break
+            for name in names:
+                type(name, (WorkItemHandler,), {"name": name, "__module__": __name__})
+            for name in names:
+                registry.unregister(name)
+    finally:
+        sys.setswitchinterval(old_interval)
+        done.set()
+        reader.join(10)
+        for name in names + ballast:
+            registry.unregister(name)
+    assert not errors, errors

@@ -36,3 +36,19 @@ def test_unknown_handler_name_lists_the_registered_ones() -> None:
     assert info.value.returncode == 2
     assert "no-such-handler" in str(info.value)
     assert "noop" in str(info.value)
+
+
+@pytest.mark.django_db(databases=["default", "work"])
+def test_a_setting_the_checks_refuse_is_a_usage_error() -> None:
+    """Exit status 2, like a bad flag: the recipes do not restart a worker for it, since a
+    restart cannot fix a setting."""
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    with (
+        override_settings(DBWORKER={"POLL_INTERVAL": "soon"}),
+        pytest.raises(SystemCheckError) as info,
+    ):
+        call_command("run_workers", "--burst")
+    assert info.value.returncode == 2
+    assert "POLL_INTERVAL" in str(info.value)

@@ -7,33 +7,18 @@ stopped; stale: it is stuck or unhealthy, and its log says why). It reads
 only the file: no database query, no Django setup beyond the command's
 own, so a probe every few seconds costs the database nothing. The file must
 be a regular file of the probing user (or of anyone, for root): a link at
-the path, or a file another user wrote there, is not the worker's.
+the path, or a file another user wrote there, is not the worker's. The answer
+is ``django_dbworker.probe``'s, which a liveness probe can run without Django.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-import time
-from argparse import ArgumentTypeError
 from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-#: Default ``--max-age``: a few of the worker's write intervals (5 s at most).
-MAX_AGE = 30.0
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
+from django_dbworker.probe import MAX_AGE, probe, seconds
 
 
 class Command(BaseCommand):
@@ -44,40 +29,14 @@ class Command(BaseCommand):
         parser.add_argument("--file", required=True, metavar="PATH", help="The worker's file.")
         parser.add_argument(
             "--max-age",
-            type=_positive,
+            type=seconds,
             default=MAX_AGE,
             metavar="SECONDS",
             help=f"Oldest acceptable write (default {MAX_AGE:g}).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        path = Path(options["file"])
-        try:
-            found = path.lstat()
-            if not stat.S_ISREG(found.st_mode):
-                what = "a link" if stat.S_ISLNK(found.st_mode) else "not a regular file"
-                raise CommandError(
-                    f"Unhealthy: {path} is {what}, not the worker's file.", returncode=1
-                )
-            if os.geteuid() not in (0, found.st_uid):
-                raise CommandError(
-                    f"Unhealthy: {path} belongs to another user, not to the worker's.",
-                    returncode=1,
-                )
-            age = time.time() - found.st_mtime
-            body = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CommandError(
-                f"Unhealthy: {path} does not exist (the worker is not running, or stopped).",
-                returncode=1,
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise CommandError(f"Unhealthy: cannot read {path}: {exc}.", returncode=1) from None
-        who = f"pid {body.get('pid', '?')} on {body.get('host', '?')}"
-        if age > options["max_age"]:
-            raise CommandError(
-                f"Unhealthy: {path} ({who}) was last written {age:.0f} s ago, more than "
-                f"{options['max_age']:g} s; the worker's log says why.",
-                returncode=1,
-            )
-        self.stdout.write(f"Healthy: {who}, written {age:.1f} s ago.")
+        healthy, line = probe(Path(options["file"]), options["max_age"])
+        if not healthy:
+            raise CommandError(line, returncode=1)
+        self.stdout.write(line)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from django.apps import apps
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, SystemCheckError
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.recorder import MigrationRecorder
@@ -165,7 +165,13 @@ class Command(BaseCommand):
         # file in a missing folder) and repeats at every start the warnings about
         # django-dbworker's conditional indexes on MySQL (W036/W037, which its own MySQL
         # migration answers). ``manage.py check --database`` still shows them.
-        self.check(display_num_errors=False, databases=[])
+        try:
+            self.check(display_num_errors=False, databases=[])
+        except SystemCheckError as exc:
+            # A configuration mistake, not an outage that passes: the usage exit status,
+            # which the process managers' recipes do not restart (deploy/).
+            exc.returncode = 2
+            raise
         autodiscover()
         # Django tasks may live in any module: import those that named
         # handlers (on the command line, or of pending rows) point to.
@@ -271,7 +277,7 @@ class Command(BaseCommand):
             )
         unfinished = unfinished_development_migrations(using)
         if unfinished:
-            raise CommandError(unfinished)
+            raise CommandError(unfinished, returncode=2)  # a restart will not help
 
     def _start_metrics_server(self, options: dict[str, Any]) -> None:
         from django_dbworker.conf import dbworker_settings
