@@ -66,11 +66,12 @@ def seconds(text: str) -> float:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m django_dbworker.probe",
-        description="Exit 0 if the worker's --health-file is fresh, 1 (saying why) if not.",
-    )
+#: What ``--help`` says, here and for ``dbworker_health``.
+DESCRIPTION = "Exit 0 if the worker's --health-file is fresh, 1 (saying why) if not."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--file`` and ``--max-age``: this module's and ``dbworker_health``'s flags."""
     parser.add_argument("--file", required=True, metavar="PATH", help="The worker's file.")
     parser.add_argument(
         "--max-age",
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help=f"Oldest acceptable write (default {MAX_AGE:g}).",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m django_dbworker.probe", description=DESCRIPTION
+    )
+    add_arguments(parser)
     options = parser.parse_args(argv)
     healthy, line = probe(Path(options.file), options.max_age)
     print(line, file=sys.stdout if healthy else sys.stderr)

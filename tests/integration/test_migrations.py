@@ -24,26 +24,14 @@ import pytest
 from django.db import connection
 from django.db.migrations.recorder import MigrationRecorder
 
+from django_dbworker.db import DEVELOPMENT_MIGRATIONS
 from django_dbworker.management.commands.run_workers import _pending_migrations
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 #: The development migrations' names: what a database migrated before 0.1 has recorded.
-DEVELOPMENT = [
-    "0001_initial",
-    "0002_periodic_schedule",
-    "0003_workitem_dbworker_finished_idx",
-    "0004_workitem_error_history",
-    "0005_mysql_support",
-    "0006_flow_control",
-    "0007_batches_and_dependencies",
-    "0008_key_heads",
-    "0009_flow_names_binary",
-    "0010_worker_register",
-    "0011_drop_worker_register",
-    "0012_rate_start_buckets",
-]
+DEVELOPMENT = ["0001_initial", *DEVELOPMENT_MIGRATIONS]
 
 #: Run in a subprocess pointed at one database: its django_dbworker tables as JSON.
 DUMP = r"""

@@ -18,22 +18,15 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_dbworker.probe import MAX_AGE, probe, seconds
+from django_dbworker.probe import DESCRIPTION, add_arguments, probe
 
 
 class Command(BaseCommand):
-    help = "Exit 0 if the worker's --health-file is fresh, 1 (saying why) if not."
+    help = DESCRIPTION
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--file", required=True, metavar="PATH", help="The worker's file.")
-        parser.add_argument(
-            "--max-age",
-            type=seconds,
-            default=MAX_AGE,
-            metavar="SECONDS",
-            help=f"Oldest acceptable write (default {MAX_AGE:g}).",
-        )
+        add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         healthy, line = probe(Path(options["file"]), options["max_age"])
