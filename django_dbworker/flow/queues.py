@@ -105,21 +105,25 @@ def _is_known(name: str, db: str) -> bool:
     )
 
 
-def pause_queue(name: str, *, by: str = "", using: str | None = None) -> QueueState:
+def pause_queue(
+    name: str, *, by: str = "", using: str | None = None, new: bool = False
+) -> QueueState:
     """Pause queue ``name`` on every worker, until ``resume_queue``; returns its state.
 
     No worker claims its rows from the moment this commits (inside a
     transaction: when that commits). Pausing a paused queue changes nothing
     (the first pause's time and author stay). ``by`` says who paused it
     (the command's ``--by``, the admin user). Raises ``UnknownQueue`` for a
-    queue nothing knows, ``ValueError`` for a name no queue could have.
+    queue nothing knows, unless ``new`` says the caller means it (a queue the
+    next deploy adds, paused before its first item; the command's ``--new``),
+    ``ValueError`` for a name no queue could have.
     """
     name = _checked_name(name)
     db = work_db_for_write(using)
     with transaction.atomic(using=db):
         state = QueueState.objects.using(db).select_for_update().filter(name=name).first()
         if state is None:
-            if not _is_known(name, db):
+            if not new and not _is_known(name, db):
                 raise UnknownQueue(name)
             # Insert-or-ignore, then lock: two first pauses of one queue at once.
             QueueState.objects.using(db).bulk_create(

@@ -93,10 +93,16 @@ class Settler:
         handler, item = attempt.handler, attempt.item
         if outcome is Outcome.FENCED:
             logger.warning(
-                "Discarded the outcome of work item %s (%s): the row is no longer claimed by "
-                "this attempt (recovered as stale, and maybe re-claimed, meanwhile).",
+                "Discarded the outcome of work item %s (%s): %s",
                 item.pk,
                 handler.name,
+                # A late ending is of a run abandoned by its own attempt, which recorded
+                # the row's outcome then; otherwise the row was taken from this attempt.
+                "its run was abandoned at its timeout or on a cancel, and the attempt "
+                "ended then; this is the abandoned run's late outcome."
+                if late
+                else "the row is no longer claimed by this attempt (recovered as stale, "
+                "and maybe re-claimed, meanwhile).",
             )
         if final:
             self.metrics.task_done(handler.name, outcome, ending.seconds)

@@ -85,6 +85,23 @@ def test_an_unknown_queue_is_refused_and_nothing_is_stored() -> None:
     assert not QueueState.objects.exists()
 
 
+def test_a_queue_nothing_names_yet_can_be_paused_ahead_of_its_deploy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The operator pauses the queue the next deploy adds before its first item: a worker
+    of the new code then claims none of its rows until it is resumed. Said on purpose
+    (``new``, ``--new``), since an unknown name is otherwise a typo; the refusal says how."""
+    with pytest.raises(CommandError, match="pause --new"):
+        call_command("dbworker_queue", "pause", "reports-v2")
+    call_command("dbworker_queue", "pause", "reports-v2", "--new", "--by", "ops")
+    assert "Queue 'reports-v2' is paused (by ops)." in capsys.readouterr().out
+    item = make_item(queue="reports-v2")
+    assert claim(limit=10, queues=["reports-v2"]) == []
+    assert pause_queue("later", new=True).paused
+    resume_queue("reports-v2")
+    assert [i.pk for i in claim(limit=10, queues=["reports-v2"])] == [item.pk]
+
+
 def test_queue_list_counts_pending_and_claimed() -> None:
     for _ in range(3):
         make_item(queue="emails")
@@ -188,9 +205,12 @@ def test_a_rate_limited_worker_waits_for_its_window_then_runs_the_rest(
     from tests.conftest import wait_until
 
     wait_until(
-        lambda: Execution.objects.filter(kind="rated").count() == 30,
+        lambda: (
+            Execution.objects.filter(kind="rated").count() == 30
+            and not WorkItem.objects.filter(handler="rated", result__isnull=True).exists()
+        ),
         timeout=20,
-        what="all 30 rated items to run",
+        what="all 30 rated items to run and record their starts",
     )
     # 20 per second: the last 10 waited for the first second's window.
     assert time.monotonic() - started >= 1.0

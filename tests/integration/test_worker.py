@@ -35,7 +35,7 @@ def test_burst_leaves_future_work_pending() -> None:
 
 
 def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
-    background_worker: Callable[..., Worker],
+    background_worker: Callable[..., Worker], caplog: pytest.LogCaptureFixture
 ) -> None:
     item = Slow.enqueue({"key": "s", "seconds": 1.5})
     background_worker(["slow"])
@@ -51,6 +51,14 @@ def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
     wait_until(lambda: Execution.objects.filter(key="s", kind="end").count() == 2, timeout=15)
     row.refresh_from_db()
     assert row.status == Status.FAILED and row.result is None
+    # The log says why the late outcome is discarded: the run was abandoned, not lost.
+    wait_until(
+        lambda: caplog.text.count("Discarded the outcome of work item") == 2,
+        what="both late outcomes to be discarded",
+    )
+    discarded = [r.getMessage() for r in caplog.records if "Discarded" in r.getMessage()]
+    assert all("abandoned at its timeout or on a cancel" in m for m in discarded), discarded
+    assert not any("recovered as stale" in m for m in discarded), discarded
 
 
 @pytest.mark.server_db

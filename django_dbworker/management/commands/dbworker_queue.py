@@ -46,6 +46,12 @@ class Command(BaseCommand):
             sub = actions.add_parser(name, help=text)
             sub.add_argument("queue", help="The queue's name.")
             sub.add_argument("--by", default=None, help="Who does it (default: your login name).")
+            if name == "pause":
+                sub.add_argument(
+                    "--new",
+                    action="store_true",
+                    help="Pause a queue nothing names yet (ahead of the deploy that adds it).",
+                )
         actions.add_parser("list", help="Every known queue: paused or not, pending and claimed.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -67,10 +73,15 @@ class Command(BaseCommand):
             self._list(using)
             return
         by = options["by"] if options["by"] is not None else _default_by()
-        change = pause_queue if action == "pause" else resume_queue
         try:
-            state = change(options["queue"], by=by, using=using)
-        except (UnknownQueue, ValueError) as exc:
+            if action == "pause":
+                state = pause_queue(options["queue"], by=by, using=using, new=options["new"])
+            else:
+                state = resume_queue(options["queue"], by=by, using=using)
+        except UnknownQueue as exc:
+            ahead = " To pause it before anything names it: pause --new." * (action == "pause")
+            raise CommandError(f"{exc}{ahead}") from None
+        except ValueError as exc:
             raise CommandError(str(exc)) from None
         if state.paused:
             self.stdout.write(f"Queue {state.name!r} is paused (by {state.paused_by or '-'}).")

@@ -148,3 +148,13 @@ def test_a_row_action_on_a_row_of_another_page_is_not_found(superuser_client: Cl
     pending = make_item(handler="echo")
     response = superuser_client.post(button_url(pending, "retry", "failedworkitem"))
     assert response.status_code == 404
+
+
+def test_a_rows_page_has_no_empty_history_button(superuser_client: Client) -> None:
+    """Django's "History" lists admin edits, and a work item has none (its story is its
+    status, attempts and error history, on the page): the button would open an empty
+    page, so the row page leaves it out."""
+    item = make_item(status=Status.FAILED)
+    html = superuser_client.get(change_url(item)).content.decode()
+    assert 'class="historylink"' not in html
+    assert "/history/" not in html
