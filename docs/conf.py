@@ -2,9 +2,9 @@
 
     .venv/bin/sphinx-build -W --keep-going -b html docs .tmp/docs-html
 
-Pages are Markdown (myst-parser); the API reference is autodoc of the
-package's docstrings, so Django is set up here with a minimal in-memory
-configuration (nothing is read from a project, nothing touches a database).
+Pages are Markdown (myst-parser), plain enough to read on the repository
+page: the API reference and the deployment recipes are written into their
+pages by scripts/docs_pages.py, not included at build time.
 """
 
 from __future__ import annotations
@@ -12,23 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import django
-from django.conf import settings
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-if not settings.configured:
-    settings.configure(
-        INSTALLED_APPS=[
-            "django.contrib.contenttypes",
-            "django.contrib.auth",
-            "django_dbworker",
-        ],
-        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
-        USE_TZ=True,
-    )
-    django.setup()
 
 from django_dbworker.version import __version__  # noqa: E402
 
@@ -39,7 +24,6 @@ version = release = __version__
 
 extensions = [
     "myst_parser",
-    "sphinx.ext.autodoc",
     "sphinx.ext.intersphinx",
 ]
 source_suffix = {".md": "markdown"}
@@ -50,10 +34,6 @@ exclude_patterns = ["_build", "README.md"]
 # links resolve (and are checked: a broken one is a warning, so an error here).
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence", "deflist"]
-
-autodoc_member_order = "bysource"
-autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "undoc-members": False}
 
 # Names the docs link to (Django's own reference); offline builds resolve
 # nothing and say nothing: no inventory is fetched unless asked for.

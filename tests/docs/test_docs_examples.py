@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -277,3 +278,28 @@ def test_repository_pages_link_to_files_that_exist(name: str) -> None:
     assert local, page.name
     missing = [t for t in local if not (page.parent / t).exists()]
     assert not missing, f"{page.name} links to files that do not exist: {missing}"
+
+
+def test_the_pages_written_from_the_code_are_current() -> None:
+    # The API reference and the recipes read on the repository page as written;
+    # a changed docstring or deploy/ file leaves them stale until the script runs.
+    result = subprocess.run(
+        [sys.executable, str(DOCS.parent / "scripts" / "docs_pages.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_hosted_docs_build_the_guide_with_its_own_extra() -> None:
+    yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra brings it) is not installed")
+    config = yaml.safe_load((DOCS.parent / ".readthedocs.yaml").read_text())
+    assert config["version"] == 2
+    assert (DOCS.parent / config["sphinx"]["configuration"]) == DOCS / "conf.py"
+    assert config["sphinx"]["fail_on_warning"] is True
+    (install,) = config["python"]["install"]
+    extras = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert install["extra_requirements"] == ["docs"] and "docs" in extras
