@@ -10,6 +10,7 @@ every command).
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -253,7 +254,10 @@ def test_settings_reference_has_every_key_and_its_default() -> None:
         assert re.search(rf"^(`\w+`, )*`{key}`", text, re.M), f"{key} has no entry in {page.name}"
 
 
-@pytest.mark.parametrize("name", ["run_workers", "dbworker_prune", "dbworker_stats"])
+COMMANDS = sorted(name for name, app in get_commands().items() if app == "django_dbworker")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
 def test_commands_reference_names_every_flag(name: str) -> None:
     text = (DOCS / "reference" / "commands.md").read_text()
     section = text.split(f"## `{name}`", 1)[1].split("\n## ", 1)[0]
@@ -261,8 +265,17 @@ def test_commands_reference_names_every_flag(name: str) -> None:
     parser = command.create_parser("manage.py", name)
     base = {"-h", "--help", "--version", "-v", "--verbosity", "--settings", "--pythonpath"}
     base |= {"--traceback", "--no-color", "--force-color", "--skip-checks"}
+    actions = list(parser._actions)
     for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            # A command of verbs (dbworker_queue): each verb's line and its flags.
+            for verb, sub in action.choices.items():
+                assert f"{name} [--database ALIAS] {verb}" in section, verb
+                actions += [a for a in sub._actions if a.option_strings]
+    for action in actions:
         flags = [f for f in action.option_strings if f not in base]
+        if isinstance(action, argparse._SubParsersAction):
+            continue
         if not action.option_strings:
             assert action.metavar and f"`{action.metavar} ...`" in section, action
         for flag in flags:
@@ -303,3 +316,48 @@ def test_the_hosted_docs_build_the_guide_with_its_own_extra() -> None:
         "optional-dependencies"
     ]
     assert install["extra_requirements"] == ["docs"] and "docs" in extras
+
+
+def test_the_metrics_reference_names_every_metric() -> None:
+    # The names are the 0.1 contract: a metric the code registers is documented.
+    pytest.importorskip("prometheus_client", reason="the prometheus extra is not installed")
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.contrib.prometheus.collector import QueueCollector
+    from django_dbworker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    WorkerMetrics(registry)
+    names = {metric.name for metric in registry.collect()}
+    names |= {family.name for family in QueueCollector().describe()}
+    text = (DOCS / "topics" / "observability.md").read_text()
+    # prometheus_client drops a counter's _total from the family name.
+    missing = {n for n in names if f"`{n}`" not in text and f"`{n}_total`" not in text}
+    missing = {n for n in missing if not re.search(rf"`{n}(_total)?\{{", text)}
+    assert len(names) >= 18 and not missing, f"not in observability.md: {sorted(missing)}"
+
+
+def test_the_traces_reference_names_every_span_attribute() -> None:
+    source = (DOCS.parent / "django_dbworker" / "tracing.py").read_text()
+    attributes = set(re.findall(r'"((?:messaging|dbworker|worker)\.[a-z_.]+)"', source))
+    text = (DOCS / "topics" / "observability.md").read_text()
+    missing = {a for a in attributes if f"`{a}" not in text}
+    assert len(attributes) >= 9 and not missing, f"not in observability.md: {sorted(missing)}"
+
+
+def _listed_check_ids(text: str) -> set[str]:
+    ids: set[str] = set()
+    for first, last in re.findall(r"`([EW]\d{3})`(?:-`([EW]\d{3})`)?", text):
+        ids.update(f"{first[0]}{n:03}" for n in range(int(first[1:]), int((last or first)[1:]) + 1))
+    return ids
+
+
+def test_the_checks_reference_names_every_check_id() -> None:
+    package = DOCS.parent / "django_dbworker"
+    used = {
+        found
+        for path in package.rglob("*.py")
+        for found in re.findall(r"django_dbworker\.([EW]\d{3})", path.read_text())
+    }
+    listed = _listed_check_ids((DOCS / "reference" / "settings.md").read_text())
+    assert len(used) >= 25 and used <= listed, f"not in settings.md: {sorted(used - listed)}"
