@@ -8,7 +8,8 @@ Django's tasks checks), E018 for a database server too old to run the worker
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
 ``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
 ``concurrency_limit``, E022 for a database migrated by a development snapshot
-short of its last migration, W001-W009 for risky but
+short of its last migration, E023 for an ``async def`` handler method (the
+worker runs handlers in threads), W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based;
 W005: a WAKEUP_DATABASE that is no PostgreSQL alias of DATABASES; W006:
 work written to another database than the one transactions are opened on).
@@ -20,6 +21,7 @@ validators the ``run_workers`` flags and ``WorkerConfig`` use too.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -363,6 +365,41 @@ def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
                 id="django_dbworker.E021",
             )
         )
+    return errors
+
+
+@register(Tags.compatibility)
+def check_async_handlers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse ``async def handle`` (and ``handle_item``, a periodic ``run``): never awaited."""
+    return async_handler_errors(registry.values())
+
+
+def async_handler_errors(classes: Any) -> list[CheckMessage]:
+    """One error per WorkItem handler class among ``classes`` with an async entry point.
+
+    The worker calls ``handle_item`` on a thread and stores what it returns:
+    a coroutine function would fail every item with a coroutine that never
+    ran. Django ``@task`` functions are not concerned: the Tasks backend runs
+    an ``async def`` task through ``async_to_sync`` itself.
+    """
+    errors: list[CheckMessage] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+            continue
+        for method in ("handle", "handle_item", "run"):
+            if inspect.iscoroutinefunction(getattr(cls, method, None)):
+                errors.append(
+                    Error(
+                        f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares "
+                        f"async def {method}: the worker runs handlers on threads and would "
+                        "fail every item with a coroutine that never ran.",
+                        hint=f"Make {method} a plain def and run the async code in it with "
+                        "asgiref.sync.async_to_sync(...)(...), or declare the work as a "
+                        "Django @task (async def tasks run on the worker's threads).",
+                        obj=cls,
+                        id="django_dbworker.E023",
+                    )
+                )
     return errors
 
 

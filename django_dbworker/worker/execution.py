@@ -21,6 +21,7 @@ This module decides and writes; it *returns* what happened (an
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import threading
 import time
@@ -293,6 +294,20 @@ def _encode_result(result: Any) -> str | None:
     """The result as JSON text for the ``result`` column; None (SQL NULL) for None."""
     if result is None:
         return None
+    if inspect.isawaitable(result):
+        # A forgotten ``await`` (or an async function called from handle): the
+        # work never ran, and a retry would return another coroutine.
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # no "never awaited" warning: the failure says it
+        raise _ResultRefused(
+            TypeError(
+                f"The handler returned a coroutine ({type(result).__name__}) without running "
+                "it: the worker runs handlers in threads and awaits nothing. Make handle a "
+                "plain def and await inside it with asgiref.sync.async_to_sync, or await "
+                "the call it returns (async def handlers are refused by check E023)."
+            )
+        )
     try:
         return errortext.ensure_json(result, "The handler's return value")
     except TypeError as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
+import warnings
 
 import pytest
 from django.db import connection
@@ -22,6 +24,7 @@ from tests.testapp.workers import (
     Flaky,
     Noop,
     NoRetry,
+    ReturnsCoroutine,
     Secret,
     SystemExiter,
     Urgent,
@@ -84,6 +87,18 @@ def test_a_result_that_is_not_json_fails_the_item() -> None:
     item = BadResult.enqueue({})
     assert run_until_empty() == {"failed": 1}
     assert "return value is not JSON-serialisable" in WorkItem.objects.get(pk=item.pk).last_error
+
+
+def test_a_coroutine_returned_by_a_sync_handle_fails_the_item_at_once_unrun() -> None:
+    item = ReturnsCoroutine.enqueue({"key": "c"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited"
+        assert run_until_empty() == {"failed": 1}
+        gc.collect()
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.attempts == 1, "retrying would return another coroutine"
+    assert "returned a coroutine" in row.last_error and "async def" in row.last_error
+    assert not Execution.objects.filter(key="c").exists()
 
 
 def test_sensitive_payloads_stay_out_of_logs(caplog: pytest.LogCaptureFixture) -> None:

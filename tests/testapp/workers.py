@@ -103,6 +103,20 @@ class BadResult(WorkItemHandler):
         return object()
 
 
+class ReturnsCoroutine(WorkItemHandler):
+    """A sync handle that forgot an ``await``: it returns a coroutine it never ran."""
+
+    name = "returns_coroutine"
+    max_attempts = 3
+
+    def handle(self, payload: Any) -> Any:
+        return _never_run(payload)
+
+
+async def _never_run(payload: Any) -> None:
+    _record(payload, "returns_coroutine")
+
+
 class Secret(WorkItemHandler):
     name = "secret"
     sensitive = True

@@ -177,3 +177,24 @@ def test_mysql_versions_without_skip_locked_are_refused(
     assert problem is not None
     assert ("MariaDB 10.6" if is_mariadb else "MySQL 8.0.1") in problem
     assert ".".join(map(str, version)) in problem
+
+
+def test_an_async_handle_is_a_check_error_until_async_handlers_run() -> None:
+    from django_dbworker import PeriodicHandler, WorkItemHandler
+    from django_dbworker.checks import async_handler_errors
+
+    async def handle(self: Any, payload: Any) -> None:
+        return None
+
+    async def run(self: Any) -> None:
+        return None
+
+    sync = type("Sync", (WorkItemHandler,), {"name": "sync_one", "abstract": True})
+    cls = type("Late", (WorkItemHandler,), {"name": "late", "abstract": True, "handle": handle})
+    periodic = type(
+        "Tick", (PeriodicHandler,), {"name": "tick", "abstract": True, "every": 60, "run": run}
+    )
+    errors = async_handler_errors([sync, cls, periodic])
+    assert [e.id for e in errors] == ["django_dbworker.E023"] * 2
+    assert "'late'" in errors[0].msg and "async def handle" in errors[0].msg
+    assert "async def run" in errors[1].msg and "async_to_sync" in errors[0].hint
