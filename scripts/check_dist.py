@@ -9,6 +9,10 @@ every module of the package that git tracks, its migrations, templates and
 sdist holds the package, README, LICENSE and pyproject.toml, the metadata
 names the distribution, Django and the extras the README installs, and the
 wheel file name the README spells out is the one the build produced.
+Then the wheel is installed into a clean virtual environment (pip fetches
+Django from the index or its cache), and a one-file project there runs
+``manage.py check``, ``migrate`` and a ``run_workers --burst`` of one item:
+what a first install does, away from the checkout.
 Exits 1 with one line per problem.
 """
 
@@ -18,7 +22,9 @@ import email
 import subprocess
 import sys
 import tarfile
+import tempfile
 import tomllib
+import venv
 import zipfile
 from pathlib import Path
 
@@ -84,7 +90,93 @@ def main(dist: Path) -> list[str]:
     for required in ["README.md", "LICENSE", "pyproject.toml", *REQUIRED]:
         if required not in in_sdist:
             problems.append(f"sdist lacks {required}")
+    if not problems:
+        problems += installed_and_run(wheel)
     return problems
+
+
+#: A project of two files: its settings, and an app whose workers.py has a handler.
+PROJECT = """
+from pathlib import Path
+
+BASE = Path(__file__).resolve().parent
+SECRET_KEY = "check-dist"
+USE_TZ = True
+ROOT_URLCONF = __name__
+urlpatterns: list = []
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django_dbworker",
+    "shop",
+]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": BASE / "db.sqlite3",
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL", "transaction_mode": "IMMEDIATE",
+                    "timeout": 20},
+    }
+}
+"""
+HANDLER = """
+from django_dbworker import WorkItemHandler
+
+
+class Double(WorkItemHandler):
+    name = "double"
+
+    def handle(self, payload):
+        return payload * 2
+"""
+
+
+def installed_and_run(wheel: Path) -> list[str]:
+    """Install ``wheel`` into a fresh venv and run one item through it, outside the checkout."""
+    wheel = wheel.resolve()  # the steps run in the temporary project
+    with tempfile.TemporaryDirectory(prefix="dbworker-wheel-") as tmp:
+        home = Path(tmp)
+        venv.EnvBuilder(with_pip=True).create(home / "venv")
+        python = str(home / "venv" / "bin" / "python")
+        (home / "site_settings.py").write_text(PROJECT)
+        (home / "shop").mkdir()
+        (home / "shop" / "__init__.py").write_text("")
+        (home / "shop" / "workers.py").write_text(HANDLER)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "DJANGO_SETTINGS_MODULE": "site_settings",
+            "PYTHONPATH": str(home),
+            "HOME": str(home),
+        }
+        steps = [
+            [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
+            [python, "-m", "django", "check", "--fail-level", "WARNING"],
+            [python, "-m", "django", "migrate", "-v", "0"],
+            [
+                python,
+                "-c",
+                "import django; django.setup(); import shop.workers as w; w.Double.enqueue(21)",
+            ],
+            [python, "-m", "django", "run_workers", "--burst", "double"],
+            [
+                python,
+                "-c",
+                "import django; django.setup(); "
+                "from django_dbworker.models import WorkItem; "
+                "row = WorkItem.objects.get(); "
+                "assert (row.status, row.result) == ('succeeded', 42), row.last_error",
+            ],
+        ]
+        for step in steps:
+            done = subprocess.run(
+                step, cwd=home, env=env, capture_output=True, text=True, timeout=300
+            )
+            if done.returncode != 0:
+                return [
+                    f"installed wheel: {' '.join(step[1:4])}... exited {done.returncode}: "
+                    f"{(done.stderr or done.stdout).strip()[-1500:]}"
+                ]
+    return []
 
 
 if __name__ == "__main__":
@@ -95,4 +187,7 @@ if __name__ == "__main__":
         print(f"!! {problem}", file=sys.stderr)
     if found:
         sys.exit(1)
-    print("dist: sdist and wheel contain the package, migrations, templates and py.typed")
+    print(
+        "dist: sdist and wheel contain the package, migrations, templates and py.typed; "
+        "the wheel installed in a clean venv ran an item"
+    )
