@@ -136,17 +136,6 @@ def make_due() -> None:
     WorkItem.objects.filter(status="pending").update(run_after=Now())
 
 
-def run_retries(rounds: int = 10) -> None:
-    """``run_until_empty``, making retries due between rounds, until nothing is pending."""
-    from django_dbworker.testing import run_until_empty
-
-    for _ in range(rounds):
-        run_until_empty()
-        if not WorkItem.objects.filter(status="pending").exists():
-            return
-        make_due()
-
-
 def assert_no_key_overlaps() -> int:
     """Assert no two runs of one key overlapped, from the ``keyed`` handler's own records.
 

@@ -187,7 +187,7 @@ def test_pytest_example_passes_under_pytest(project: Project) -> None:
     assert test_file is not None
     proc = project.run("-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 passed" in proc.stdout, proc.stdout
+    assert "2 passed" in proc.stdout, proc.stdout
 
 
 def test_alternative_settings_pass_the_system_checks(project: Project) -> None:

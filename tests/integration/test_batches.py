@@ -28,7 +28,7 @@ from django_dbworker.batches.models import Batch, Dependency
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.tasks import task as dbtask
 from django_dbworker.testing import run_until_empty
-from tests.factories import claim, run_retries
+from tests.factories import claim
 from tests.integration.interleave import Racer
 from tests.testapp.models import Execution
 from tests.testapp.workers import AlwaysFail, BatchDone, Noop, NoRetry, Record
@@ -145,7 +145,7 @@ def test_a_failed_parent_cancels_its_dependents_transitively_without_running_the
     a = AlwaysFail.enqueue({"key": "a"})
     b = Record.enqueue({"key": "b"}, after=[a])
     c = Record.enqueue({"key": "c"}, after=[b])
-    run_retries()
+    run_until_empty(include_scheduled=True)
     for row in (b, c):
         row.refresh_from_db()
         assert row.status == Status.CANCELLED
@@ -337,7 +337,7 @@ def test_retrying_a_cancelled_chain_runs_the_links_in_order() -> None:
     a = AlwaysFail.enqueue({"key": "a"})
     b = Record.enqueue({"key": "b"}, after=[a])
     c = Record.enqueue({"key": "c"}, after=[b])
-    run_retries()
+    run_until_empty(include_scheduled=True)
     assert set(WorkItem.objects.filter(pk__in=[b.pk, c.pk]).values_list("status", flat=True)) == {
         Status.CANCELLED
     }

@@ -3,7 +3,9 @@
 Each test says what the worker's burst run does for a user's test: it goes on
 after a failed claim or a handler that broke its connection, records a refused
 result as a failure (in the span too), refuses unknown names and queues, and
-recovers and runs the rows a dead worker left.
+recovers and runs the rows a dead worker left; with ``include_scheduled`` it runs
+retries, snoozes and later ``run_after`` rows as if their time had come, in that
+order, stopping at ``max_items``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from datetime import timedelta
+from typing import Any, ClassVar
 
 import pytest
 from django.db import DatabaseError, connection
+from django.db.models.functions import Now
+from django.utils import timezone
 
-from django_dbworker import WorkItemHandler
+from django_dbworker import Snooze, WorkItemHandler
 from django_dbworker.db import operations
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.testing import run_until_empty
@@ -225,3 +230,138 @@ def test_run_until_empty_recovers_and_runs_a_dead_workers_row() -> None:
     age_heartbeat(item, 3600)
     counts = run_until_empty(["noop"])
     assert WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, counts
+
+
+# -- run_until_empty(include_scheduled=True): retries, snoozes and run_after --------
+
+
+class AlwaysFails(WorkItemHandler):
+    name = "burst_always_fails"
+    max_attempts = 3
+    calls: ClassVar[list[int]] = []
+
+    def handle(self, payload: Any) -> None:
+        self.calls.append(payload)
+        raise ConnectionError(f"down, call {len(self.calls)}")
+
+
+class SnoozesTwice(WorkItemHandler):
+    name = "burst_snoozes_twice"
+    calls: ClassVar[list[int]] = []
+
+    def handle(self, payload: Any) -> str:
+        self.calls.append(payload)
+        if len(self.calls) <= 2:
+            raise Snooze(3600)
+        return "done"
+
+
+class SnoozesForever(WorkItemHandler):
+    name = "burst_snoozes_forever"
+
+    def handle(self, payload: Any) -> None:
+        raise Snooze(60)
+
+
+class Records(WorkItemHandler):
+    name = "burst_records"
+    calls: ClassVar[list[Any]] = []
+
+    def handle(self, payload: Any) -> None:
+        self.calls.append(payload)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_calls() -> None:
+    for handler in (AlwaysFails, SnoozesTwice, Records):
+        handler.calls.clear()
+
+
+@pytest.mark.usefixtures("slow_retries")
+def test_run_until_empty_by_default_leaves_a_future_retry_pending() -> None:
+    item = AlwaysFails.enqueue(1)
+    assert run_until_empty(handlers=[AlwaysFails]) == {"retried": 1}
+    item.refresh_from_db()
+    assert (item.status, item.attempts) == (Status.PENDING, 1)
+    assert WorkItem.objects.filter(pk=item.pk, run_after__gt=Now()).exists()
+
+
+@pytest.mark.usefixtures("slow_retries")
+def test_include_scheduled_runs_a_failing_handler_through_every_attempt_to_failed() -> None:
+    item = AlwaysFails.enqueue(1)
+    counts = run_until_empty(handlers=[AlwaysFails], include_scheduled=True)
+    assert counts == {"retried": 2, "failed": 1}
+    item.refresh_from_db()
+    assert (item.status, item.attempts, AlwaysFails.calls) == (Status.FAILED, 3, [1, 1, 1])
+    assert "down, call 3" in item.last_error
+
+
+def test_include_scheduled_runs_a_snoozing_handler_to_its_end() -> None:
+    item = SnoozesTwice.enqueue(1)
+    counts = run_until_empty(handlers=[SnoozesTwice], include_scheduled=True)
+    assert counts == {"snoozed": 2, "succeeded": 1}
+    item.refresh_from_db()
+    assert (item.status, item.snoozes, item.attempts) == (Status.SUCCEEDED, 2, 1)
+    assert item.result == "done"
+
+
+def test_include_scheduled_stops_a_handler_that_snoozes_forever_at_max_items() -> None:
+    item = SnoozesForever.enqueue(None)
+    with pytest.raises(
+        RuntimeError, match="ran 5 items and work remains: 1 pending 'burst_snoozes_forever'"
+    ):
+        run_until_empty(handlers=[SnoozesForever], max_items=5, include_scheduled=True)
+    item.refresh_from_db()
+    assert (item.status, item.snoozes) == (Status.PENDING, 5)
+
+
+def test_include_scheduled_runs_later_rows_in_the_order_of_their_times() -> None:
+    """Rows made due in the order their times come (not all at once, then by id)."""
+    now = timezone.now()
+    Records.enqueue("in two hours", run_after=now + timedelta(hours=2))
+    Records.enqueue("in one hour", run_after=now + timedelta(hours=1))
+    Records.enqueue("now")
+    assert run_until_empty(handlers=[Records], include_scheduled=True) == {"succeeded": 3}
+    assert Records.calls == ["now", "in one hour", "in two hours"]
+
+
+@pytest.mark.usefixtures("slow_retries")
+def test_include_scheduled_runs_a_child_only_after_its_parent_succeeds() -> None:
+    """A child (``after=``) of a parent that is retried runs once its parent succeeded."""
+    parent = SnoozesTwice.enqueue(1)
+    child = Records.enqueue("child", after=[parent])
+    counts = run_until_empty(handlers=[SnoozesTwice, Records], include_scheduled=True)
+    assert counts == {"snoozed": 2, "succeeded": 2}
+    child.refresh_from_db()
+    assert child.status == Status.SUCCEEDED
+    assert Records.calls == ["child"]
+
+
+def test_include_scheduled_leaves_a_paused_queues_rows_as_they_are() -> None:
+    """A paused queue's scheduled row stays pending, its ``run_after`` unchanged; the
+    other queues' rows run."""
+    from django_dbworker.flow.queues import pause_queue
+
+    later = timezone.now() + timedelta(hours=1)
+    held = Records.enqueue("paused", queue="held", run_after=later)
+    Records.enqueue("running", run_after=later)
+    pause_queue("held")
+    assert run_until_empty(handlers=[Records], include_scheduled=True) == {"succeeded": 1}
+    before = held.run_after
+    held.refresh_from_db()
+    assert (held.status, held.run_after, Records.calls) == (Status.PENDING, before, ["running"])
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"max_items": 0}, "max_items"),
+        ({"max_items": "10"}, "max_items"),
+        ({"include_scheduled": "yes"}, "include_scheduled"),
+    ],
+)
+def test_run_until_empty_refuses_bad_options(options: dict[str, Any], error: str) -> None:
+    Records.enqueue(None)
+    with pytest.raises((TypeError, ValueError), match=error):
+        run_until_empty(handlers=[Records], **options)
+    assert WorkItem.objects.get().status == Status.PENDING

@@ -27,7 +27,6 @@ from django_dbworker.tasks.compat import (
     task_started,
 )
 from django_dbworker.testing import run_until_empty
-from tests.factories import run_retries
 from tests.testapp import tasks
 from tests.testapp.models import Effect, Execution
 from tests.testapp.workers import Echo
@@ -118,7 +117,7 @@ def test_a_failing_task_retries_and_keeps_every_error() -> None:
     result.refresh()
     assert result.status == TaskResultStatus.READY  # waiting for its retry
     assert result.attempts == 1 and len(result.errors) == 1
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.SUCCESSFUL
     # The context saw the right attempt and the two earlier errors.
@@ -134,7 +133,7 @@ def test_a_failing_task_retries_and_keeps_every_error() -> None:
 
 def test_a_task_that_keeps_failing_ends_failed(signals: list[Any]) -> None:
     result = tasks.always_fails.enqueue("x")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and result.is_finished
     assert result.attempts == 2 and len(result.errors) == 2
@@ -227,7 +226,7 @@ def test_sensitive_tasks_keep_their_arguments_out_of_errors(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     result = tasks.secret.enqueue("hunter2")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and len(result.errors) == 3
     for error in result.errors:
@@ -269,7 +268,7 @@ def test_backend_options_are_the_defaults_of_its_tasks() -> None:
     from django_dbworker.registry import registry
 
     assert registry["tests.testapp.tasks.patient"].timeout == 30
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and result.attempts == 4
 

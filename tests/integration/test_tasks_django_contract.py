@@ -30,7 +30,7 @@ from django_dbworker.tasks.compat import (
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
 from tests.conftest import wait_until
-from tests.factories import age_heartbeat, claim, run_retries
+from tests.factories import age_heartbeat, claim
 from tests.testapp import tasks
 from tests.testapp.models import Effect, Execution
 
@@ -286,7 +286,7 @@ def test_the_context_of_a_task_retried_by_an_operator_matches_get_result() -> No
     differently on that run.
     """
     result = compare_context.enqueue("op")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and len(result.errors) == 2
     assert WorkItem.objects.get(pk=int(result.id)).retry()  # the admin's Retry action

@@ -17,7 +17,6 @@ import pytest
 
 from django_dbworker.tasks.compat import TaskResultStatus, task_finished
 from django_dbworker.testing import run_until_empty
-from tests.factories import run_retries
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db
@@ -42,7 +41,7 @@ def finished() -> Any:
 
 def test_a_failed_tasks_traceback_is_the_python_traceback(finished: Any) -> None:
     result = tasks.always_fails.enqueue("k")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and len(result.errors) == 2
     for error in result.errors:
@@ -61,7 +60,7 @@ def test_djangos_failure_log_line_carries_the_exception(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     result = tasks.always_fails.enqueue("k")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     ((live, handled),) = finished
     assert live.id == result.id and live.status == TaskResultStatus.FAILED
     # task_finished is sent while the task's exception is being handled, as
@@ -78,7 +77,7 @@ def test_djangos_failure_log_line_carries_the_exception(
 def test_a_sensitive_tasks_exception_is_not_handed_to_the_log(finished: Any) -> None:
     # Its message may quote its arguments: the log line goes without it.
     tasks.secret.enqueue("hunter2")
-    run_retries()
+    run_until_empty(include_scheduled=True)
     ((live, handled),) = finished
     assert live.status == TaskResultStatus.FAILED and handled is None
     assert live.errors[-1].traceback.startswith(TRACEBACK)
