@@ -18,6 +18,7 @@ import tomllib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import get_commands, load_command_class
@@ -361,3 +362,40 @@ def test_the_checks_reference_names_every_check_id() -> None:
     }
     listed = _listed_check_ids((DOCS / "reference" / "settings.md").read_text())
     assert len(used) >= 25 and used <= listed, f"not in settings.md: {sorted(used - listed)}"
+
+
+def _docs_pages() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "docs_pages", DOCS.parent / "scripts" / "docs_pages.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("name", "literal"),
+    [
+        ("two-space indent", ["  total = 2", "  print(total)"]),
+        ("double backticks in the code", ['    empty = "``"', '    quoted = "``a``"']),
+        ("a Markdown fence in the text", ["    ```python", "    x = 1", "    ```"]),
+    ],
+)
+def test_docs_pages_turns_a_literal_block_into_a_fence_of_its_text(
+    name: str, literal: list[str]
+) -> None:
+    """scripts/docs_pages.py writes reST's literal block ("Text::", a blank line, an indented
+    block) as a Markdown fence: the page shows one code block, holding the block's text as
+    written (any indentation reST allows), and the paragraph after it as a paragraph."""
+    from markdown_it import MarkdownIt
+
+    indent = len(literal[0]) - len(literal[0].lstrip())
+    doc = "\n".join(["Run it like this::", "", *literal, "", "Then ``it`` ends."])
+    page = _docs_pages()._markdown(doc)
+    tokens = MarkdownIt("commonmark").parse(page)
+    fences = [t for t in tokens if t.type in ("fence", "code_block")]
+    assert [t.content for t in fences] == ["\n".join(li[indent:] for li in literal) + "\n"], page
+    assert "Then `it` ends." in page

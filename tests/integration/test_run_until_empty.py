@@ -183,6 +183,23 @@ def test_run_until_empty_max_items_raises_only_when_work_remains() -> None:
         run_until_empty(handlers=[BurstNoop], max_items=2)
 
 
+class TwoAMinute(WorkItemHandler):
+    name = "burst_two_a_minute"
+    rate_limit = "2/m"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+def test_max_items_does_not_count_rows_a_rate_limit_held_back() -> None:
+    """Rows a rate limit holds back stay pending, as a worker leaves them (the docstring):
+    with room for three runs, two run and the third waits for the window, without a
+    RuntimeError that says three ran and blames a handler that retries forever."""
+    TwoAMinute.enqueue_many([1, 2, 3])
+    assert run_until_empty(handlers=[TwoAMinute], max_items=3) == {"succeeded": 2}
+    assert WorkItem.objects.filter(status=Status.PENDING).count() == 1
+
+
 # -- claim_next: own tables on any Django database ----------------------------------
 
 
@@ -323,6 +340,29 @@ def test_include_scheduled_runs_later_rows_in_the_order_of_their_times() -> None
     Records.enqueue("now")
     assert run_until_empty(handlers=[Records], include_scheduled=True) == {"succeeded": 3}
     assert Records.calls == ["now", "in one hour", "in two hours"]
+
+
+class SnoozesAnHourOnce(WorkItemHandler):
+    """Logs its run in ``Records.calls`` (one log for both handlers), snoozes an hour the
+    first time."""
+
+    name = "burst_snoozes_an_hour_once"
+
+    def handle(self, payload: Any) -> None:
+        Records.calls.append(payload)
+        if Records.calls.count(payload) == 1:
+            raise Snooze(3600)
+
+
+def test_include_scheduled_runs_a_snoozed_row_when_its_snooze_would_end() -> None:
+    """ "In the order their times would come": a row due in 1 h that snoozes an hour comes
+    back at 2 h, after a row due at 1 h 30; the snooze is not cut short to run first."""
+    now = timezone.now()
+    SnoozesAnHourOnce.enqueue("snoozer", run_after=now + timedelta(hours=1))
+    Records.enqueue("at 1h30", run_after=now + timedelta(hours=1, minutes=30))
+    counts = run_until_empty(handlers=[SnoozesAnHourOnce, Records], include_scheduled=True)
+    assert counts == {"snoozed": 1, "succeeded": 2}
+    assert Records.calls == ["snoozer", "at 1h30", "snoozer"]
 
 
 @pytest.mark.usefixtures("slow_retries")

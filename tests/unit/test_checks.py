@@ -198,3 +198,44 @@ def test_an_async_handle_is_a_check_error_until_async_handlers_run() -> None:
     assert [e.id for e in errors] == ["django_dbworker.E023"] * 2
     assert "'late'" in errors[0].msg and "async def handle" in errors[0].msg
     assert "async def run" in errors[1].msg and "async_to_sync" in errors[0].hint
+
+
+def test_e023_leaves_an_async_helper_named_run_of_a_plain_handler_alone() -> None:
+    """E023 refuses a *periodic* handler's ``async def run`` (its entry point, docs/reference/
+    settings.md), not an async helper a plain WorkItemHandler happens to call ``run`` and
+    runs from ``handle`` with ``async_to_sync``, as Handlers ("Async code in a handler")
+    tells users to: that handler works, and an E023 error would stop ``run_workers``."""
+    from asgiref.sync import async_to_sync
+
+    from django_dbworker import WorkItemHandler
+    from django_dbworker.checks import async_handler_errors
+
+    async def run(self: Any, payload: Any) -> int:
+        return int(payload) * 2
+
+    def handle(self: Any, payload: Any) -> int:
+        return int(async_to_sync(self.run)(payload))
+
+    fetch = type(
+        "Fetch",
+        (WorkItemHandler,),
+        {"name": "fetch", "abstract": True, "handle": handle, "run": run},
+    )
+    assert fetch().handle(21) == 42  # a working handler
+    assert async_handler_errors([fetch]) == []
+
+
+def test_e023_refuses_an_async_def_handle_that_yields() -> None:
+    """``async def handle`` with a ``yield`` in it (an async generator function) is still an
+    ``async def handle``: the worker stores the async generator it returns, having run none of
+    it, and the item fails with "not JSON-serialisable" instead of the check naming it."""
+    from django_dbworker import WorkItemHandler
+    from django_dbworker.checks import async_handler_errors
+
+    async def handle(self: Any, payload: Any) -> Any:
+        yield payload
+
+    streams = type(
+        "Streams", (WorkItemHandler,), {"name": "streams", "abstract": True, "handle": handle}
+    )
+    assert [e.id for e in async_handler_errors([streams])] == ["django_dbworker.E023"]
