@@ -33,7 +33,7 @@ from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems, unfinished_development_migrations
 from django_dbworker.handlers import WorkItemHandler
-from django_dbworker.periodic.handler import periodic_handlers
+from django_dbworker.periodic.handler import PeriodicHandler, periodic_handlers
 from django_dbworker.registry import registry
 from django_dbworker.routing import NOT_ATOMIC_CHECK, work_db_for_write
 
@@ -386,8 +386,12 @@ def async_handler_errors(classes: Any) -> list[CheckMessage]:
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
             continue
-        for method in ("handle", "handle_item", "run"):
-            if inspect.iscoroutinefunction(getattr(cls, method, None)):
+        methods = ["handle", "handle_item"]
+        if issubclass(cls, PeriodicHandler):
+            methods.append("run")  # a plain handler's run is its own helper
+        for method in methods:
+            entry = getattr(cls, method, None)
+            if inspect.iscoroutinefunction(entry) or inspect.isasyncgenfunction(entry):
                 errors.append(
                     Error(
                         f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares "

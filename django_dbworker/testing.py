@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
-from django.db.models import Count
+from django.db.models import Count, F
 from django.db.models.functions import Now
 
-from django_dbworker import verbs
 from django_dbworker.flow.queues import paused_queues
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import WorkItem, WorkItemQuerySet
@@ -62,20 +62,21 @@ def run_until_empty(
 
     ``include_scheduled=True`` runs those too, as if their time had come, so
     that a test can drive a failing handler through all its attempts: when
-    nothing due is left, the rows of the earliest ``run_after`` are made due
-    now by the operators' "run now" verb (``verbs.run_now``: the claim and
-    its order stay ``run_workers``'), run, and so on in the order their
-    times would come, until no pending row of ``handlers``/``queues`` is
-    left that a worker could ever claim. Left pending, as ``run_workers``
-    would leave them: rows waiting for their parents (``after=``; they run
-    here once their parents succeed) and rows of paused queues (resume the
-    queue to run them; their ``run_after`` is not changed). Only ``run_after`` is
-    brought forward, not the clock: a rate limit's window still passes in real time,
-    so rows it holds back stay pending too.
+    nothing due is left, every later row of ``handlers``/``queues`` is moved
+    back by the span to the earliest ``run_after`` (the rows' clock jumps
+    forward; the claim and its order stay ``run_workers``'), the earliest
+    run, and so on, in the order their times would come (a retry's backoff
+    and a snooze counted from the jump), until no pending row is left that
+    a worker could ever claim. Left pending, as ``run_workers`` would leave
+    them: rows waiting for their parents (``after=``; they run here once
+    their parents succeed), rows of paused queues (their ``run_after`` is
+    not changed), and rows a rate limit holds back (the database's clock
+    does not move, so a window passes in real time).
 
-    ``max_items`` (claims, snoozes and retries included) guards against
-    handlers that enqueue themselves, snooze or retry forever: past it, a
-    ``RuntimeError`` names the handlers whose rows remain.
+    ``max_items`` (attempts, snoozes included) guards against handlers that
+    enqueue themselves, snooze or retry forever: past it, a ``RuntimeError``
+    names the handlers whose rows remain. Starts a rate limit refused are
+    not counted: those rows did not run.
     """
     if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
         raise ValueError(f"run_until_empty(max_items=...) takes an int >= 1, got {max_items!r}.")
@@ -89,14 +90,22 @@ def run_until_empty(
     queue_names = list(queues) if queues is not None else None
     outcomes: Counter[str] = Counter()
     ran = 0
+    made_due = False
     while True:
-        worker = _burst_worker(names, queue_names, using, max_items - ran)
+        limit = max_items - ran
+        worker = _burst_worker(names, queue_names, using, limit)
         worker.run()
-        ran += worker.claimed
+        # Attempts that ended, not claims: a start a rate limit refused went back
+        # to pending without running, as run_workers leaves it.
+        this_round = sum(worker.outcomes.values())
+        ran += this_round
         outcomes.update({str(outcome): count for outcome, count in worker.outcomes.items()})
-        if ran >= max_items:
+        if ran >= max_items or worker.claimed >= limit:
             break
-        if not include_scheduled or not _make_next_due(names, queue_names, using):
+        if made_due and not this_round:
+            break  # what came due could not start (a full rate window): it stays pending
+        made_due = include_scheduled and _advance_to_next(names, queue_names, using)
+        if not made_due:
             break
     if ran >= max_items:
         left = _left(names, queue_names, using, include_scheduled=include_scheduled)
@@ -133,26 +142,31 @@ def _runnable(names: list[str], queues: Sequence[str] | None, using: str) -> Wor
     return rows.exclude(queue__in=paused_queues(using))
 
 
-def _make_next_due(names: list[str], queues: Sequence[str] | None, using: str) -> int:
-    """Make the runnable rows of the earliest future ``run_after`` due now; how many.
+def _advance_to_next(names: list[str], queues: Sequence[str] | None, using: str) -> bool:
+    """Bring the rows' time forward to the earliest later ``run_after``; whether any.
 
-    The earliest instant is found in Python, on the values as read: an equality on a
-    datetime sent back would miss on SQLite, which stores ``Now()`` with milliseconds
-    and a parameter with microseconds (text that compares unequal).
+    Every later row of ``names``/``queues`` (waiting ones too) moves back by the
+    same span, so the earliest is due now and the others keep their distance to
+    it, and to what a run now schedules (a retry's backoff, a snooze): the run
+    order is the order their times would come. Paused queues' rows stay as they
+    are. The span is read from the database's clock, with a millisecond more, so
+    that SQLite (which stores ``Now()`` in milliseconds) finds the earliest due.
     """
-    later = _runnable(names, queues, using).filter(run_after__gt=Now()).order_by("run_after", "pk")
-    ids: list[int] = []
-    first = None
-    # A slice: more rows of one instant than that are made due over several rounds.
-    for pk, run_after in later.values_list("pk", "run_after")[:1000]:
-        if first is None:
-            first = run_after
-        elif run_after != first:
-            break
-        ids.append(pk)
-    if not ids:
-        return 0
-    return verbs.run_now(WorkItem.objects.using(using).filter(pk__in=ids))
+    later = WorkItem.objects.using(using).pending().filter(handler__in=names)
+    if queues is not None:
+        later = later.filter(queue__in=queues)
+    later = later.exclude(queue__in=paused_queues(using)).filter(run_after__gt=Now())
+    first = (
+        later.filter(waiting=False)
+        .order_by("run_after")
+        .annotate(now=Now())
+        .values_list("run_after", "now")
+        .first()
+    )
+    if first is None:
+        return False
+    span = first[0] - first[1] + timedelta(milliseconds=1)
+    return bool(later.update(run_after=F("run_after") - span, updated_at=Now()))
 
 
 def _left(

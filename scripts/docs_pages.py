@@ -74,30 +74,43 @@ def _resolve(dotted: str) -> Any:
 
 
 def _markdown(doc: str | None) -> str:
-    text = inspect.cleandoc(doc or "")
-    text = re.sub(r"``([^`]+)``", r"`\1`", text)
-    # reST's literal block marker ("Text::" then an indented block) as a fence.
+    """A docstring as Markdown: reST's literal blocks fenced, its ``code`` as `code`.
+
+    A literal block ("Text::", a blank line, lines indented by any amount) is
+    kept as written, in a fence longer than any run of backticks inside it;
+    the code-span rewrite touches only the prose around it.
+    """
+    lines = inspect.cleandoc(doc or "").splitlines()
     out: list[str] = []
-    lines = text.splitlines()
+    prose: list[str] = []
+
+    def flush() -> None:
+        out.extend(re.sub(r"``([^`]+)``", r"`\1`", line) for line in prose)
+        prose.clear()
+
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.rstrip().endswith("::") and i + 1 < len(lines) and not lines[i + 1].strip():
-            head = line.rstrip()[:-2].rstrip()
-            if head:
-                out.append(head + ":")
-            out.append("")
-            i += 2
-            block: list[str] = []
-            while i < len(lines) and (not lines[i].strip() or lines[i].startswith("    ")):
-                block.append(lines[i][4:])
-                i += 1
-            while block and not block[-1].strip():
-                block.pop()
-            out += ["```py", *block, "```", ""]
+        opens = line.rstrip().endswith("::") and i + 1 < len(lines) and not lines[i + 1].strip()
+        if not opens:
+            prose.append(line)
+            i += 1
             continue
-        out.append(line)
-        i += 1
+        head = line.rstrip()[:-2].rstrip()
+        prose += [head + ":"] if head else []
+        flush()
+        i += 2
+        block: list[str] = []
+        while i < len(lines) and (not lines[i].strip() or lines[i][:1].isspace()):
+            block.append(lines[i])
+            i += 1
+        while block and not block[-1].strip():
+            block.pop()
+        indent = min(len(b) - len(b.lstrip()) for b in block if b.strip()) if block else 0
+        longest = max((len(run) for run in re.findall(r"`+", "\n".join(block))), default=0)
+        fence = "`" * max(3, longest + 1)
+        out += ["", f"{fence}py", *(b[indent:] for b in block), fence, ""]
+    flush()
     return "\n".join(out).strip()
 
 

@@ -98,8 +98,8 @@ class Settler:
                 handler.name,
                 # A late ending is of a run abandoned by its own attempt, which recorded
                 # the row's outcome then; otherwise the row was taken from this attempt.
-                "its run was abandoned at its timeout or on a cancel, and the attempt "
-                "ended then; this is the abandoned run's late outcome."
+                "its run was abandoned at its timeout, and the attempt ended then; "
+                "this is the abandoned run's late outcome."
                 if late
                 else "the row is no longer claimed by this attempt (recovered as stale, "
                 "and maybe re-claimed, meanwhile).",
