@@ -234,7 +234,13 @@ class WorkerProcess:
     """A real ``manage.py run_workers`` subprocess with its log captured to a file."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path = ROOT
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        cwd: Path = ROOT,
+        *,
+        new_session: bool = False,
     ) -> None:
         self.args = args
         self.log_path = log_path
@@ -245,6 +251,8 @@ class WorkerProcess:
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            # Its own process group, as a terminal's foreground job (os.killpg: Ctrl-C).
+            start_new_session=new_session,
         )
 
     @property
@@ -314,9 +322,13 @@ def start_worker(
 ) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    def start(
+        *args: str, env: dict[str, str] | None = None, new_session: bool = False
+    ) -> WorkerProcess:
         merged = {**worker_env, **(env or {})}
-        proc = WorkerProcess(list(args), merged, tmp_path / f"worker-{len(started)}.log")
+        proc = WorkerProcess(
+            list(args), merged, tmp_path / f"worker-{len(started)}.log", new_session=new_session
+        )
         started.append(proc)
         return proc
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from django.db.models import Count
 from django.db.models.functions import Now
 
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import kill_other_connections, restart_server, wait_until
+from tests.conftest import ROOT, kill_other_connections, restart_server, wait_until
 from tests.factories import claim
 from tests.testapp.models import Execution, Invoice
 from tests.testapp.workers import KillWorker, Record, Sleep
@@ -442,3 +443,149 @@ def test_a_worker_starts_without_warnings_about_its_own_models(start_worker) -> 
     assert worker.wait() == 0, worker.log()
     assert "System check identified" not in worker.log(), worker.log()
     assert "W036" not in worker.log() and "W037" not in worker.log(), worker.log()
+
+
+# -- --reload: a code change restarts the worker, a stop ends both processes; both drain --
+
+#: ``reloadapp/workers.py`` of the reloading project: records which version ran an item,
+#: in which process, and holds an item while a file it names does not exist.
+RELOAD_WORKERS = """
+import os
+import time
+from pathlib import Path
+
+from django_dbworker import WorkItemHandler
+from tests.testapp.models import Execution
+
+
+class Probe(WorkItemHandler):
+    name = "reload_probe"
+
+    def handle(self, payload):
+        Execution.objects.create(key=payload["key"], kind={version!r}, pid=os.getpid())
+        if "hold_until" in payload:
+            deadline = time.monotonic() + 30
+            while not Path(payload["hold_until"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            Execution.objects.create(key=payload["key"], kind="end", pid=os.getpid())
+"""
+
+
+def _reloading_project(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """Settings that add an app under ``tmp_path`` (never the repository's files): its
+    environment for the worker, and the path of its ``workers.py``."""
+    app = tmp_path / "reloadapp"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    workers = app / "workers.py"
+    workers.write_text(RELOAD_WORKERS.format(version="v1"))
+    (tmp_path / "reload_settings.py").write_text(
+        "from tests.settings import *  # noqa: F403\n"
+        "INSTALLED_APPS = [*INSTALLED_APPS, 'reloadapp']  # noqa: F405\n"
+    )
+    env = {
+        "DJANGO_SETTINGS_MODULE": "reload_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "PYTHONDONTWRITEBYTECODE": "1",  # the edited module is read again, whatever its mtime
+    }
+    return env, workers
+
+
+def _probe(key: str, **payload: str) -> WorkItem:
+    # Not enqueue(): the handler is registered in the worker's process only.
+    return WorkItem.objects.create(
+        handler="reload_probe", payload={"key": key, **payload}, max_attempts=1
+    )
+
+
+def _ran(key: str) -> Execution:
+    runs = Execution.objects.filter(key=key).exclude(kind="end")
+    return wait_until(lambda: runs.first(), timeout=60, what=f"item {key!r} to run")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _edit_until_noticed(path: Path, worker, text: str) -> None:
+    """Move ``path``'s mtime on until the worker logs ``text``.
+
+    Django's watcher takes its first snapshot of the files after the worker
+    started: an edit before it would be its baseline, not a change.
+    """
+    step = iter(range(1, 1000))
+
+    def noticed() -> bool:
+        if text in worker.log():
+            return True
+        later = time.time() + next(step)
+        os.utime(path, (later, later))
+        return False
+
+    wait_until(noticed, timeout=60, interval=0.5, what=f"{text!r} in the worker log")
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM to the parent", "Ctrl-C in its terminal"])
+def test_reload_restarts_on_a_code_change_and_a_stop_ends_both_processes(
+    start_worker, tmp_path: Path, stop: str
+) -> None:
+    """A change restarts the worker in a new child, which runs the new code; the item the
+    old child was running finishes there, once. A stop signal to the parent (or a
+    terminal's Ctrl-C, which reaches parent and child) drains the child once, and both
+    processes end. Django's own parent kills its child with SIGKILL on SIGTERM, and its
+    child drops the worker's thread mid-item on a change: items left claimed."""
+    env, workers = _reloading_project(tmp_path)
+    terminal = stop.startswith("Ctrl-C")
+    worker = start_worker("reload_probe", "--reload", env=env, new_session=terminal)
+    children: list[int] = []
+    try:
+        _probe("first")
+        old = _ran("first").pid
+        children.append(old)
+        assert old != worker.pid  # the parent only restarts the child that works
+        assert "(reload)" in worker.log()
+
+        held = _probe("held", hold_until=str(tmp_path / "release-held"))
+        _ran("held")
+        workers.write_text(RELOAD_WORKERS.format(version="v2"))
+        _edit_until_noticed(workers, worker, "Code changed: finishing running items")
+        (tmp_path / "release-held").touch()
+        wait_until(
+            lambda: worker.log().count("Starting worker:") == 2,
+            timeout=60,
+            what="a new child to start",
+        )
+        _probe("after")
+        after = _ran("after")
+        children.append(after.pid)
+        assert (after.kind, after.pid != old, after.pid != worker.pid) == ("v2", True, True)
+        assert WorkItem.objects.get(pk=held.pk).status == Status.SUCCEEDED
+        assert set(Execution.objects.filter(key="held").values_list("kind", "pid")) == {
+            ("v1", old),
+            ("end", old),
+        }
+        assert not _alive(old)
+
+        last = _probe("last", hold_until=str(tmp_path / "release-last"))
+        _ran("last")
+        if terminal:
+            os.killpg(worker.pid, signal.SIGINT)
+        else:
+            worker.signal(signal.SIGTERM)
+        worker.wait_for_log("SIGTERM received: finishing running items")
+        assert worker.proc.poll() is None and _alive(after.pid)  # draining
+        (tmp_path / "release-last").touch()
+        assert worker.wait(timeout=30) == 0, worker.log()
+        wait_until(lambda: not _alive(after.pid), timeout=10, what="the child to end")
+        assert WorkItem.objects.get(pk=last.pk).status == Status.SUCCEEDED
+        assert not WorkItem.objects.filter(status=Status.CLAIMED).exists()
+        assert Execution.objects.filter(kind__in=("v1", "v2")).count() == 4  # each item once
+        assert "received again" not in worker.log()
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -21,6 +21,8 @@ from django.core.management import CommandError, call_command
         (["--interval", "inf"], "must be a finite number of seconds"),
         (["--interval", "1e10"], "TIMEOUT_MAX"),
         (["--shutdown-timeout", "inf"], "must be a finite number of seconds"),
+        # A burst run ends by itself; a reloading one runs until stopped.
+        (["--burst", "--reload"], "argument --reload: not allowed with argument --burst"),
     ],
 )
 def test_bad_flags_are_refused_with_a_message(args: list[str], message: str) -> None:

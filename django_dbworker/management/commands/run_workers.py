@@ -7,6 +7,7 @@ import logging
 import pkgutil
 import queue
 import signal
+import sys
 import threading
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from django_dbworker.db import (
 )
 from django_dbworker.discovery import autodiscover, import_by_path, uses_task_backend
 from django_dbworker.handlers import unimplemented
+from django_dbworker.management import reloading
 from django_dbworker.outcomes import Outcome
 from django_dbworker.periodic.handler import periodic_handlers
 from django_dbworker.registry import registry
@@ -124,10 +126,18 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="Idle poll interval (default: DBWORKER['POLL_INTERVAL']).",
         )
-        parser.add_argument(
+        # A burst run ends by itself; a reloading one runs until stopped.
+        once_or_reload = parser.add_mutually_exclusive_group()
+        once_or_reload.add_argument(
             "--burst",
             action="store_true",
             help="Exit 0 once nothing is claimable and nothing runs.",
+        )
+        once_or_reload.add_argument(
+            "--reload",
+            action="store_true",
+            help="For development: restart the worker (after a drain) when a Python file "
+            "of the project changes, as runserver does.",
         )
         parser.add_argument(
             "--metrics-port",
@@ -158,6 +168,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         _ensure_log_output(options["verbosity"])
+        if options["reload"] and not reloading.in_child():
+            # This process only restarts the one that works: no checks, no connection.
+            sys.exit(reloading.supervise())
         using = work_db_for_write(options["database"])
         # The checks of the code, not of the databases (``_check_database`` asks the work
         # database what the worker needs): Django 6.1 runs the model checks against every
@@ -222,9 +235,9 @@ class Command(BaseCommand):
         worker = Worker([registry[n] for n in names], config, watchers=watchers)
         # Before the start-up line, which supervisors and scripts wait for: a
         # stop signal from then on is a clean stop.
-        signals = self._install_signal_handlers(worker)
+        signals = self._install_signal_handlers(worker, reload=options["reload"])
         logger.info(
-            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s",
+            "Starting worker: handlers=%s queues=%s concurrency=%d database=%s%s%s%s",
             ",".join(names),
             ",".join(config.queues) if config.queues else "all",
             config.concurrency,
@@ -232,12 +245,17 @@ class Command(BaseCommand):
             # The alias too where the work is not on default (a queue database).
             "" if using == DEFAULT_DB_ALIAS else f" alias={using}",
             " (burst)" if config.burst else "",
+            " (reload)" if options["reload"] else "",
         )
         _log_schedules([registry[n] for n in names], config.queues)
         warn_about_orphans(using)
         self._start_metrics_server(options)
+        changed = False
         try:
-            worker.run()
+            if options["reload"]:
+                changed = reloading.run_in_child(worker, signals)
+            else:
+                worker.run()
         finally:
             signals.close()
             metrics.mark_process_dead()
@@ -252,8 +270,11 @@ class Command(BaseCommand):
             )
         else:
             logger.info("Worker stopped: %s.", _summary(worker))
+        if changed:
+            sys.exit(reloading.RESTART)
         if worker.unhealthy is not None:
-            # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process.
+            # Non-zero, so that systemd, Kubernetes or supervisord start a fresh process
+            # (under --reload: the same status, so its parent starts a fresh child).
             raise CommandError(
                 f"Worker stopped itself: {worker.unhealthy}.", returncode=EXIT_UNHEALTHY
             )
@@ -314,13 +335,19 @@ class Command(BaseCommand):
         if found:
             logger.info("Imported task module(s) for pending rows: %s", ", ".join(found))
 
-    def _install_signal_handlers(self, worker: Worker) -> _StopOnSignal:
-        """SIGTERM and SIGINT stop ``worker`` (``_StopOnSignal``)."""
-        return _StopOnSignal(worker)
+    def _install_signal_handlers(self, worker: Worker, *, reload: bool = False) -> _StopOnSignal:
+        """SIGTERM and SIGINT stop ``worker`` (``_StopOnSignal``).
+
+        Under ``--reload`` only SIGTERM: the parent forwards SIGINT as SIGTERM
+        and started this child with SIGINT ignored (``reloading.supervise``).
+        """
+        if reload:
+            return _StopOnSignal(worker, (signal.SIGTERM,))
+        return _StopOnSignal(worker, (signal.SIGTERM, signal.SIGINT))
 
 
 class _StopOnSignal:
-    """SIGTERM and SIGINT stop a worker: the first drains it, the next releases at once.
+    """Stop signals (``signums``) stop a worker: the first drains it, the next releases at once.
 
     The handlers only hand the signal over, with ``SimpleQueue.put`` (reentrant
     C code that takes no lock of Python's), to a thread that logs it and stops
@@ -334,18 +361,27 @@ class _StopOnSignal:
     thread lets go of it.
     """
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, signums: Sequence[int]) -> None:
         self.worker = worker
+        self.signums = signums
         #: Stop signals handled so far.
         self.count = 0
         self._arrived: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="dbworker-signals", daemon=True)
         self._thread.start()
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self.listen()
+
+    def listen(self) -> None:
+        """Handle the stop signals here (again, after Django's autoreloader took SIGTERM)."""
+        for signum in self.signums:
+            signal.signal(signum, self._on_signal)
+
+    def handle(self, signum: int) -> None:
+        """A stop signal another handler took (Django's autoreloader's), as if it came now."""
+        self._arrived.put(signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._arrived.put(signum)
+        self.handle(signum)
 
     def _serve(self) -> None:
         while (signum := self._arrived.get()) is not None:
