@@ -18,13 +18,13 @@ from django_dbworker.models import Status, WorkItem
 
 
 class ClaimedWorkItemAdmin(_OneStatusAdmin):
-    # Whether the claim is alive first (stale marker, heartbeat age): the
-    # long handler and worker names are cut to fit 1,280 px (admin.css).
+    # Whether the claim is alive first (heartbeat age, stale or ok under
+    # it): at 1,280 px beside Django's navigation sidebar only the worker's
+    # name is cut (admin.css), the handler and queue wrap.
     list_display = [
         "id",
-        "stale_marker",
         "status_badge",
-        "heartbeat_age",
+        "heartbeat_and_stale",
         "handler_and_queue",
         "worker_and_claimed",
         "attempts_display",
@@ -40,11 +40,15 @@ class ClaimedWorkItemAdmin(_OneStatusAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
         return super().get_queryset(request).filter(status=Status.CLAIMED)
 
-    @admin.display(description="stale?")
-    def stale_marker(self, obj: WorkItem) -> SafeString | str:
+    @admin.display(description="heartbeat", ordering="heartbeat_at")
+    def heartbeat_and_stale(self, obj: WorkItem) -> SafeString | str:
+        """The heartbeat's age, and under it whether the claim is stale (one column, not two)."""
         now = display.db_now(obj)
         if obj.heartbeat_at is None or now is None:
             return "-"
-        if (now - obj.heartbeat_at).total_seconds() > float(dbworker_settings.STALE_AFTER):
-            return format_html('<strong style="color:#c53030">{}</strong>', "stale")
-        return "ok"
+        stale = display.is_stale(obj.heartbeat_at, now, float(dbworker_settings.STALE_AFTER))
+        return format_html(
+            '{}<br><span class="dbw-stale-marker">{}</span>',
+            display.age(obj.heartbeat_at, now),
+            format_html('<span class="dbw-stale">{}</span>', "stale") if stale else "ok",
+        )

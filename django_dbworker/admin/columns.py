@@ -23,7 +23,10 @@ class WorkItemColumns:
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: WorkItem) -> SafeString:
         if obj.status == Status.CLAIMED and obj.cancel_requested_at is not None:
-            return format_html("{} {}", display.badge(obj.status), display.cancel_requested_badge())
+            # One badge a line: side by side they are wider than the column.
+            return format_html(
+                "{}<br>{}", display.badge(obj.status), display.cancel_requested_badge()
+            )
         if obj.status == Status.PENDING and obj.waiting:
             return format_html("{}<br>{}", display.badge(obj.status), display.waiting_badge())
         return display.badge(obj.status)
@@ -46,36 +49,41 @@ class WorkItemColumns:
 
     @admin.display(description="claimed by", ordering="claimed_at")
     def worker_and_claimed(self, obj: WorkItem) -> SafeString:
-        """Who holds the claim, and under it since when: one column (cut, whole on hover)."""
+        """Who holds the claim (cut, whole on hover), and under it since when."""
         return format_html(
-            '{}<br><small class="dbw-quiet">since {}</small>',
+            '<span class="dbw-cut">{}</span><small class="dbw-quiet">claimed {}</small>',
             display.worker(obj.claimed_by),
-            display.timestamp(obj.claimed_at),
+            display.relative_time(obj.claimed_at, display.db_now(obj)),
         )
 
-    @admin.display(description="handler / last error", ordering="handler")
-    def handler_and_error(self, obj: WorkItem) -> SafeString | str:
-        """The handler, and under it the first line of the last error (whole on hover).
+    @admin.display(description="handler / queue, last error", ordering="handler")
+    def handler_and_error(self, obj: WorkItem) -> SafeString:
+        """The handler, and under it the queue and the first line of the last error.
 
-        One column instead of two keeps the list readable at 1,280 px:
-        the error was the widest column and the last, so off-screen.
+        One column instead of three keeps the list readable at 1,280 px
+        beside Django's navigation sidebar: the handler and queue wrap
+        when long, the error takes what the queue leaves of its line (cut,
+        whole on hover; whole on the row's page).
         """
         head = getattr(obj, "error_head", None)
         line = display.first_line(head if head is not None else obj.last_error)
-        if not line:
-            return self.handler_display(obj)
         return format_html(
-            '<span title="{}">{}</span><br><small style="color:var(--body-quiet-color)">{}</small>',
+            '<span class="dbw-name" title="{}">{}</span>'
+            '<small class="dbw-quiet dbw-sub"><span class="dbw-name" title="queue {}">{}</span>{}'
+            "</small>",
             obj.handler,
             self.handler_display(obj),
-            display.one_line(line, width="20em"),
+            obj.queue,
+            obj.queue,
+            display.one_line(line, width="20em") if line else "",
         )
 
     @admin.display(description="handler / queue", ordering="handler")
     def handler_and_queue(self, obj: WorkItem) -> SafeString:
-        """The handler, and under it the queue: one narrow column (cut, whole on hover)."""
+        """The handler, and under it the queue: one narrow column (long names wrap)."""
         return format_html(
-            '<span title="{}">{}</span><br><small class="dbw-quiet" title="queue {}">{}</small>',
+            '<span class="dbw-name" title="{}">{}</span><br>'
+            '<small class="dbw-quiet dbw-name" title="queue {}">{}</small>',
             obj.handler,
             self.handler_display(obj),
             obj.queue,
@@ -89,31 +97,30 @@ class WorkItemColumns:
             return self.next_run(obj)
         if obj.status == Status.CLAIMED:
             # The heartbeat (and whether it is stale) first: the worker's
-            # name is long and may be cut at 1,280 px.
+            # name is long and is cut at 1,280 px.
             stale = display.is_stale(
                 obj.heartbeat_at, display.db_now(obj), float(dbworker_settings.STALE_AFTER)
             )
             return format_html(
-                '{}heartbeat {}<br><small class="dbw-quiet">{}</small>',
+                '{}heartbeat {}<small class="dbw-quiet dbw-cut">{}</small>',
                 format_html('<span class="dbw-stale">{}</span> ', "stale") if stale else "",
                 self.heartbeat_age(obj),
                 display.worker(obj.claimed_by),
             )
         if obj.finished_at is not None:
-            return format_html("ended {}", display.timestamp(obj.finished_at))
+            return format_html(
+                "ended {}", display.relative_time(obj.finished_at, display.db_now(obj))
+            )
         return "-"
 
+    # List columns: how long ago, the exact time on hover (``relative_time``).
     @admin.display(description="created", ordering="created_at")
     def created(self, obj: WorkItem) -> SafeString | str:
-        return display.timestamp(obj.created_at)
-
-    @admin.display(description="claimed", ordering="claimed_at")
-    def claimed(self, obj: WorkItem) -> SafeString | str:
-        return display.timestamp(obj.claimed_at)
+        return display.relative_time(obj.created_at, display.db_now(obj))
 
     @admin.display(description="finished", ordering="finished_at")
     def finished(self, obj: WorkItem) -> SafeString | str:
-        return display.timestamp(obj.finished_at)
+        return display.relative_time(obj.finished_at, display.db_now(obj))
 
     @admin.display(description="attempts")
     def attempts_display(self, obj: WorkItem) -> str:

@@ -11,15 +11,15 @@ from django_dbworker.admin.filters import BatchFilter, WaitingFilter
 
 
 class WorkItemAdmin(BaseWorkItemAdmin):
-    # The columns that matter first, narrow enough for 1,280 px beside the
-    # filters; the error sits under the handler name.
-    # Priority and creation time give way below 1,440 px (admin.css).
+    # The columns that matter first, narrow enough for 1,280 px beside
+    # Django's navigation sidebar and the filters; the queue and the error
+    # sit under the handler name. Priority and creation time give way below
+    # 1,440 px (admin.css).
     list_display = [
         "id",
         "status_badge",
         "handler_and_error",
         "progress",
-        "queue",
         "attempts_display",
         "priority",
         "created",

@@ -6,8 +6,14 @@ from datetime import timedelta
 
 from django.db import transaction
 
+from django_dbworker import batch
 from example_project.demo.tasks import notify_followers
-from example_project.demo.workers import GenerateReport, ResizeImage, SendWelcomeEmail
+from example_project.demo.workers import (
+    GenerateReport,
+    ImagesResized,
+    ResizeImage,
+    SendWelcomeEmail,
+)
 
 
 def enqueue_demo_work() -> int:
@@ -15,7 +21,9 @@ def enqueue_demo_work() -> int:
         emails = SendWelcomeEmail.enqueue_many(
             [{"email": f"user{n}@example.com"} for n in range(12)]
         )
-        images = ResizeImage.enqueue_many([{"image": f"photo-{n}.jpg"} for n in range(10)])
+        # One batch (the admin's Batches page): ImagesResized runs once all ten have ended.
+        with batch(on_complete=ImagesResized, payload={"album": "holidays"}):
+            images = ResizeImage.enqueue_many([{"image": f"photo-{n}.jpg"} for n in range(10)])
         later = [
             SendWelcomeEmail.enqueue(
                 {"email": "later@example.com"}, run_after=timedelta(seconds=30)

@@ -35,6 +35,20 @@ class ResizeImage(WorkItemHandler):
         return {"thumbnail": payload["image"].replace(".jpg", "-thumb.jpg")}
 
 
+class ImagesResized(WorkItemHandler):
+    """The callback of the demo's batch of images: runs once, when every resize has ended."""
+
+    name = "images_resized"
+    queue = "images"
+
+    def handle(self, payload: Any) -> str:
+        # {"album": ..., "batch": 1, "succeeded": 9, "failed": 1, "cancelled": 0}
+        return (
+            f"album {payload['album']}: {payload['succeeded']} resized, "
+            f"{payload['failed']} failed, {payload['cancelled']} cancelled"
+        )
+
+
 class GenerateReport(WorkItemHandler):
     """Fails for broken input until its attempts are used up: see Failed work items."""
 

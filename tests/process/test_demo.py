@@ -122,3 +122,39 @@ def test_a_signal_to_the_demo_stops_the_server_the_worker_and_the_stream(
     assert proc.returncode == 0, output
     stopped = {"runserver stopped", "run_workers stopped", "demo_stream stopped"}
     assert stopped <= set(log.read_text().splitlines()), log.read_text()
+
+
+def test_the_demo_enqueues_its_images_in_a_batch_for_the_batches_page(tmp_path: Path) -> None:
+    """``demo_enqueue`` (and the home page's button) puts the ten image resizes in a
+    ``batch()`` whose callback is ``images_resized``: the admin's Batches page lists it."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "example_project.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'demo.sqlite3'}",
+    }
+
+    def manage(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), *args],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    manage("migrate", "--noinput", "-v0")
+    assert "Enqueued 29 demo work items" in manage("demo_enqueue")
+    shown = manage(
+        "shell",
+        "-c",
+        "from django_dbworker.batches.models import Batch; "
+        "print([(b.on_complete, b.total, b.payload, b.sealed_at is not None, "
+        "sorted(set(b.items.values_list('handler', flat=True)))) for b in Batch.objects.all()])",
+    )
+    # The last line: the shell may first say what it imported.
+    assert shown.strip().splitlines()[-1] == (
+        "[('images_resized', 10, {'album': 'holidays'}, True, ['resize_image'])]"
+    ), shown

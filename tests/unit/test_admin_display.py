@@ -14,6 +14,7 @@ from django_dbworker.admin.display import (
     error_history,
     first_line,
     pretty_json,
+    relative_time,
     timestamp,
     trace_id,
     worker,
@@ -78,6 +79,19 @@ def test_timestamps_show_seconds_in_the_current_time_zone() -> None:
     assert strip_tags(html) == "2026-11-30 20:03:12"
     assert "2026-11-30T20:03:12.345678+01:00" in html
     assert timestamp(None) == "-"
+
+
+def test_list_times_are_relative_with_the_exact_time_on_hover() -> None:
+    """Short enough for a list column at 1,280 px beside the sidebar; which second on hover."""
+    when = datetime(2026, 11, 30, 19, 3, 12, 345678, tzinfo=UTC)
+    with timezone.override("Europe/Berlin"):
+        html = relative_time(when, when + timedelta(minutes=12, seconds=30))
+        without_clock = relative_time(when, None)
+    assert strip_tags(html) == "12m 30s ago"
+    assert 'title="2026-11-30 20:03:12 CET"' in html
+    # No database clock (a row not read through the list's query): the exact time.
+    assert strip_tags(without_clock) == "2026-11-30 20:03:12"
+    assert relative_time(None, when) == "-"
 
 
 @pytest.mark.parametrize(

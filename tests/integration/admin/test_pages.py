@@ -99,8 +99,10 @@ def test_claimed_page_shows_only_claimed_rows_with_stale_marker(
     # host:pid, the claiming thread (always the main one in run_workers) on hover
     assert '<span title="host:7:MainThread">host:7</span>' in html
     assert ">stale<" in html
-    # Claim times to the second.
-    assert re.search(r">\d{4}-\d\d-\d\d \d\d:\d\d:\d\d</span>", html)
+    # How long ago the claim was taken, the exact time to the second on hover.
+    assert re.search(
+        r'<span class="dbw-when" title="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[^"]*">\d+s ago</span>', html
+    )
 
 
 def test_failed_page_shows_only_failed_rows_with_their_error(
