@@ -233,6 +233,12 @@ class WorkItem(models.Model):
                 condition=Q(unique_key__isnull=False),
                 name="dbworker_unique_key_idx",
             ),
+            # The admin's exact search by concurrency key (rows that have one).
+            models.Index(
+                fields=["concurrency_key"],
+                condition=Q(concurrency_key__isnull=False),
+                name="dbworker_concurrency_key_idx",
+            ),
             # The slots a key holds: its claimed rows, counted inside the claim.
             models.Index(
                 fields=["handler", "concurrency_key", "status"],

@@ -1,10 +1,11 @@
 """What every work item page shares: the light change list and ``BaseWorkItemAdmin``.
 
 ``BaseWorkItemAdmin`` holds the configuration of the list pages (filters,
-exact indexed search, estimating paginator, no facet counts), the read-only
-change page, the raw JSON download of payload and result, and the rules of
-access; the columns it can show live in ``columns``. The pages themselves
-(``workitems``, ``claimed``, ``failed``, ``queue_summary``) subclass it.
+exact indexed search and the payload search of ``search``, estimating
+paginator, no facet counts), the read-only change page, the raw JSON
+download of payload and result, and the rules of access; the columns it
+can show live in ``columns``. The pages themselves (``workitems``,
+``claimed``, ``failed``, ``queue_summary``) subclass it.
 
 Access, on every page: the permissions of ``WorkItem`` decide, never those
 of the proxy model a page is registered for (``view`` or ``change`` to see,
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.exceptions import DisallowedModelAdminLookup
 from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
@@ -27,12 +28,13 @@ from django.db.models.functions import Cast, Left, Now
 from django.http import Http404, HttpRequest, HttpResponse
 from django.urls import URLPattern, path, reverse
 
-from django_dbworker.admin import actions, display
+from django_dbworker.admin import actions, display, search
 from django_dbworker.admin.columns import WorkItemColumns
 from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
 from django_dbworker.admin.pagination import EstimatedCountPaginator
 from django_dbworker.admin.relations import RELATIONS_FIELDSET, Relations
 from django_dbworker.admin.row_buttons import RowButtons
+from django_dbworker.db import operations
 from django_dbworker.models import WorkItem, handler_match
 
 if TYPE_CHECKING:
@@ -54,9 +56,13 @@ class _LightChangeList(ChangeList):
 
 class BaseWorkItemAdmin(Relations, RowButtons, WorkItemColumns, _ModelAdmin):
     list_filter = ("status", QueueFilter, HandlerFilter, CancelRequestedFilter)
-    # Exact matches only: each is served by an index (pk, handler, unique_key).
-    search_fields = ["=id", "=handler", "=unique_key"]
-    search_help_text = "Exact id, handler name or unique key."
+    # Exact matches, each served by an index (pk, handler, unique_key,
+    # concurrency_key); payload searches only in their own form (``search``).
+    search_fields = ["=id", "=handler", "=unique_key", "=concurrency_key"]
+    search_help_text = (
+        "Exact id, handler name, unique key or concurrency key. Payloads: "
+        'payload.user.id=5 or {"user": {"id": 5}} (exact values; not of sensitive handlers).'
+    )
     ordering = ["-id"]
     list_per_page = 50
     show_full_result_count = False
@@ -170,15 +176,27 @@ class BaseWorkItemAdmin(Relations, RowButtons, WorkItemColumns, _ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[WorkItem], search_term: str
     ) -> tuple[QuerySet[WorkItem], bool]:
-        """Exact matches that each use an index.
+        """Exact matches that each use an index, or a payload search (``search``).
 
         Django's "=field" search is ``iexact`` (``UPPER(col) = UPPER(term)``),
-        which no plain index serves; on millions of rows that is a scan.
+        which no plain index serves; on millions of rows that is a scan. A
+        payload search only runs for a term in its form, and only over the
+        rows of handlers whose payloads the change page shows: a sensitive
+        or unregistered handler's row never matches, so no search answers
+        yes or no about a value the admin redacts.
         """
         term = search_term.strip()
         if not term:
             return queryset, False
-        match = handler_match(term) | Q(unique_key=term)
+        try:
+            leaves = search.payload_leaves(term)
+        except search.SearchTermError as exc:
+            self.message_user(request, f"Nothing searched: {exc}", messages.WARNING)
+            return queryset.none(), False
+        if leaves is not None:
+            shown = Q(handler__in=display.handlers_with_shown_payloads())
+            return queryset.filter(shown & operations(queryset.db).payload_matches(leaves)), False
+        match = handler_match(term) | Q(unique_key=term) | Q(concurrency_key=term)
         # isdigit() alone accepts "²", which int() refuses; ids are ASCII digits.
         if term.isascii() and term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))

@@ -183,6 +183,16 @@ def redaction(item: WorkItem, value: str = "payload") -> str | None:
     return None
 
 
+def handlers_with_shown_payloads() -> list[str]:
+    """The handler names whose payloads ``redaction`` lets the admin show.
+
+    Registered in this process and not ``sensitive``: the payload search
+    looks only at their rows, so no search answers yes or no about a value
+    that a change page would redact.
+    """
+    return sorted(name for name, cls in registry.items() if not getattr(cls, "sensitive", False))
+
+
 def payload_redaction(item: WorkItem) -> str | None:
     """Why ``item``'s payload must not be shown, or None when it may be (see ``redaction``)."""
     return redaction(item, "payload")

@@ -23,10 +23,11 @@ from uuid import UUID
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 
+from django_dbworker.db.expressions import JsonEquals, JsonScalar
 from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
@@ -328,6 +329,20 @@ class VendorOperations(ABC):
         exact COUNT(*) would read every matching row.
         """
         return None
+
+    def payload_matches(self, leaves: Sequence[tuple[tuple[str, ...], JsonScalar]]) -> Q:
+        """Rows whose payload holds every ``(path, value)`` of ``leaves`` (a non-empty list).
+
+        ``path`` is the object keys from the outside in; the value there has
+        the same JSON type and value (numbers compare as numbers). This
+        default tests each leaf with ``JsonEquals``: a scan of the rows the
+        other conditions leave, as no index serves it. PostgreSQL answers with
+        ``@>`` containment instead, which a GIN index on ``payload`` serves.
+        """
+        match = Q()
+        for path, value in leaves:
+            match &= Q(JsonEquals("payload", path, value))
+        return match
 
     def table_estimate(self, columns: Sequence[str]) -> TableEstimate | None:
         """Planner statistics for the work table, or None where there are none."""

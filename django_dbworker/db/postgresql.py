@@ -25,10 +25,11 @@ import psycopg
 from django.db import transaction
 from django.db.backends.postgresql.psycopg_any import IsolationLevel, register_tzloader
 from django.db.backends.utils import CursorWrapper
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from psycopg.pq import Format
 
 from django_dbworker.db.base import Claimed, VendorOperations, as_uuid
+from django_dbworker.db.expressions import JsonScalar
 from django_dbworker.db.keys import capped, current_limits
 from django_dbworker.db.postgresql_keyed_sql import (
     CLAIM_WITHIN_LIMITS,
@@ -519,6 +520,22 @@ class PostgresOperations(VendorOperations):
 
     def distinct_queues(self) -> list[str]:
         return [name for (name,) in self._fetch(DISTINCT_QUEUES.sql)]
+
+    def payload_matches(self, leaves: Sequence[tuple[tuple[str, ...], JsonScalar]]) -> Q:
+        """``payload @> {...}``: the leaves as one JSON object that the payload contains.
+
+        For scalar leaves containment is equality at each path (``{"k": [5]}``
+        does not contain ``{"k": 5}``: the array exception of ``@>`` holds only
+        at the top level), so the answer is ``JsonEquals``'s on the other
+        databases. A GIN index on ``payload`` (``jsonb_path_ops``) serves it.
+        """
+        document: dict[str, Any] = {}
+        for path, value in leaves:
+            node = document
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = value
+        return Q(payload__contains=document)
 
     def estimate_count(self, queryset: QuerySet[Any]) -> int | None:
         sql, params = queryset.order_by().query.get_compiler(using=self.using).as_sql()

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 #: The development migrations' names: what a database migrated before 0.1 has recorded.
 DEVELOPMENT = ["0001_initial", *DEVELOPMENT_MIGRATIONS]
+#: The migrations added after 0.1's ``0001_initial``, which such a database runs as any does.
+AFTER_0001 = ["0002_workitem_dbworker_concurrency_key_idx"]
 
 #: Run in a subprocess pointed at one database: its django_dbworker tables as JSON.
 DUMP = r"""
@@ -160,9 +162,18 @@ def _env(name: str, migrations: str | None, path: str | None = None) -> dict[str
     return env
 
 
-def _schema(env: dict[str, str]) -> dict[str, dict[str, list]]:
+def _schema(env: dict[str, str], target: str | None = None) -> dict[str, dict[str, list]]:
     subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "django_dbworker", "-v", "0"],
+        [
+            sys.executable,
+            "-m",
+            "django",
+            "migrate",
+            "django_dbworker",
+            *([target] if target else []),
+            "-v",
+            "0",
+        ],
         cwd=ROOT,
         env=env,
         check=True,
@@ -180,7 +191,7 @@ def test_the_one_migration_builds_what_the_development_migrations_built(
     development_migrations: str, fresh_database: Callable[[], str]
 ) -> None:
     old = _schema(_env(fresh_database(), "development_migrations", development_migrations))
-    new = _schema(_env(fresh_database(), None))
+    new = _schema(_env(fresh_database(), None), "0001_initial")
     assert "django_dbworker_workitem" in new
     assert sorted(old) == sorted(new)
     for table in new:
@@ -188,9 +199,10 @@ def test_the_one_migration_builds_what_the_development_migrations_built(
             assert old[table][part] == new[table][part], (table, part)
 
 
-def test_a_database_at_the_development_migrations_has_nothing_to_migrate() -> None:
-    """What such a database has recorded: ``run_workers`` starts, ``migrate`` has nothing
-    to do (``migrate --prune`` would delete the names no file has any more)."""
+def test_a_database_at_the_development_migrations_migrates_only_what_came_after_0001() -> None:
+    """What such a database has recorded: ``migrate`` runs only the migrations added since
+    0.1's ``0001_initial`` (``migrate --prune`` would delete the names no file has any more),
+    then ``run_workers`` starts."""
     from django.db.migrations.executor import MigrationExecutor
 
     recorder = MigrationRecorder(connection)
@@ -205,7 +217,13 @@ def test_a_database_at_the_development_migrations_has_nothing_to_migrate() -> No
         executor = MigrationExecutor(connection)
         targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "django_dbworker"]
         assert executor.migration_plan(targets) == []
+        recorder.record_unapplied("django_dbworker", AFTER_0001[0])
+        executor = MigrationExecutor(connection)
+        plan = [migration.name for migration, _ in executor.migration_plan(targets)]
+        assert plan == [AFTER_0001[0]]
     finally:
+        if not recorder.migration_qs.filter(app="django_dbworker", name=AFTER_0001[0]).exists():
+            recorder.record_applied("django_dbworker", AFTER_0001[0])
         for name in added:
             recorder.record_unapplied("django_dbworker", name)
 

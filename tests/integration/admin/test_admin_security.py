@@ -206,6 +206,35 @@ def test_search_still_finds_by_id_handler_and_unique_key(viewer_client: Client) 
         assert response.status_code == 200 and item.pk in _ids(response.content.decode())
 
 
+@pytest.mark.parametrize(
+    "term",
+    [
+        f"payload.password={SECRET}",
+        f'payload.password="{SECRET}"',
+        json.dumps({"password": SECRET}),
+        "payload.password=null",
+        '{"password": {"x": 1}}',
+    ],
+)
+@pytest.mark.parametrize("page", sorted(LISTS))
+def test_payload_search_never_answers_for_a_redacted_payload(
+    viewer_client: Client, superuser_client: Client, secret_rows: dict, page: str, term: str
+) -> None:
+    """A sensitive or unregistered handler's rows are left out of every payload search
+    before its payload is compared, so the list is no yes/no oracle for a value the change
+    page redacts; a shown handler's row with the same payload is found."""
+    shown = make_item(handler="echo", payload={"password": SECRET})
+    make_item(handler="gone-handler", payload={"password": SECRET})
+    hidden = set(WorkItem.objects.exclude(handler="echo").values_list("pk", flat=True))
+    for client in (viewer_client, superuser_client):
+        response = client.get(reverse(LISTS[page]), {"q": term})
+        assert response.status_code == 200
+        found = _ids(response.content.decode())
+        assert not found & hidden, (term, found)
+        if page == "workitem" and "null" not in term and '{"x"' not in term:
+            assert found == {shown.pk}, term
+
+
 # -- (3) pretty-printing is bounded; the raw JSON is a download ----------------------
 
 

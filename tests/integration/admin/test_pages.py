@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -135,8 +137,12 @@ def test_filter_choices_come_from_registry_and_live_rows(
         assert choice in html
 
 
-def test_search_by_id_handler_and_unique_key(superuser_client: Client, mixed: dict) -> None:
+def test_search_by_id_handler_unique_key_and_concurrency_key(
+    superuser_client: Client, mixed: dict
+) -> None:
     keyed = make_item(handler="echo", unique_key="invoice:42")
+    limited = make_item(handler="echo", concurrency_key="tenant-7")
+    make_item(handler="echo", concurrency_key="tenant-77")
     url = reverse(CHANGELISTS[0])
     assert ids_on_page(
         superuser_client.get(url, {"q": str(mixed["failed"].pk)}).content.decode()
@@ -144,8 +150,186 @@ def test_search_by_id_handler_and_unique_key(superuser_client: Client, mixed: di
     assert ids_on_page(superuser_client.get(url, {"q": "invoice:42"}).content.decode()) == {
         keyed.pk
     }
+    # Exact: "tenant-7" is not "tenant-77", nor is "tenant" either.
+    assert ids_on_page(superuser_client.get(url, {"q": " tenant-7 "}).content.decode()) == {
+        limited.pk
+    }
+    assert ids_on_page(superuser_client.get(url, {"q": "tenant"}).content.decode()) == set()
     by_handler = ids_on_page(superuser_client.get(url, {"q": "noop"}).content.decode())
     assert mixed["failed"].pk in by_handler and mixed["pending"].pk not in by_handler
+
+
+# -- the payload search ---------------------------------------------------------------
+
+#: Payload values at the key "k", each in a row of its own (MISSING: no key "k").
+MISSING = object()
+STORED: list[Any] = [
+    5, 5.0, "5", 1, 0, True, False, "true", None, "null", "Alice", "alice", "ALICE",
+    "é", "a b", 'a"b', 0.1, 2**53, [5], ["x"], {"j": 5}, MISSING,
+]  # fmt: skip
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return {int: "number", float: "number", str: "string"}.get(type(value), "other")
+
+
+def _expected(rows: dict[int, Any], searched: Any) -> set[int]:
+    """JSON equality: the same type, the same value; numbers as numbers (5 is 5.0)."""
+    return {
+        pk
+        for pk, value in rows.items()
+        if value is not MISSING and _json_kind(value) == _json_kind(searched) and value == searched
+    }
+
+
+@pytest.fixture
+def payloads() -> dict[int, Any]:
+    rows = {}
+    for value in STORED:
+        payload = {"other": 1} if value is MISSING else {"k": value, "other": 1}
+        rows[make_item(handler="echo", payload=payload).pk] = value
+    # Payloads that are no object, or NULL: never matched, never an error.
+    make_item(handler="echo", payload=[5])
+    make_item(handler="echo", payload="k")
+    make_item(handler="echo", payload=None)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "searched", [5, 5.0, "5", 1, True, False, "true", None, "null", "alice", "é", 'a"b', 0.1, 2**53]
+)
+def test_payload_search_is_json_equality_on_every_database(
+    superuser_client: Client, payloads: dict[int, Any], searched: Any
+) -> None:
+    """Both forms find exactly the rows whose value at the path has the same JSON type
+    and value: ``5`` is not ``"5"``, ``true`` is neither ``1`` nor ``"true"``, ``null``
+    is not ``"null"`` nor a missing key, text is compared with its case and accents."""
+    expected = _expected(payloads, searched)
+    url = reverse(CHANGELISTS[0])
+    for term in (f"payload.k={json.dumps(searched)}", json.dumps({"k": searched})):
+        response = superuser_client.get(url, {"q": term})
+        assert response.status_code == 200, term
+        assert ids_on_page(response.content.decode()) == expected, term
+
+
+@pytest.mark.parametrize(
+    ("term", "found"),
+    [
+        ("payload.k=alice", ["alice"]),  # not JSON: the text as typed
+        ("payload.k = Alice ", ["Alice"]),  # spaces around the key and value go
+        ('payload.k=" a b"', []),  # quoted: the spaces are the value's
+        ("payload.k=a b", ["a b"]),
+        ("payload.k=NaN", ["NaN"]),  # no JSON number: text
+        ("payload.user.id=5", ["nested"]),
+        ('{"user": {"id": 5}, "k": "x"}', ["nested"]),
+        ('{"user": {"id": 5}, "k": "y"}', []),  # every leaf must hold
+        ('{"5": "digits"}', ["digit key"]),  # a key, never an array index
+        ("payload.5=digits", ["digit key"]),
+        ('{"a.b": 1}', ["dotted key"]),  # a key with a dot: the object form
+        ("payload.a.b=1", []),
+    ],
+)
+def test_payload_search_forms(superuser_client: Client, term: str, found: list[str]) -> None:
+    rows = {
+        "alice": {"k": "alice"},
+        "Alice": {"k": "Alice"},
+        "a b": {"k": "a b"},
+        "NaN": {"k": "NaN"},
+        "nested": {"user": {"id": 5, "name": "x"}, "k": "x"},
+        "digit key": {"5": "digits"},
+        "dotted key": {"a.b": 1},
+        "array": {"user": [{"id": 5}], "5": ["digits"], "a": [{"b": 1}]},
+    }
+    made = {name: make_item(handler="echo", payload=payload).pk for name, payload in rows.items()}
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == {made[name] for name in found}
+
+
+def test_payload_search_works_on_every_list_and_with_the_filters(
+    superuser_client: Client, mixed: dict
+) -> None:
+    failed = make_item(handler="echo", status=Status.FAILED, payload={"order": 7}, attempts=3)
+    pending = make_item(handler="echo", payload={"order": 7})
+    make_item(handler="noop", payload={"order": 7})
+    term = {"q": "payload.order=7"}
+    items = superuser_client.get(reverse(CHANGELISTS[0]), {**term, "handler": "echo"})
+    assert ids_on_page(items.content.decode()) == {failed.pk, pending.pk}
+    failed_list = superuser_client.get(reverse(CHANGELISTS[2]), term)
+    assert ids_on_page(failed_list.content.decode()) == {failed.pk}
+
+
+BAD_TERMS = [
+    '{"user": ',
+    "{}",
+    '{"user": {}}',
+    '{"tags": ["x"]}',
+    "{" * 100_000,
+    '{"' + '": {"'.join(["k"] * 17) + '": 1' + "}" * 17,
+    json.dumps({f"k{i}": i for i in range(21)}),
+    '{"a\\"b": 1}',
+    '{"k": 1e400}',
+    '{"k": NaN}',
+    "payload.",
+    "payload.k",
+    "payload..k=1",
+    "payload.k.=1",
+    'payload.k="abc',
+    "payload.k=[5]",
+    'payload.k={"j": 5}',
+    "payload.k=1e400",
+    f"payload.k={2**53 + 1}",
+    r'payload.k="\u0000"',
+    r'payload.k="\ud800"',
+    r"payload.k\=1",
+]
+
+
+@pytest.mark.parametrize("term", BAD_TERMS)
+def test_a_payload_search_that_is_not_valid_says_why_and_finds_nothing(
+    superuser_client: Client, term: str
+) -> None:
+    make_item(handler="echo", payload={"k": 1, "user": {"id": 5}, "tags": ["x"]})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert ids_on_page(html) == set()
+    assert 'class="warning"' in html and "Nothing searched: " in html
+
+
+def test_a_plain_word_never_reads_payloads(superuser_client: Client) -> None:
+    """Only a term in a payload form reads payloads: plain words stay indexed lookups."""
+    make_item(handler="echo", payload={"k": "alice"})
+    for term in ("alice", "k=alice", "user.id=5", "payloads.k=1"):
+        with CaptureQueriesContext(connection) as ctx:
+            response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+        assert response.status_code == 200 and ids_on_page(response.content.decode()) == set()
+        read = [q["sql"] for q in ctx.captured_queries if re.search(r"[\"`]payload[\"`]", q["sql"])]
+        assert not read, term
+
+
+@pytest.mark.postgres_only
+def test_a_gin_index_on_payload_serves_the_payload_search(superuser_client: Client) -> None:
+    """``@>`` containment: a GIN index a project adds (docs/topics/admin.md) is used."""
+    item = make_item(handler="echo", payload={"user": {"id": 5}})
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE INDEX test_payload_gin ON django_dbworker_workitem "
+            "USING gin (payload jsonb_path_ops)"
+        )
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("SET LOCAL enable_indexscan = off")
+    url = reverse(CHANGELISTS[0])
+    with CaptureQueriesContext(connection) as ctx:
+        response = superuser_client.get(url, {"q": "payload.user.id=5"})
+    assert ids_on_page(response.content.decode()) == {item.pk}
+    [listed] = [q["sql"] for q in ctx.captured_queries if "@>" in q["sql"] and "LIMIT" in q["sql"]]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + listed.replace("%", "%%"))
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Bitmap Index Scan on test_payload_gin" in plan, plan
 
 
 @pytest.mark.parametrize("term", ["²", "12²"])

@@ -1,0 +1,52 @@
+"""The concurrency_key index of the admin's exact search by concurrency key.
+
+Partial (rows with a key only), so rows without one cost nothing at insert.
+On PostgreSQL the index is built with CREATE INDEX CONCURRENTLY: on a work
+table of millions of rows a plain CREATE INDEX would block every write
+(claims, outcomes, enqueues) until it is built. CONCURRENTLY cannot run in
+a transaction, hence ``atomic = False``; other databases get a plain
+CREATE INDEX (MariaDB and MySQL none: Django skips partial indexes there).
+(django.contrib.postgres is imported only on PostgreSQL: it needs psycopg,
+which a SQLite-only install does not have.)
+"""
+
+from django.db import migrations, models
+
+
+class AddIndexConcurrentlyOnPostgres(migrations.AddIndex):
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            from django.contrib.postgres.operations import AddIndexConcurrently
+
+            operation = AddIndexConcurrently(self.model_name, self.index)
+            operation.database_forwards(app_label, schema_editor, from_state, to_state)
+        else:
+            super().database_forwards(app_label, schema_editor, from_state, to_state)
+
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            from django.contrib.postgres.operations import AddIndexConcurrently
+
+            operation = AddIndexConcurrently(self.model_name, self.index)
+            operation.database_backwards(app_label, schema_editor, from_state, to_state)
+        else:
+            super().database_backwards(app_label, schema_editor, from_state, to_state)
+
+
+class Migration(migrations.Migration):
+    atomic = False
+
+    dependencies = [
+        ("django_dbworker", "0001_initial"),
+    ]
+
+    operations = [
+        AddIndexConcurrentlyOnPostgres(
+            model_name="workitem",
+            index=models.Index(
+                condition=models.Q(("concurrency_key__isnull", False)),
+                fields=["concurrency_key"],
+                name="dbworker_concurrency_key_idx",
+            ),
+        ),
+    ]
