@@ -127,6 +127,11 @@ def _check_key(key: str) -> None:
         raise SearchTermError("A payload key is empty (two dots in a row, or one at an end).")
     if '"' in key or "\\" in key:
         raise SearchTermError(f"The payload key {_short(key)} has a quote or a backslash.")
+    if key.startswith("-"):
+        # MariaDB 10.11 reads no quoted path key that starts with "-" ($."-1", $."-a").
+        raise SearchTermError(
+            f"The payload key {_short(key)} starts with '-', which MariaDB cannot look up."
+        )
     _check_text(key, f"The payload key {_short(key)}")
 
 

@@ -248,6 +248,22 @@ def test_payload_search_forms(superuser_client: Client, term: str, found: list[s
     assert ids_on_page(response.content.decode()) == {made[name] for name in found}
 
 
+ODD_KEYS = ["é", "😀", "a b", "x-y", "$", "*", "[0]", "'", "a.b", "1", "\t", "ключ", "null"]
+
+
+def test_payload_keys_are_matched_as_written(superuser_client: Client) -> None:
+    """Keys in any script and with punctuation (but no quote, backslash or leading "-"):
+    quoted in the JSON path, never a path expression of its own (``*``, ``[0]``) and
+    never an array index (``1``)."""
+    made = {key: make_item(handler="echo", payload={key: 1, "n": [1]}).pk for key in ODD_KEYS}
+    url = reverse(CHANGELISTS[0])
+    for key in ODD_KEYS:
+        response = superuser_client.get(url, {"q": json.dumps({key: 1}, ensure_ascii=False)})
+        assert ids_on_page(response.content.decode()) == {made[key]}, key
+        response = superuser_client.get(url, {"q": json.dumps({key: 1})})  # \u escapes
+        assert ids_on_page(response.content.decode()) == {made[key]}, key
+
+
 def test_payload_search_works_on_every_list_and_with_the_filters(
     superuser_client: Client, mixed: dict
 ) -> None:
@@ -284,6 +300,8 @@ BAD_TERMS = [
     r'payload.k="\u0000"',
     r'payload.k="\ud800"',
     r"payload.k\=1",
+    '{"-1": 1}',
+    "payload.user.-a=1",
 ]
 
 
