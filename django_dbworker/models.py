@@ -46,6 +46,14 @@ def handler_match(name: str) -> Q:
     return (Q(handler=name) & ~Q(status=Status.PENDING)) | Q(handler=name, status=Status.PENDING)
 
 
+def key_match(key: str) -> Q:
+    """``concurrency_key = key``, split as ``handler_match``: ``dbworker_concurrency_key_idx``
+    serves the rows that are not pending, the keyed claim's index of pending rows the rest."""
+    return (Q(concurrency_key=key) & ~Q(status=Status.PENDING)) | Q(
+        concurrency_key=key, status=Status.PENDING
+    )
+
+
 def live_or_failed() -> Q:
     """Pending, claimed or failed rows, split the same way (claim index + status index)."""
     return Q(status=Status.PENDING) | Q(status__in=(Status.CLAIMED, Status.FAILED))
@@ -233,10 +241,13 @@ class WorkItem(models.Model):
                 condition=Q(unique_key__isnull=False),
                 name="dbworker_unique_key_idx",
             ),
-            # The admin's exact search by concurrency key (rows that have one).
+            # The admin's exact search by concurrency key: rows that have one,
+            # but not pending ones, like the status and handler indexes above
+            # (a claim planned on it read a hot key's whole backlog); pending
+            # keyed rows are in the claim's own index (``key_match``).
             models.Index(
                 fields=["concurrency_key"],
-                condition=Q(concurrency_key__isnull=False),
+                condition=Q(concurrency_key__isnull=False) & ~Q(status="pending"),
                 name="dbworker_concurrency_key_idx",
             ),
             # The slots a key holds: its claimed rows, counted inside the claim.

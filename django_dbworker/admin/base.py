@@ -35,7 +35,7 @@ from django_dbworker.admin.pagination import EstimatedCountPaginator
 from django_dbworker.admin.relations import RELATIONS_FIELDSET, Relations
 from django_dbworker.admin.row_buttons import RowButtons
 from django_dbworker.db import operations
-from django_dbworker.models import WorkItem, handler_match
+from django_dbworker.models import WorkItem, handler_match, key_match
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[WorkItem]
@@ -196,7 +196,7 @@ class BaseWorkItemAdmin(Relations, RowButtons, WorkItemColumns, _ModelAdmin):
         if leaves is not None:
             shown = Q(handler__in=display.handlers_with_shown_payloads())
             return queryset.filter(shown & operations(queryset.db).payload_matches(leaves)), False
-        match = handler_match(term) | Q(unique_key=term) | Q(concurrency_key=term)
+        match = handler_match(term) | Q(unique_key=term) | key_match(term)
         # isdigit() alone accepts "²", which int() refuses; ids are ASCII digits.
         if term.isascii() and term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))

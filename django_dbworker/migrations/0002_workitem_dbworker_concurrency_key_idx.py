@@ -1,6 +1,8 @@
 """The concurrency_key index of the admin's exact search by concurrency key.
 
-Partial (rows with a key only), so rows without one cost nothing at insert.
+Partial: rows with a key that are not pending. Rows without a key cost
+nothing, and no claim (which reads pending rows only) can be planned on it;
+the search finds pending keyed rows through the keyed claim's own index.
 On PostgreSQL the index is built with CREATE INDEX CONCURRENTLY: on a work
 table of millions of rows a plain CREATE INDEX would block every write
 (claims, outcomes, enqueues) until it is built. CONCURRENTLY cannot run in
@@ -44,7 +46,10 @@ class Migration(migrations.Migration):
         AddIndexConcurrentlyOnPostgres(
             model_name="workitem",
             index=models.Index(
-                condition=models.Q(("concurrency_key__isnull", False)),
+                condition=models.Q(
+                    ("concurrency_key__isnull", False),
+                    models.Q(("status", "pending"), _negated=True),
+                ),
                 fields=["concurrency_key"],
                 name="dbworker_concurrency_key_idx",
             ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import urlencode
 
 import pytest
 from django.test import Client
@@ -85,6 +86,27 @@ def test_confirmed_it_changes_every_matching_row_in_batches(
     assert WorkItem.objects.filter(queue="q1", status=Status.PENDING, attempts=0).count() == 8
     assert WorkItem.objects.filter(queue="q1", status=Status.SUCCEEDED).count() == 2
     assert WorkItem.objects.filter(queue="q2", status=Status.FAILED).count() == 3
+
+
+def test_select_all_over_a_payload_search_changes_only_the_rows_it_found(
+    superuser_client: Client,
+) -> None:
+    """The search is part of the filter: the rows whose payload matches, and never a
+    sensitive handler's row with the same payload, which the search leaves out."""
+    for handler in ("echo", "secret"):
+        WorkItem.objects.bulk_create(
+            WorkItem(handler=handler, payload={"order": order}, max_attempts=3)
+            for order in (7, 7, 8)
+        )
+    one = WorkItem.objects.filter(handler="echo", payload__order=7).first()
+    assert one is not None
+    url = reverse(LIST) + "?" + urlencode({"q": "payload.order=7"})
+    html = _select_all(superuser_client, url, "cancel", one.pk)
+    assert _cell(html, "matching") == "2"
+    response = _confirm(superuser_client, url, html)
+    assert response.status_code == 302
+    cancelled = WorkItem.objects.filter(status=Status.CANCELLED)
+    assert sorted(cancelled.values_list("handler", "payload__order")) == [("echo", 7)] * 2
 
 
 def test_a_capped_selection_changes_every_row_not_only_the_first_10000(
