@@ -25,6 +25,7 @@ class DBWorkerConfig(AppConfig):
         # an app listed earlier in INSTALLED_APPS may enqueue in its own.
         from django_dbworker import enqueuing
         from django_dbworker.batches import models as batch_models  # noqa: F401
+        from django_dbworker.fleet import models as fleet_models  # noqa: F401
         from django_dbworker.flow import models as flow_models  # noqa: F401
         from django_dbworker.handlers import connect_enqueuer
 

@@ -5,8 +5,9 @@ fenced UPDATEs in ``transitions.py`` and ``db/``. The operator's (cancel,
 retry, run now) are ``verbs.py``'s; the queryset and model methods of those
 names call it when called (the one upward import: everything the verbs need
 imports this module). Otherwise this module imports nothing from the package
-but ``validation``'s constants. The rows of batches and flow control are in
-their packages' ``models.py`` (registered by ``apps.py``).
+but ``validation``'s constants. The rows of batches, flow control and the
+register of live workers (``fleet``) are in their packages' ``models.py``
+(registered by ``apps.py``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Pages: all work items (``workitems``), claimed ones (``claimed``), failed
 ones (``failed``), a queue summary (``queue_summary``), the schedules of
 periodic handlers (``schedules``), the queues with Pause/Resume
-(``queues``) and the batches (``batches``); what they share is in ``base``
-and ``columns``, a row's batch and dependencies in ``relations``. This module only registers them.
+(``queues``), the batches (``batches``) and the live workers (``workers``); what
+they share is in ``base`` and ``columns``, a row's batch and dependencies in
+``relations``. This module only registers them.
 Detail pages are read-only (a form save would race the workers); state
 changes happen only through the actions, which need the change permission.
 List pages defer payload, result and traceback columns, count with an
@@ -23,8 +24,10 @@ from django_dbworker.admin.failed import FailedWorkItemAdmin
 from django_dbworker.admin.queue_summary import QueueSummaryAdmin
 from django_dbworker.admin.queues import QueueAdmin
 from django_dbworker.admin.schedules import ScheduleAdmin
+from django_dbworker.admin.workers import WorkersAdmin
 from django_dbworker.admin.workitems import WorkItemAdmin
 from django_dbworker.batches.models import Batch
+from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.flow.models import QueueState
 from django_dbworker.models import (
     ClaimedWorkItem,
@@ -43,6 +46,7 @@ __all__ = [
     "QueueSummaryAdmin",
     "ScheduleAdmin",
     "WorkItemAdmin",
+    "WorkersAdmin",
     "_LightChangeList",
     "_OneStatusAdmin",
 ]
@@ -54,3 +58,4 @@ admin.site.register(QueueSummary, QueueSummaryAdmin)
 admin.site.register(PeriodicSchedule, ScheduleAdmin)
 admin.site.register(QueueState, QueueAdmin)
 admin.site.register(Batch, BatchAdmin)
+admin.site.register(LiveWorker, WorkersAdmin)

@@ -12,7 +12,12 @@ from django.utils.safestring import SafeString
 
 from django_dbworker.admin import actions, display
 from django_dbworker.admin.base import _OneStatusAdmin
-from django_dbworker.admin.filters import CancelRequestedFilter, HandlerFilter, QueueFilter
+from django_dbworker.admin.filters import (
+    CancelRequestedFilter,
+    HandlerFilter,
+    QueueFilter,
+    WorkerFilter,
+)
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.models import Status, WorkItem
 
@@ -35,7 +40,7 @@ class ClaimedWorkItemAdmin(_OneStatusAdmin):
     actions = [actions.cancel]
 
     def get_list_filter(self, request: HttpRequest) -> Any:
-        return (QueueFilter, HandlerFilter, CancelRequestedFilter)
+        return (QueueFilter, HandlerFilter, CancelRequestedFilter, WorkerFilter)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkItem]:
         return super().get_queryset(request).filter(status=Status.CLAIMED)

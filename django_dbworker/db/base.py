@@ -256,6 +256,19 @@ class VendorOperations(ABC):
         """
         return nullcontext()
 
+    def bounded_lock_wait(self, seconds: float) -> AbstractContextManager[Any]:
+        """A block whose statements wait at most about ``seconds`` for a row lock, then fail.
+
+        For writes that must not hold up their thread (the register of live
+        workers, written by the heartbeat thread). SQLite has no row locks:
+        its writes wait for the database lock as long as the connection's
+        ``timeout`` says, as every write there does; this default changes
+        nothing. PostgreSQL runs the block in a transaction with a local
+        ``lock_timeout``; MySQL sets ``innodb_lock_wait_timeout`` (whole
+        seconds, at least one) for the block.
+        """
+        return nullcontext()
+
     # -- enqueue and wake-ups ----------------------------------------------------
 
     def insert_item(

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 from uuid import UUID
@@ -42,7 +43,9 @@ from django_dbworker.db.keys import Candidate, current_limits, flow_lock_name, w
 from django_dbworker.db.mysql_sql import (
     DISTINCT_QUEUES,
     ESTIMATE_COUNT,
+    RESTORE_LOCK_WAIT,
     SERVER_SETTINGS,
+    SET_LOCK_WAIT,
     SET_READ_COMMITTED,
     SET_TIME_ZONE,
     claim_candidates_sql,
@@ -418,6 +421,22 @@ class MySQLOperations(VendorOperations):
 
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         return self._retrying(fn, what)
+
+    @contextmanager
+    def bounded_lock_wait(self, seconds: float) -> Iterator[None]:
+        with self.connection.cursor() as cursor:
+            cursor.execute(SET_LOCK_WAIT.sql, {"seconds": max(1, math.ceil(seconds))})
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # the block's error says more (a lost connection)
+                self._restore_lock_wait()
+            raise
+        self._restore_lock_wait()
+
+    def _restore_lock_wait(self) -> None:
+        with self.connection.cursor() as cursor:
+            cursor.execute(RESTORE_LOCK_WAIT.sql)
 
     def ending_transaction(self) -> Any:
         # Reads after a lock (a rate window's starts, a batch's rows) are plain

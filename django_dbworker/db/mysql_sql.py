@@ -59,6 +59,25 @@ SET time_zone = '+00:00'
 """,
 )
 
+# For writes that must not hold up their thread (``bounded_lock_wait``): the session's
+# lock wait, kept in a session variable, is put back after the block.
+SET_LOCK_WAIT = Statement(
+    "set_lock_wait",
+    "Wait at most this many seconds for a row lock, keeping the session's own setting.",
+    """
+SET @dbworker_lock_wait = @@SESSION.innodb_lock_wait_timeout,
+    SESSION innodb_lock_wait_timeout = %(seconds)s
+""",
+)
+
+RESTORE_LOCK_WAIT = Statement(
+    "restore_lock_wait",
+    "Put back the session's lock wait that SET_LOCK_WAIT kept.",
+    """
+SET SESSION innodb_lock_wait_timeout = @dbworker_lock_wait
+""",
+)
+
 # Only when the project's OPTIONS chose another isolation level than
 # Django's default (READ COMMITTED): it applies to the next transaction only.
 SET_READ_COMMITTED = Statement(

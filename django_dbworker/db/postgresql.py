@@ -51,6 +51,7 @@ from django_dbworker.db.postgresql_sql import (
     INSERT_ITEM_QUIET,
     INSERT_ITEMS,
     INSERT_ITEMS_QUIET,
+    LOCAL_LOCK_TIMEOUT,
     LOCK_ROWS,
     NOTIFY,
     RESERVE_IDS,
@@ -245,6 +246,15 @@ class PostgresOperations(VendorOperations):
                 f"transaction is {level.upper()}, whose snapshot would count a key's slots "
                 "before the previous claimer's commit. Claim outside that transaction."
             )
+
+    @contextmanager
+    def bounded_lock_wait(self, seconds: float) -> Iterator[None]:
+        with transaction.atomic(using=self.using):
+            with self.connection.cursor() as cursor:
+                cursor.execute(
+                    LOCAL_LOCK_TIMEOUT.sql, {"timeout": f"{max(1, round(seconds * 1000))}ms"}
+                )
+            yield
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction at READ COMMITTED, whatever OPTIONS, the session or the server

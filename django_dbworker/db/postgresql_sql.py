@@ -333,6 +333,17 @@ ORDER BY handler
 )
 
 
+# For writes that must not hold up their thread (``bounded_lock_wait``): the setting
+# lasts until the transaction ends.
+LOCAL_LOCK_TIMEOUT = Statement(
+    "local_lock_timeout",
+    "Wait at most this long for a lock until the transaction ends, then fail.",
+    """
+SELECT set_config('lock_timeout', %(timeout)s, true)
+""",
+)
+
+
 def claim_statement(
     *, limit: int, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
 ) -> tuple[str, dict[str, Any]]:

@@ -5,6 +5,8 @@ this module decides *when*: at a bounded, jittered rate, and never while
 this process's own writes are held up (a heartbeat that could not be
 written is not a sign of a dead worker). Rows the pass failed for good
 are handed to ``Settler.settle_recovered`` for their handlers' hooks.
+After each pass, one DELETE forgets the register rows of worker processes
+whose heartbeat is as old (``fleet.register.forget_stale``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 from django_dbworker import transitions
 from django_dbworker.db import operations
+from django_dbworker.fleet.register import forget_stale
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
@@ -50,6 +53,8 @@ class Recovery:
         #: longer than HEARTBEAT_INTERVAL.
         self._slow_write_at = -math.inf
         self._deferred_since: float | None = None
+        #: Whether the last DELETE of dead workers' register rows failed (said once).
+        self._forget_failed = False
 
     def interval(self) -> float:
         # Often enough to notice a crash soon after STALE_AFTER, rarely
@@ -111,6 +116,20 @@ class Recovery:
         for name, count in recovered.by_handler.items():
             self.metrics.recovered(name, count)
         self._tell_failures(handlers, recovered.failed_rows)
+        self._forget_dead_workers()
+
+    def _forget_dead_workers(self) -> None:
+        """Delete the register rows of processes that died (no row of a live one: its
+        heartbeat is younger than STALE_AFTER, or it writes the row again)."""
+        try:
+            forget_stale(self.config.using, self.config.stale_after)
+        except Exception as exc:
+            if not report_error(self.config.using, "forgetting dead workers", exc):
+                log = logger.debug if self._forget_failed else logger.warning
+                log("Could not delete dead workers' rows of the Workers page (%s).", exc)
+            self._forget_failed = True
+        else:
+            self._forget_failed = False
 
     def _tell_failures(
         self, handlers: dict[str, WorkItemHandler], rows: list[tuple[int, str]]

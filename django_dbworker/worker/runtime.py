@@ -11,7 +11,7 @@ a module of its own:
   ``execution.py``, hand-off to ``success_writer.py``);
 - ``attempts.py``: the ledger of attempts in flight;
 - ``settle.py``: the one place an attempt's ending is accounted for;
-- ``recovery.py``: when stale recovery runs; ``heartbeat.py``;
+- ``recovery.py``: when stale recovery runs; ``heartbeat.py`` (and ``presence.py``);
 - ``shutdown.py``: drain and release; ``watchdog.py``; ``slow_checks.py``.
 
 Handler code never runs on the main thread and never inside the claim
@@ -42,6 +42,7 @@ from django_dbworker.worker.heartbeat import Heartbeat
 from django_dbworker.worker.parts import parts_for
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
+from django_dbworker.worker.presence import Presence
 from django_dbworker.worker.recovery import Recovery
 from django_dbworker.worker.running import AttemptRunner
 from django_dbworker.worker.scheduler import Scheduler, start_scheduler
@@ -191,11 +192,9 @@ class Worker:
             )
             for h in (self.own_table_handlers if parts.threaded else [])
         ]
-        helpers: list[Heartbeat | Scheduler | Listener | LocalWaker] = []
         if self.work_item_handlers:
             self._build_claiming()
-            if parts.threaded:
-                helpers = self._start_helpers()
+        helpers = self._start_helpers() if parts.threaded else []
         for watcher in self.watchers:
             watcher.attach(stopping=control.stopping, add_handlers=self.add_handlers)
             watcher.start()
@@ -264,10 +263,10 @@ class Worker:
         runner.may_start, runner.give_back = self.claim_loop.route.start, self.claim_loop.give_back
 
     def _start_helpers(self) -> list[Heartbeat | Scheduler | Listener | LocalWaker]:
-        """The heartbeat, wake-ups and scheduler of a threaded worker, started and watched."""
+        """The heartbeat (alone for own-table handlers: the register row), wake-ups, scheduler."""
         cfg, control = self.config, self.control
-        assert self.writer is not None
         started: list[Heartbeat | Scheduler | Listener | LocalWaker] = []
+        own = [h.name for h in self.own_table_handlers]  # work_item_handlers may grow
         heartbeat = Heartbeat(
             interval=cfg.heartbeat_interval,
             snapshot=self.ledger.to_heartbeat,
@@ -277,10 +276,13 @@ class Worker:
             using=cfg.using,
             observe=self.recovery.observe_write,
             clock=self.clock,
+            presence=Presence.of(cfg, lambda: [*self.work_item_handlers, *own]),
         )
         heartbeat.start()
         started.append(heartbeat)
         self.watchdog.watch("heartbeat", heartbeat)
+        if self.writer is None:  # no WorkItem handlers
+            return started
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
             if self.ops.supports_notify and cfg.wakeups:

@@ -202,3 +202,45 @@ def test_burst_ends_with_an_info_summary_that_says_the_queue_is_drained(
     assert message.startswith("Burst done, the queue is drained"), message
     assert "nothing left to claim for handlers=noop, queues=all" in message
     assert "3 succeeded, 0 failed, 0 retried" in message
+
+
+def test_stats_show_the_live_workers_only_with_the_items_each_holds() -> None:
+    from django_dbworker.fleet.models import LiveWorker
+    from django_dbworker.fleet.register import forget_stale, live_workers
+    from tests.factories import claim
+
+    LiveWorker.objects.create(
+        name="h:1", queues=["a", "b"], handlers=["echo", "noop"], concurrency=3, version="0.1.0"
+    )
+    # Its pid starts like the first's: no prefix of "h:1:" matches its rows.
+    LiveWorker.objects.create(name="h:12", handlers=[f"h{n}" for n in range(9)], concurrency=8)
+    LiveWorker.objects.create(name="dead:7", handlers=["echo"])
+    LiveWorker.objects.filter(name="dead:7").update(heartbeat_at=Now() - timedelta(seconds=61))
+    for _ in range(3):
+        make_item(handler="echo")
+    claim(limit=2, worker="h:1:dbworker_0")
+    claim(limit=1, worker="h:12:MainThread")
+
+    assert [(w.name, w.claimed) for w in live_workers()] == [("h:1", 2), ("h:12", 1)]
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    section = out.getvalue().split("Workers: ", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section[0] == "2 live (times in UTC):"
+    assert section[1].split() == [
+        "host", "pid", "queues", "handlers", "concurrency", "claimed",
+        "last", "heartbeat", "started", "at", "version",
+    ]  # fmt: skip
+    first = section[2].split()
+    assert first[:6] == ["h", "1", "a,b", "echo,noop", "3", "2"]
+    assert first[6].endswith("s") and float(first[6][:-1]) < 30 and first[7] == "ago"
+    assert first[-1] == "0.1.0"
+    assert section[3].split()[:7] == ["h", "12", "all", "9", "handlers", "8", "1"]
+    # The dead process's row: never shown, deleted by the recovery pass's DELETE.
+    assert forget_stale("default", 60.0) == 1
+    assert sorted(LiveWorker.objects.values_list("name", flat=True)) == ["h:1", "h:12"]
+    LiveWorker.objects.all().delete()
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    assert "Workers: none live (no run_workers process wrote a heartbeat in the last 60s)." in (
+        out.getvalue()
+    )

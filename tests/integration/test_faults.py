@@ -13,19 +13,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from django_dbworker import errortext, tracing
+from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.testing import run_until_empty
 from django_dbworker.worker import Worker
+from django_dbworker.worker.identity import process_id
 from tests.conftest import kill_other_connections, wait_until
 from tests.factories import worker_config
 from tests.testapp.models import Execution
@@ -37,6 +40,7 @@ from tests.testapp.workers import (
     OverrunOnce,
     Record,
     SecretSlowFail,
+    Sleep,
     Slow,
     Unprintable,
 )
@@ -241,6 +245,74 @@ def test_a_dead_heartbeat_thread_stops_the_worker(caplog: pytest.LogCaptureFixtu
     assert not thread.is_alive(), "the worker kept running without heartbeats"
     assert worker.unhealthy is not None and "heartbeat" in worker.unhealthy
     assert "heartbeat" in caplog.text.lower()
+
+
+REGISTER_FAILED = "Could not write this worker's row of the Workers page"
+
+
+@pytest.mark.server_db
+def test_a_register_row_locked_by_another_connection_holds_up_no_item_heartbeat(
+    background_worker: Callable[..., Worker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The register write waits for a lock only briefly (a second at most), fails, is
+    said once and retried quietly: the items' heartbeats go on, for longer than
+    STALE_AFTER, and the row is written again once the lock is gone."""
+    caplog.set_level(logging.INFO, logger="django_dbworker")
+    item = Sleep.enqueue({"key": "r", "seconds": 6.0})
+    stale_after = 2.5
+    background_worker(["sleep"], stale_after=stale_after, heartbeat_interval=0.2)
+    register = LiveWorker.objects.filter(name=process_id())
+    wait_until(register.exists, what="the worker's register row")
+    wait_until(lambda: Execution.objects.filter(key="r", kind="start").exists())
+    with transaction.atomic():
+        held = register.select_for_update().get()  # until the block ends
+        wait_until(lambda: REGISTER_FAILED in caplog.text, what="a register write to fail")
+        # The item's heartbeat moves on while the register row stays as it was.
+        wait_until(
+            lambda: (
+                WorkItem.objects.get(pk=item.pk).heartbeat_at
+                > held.heartbeat_at + timedelta(seconds=stale_after + 0.5)
+            ),
+            timeout=15,
+            what="the item's heartbeats to go on past STALE_AFTER",
+        )
+        assert WorkItem.objects.get(pk=item.pk).status == Status.CLAIMED
+    wait_until(
+        lambda: register.get().heartbeat_at > held.heartbeat_at, what="the row written again"
+    )
+    wait_until(lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED, timeout=20)
+    assert WorkItem.objects.get(pk=item.pk).attempts == 1
+    assert caplog.text.count(REGISTER_FAILED) == 1
+    assert "row of the Workers page is written again" in caplog.text
+    assert "Recovered" not in caplog.text
+
+
+def test_a_register_that_cannot_be_written_stops_no_item_heartbeat(
+    background_worker: Callable[..., Worker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its table gone (renamed away): every register write fails, is said once, and the
+    item outlives STALE_AFTER on its heartbeats; the row is back with the table."""
+    caplog.set_level(logging.INFO, logger="django_dbworker")
+    table = LiveWorker._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+    try:
+        item = Sleep.enqueue({"key": "m", "seconds": 2.5})
+        background_worker(["sleep"], stale_after=1.0, heartbeat_interval=0.1)
+        wait_until(lambda: REGISTER_FAILED in caplog.text, what="a register write to fail")
+        wait_until(
+            lambda: WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED,
+            timeout=20,
+            what="the item to succeed",
+        )
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
+    assert WorkItem.objects.get(pk=item.pk).attempts == 1
+    assert "Recovered" not in caplog.text
+    wait_until(LiveWorker.objects.filter(name=process_id()).exists, what="the row, back")
+    assert caplog.text.count(REGISTER_FAILED) == 1
+    assert "row of the Workers page is written again" in caplog.text
 
 
 # -- fault 5: sensitive stays sensitive ---------------------------------------------------

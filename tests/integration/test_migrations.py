@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import tarfile
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 #: The development migrations' names: what a database migrated before 0.1 has recorded.
 DEVELOPMENT = ["0001_initial", *DEVELOPMENT_MIGRATIONS]
 #: The migrations added after 0.1's ``0001_initial``, which such a database runs as any does.
-AFTER_0001 = ["0002_workitem_dbworker_concurrency_key_idx"]
+AFTER_0001 = ["0002_workitem_dbworker_concurrency_key_idx", "0003_liveworker"]
 
 #: Run in a subprocess pointed at one database: its django_dbworker tables as JSON.
 DUMP = r"""
@@ -202,9 +203,15 @@ def test_the_one_migration_builds_what_the_development_migrations_built(
 def test_a_database_at_the_development_migrations_migrates_only_what_came_after_0001() -> None:
     """What such a database has recorded: ``migrate`` runs only the migrations added since
     0.1's ``0001_initial`` (``migrate --prune`` would delete the names no file has any more),
-    then ``run_workers`` starts."""
+    then ``run_workers`` starts. None of them may reuse a development migration's name:
+    Django would count it as applied."""
     from django.db.migrations.executor import MigrationExecutor
 
+    from django_dbworker import migrations
+
+    shipped = {m.name for m in pkgutil.iter_modules(migrations.__path__) if m.name[:4].isdigit()}
+    assert shipped == {"0001_initial", *AFTER_0001}
+    assert not set(AFTER_0001) & set(DEVELOPMENT)
     recorder = MigrationRecorder(connection)
     recorded = set(
         recorder.migration_qs.filter(app="django_dbworker").values_list("name", flat=True)
@@ -217,13 +224,15 @@ def test_a_database_at_the_development_migrations_migrates_only_what_came_after_
         executor = MigrationExecutor(connection)
         targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "django_dbworker"]
         assert executor.migration_plan(targets) == []
-        recorder.record_unapplied("django_dbworker", AFTER_0001[0])
+        for name in AFTER_0001:
+            recorder.record_unapplied("django_dbworker", name)
         executor = MigrationExecutor(connection)
         plan = [migration.name for migration, _ in executor.migration_plan(targets)]
-        assert plan == [AFTER_0001[0]]
+        assert plan == AFTER_0001
     finally:
-        if not recorder.migration_qs.filter(app="django_dbworker", name=AFTER_0001[0]).exists():
-            recorder.record_applied("django_dbworker", AFTER_0001[0])
+        for name in AFTER_0001:
+            if not recorder.migration_qs.filter(app="django_dbworker", name=name).exists():
+                recorder.record_applied("django_dbworker", name)
         for name in added:
             recorder.record_unapplied("django_dbworker", name)
 

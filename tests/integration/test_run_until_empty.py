@@ -405,3 +405,13 @@ def test_run_until_empty_refuses_bad_options(options: dict[str, Any], error: str
     with pytest.raises((TypeError, ValueError), match=error):
         run_until_empty(handlers=[Records], **options)
     assert WorkItem.objects.get().status == Status.PENDING
+
+
+def test_run_until_empty_writes_no_register_row() -> None:
+    """Inline, in the caller's transaction, there is no process to show on the Workers page."""
+    from django_dbworker.fleet.models import LiveWorker
+
+    item = make_item(handler="burst_noop")
+    run_until_empty(["burst_noop"])
+    assert WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED
+    assert not LiveWorker.objects.exists()

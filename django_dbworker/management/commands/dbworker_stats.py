@@ -1,5 +1,6 @@
-"""``manage.py dbworker_stats``: counts by queue and status, queue lag, paused queues,
-cancel requests and snoozes, orphans, open batches and waiting rows, schedules."""
+"""``manage.py dbworker_stats``: counts by queue and status, queue lag, the live workers,
+paused queues, cancel requests and snoozes, orphans, open batches and waiting rows,
+schedules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
 from django_dbworker.batches.stats import open_batches, waiting_count
+from django_dbworker.conf import dbworker_settings
 from django_dbworker.db import setup_problem
+from django_dbworker.fleet.register import live_workers
 from django_dbworker.flow.queues import queue_list
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
@@ -25,12 +28,17 @@ from django_dbworker.stats import (
 #: The columns of the open batches' table.
 BATCH_COLUMNS = ["batch", "callback", "created", "ended/total"]
 BATCH_COLUMNS += ["succeeded", "failed", "cancelled", "pending"]
+#: The columns of the live workers' table.
+WORKER_COLUMNS = ["host", "pid", "queues", "handlers", "concurrency", "claimed"]
+WORKER_COLUMNS += ["last heartbeat", "started at", "version"]
+#: Up to this many handler names are listed; more are counted.
+HANDLERS_LISTED = 4
 
 
 class Command(BaseCommand):
     help = (
         "Show work item counts by queue and status, the oldest claimable item's age, "
-        "and pending work of handlers this process does not register."
+        "the live workers, and pending work of handlers this process does not register."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -55,6 +63,7 @@ class Command(BaseCommand):
             self.stdout.write("No work items.")
         else:
             self._queues(stats, options)
+        self._workers(options)
         self._paused(options)
         self._batches(options)
         self._schedules(options)
@@ -102,6 +111,37 @@ class Command(BaseCommand):
                 ["handler", "concurrency key", "claimed", "limit"],
                 [[k["handler"], k["key"], str(k["claimed"]), str(k["limit"])] for k in full],
             )
+
+    def _workers(self, options: dict[str, Any]) -> None:
+        """The live ``run_workers`` processes (heartbeat younger than STALE_AFTER)."""
+        workers = live_workers(using=options["database"])
+        self.stdout.write("")
+        if not workers:
+            self.stdout.write(
+                "Workers: none live (no run_workers process wrote a heartbeat in the last "
+                f"{float(dbworker_settings.STALE_AFTER):g}s)."
+            )
+            return
+        self.stdout.write(f"Workers: {len(workers)} live (times in UTC):")
+        rows = []
+        for w in workers:
+            handlers = ",".join(w.handlers)
+            rows.append(
+                [
+                    w.host,
+                    "-" if w.pid is None else str(w.pid),
+                    ",".join(w.queues) if w.queues else "all",
+                    handlers
+                    if len(w.handlers) <= HANDLERS_LISTED
+                    else f"{len(w.handlers)} handlers",
+                    str(w.concurrency),
+                    str(w.claimed),
+                    f"{w.heartbeat_age:.1f}s ago",
+                    _when(w.started_at),
+                    w.version or "-",
+                ]
+            )
+        self._table(WORKER_COLUMNS, rows)
 
     def _paused(self, options: dict[str, Any]) -> None:
         paused = [q for q in queue_list(using=options["database"]) if q.paused]

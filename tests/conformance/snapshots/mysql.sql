@@ -7,6 +7,15 @@
 -- Pin the session's time zone to UTC, so that CURRENT_TIMESTAMP agrees with UTC_TIMESTAMP.
 SET time_zone = '+00:00';
 
+-- name: set_lock_wait
+-- Wait at most this many seconds for a row lock, keeping the session's own setting.
+SET @dbworker_lock_wait = @@SESSION.innodb_lock_wait_timeout,
+    SESSION innodb_lock_wait_timeout = %(seconds)s;
+
+-- name: restore_lock_wait
+-- Put back the session's lock wait that SET_LOCK_WAIT kept.
+SET SESSION innodb_lock_wait_timeout = @dbworker_lock_wait;
+
 -- name: set_read_committed
 -- Run the next transaction at READ COMMITTED (no gap locks, fresh reads).
 SET TRANSACTION ISOLATION LEVEL READ COMMITTED;

@@ -275,6 +275,10 @@ FROM (
 GROUP BY handler
 ORDER BY handler;
 
+-- name: local_lock_timeout
+-- Wait at most this long for a lock until the transaction ends, then fail.
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
 -- name: claim_candidates
 -- Lock the next ready rows of some handlers (any queue) but keys at their limit; lock keys.
 WITH c AS (

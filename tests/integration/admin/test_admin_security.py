@@ -26,6 +26,7 @@ from django.http import HttpResponse
 from django.test import Client
 from django.urls import reverse
 
+from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker.scheduler import ensure_schedules
 from tests.factories import age_heartbeat, claim, make_item
@@ -39,6 +40,7 @@ LISTS = {
 }
 SUMMARY = "admin:django_dbworker_queuesummary_changelist"
 SCHEDULES = "admin:django_dbworker_periodicschedule_changelist"
+WORKERS = "admin:django_dbworker_liveworker_changelist"
 SECRET = "hunter2"
 
 
@@ -122,7 +124,7 @@ def test_lists_refuse_lookups_that_no_filter_or_link_uses(
     assert SECRET not in response.content.decode()
 
 
-@pytest.mark.parametrize("name", [SUMMARY, SCHEDULES])
+@pytest.mark.parametrize("name", [SUMMARY, SCHEDULES, WORKERS])
 def test_pages_without_parameters_refuse_lookups_too(
     viewer_client: Client, secret_rows: dict[str, WorkItem], name: str
 ) -> None:
@@ -172,6 +174,7 @@ def test_every_link_the_admin_renders_still_works(
     (claimed,) = claim(limit=1, handlers=["noop"])
     age_heartbeat(claimed, 3600)  # a stale claim
     ensure_schedules(["nightly"], using="default")
+    LiveWorker.objects.create(name=claimed.claimed_by.rpartition(":")[0], handlers=["noop"])
 
     start = [
         *(reverse(name) for name in LISTS.values()),
@@ -179,6 +182,7 @@ def test_every_link_the_admin_renders_still_works(
         f"{reverse(LISTS['failedworkitem'])}?queue=q1&handler=noop",
         reverse(SUMMARY),
         reverse(SCHEDULES),
+        reverse(WORKERS),
         reverse("admin:django_dbworker_workitem_change", args=[failed.pk]),
         reverse("admin:django_dbworker_failedworkitem_change", args=[failed.pk]),
     ]
@@ -188,7 +192,7 @@ def test_every_link_the_admin_renders_still_works(
         assert response.status_code == 200, url
         links |= _admin_links(response.content.decode(), url)
     # Each kind of link is there: filters, sorting, paging, the dashboard's.
-    for expected in ("status__exact=", "queue=", "handler=", "o=", "p="):
+    for expected in ("status__exact=", "queue=", "handler=", "o=", "p=", "worker="):
         assert any(expected in link for link in links), expected
     assert any("failedworkitem/?" in link for link in links)
     for link in sorted(links):
@@ -390,6 +394,38 @@ def test_proxy_permissions_alone_open_no_page(page: str, codenames: tuple[str, .
 def test_proxy_permissions_alone_do_not_open_the_summary(codename: str) -> None:
     client = _csrf_client(_user("proxy", codename))
     assert client.get(reverse(SUMMARY)).status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("codenames", "status"),
+    [
+        (("view_liveworker",), 200),
+        (("view_workitem",), 200),
+        (("change_workitem",), 200),
+        (("add_liveworker", "change_liveworker", "delete_liveworker"), 403),
+        ((), 403),
+    ],
+)
+def test_the_workers_page_opens_with_a_view_permission_only(
+    codenames: tuple[str, ...], status: int
+) -> None:
+    client = _csrf_client(_user("someone", *codenames))
+    assert client.get(reverse(WORKERS)).status_code == status
+    index = client.get(reverse("admin:index")).content.decode()
+    assert (reverse(WORKERS) in index) == (status == 200)
+
+
+def test_the_workers_page_is_read_only_for_everyone(superuser_client: Client) -> None:
+    row = LiveWorker.objects.create(name="web-1:42", handlers=["echo"])
+    page = superuser_client.get(reverse(WORKERS)).content.decode()
+    assert "web-1" in page and "<form" not in page.split('id="content-main"')[1]
+    assert superuser_client.post(reverse(WORKERS), {"action": "x"}).status_code == 405
+    assert superuser_client.get(reverse("admin:django_dbworker_liveworker_add")).status_code == 403
+    delete = reverse("admin:django_dbworker_liveworker_delete", args=[row.pk])
+    assert superuser_client.post(delete, {"post": "yes"}).status_code == 403
+    change = superuser_client.get(reverse("admin:django_dbworker_liveworker_change", args=[row.pk]))
+    assert change.status_code == 302 and change["Location"] == reverse(WORKERS)
+    assert LiveWorker.objects.filter(pk=row.pk).exists()
 
 
 def test_the_change_permission_of_failed_work_items_alone_gives_no_retry() -> None:
