@@ -26,6 +26,7 @@ from django.urls import reverse
 from django_dbworker import batch, pause_queue
 from django_dbworker.batches.models import Batch
 from django_dbworker.contrib.prometheus.collector import QueueCollector
+from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.flow.models import QueueState
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.stats import queue_stats
@@ -101,6 +102,14 @@ def test_every_admin_page_reads_the_queue_database(
     assert f"/{b.pk}/change/" in page
     _get(operator, reverse("admin:django_dbworker_workitem_raw", args=[parent.pk, "payload"]))
     _get(operator, reverse("admin:index"))
+    # The live workers, and the link to what one holds.
+    worker = LiveWorker.objects.create(name="q-host:9", handlers=["noop"])
+    assert worker._state.db == WORK_ALIAS
+    claimed = make_item(status=Status.CLAIMED, claimed_by="q-host:9:dbworker_0", claimed_at=Now())
+    workers = _get(operator, reverse("admin:django_dbworker_liveworker_changelist"))
+    assert 'data-name="q-host:9"' in workers
+    held = reverse("admin:django_dbworker_claimedworkitem_changelist") + "?worker=q-host:9"
+    assert f"/{claimed.pk}/change/" in _get(operator, held)
 
 
 def test_admin_actions_change_rows_on_the_queue_database(
@@ -138,6 +147,10 @@ def test_stats_and_metrics_read_the_queue_database(nothing_on_default: None) -> 
     out = StringIO()
     call_command("dbworker_stats", stdout=out)
     assert "pending" in out.getvalue() and "failed" in out.getvalue()
+    LiveWorker.objects.create(name="q-host:9", handlers=["noop"])
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    assert "Workers: 1 live" in out.getvalue()
     samples = {
         s.labels.get("status"): s.value
         for family in QueueCollector().collect()

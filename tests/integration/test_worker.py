@@ -8,9 +8,11 @@ from datetime import timedelta
 import pytest
 from django.db.models import Count
 
+from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.registry import registry
 from django_dbworker.worker import Worker
+from django_dbworker.worker.identity import process_id
 from tests.conftest import wait_until
 from tests.factories import steal_claim, worker_config
 from tests.testapp.models import Effect, Execution, Invoice
@@ -130,3 +132,17 @@ def test_exceptions_from_every_hook_never_kill_the_loop_or_leak_slots(
     )
     loop_errors = Explosive.calls
     assert loop_errors["claim"] >= 5 and loop_errors["process"] >= 4 and loop_errors["recover"] >= 2
+
+
+def test_the_register_row_names_handlers_added_after_the_start(
+    background_worker: Callable[..., Worker],
+) -> None:
+    """Tasks found after start-up (``add_handlers``) show on the Workers page at the next
+    heartbeat; a clean stop deletes the row."""
+    worker = background_worker(["echo"], heartbeat_interval=0.1)
+    row = LiveWorker.objects.filter(name=process_id())
+    wait_until(lambda: [w.handlers for w in row.all()] == [["echo"]], what="the row")
+    worker.add_handlers([Record])
+    wait_until(lambda: sorted(row.get().handlers) == ["echo", "record"], what="the handler added")
+    worker.stop()
+    wait_until(lambda: not row.exists(), what="the row deleted at the stop")
