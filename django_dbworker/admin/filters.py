@@ -15,7 +15,6 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from django_dbworker.db import operations
-from django_dbworker.fleet.register import live_workers
 from django_dbworker.models import Status, handler_match
 from django_dbworker.registry import registry
 
@@ -111,20 +110,17 @@ class WaitingFilter(admin.SimpleListFilter):
 class WorkerFilter(admin.SimpleListFilter):
     """The rows one worker process holds (``?worker=host:pid``), linked from the Workers page.
 
-    Its choices are the live workers (``fleet.register``: one small read), and
-    the one chosen even once it is gone. Matches ``claimed_by`` (``host:pid:thread``)
-    by its prefix, on the claimed rows only.
+    Offers no choices of its own (the Workers page lists the workers): it
+    shows, with its one choice, once a link has set it. Matches ``claimed_by``
+    (``host:pid:thread``) by its prefix, on the claimed rows only.
     """
 
     title = "worker"
     parameter_name = "worker"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = [w.name for w in live_workers(using=model_admin.model.objects.db)]
         value = self.value()
-        if value and value not in names:
-            names.append(value)
-        return [(name, name) for name in names]
+        return [(value, value)] if value else []
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()

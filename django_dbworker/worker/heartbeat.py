@@ -29,7 +29,7 @@ logger = logging.getLogger("django_dbworker.worker")
 
 #: Seconds a stopping worker waits for this thread before it deletes the register row
 #: (a write still under way could put it back); past that the row ages out instead.
-LEAVE_WAIT = 5.0
+LEAVE_WAIT = 2.0
 
 
 class Heartbeat(threading.Thread):
@@ -114,7 +114,7 @@ class Heartbeat(threading.Thread):
     def stop(self) -> None:
         """Stop beating; then (a clean stop) delete the register row, once this thread ended."""
         self.stopped.set()
-        if self.presence is None:
+        if self.presence is None or self.ident is None:  # never started: no row
             return
         self.join(LEAVE_WAIT)
         if self.is_alive():

@@ -134,8 +134,14 @@ class Presence:
                     _first_line(exc),
                 )
         self._failing = True
+        # A connection the error left unusable is dropped, so the items' next beat
+        # opens a new one instead of failing on it.
         conn = connections[self.using]
-        if conn.connection is not None and not conn.in_atomic_block and not conn.is_usable():
+        try:
+            broken = conn.connection is not None and not conn.is_usable()
+        except Exception:
+            broken = True
+        if broken and not conn.in_atomic_block:
             close_quietly(self.using)
 
 
