@@ -839,3 +839,25 @@ def test_the_change_page_shows_the_concurrency_key_and_limit(superuser_client: C
     html = superuser_client.get(url).content.decode()
     assert "customer:42" in html
     assert "Concurrency limit" in html
+
+
+@pytest.mark.parametrize(
+    ("term", "spaced"),
+    [
+        ('payload.k="alice "', "alice "),
+        ('{"k": "alice "}', "alice "),
+        ('{"k": "alice  "}', "alice  "),
+        ('{"k": "a b "}', "a b "),
+    ],
+)
+def test_payload_search_counts_trailing_spaces_of_text(
+    superuser_client: Client, term: str, spaced: str
+) -> None:
+    """Exact means exact: "alice " is not "alice". MariaDB's ``utf8mb4_bin`` is a PAD SPACE
+    collation (``=`` ignores trailing spaces), so there the search also finds the row
+    without them; migration 0001 gives the key columns ``utf8mb4_nopad_bin`` for this."""
+    make_item(handler="echo", payload={"k": spaced.rstrip()})
+    wanted = make_item(handler="echo", payload={"k": spaced})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == {wanted.pk}
