@@ -861,3 +861,27 @@ def test_payload_search_counts_trailing_spaces_of_text(
     response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
     assert response.status_code == 200
     assert ids_on_page(response.content.decode()) == {wanted.pk}
+
+
+@pytest.mark.parametrize(
+    "term",
+    [
+        "payload.k=9007199254740992.0",  # 2**53 as a float: also 2**53 + 1 as a double
+        "payload.k=9.007199254740993e15",
+        '{"k": 1152921504606846976.0}',  # 2**60
+    ],
+)
+def test_a_number_beyond_2_53_is_refused_however_it_is_written(
+    superuser_client: Client, term: str
+) -> None:
+    """``payload.k=9007199254740993`` is refused (numbers past ±2**53 are not compared
+    exactly on SQLite and MariaDB); the same number written as a float is not, and the
+    databases then disagree: MariaDB finds 2**53 + 1 for ``9007199254740992.0``, SQLite
+    and MariaDB find 2**60 for ``1152921504606846976.0``, PostgreSQL neither."""
+    make_item(handler="echo", payload={"k": 2**53 + 1})
+    make_item(handler="echo", payload={"k": 2**60})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert ids_on_page(html) == set()
+    assert "Nothing searched: " in html
