@@ -162,6 +162,28 @@ def test_search_by_id_handler_unique_key_and_concurrency_key(
     assert mixed["failed"].pk in by_handler and mixed["pending"].pk not in by_handler
 
 
+@pytest.mark.parametrize(
+    ("field", "key"),
+    [
+        ("unique_key", "{tenant-1}/daily"),  # not JSON
+        ("unique_key", '{"order": 7}'),  # json.dumps(payload) as a dedup key
+        ("concurrency_key", "payload.export"),  # no "=": not a payload search either
+        ("concurrency_key", "payload.v=2"),
+    ],
+)
+def test_a_key_in_a_payload_form_is_still_found_by_its_exact_value(
+    superuser_client: Client, field: str, key: str
+) -> None:
+    """Any string is a valid unique or concurrency key, and the search finds a row by its
+    exact key (shown on its change page, sensitive handler or not). A key that starts with
+    ``{`` or ``payload.`` is read as a payload search only: an invalid one finds nothing
+    with a warning, a valid one compares payloads and never the key."""
+    row = make_item(handler="secret", payload={"order": 8, "v": 1}, **{field: key})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": key})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == {row.pk}
+
+
 # -- the payload search ---------------------------------------------------------------
 
 #: Payload values at the key "k", each in a row of its own (MISSING: no key "k").
