@@ -162,6 +162,28 @@ def test_search_by_id_handler_unique_key_and_concurrency_key(
     assert mixed["failed"].pk in by_handler and mixed["pending"].pk not in by_handler
 
 
+@pytest.mark.parametrize(
+    ("field", "key"),
+    [
+        ("unique_key", "{tenant-1}/daily"),  # not JSON
+        ("unique_key", '{"order": 7}'),  # json.dumps(payload) as a dedup key
+        ("concurrency_key", "payload.export"),  # no "=": not a payload search either
+        ("concurrency_key", "payload.v=2"),
+    ],
+)
+def test_a_key_in_a_payload_form_is_still_found_by_its_exact_value(
+    superuser_client: Client, field: str, key: str
+) -> None:
+    """Any string is a valid unique or concurrency key, and the search finds a row by its
+    exact key (shown on its change page, sensitive handler or not). A key that starts with
+    ``{`` or ``payload.`` is read as a payload search only: an invalid one finds nothing
+    with a warning, a valid one compares payloads and never the key."""
+    row = make_item(handler="secret", payload={"order": 8, "v": 1}, **{field: key})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": key})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == {row.pk}
+
+
 # -- the payload search ---------------------------------------------------------------
 
 #: Payload values at the key "k", each in a row of its own (MISSING: no key "k").
@@ -839,3 +861,49 @@ def test_the_change_page_shows_the_concurrency_key_and_limit(superuser_client: C
     html = superuser_client.get(url).content.decode()
     assert "customer:42" in html
     assert "Concurrency limit" in html
+
+
+@pytest.mark.parametrize(
+    ("term", "spaced"),
+    [
+        ('payload.k="alice "', "alice "),
+        ('{"k": "alice "}', "alice "),
+        ('{"k": "alice  "}', "alice  "),
+        ('{"k": "a b "}', "a b "),
+    ],
+)
+def test_payload_search_counts_trailing_spaces_of_text(
+    superuser_client: Client, term: str, spaced: str
+) -> None:
+    """Exact means exact: "alice " is not "alice". MariaDB's ``utf8mb4_bin`` is a PAD SPACE
+    collation (``=`` ignores trailing spaces), so there the search also finds the row
+    without them; migration 0001 gives the key columns ``utf8mb4_nopad_bin`` for this."""
+    make_item(handler="echo", payload={"k": spaced.rstrip()})
+    wanted = make_item(handler="echo", payload={"k": spaced})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    assert ids_on_page(response.content.decode()) == {wanted.pk}
+
+
+@pytest.mark.parametrize(
+    "term",
+    [
+        "payload.k=9007199254740992.0",  # 2**53 as a float: also 2**53 + 1 as a double
+        "payload.k=9.007199254740993e15",
+        '{"k": 1152921504606846976.0}',  # 2**60
+    ],
+)
+def test_a_number_beyond_2_53_is_refused_however_it_is_written(
+    superuser_client: Client, term: str
+) -> None:
+    """``payload.k=9007199254740993`` is refused (numbers past ±2**53 are not compared
+    exactly on SQLite and MariaDB); the same number written as a float is not, and the
+    databases then disagree: MariaDB finds 2**53 + 1 for ``9007199254740992.0``, SQLite
+    and MariaDB find 2**60 for ``1152921504606846976.0``, PostgreSQL neither."""
+    make_item(handler="echo", payload={"k": 2**53 + 1})
+    make_item(handler="echo", payload={"k": 2**60})
+    response = superuser_client.get(reverse(CHANGELISTS[0]), {"q": term})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert ids_on_page(html) == set()
+    assert "Nothing searched: " in html
