@@ -188,18 +188,20 @@ class BaseWorkItemAdmin(Relations, RowButtons, WorkItemColumns, _ModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        try:
-            leaves = search.payload_leaves(term)
-        except search.SearchTermError as exc:
-            self.message_user(request, f"Nothing searched: {exc}", messages.WARNING)
-            return queryset.none(), False
-        if leaves is not None:
-            shown = Q(handler__in=display.handlers_with_shown_payloads())
-            return queryset.filter(shown & operations(queryset.db).payload_matches(leaves)), False
+        # Any string is a valid unique or concurrency key ('{tenant-1}/daily',
+        # 'payload.export'): the exact matches hold for a term in a payload form too.
         match = handler_match(term) | Q(unique_key=term) | key_match(term)
         # isdigit() alone accepts "²", which int() refuses; ids are ASCII digits.
         if term.isascii() and term.isdigit() and len(term) < 19:
             match |= Q(pk=int(term))
+        try:
+            leaves = search.payload_leaves(term)
+        except search.SearchTermError as exc:
+            self.message_user(request, f"Payloads not searched: {exc}", messages.WARNING)
+            leaves = None
+        if leaves is not None:
+            shown = Q(handler__in=display.handlers_with_shown_payloads())
+            match |= shown & operations(queryset.db).payload_matches(leaves)
         return queryset.filter(match), False
 
     # Rows are written by workers and actions only: no add, no delete, no edit

@@ -140,7 +140,12 @@ def _checked(value: Any, where: str) -> JsonScalar:
         _check_text(value, f"The value of {where}")
     elif isinstance(value, float) and not math.isfinite(value):
         raise SearchTermError(f"The value of {where} is too large a number.")
-    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+    elif (
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER
+    ) or (
+        # A float there stands for several integers (2**53 + 1 reads as 2**53).
+        isinstance(value, float) and abs(value) >= MAX_EXACT_INTEGER
+    ):
         raise SearchTermError(
             f"The value of {where} is beyond ±2**53, where numbers are not compared exactly."
         )

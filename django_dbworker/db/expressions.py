@@ -101,7 +101,7 @@ _JSON_EQUALS = {
     "mysql": {
         "string": (
             "(JSON_TYPE(JSON_EXTRACT({c}, %s)) = 'STRING' "
-            "AND JSON_UNQUOTE(JSON_EXTRACT({c}, %s)) = CAST(%s AS CHAR) COLLATE utf8mb4_bin)"
+            "AND JSON_UNQUOTE(JSON_EXTRACT({c}, %s)) = CAST(%s AS CHAR) COLLATE {nopad_bin})"
         ),
         "number": (
             "(JSON_TYPE(JSON_EXTRACT({c}, %s)) IN ('INTEGER', 'UNSIGNED INTEGER', 'DOUBLE', "
@@ -166,4 +166,11 @@ class JsonEquals(Func):
                 params.extend(column_params)
         if kind in ("string", "number"):
             params[-1] = self.value  # the last placeholder is the value's
-        return template.format(c=column_sql), params
+        # Byte for byte and NO PAD, as the key columns are (0001_initial): a binary PAD
+        # SPACE collation (utf8mb4_bin) would find "alice" for "alice ".
+        nopad_bin = (
+            "utf8mb4_nopad_bin"
+            if getattr(connection, "mysql_is_mariadb", False)
+            else ("utf8mb4_0900_bin")
+        )
+        return template.format(c=column_sql, nopad_bin=nopad_bin), params

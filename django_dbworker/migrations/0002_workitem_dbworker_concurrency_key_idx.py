@@ -7,7 +7,8 @@ On PostgreSQL the index is built with CREATE INDEX CONCURRENTLY: on a work
 table of millions of rows a plain CREATE INDEX would block every write
 (claims, outcomes, enqueues) until it is built. CONCURRENTLY cannot run in
 a transaction, hence ``atomic = False``; other databases get a plain
-CREATE INDEX (MariaDB and MySQL none: Django skips partial indexes there).
+CREATE INDEX (on MariaDB and MySQL without its condition, which they do not
+support: an index of every row's key, NULL included).
 (django.contrib.postgres is imported only on PostgreSQL: it needs psycopg,
 which a SQLite-only install does not have.)
 """

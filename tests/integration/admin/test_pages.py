@@ -331,7 +331,7 @@ BAD_TERMS = [
 
 
 @pytest.mark.parametrize("term", BAD_TERMS)
-def test_a_payload_search_that_is_not_valid_says_why_and_finds_nothing(
+def test_a_payload_search_that_is_not_valid_says_why_and_reads_no_payload(
     superuser_client: Client, term: str
 ) -> None:
     make_item(handler="echo", payload={"k": 1, "user": {"id": 5}, "tags": ["x"]})
@@ -339,7 +339,7 @@ def test_a_payload_search_that_is_not_valid_says_why_and_finds_nothing(
     assert response.status_code == 200
     html = response.content.decode()
     assert ids_on_page(html) == set()
-    assert 'class="warning"' in html and "Nothing searched: " in html
+    assert 'class="warning"' in html and "Payloads not searched: " in html
 
 
 def test_a_plain_word_never_reads_payloads(superuser_client: Client) -> None:
@@ -906,4 +906,4 @@ def test_a_number_beyond_2_53_is_refused_however_it_is_written(
     assert response.status_code == 200
     html = response.content.decode()
     assert ids_on_page(html) == set()
-    assert "Nothing searched: " in html
+    assert "Payloads not searched: " in html
