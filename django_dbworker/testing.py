@@ -143,30 +143,36 @@ def _runnable(names: list[str], queues: Sequence[str] | None, using: str) -> Wor
 
 
 def _advance_to_next(names: list[str], queues: Sequence[str] | None, using: str) -> bool:
-    """Bring the rows' time forward to the earliest later ``run_after``; whether any.
+    """Make the earliest runnable row due, bringing the later rows' time forward; whether any.
 
-    Every later row of ``names``/``queues`` (waiting ones too) moves back by the
-    same span, so the earliest is due now and the others keep their distance to
-    it, and to what a run now schedules (a retry's backoff, a snooze): the run
-    order is the order their times would come. Paused queues' rows stay as they
-    are. The span is read from the database's clock, with a millisecond more, so
-    that SQLite (which stores ``Now()`` in milliseconds) finds the earliest due.
+    When none is due yet, every later row of ``names``/``queues`` (waiting ones
+    too) moves back by the same span, so the earliest is due now and the
+    others keep their distance to it, and to what a run now schedules (a
+    retry's backoff, a snooze): the run order is the order their times would
+    come. A row that came due by itself meanwhile (a short backoff) needs no
+    move. Paused queues' rows stay as they are. The span is read from the
+    database's clock, with a millisecond more, so that SQLite (which stores
+    ``Now()`` in milliseconds) finds the earliest due.
     """
-    later = WorkItem.objects.using(using).pending().filter(handler__in=names)
-    if queues is not None:
-        later = later.filter(queue__in=queues)
-    later = later.exclude(queue__in=paused_queues(using)).filter(run_after__gt=Now())
     first = (
-        later.filter(waiting=False)
+        _runnable(names, queues, using)
         .order_by("run_after")
         .annotate(now=Now())
         .values_list("run_after", "now")
         .first()
     )
     if first is None:
-        return False
-    span = first[0] - first[1] + timedelta(milliseconds=1)
-    return bool(later.update(run_after=F("run_after") - span, updated_at=Now()))
+        return False  # the work has ended
+    run_after, now = first
+    if run_after <= now:
+        return True
+    later = WorkItem.objects.using(using).pending().filter(handler__in=names)
+    if queues is not None:
+        later = later.filter(queue__in=queues)
+    later = later.exclude(queue__in=paused_queues(using)).filter(run_after__gt=Now())
+    span = run_after - now + timedelta(milliseconds=1)
+    later.update(run_after=F("run_after") - span, updated_at=Now())
+    return True
 
 
 def _left(

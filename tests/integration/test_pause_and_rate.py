@@ -214,12 +214,16 @@ def test_a_rate_limited_worker_waits_for_its_window_then_runs_the_rest(
     )
     # 20 per second: the last 10 waited for the first second's window.
     assert time.monotonic() - started >= 1.0
-    # The starts, by the handlers' own records: never more than 20 in a second.
+    # The starts, by the handlers' own records. The window's count of takes is never
+    # exceeded; a handler starts just after its take, later on a loaded host (the
+    # guide: starts can bunch by that delay), so each of the 4 threads can bring at
+    # most one start taken before a second into it: at most 20 + 4, where all 30
+    # would start at once without the limit.
     starts = [
         float(t) for t in WorkItem.objects.filter(handler="rated").values_list("result", flat=True)
     ]
     assert len(starts) == 30
-    assert most_in_a_window(starts, 1.0) <= 20
+    assert most_in_a_window(starts, 1.0) <= 20 + 4
     assert set(WorkItem.objects.values_list("attempts", flat=True)) == {1}
 
 
