@@ -13,22 +13,15 @@ change) permission on queues or the view permission on work items.
 from __future__ import annotations
 
 from datetime import UTC
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect
-from django.template.response import TemplateResponse
+from django.contrib import messages
+from django.http import HttpRequest
 
-from django_dbworker.admin.base import may, refuse_parameters
+from django_dbworker.admin.base import may
+from django_dbworker.admin.page import PageAdmin
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import UnknownQueue, pause_queue, queue_list, resume_queue
-
-if TYPE_CHECKING:
-    _QueueModelAdmin = admin.ModelAdmin[QueueState]
-else:  # ModelAdmin is generic only in django-stubs
-    _QueueModelAdmin = admin.ModelAdmin
 
 
 def queues_context() -> dict[str, Any]:
@@ -48,8 +41,12 @@ def queues_context() -> dict[str, Any]:
     return {"rows": rows, "paused_count": sum(r["paused"] for r in rows)}
 
 
-class QueueAdmin(_QueueModelAdmin):
+class QueueAdmin(PageAdmin):
     """One page: the queues, their pending and claimed rows, and Pause/Resume."""
+
+    template = "admin/django_dbworker/queues.html"
+    title = "Queues"
+    has_form = True
 
     def _may(self, request: HttpRequest, action: str) -> bool:
         opts = QueueState._meta
@@ -61,37 +58,11 @@ class QueueAdmin(_QueueModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return self._may(request, "change")
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        return {**queues_context(), "can_change": self.has_change_permission(request)}
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return self.has_view_permission(request)
-
-    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
-        return redirect("admin:django_dbworker_queuestate_changelist")
-
-    def changelist_view(  # the queues page replaces the list
-        self, request: HttpRequest, extra_context: Any = None
-    ) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        refuse_parameters(request)
-        if request.method == "POST":
-            if not self.has_change_permission(request):
-                raise PermissionDenied
-            self._pause_or_resume(request)
-            return redirect(request.path)
-        context = {
-            **self.admin_site.each_context(request),
-            **queues_context(),
-            "title": "Queues",
-            "opts": self.model._meta,
-            "can_change": self.has_change_permission(request),
-        }
-        return TemplateResponse(request, "admin/django_dbworker/queues.html", context)
+    def post(self, request: HttpRequest) -> None:
+        self._pause_or_resume(request)
 
     def _pause_or_resume(self, request: HttpRequest) -> None:
         action, name = request.POST.get("action", ""), request.POST.get("queue", "")

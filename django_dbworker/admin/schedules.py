@@ -10,21 +10,19 @@ schedule row: the next slot comes when it is due, as before.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect
-from django.template.response import TemplateResponse
+from django.contrib import messages
+from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
 from django_dbworker.admin import display
-from django_dbworker.admin.base import may, refuse_parameters
+from django_dbworker.admin.base import may
+from django_dbworker.admin.page import PageAdmin
 from django_dbworker.enqueuing import enqueue
-from django_dbworker.models import PeriodicSchedule, WorkItem
+from django_dbworker.models import WorkItem
 from django_dbworker.periodic.handler import PeriodicHandler
 from django_dbworker.periodic.schedules import slot_key
 from django_dbworker.registry import registry
@@ -81,13 +79,7 @@ def run_now(name: str) -> WorkItem:
     return enqueue(cls, {"slot": slot_key(timezone.now()), "manual": True})
 
 
-if TYPE_CHECKING:
-    _ScheduleModelAdmin = admin.ModelAdmin[PeriodicSchedule]
-else:  # ModelAdmin is generic only in django-stubs
-    _ScheduleModelAdmin = admin.ModelAdmin
-
-
-class ScheduleAdmin(_ScheduleModelAdmin):
+class ScheduleAdmin(PageAdmin):
     """One page: each periodic handler, its schedule in words, next and last slot, "Run now".
 
     Permissions are the work item pages': view (or change) work items to see
@@ -96,56 +88,34 @@ class ScheduleAdmin(_ScheduleModelAdmin):
     delete here.
     """
 
+    template = "admin/django_dbworker/schedules.html"
+    title = "Schedules"
+    has_form = True
+
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return may(request, "view") or may(request, "change")
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return obj is None and may(request, "change")
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        return {**schedules_context(), "can_run": self.has_change_permission(request)}
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return self.has_view_permission(request)
-
-    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
-        return redirect("admin:django_dbworker_periodicschedule_changelist")
-
-    def changelist_view(  # the schedules page replaces the list
-        self, request: HttpRequest, extra_context: Any = None
-    ) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        refuse_parameters(request)
-        if request.method == "POST":
-            if not self.has_change_permission(request):
-                raise PermissionDenied
-            name = request.POST.get("run_now", "")
-            try:
-                item = run_now(name)
-            except LookupError as exc:
-                self.message_user(request, f"Nothing enqueued: {exc}.", messages.ERROR)
-            else:
-                self.message_user(
-                    request,
-                    format_html(
-                        'Enqueued an extra run of {} (<a href="{}">work item {}</a>); '
-                        "the schedule is unchanged.",
-                        name,
-                        reverse("admin:django_dbworker_workitem_change", args=[item.pk]),
-                        item.pk,
-                    ),
-                    messages.SUCCESS,
-                )
-            return redirect(request.path)
-        context = {
-            **self.admin_site.each_context(request),
-            **schedules_context(),
-            "title": "Schedules",
-            "opts": self.model._meta,
-            "can_run": self.has_change_permission(request),
-        }
-        return TemplateResponse(request, "admin/django_dbworker/schedules.html", context)
+    def post(self, request: HttpRequest) -> None:
+        name = request.POST.get("run_now", "")
+        try:
+            item = run_now(name)
+        except LookupError as exc:
+            self.message_user(request, f"Nothing enqueued: {exc}.", messages.ERROR)
+        else:
+            self.message_user(
+                request,
+                format_html(
+                    'Enqueued an extra run of {} (<a href="{}">work item {}</a>); '
+                    "the schedule is unchanged.",
+                    name,
+                    reverse("admin:django_dbworker_workitem_change", args=[item.pk]),
+                    item.pk,
+                ),
+                messages.SUCCESS,
+            )

@@ -13,23 +13,15 @@ permission on work items.
 from __future__ import annotations
 
 from datetime import UTC
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.contrib import admin
-from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
-from django.shortcuts import redirect
-from django.template.response import TemplateResponse
+from django.http import HttpRequest
 
-from django_dbworker.admin.base import may, refuse_parameters
+from django_dbworker.admin.base import may
+from django_dbworker.admin.page import PageAdmin
 from django_dbworker.conf import dbworker_settings
 from django_dbworker.fleet.models import LiveWorker
 from django_dbworker.fleet.register import live_workers
-
-if TYPE_CHECKING:
-    _WorkerModelAdmin = admin.ModelAdmin[LiveWorker]
-else:  # ModelAdmin is generic only in django-stubs
-    _WorkerModelAdmin = admin.ModelAdmin
 
 #: Up to this many handler names are listed; more are counted (all of them on hover).
 HANDLERS_LISTED = 4
@@ -58,8 +50,11 @@ def workers_context() -> dict[str, Any]:
     return {"rows": rows, "stale_after": f"{float(dbworker_settings.STALE_AFTER):g}"}
 
 
-class WorkersAdmin(_WorkerModelAdmin):
+class WorkersAdmin(PageAdmin):
     """One read-only page: the live workers."""
+
+    template = "admin/django_dbworker/workers.html"
+    title = "Workers"
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         opts = LiveWorker._meta
@@ -67,33 +62,8 @@ class WorkersAdmin(_WorkerModelAdmin):
         return own or may(request, "view") or may(request, "change")
 
     # Rows are written by the workers alone.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_module_permission(self, request: HttpRequest) -> bool:
-        return self.has_view_permission(request)
-
-    def change_view(self, request: HttpRequest, object_id: str, *args: Any, **kwargs: Any) -> Any:
-        return redirect("admin:django_dbworker_liveworker_changelist")
-
-    def changelist_view(  # the workers page replaces the list
-        self, request: HttpRequest, extra_context: Any = None
-    ) -> HttpResponse:
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        if request.method != "GET":
-            return HttpResponseNotAllowed(["GET"])
-        refuse_parameters(request)
-        context = {
-            **self.admin_site.each_context(request),
-            **workers_context(),
-            "title": "Workers",
-            "opts": self.model._meta,
-        }
-        return TemplateResponse(request, "admin/django_dbworker/workers.html", context)
+    def page_context(self, request: HttpRequest) -> dict[str, Any]:
+        return workers_context()
