@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.test import Client, override_settings
 from django.urls import reverse
@@ -51,13 +50,6 @@ def stats_row(pid: int) -> list[str] | None:
         if len(cells) > 1 and cells[1] == str(pid):
             return cells
     return None
-
-
-@pytest.fixture
-def admin_client(db: None) -> Client:
-    client = Client()
-    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
-    return client
 
 
 def page_row(client: Client, name: str) -> str | None:
