@@ -15,6 +15,8 @@ import logging
 import math
 from collections.abc import Callable
 
+from django.db import connections
+
 from django_dbworker import transitions
 from django_dbworker.db import operations
 from django_dbworker.fleet.register import forget_stale
@@ -89,6 +91,11 @@ class Recovery:
             return
         started = self.clock.now()
         handlers = self.handlers()
+        # Inside a caller's transaction (run_until_empty in a test) a pass that waited
+        # cannot be rolled back alone: its transaction is the caller's, and an error
+        # leaving it would break it for the claim that follows. Nothing there waits
+        # on this pass (an inline worker has no heartbeat thread), so it keeps it.
+        may_put_off = not overdue and not connections[cfg.using].in_atomic_block
         try:
             # At READ COMMITTED (ending_transaction): the endings it settles read
             # after their locks what the locks' previous holders committed.
@@ -99,7 +106,7 @@ class Recovery:
                     using=cfg.using,
                     log=False,  # said once committed
                 )
-                if not overdue and self.clock.now() - started > cfg.heartbeat_interval:
+                if may_put_off and self.clock.now() - started > cfg.heartbeat_interval:
                     raise _RecoveryWaited
         except _RecoveryWaited:
             self._defer(now, "the recovery pass itself had to wait")

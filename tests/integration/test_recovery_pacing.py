@@ -76,3 +76,28 @@ def test_recovery_runs_at_its_interval_not_at_every_step() -> None:
     clock.advance(recovery.interval() * 1.25)  # past the jittered interval's top
     recovery.maybe_recover()
     assert _status(item) == Status.PENDING
+
+
+class _SlowPassClock(ManualClock):
+    """Every reading is two seconds after the one before: each pass looks slow."""
+
+    def now(self) -> float:
+        moment = super().now()
+        self.advance(2.0)
+        return moment
+
+
+def test_a_slow_pass_inside_a_callers_transaction_keeps_its_work_and_the_transaction() -> None:
+    """run_until_empty in a test's transaction: a pass that took longer than a heartbeat
+    interval is not put off by raising out of it (its transaction is the caller's: the
+    error would leave it broken for the claim that follows, seen on a loaded MariaDB)."""
+    from django.db import transaction
+
+    worker = Worker(
+        [Noop], worker_config(heartbeat_interval=1.0, stale_after=60.0), clock=_SlowPassClock()
+    )
+    item = _stale_row()
+    with transaction.atomic():
+        worker.recovery.maybe_recover()
+        assert _status(item) == Status.PENDING  # a query after it works, and it recovered
+    assert _status(item) == Status.PENDING
