@@ -205,10 +205,15 @@ def test_a_row_released_at_a_max_items_stop_is_started_afterwards(
     ``_start`` refuses buffered attempts only when ``draining`` is set, which
     a max_items stop (``run_once`` sets ``stopping`` only) never sets.
     """
-    worker = _prefetch_behind_a_gated_item(background_worker, max_items=31, shutdown_timeout=0.5)
-    wait_until(lambda: worker.released >= 10, timeout=10, what="the stop's release")
+    _prefetch_behind_a_gated_item(background_worker, max_items=31, shutdown_timeout=0.5)
     later = WorkItem.objects.filter(payload__key__startswith="later-")
-    assert later.filter(status=Status.PENDING).count() == 10
+    # Released by the stop, or earlier by the horizon's give-back (the gated item runs
+    # long, so on a loaded host the buffer can outlast PREFETCH_HORIZON first): pending.
+    wait_until(
+        lambda: later.filter(status=Status.PENDING).count() == 10,
+        timeout=10,
+        what="the buffered rows to be released",
+    )
     GATE.set()  # the running item ends; its thread takes the next queued task
     wait_until(
         lambda: (

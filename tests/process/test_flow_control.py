@@ -85,7 +85,12 @@ def test_a_pause_stops_every_worker_survives_a_restart_and_resume_restarts_them(
 
 def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     n, items, threads = 20, 70, 4
-    workers = [start_worker("rated", "--concurrency", str(threads)) for _ in range(2)]
+    # No prefetch: each worker claims for its free threads only, so both take part
+    # (with a buffer, the first to wake could claim all 70 and prove nothing shared).
+    workers = [
+        start_worker("rated", "--concurrency", str(threads), env={"DBWORKER_PREFETCH_HORIZON": "0"})
+        for _ in range(2)
+    ]
     for worker in workers:
         worker.wait_for_log("Starting worker", timeout=60)
     Rated.enqueue_many([{"key": str(i)} for i in range(items)])
