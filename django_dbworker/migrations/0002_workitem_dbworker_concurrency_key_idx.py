@@ -17,23 +17,19 @@ from django.db import migrations, models
 
 
 class AddIndexConcurrentlyOnPostgres(migrations.AddIndex):
-    def database_forwards(self, app_label, schema_editor, from_state, to_state):
-        if schema_editor.connection.vendor == "postgresql":
-            from django.contrib.postgres.operations import AddIndexConcurrently
+    def _on(self, schema_editor):
+        """The operation that builds the index on this database: CONCURRENTLY on PostgreSQL."""
+        if schema_editor.connection.vendor != "postgresql":
+            return super()
+        from django.contrib.postgres.operations import AddIndexConcurrently
 
-            operation = AddIndexConcurrently(self.model_name, self.index)
-            operation.database_forwards(app_label, schema_editor, from_state, to_state)
-        else:
-            super().database_forwards(app_label, schema_editor, from_state, to_state)
+        return AddIndexConcurrently(self.model_name, self.index)
+
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):
+        self._on(schema_editor).database_forwards(app_label, schema_editor, from_state, to_state)
 
     def database_backwards(self, app_label, schema_editor, from_state, to_state):
-        if schema_editor.connection.vendor == "postgresql":
-            from django.contrib.postgres.operations import AddIndexConcurrently
-
-            operation = AddIndexConcurrently(self.model_name, self.index)
-            operation.database_backwards(app_label, schema_editor, from_state, to_state)
-        else:
-            super().database_backwards(app_label, schema_editor, from_state, to_state)
+        self._on(schema_editor).database_backwards(app_label, schema_editor, from_state, to_state)
 
 
 class Migration(migrations.Migration):
