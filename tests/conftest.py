@@ -121,6 +121,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vendor_neutral)
 
 
+class Shard:
+    """``DBWORKER_SHARD=K/N``: run the K-th of N parts of what the leg selected.
+
+    scripts/test splits its longest legs in parts that run side by side, each
+    on a server of its own, so that the lanes end together. Whole files go to
+    one part (their module fixtures are built once), largest first onto the
+    lightest part. A file weighs its number of tests, a process test three
+    (measured on the PostgreSQL leg: a process test takes 2.5 s, the others
+    0.5; this weighting split it 277 s / 263 s). Runs after the marker
+    selection (``trylast``), so it divides what the leg actually runs.
+    """
+
+    def __init__(self, spec: str) -> None:
+        try:
+            index, count = (int(part) for part in spec.split("/"))
+        except ValueError:
+            raise pytest.UsageError(f"DBWORKER_SHARD={spec!r}: expected K/N, e.g. 1/2") from None
+        if not 1 <= index <= count:
+            raise pytest.UsageError(f"DBWORKER_SHARD={spec!r}: K must be between 1 and N")
+        self.index, self.count = index, count
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        weights: dict[str, int] = {}
+        for item in items:
+            path = Path(str(item.path))
+            weights[str(path)] = weights.get(str(path), 0) + (
+                3 if path.parent.name == "process" else 1
+            )
+        loads = [0] * self.count
+        part_of: dict[str, int] = {}
+        for path in sorted(weights, key=lambda p: (-weights[p], p)):
+            part = loads.index(min(loads))
+            loads[part] += weights[path]
+            part_of[path] = part
+        keep = [item for item in items if part_of[str(item.path)] == self.index - 1]
+        dropped = [item for item in items if part_of[str(item.path)] != self.index - 1]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    spec = os.environ.get("DBWORKER_SHARD")
+    if spec:
+        config.pluginmanager.register(Shard(spec), "dbworker-shard")
+
+
 def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
