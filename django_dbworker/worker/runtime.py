@@ -36,6 +36,7 @@ from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.handler_loop import HandlerLoop
 from django_dbworker.worker.health_file import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
@@ -108,6 +109,8 @@ class Worker:
         self.pool: Pool | None = None
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
+        #: Async handlers' attempts run here (threaded only; started on first use).
+        self.event_loop: EventLoop | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -209,13 +212,17 @@ class Worker:
             while any(loop.is_alive() for loop in loops) and not control.stopping.is_set():
                 self.clock.wait(control.stopping, 0.2)
             control.stopping.set()
-            self.shutdown.drain(pool=self.pool, writer=self.writer, loops=loops)
+            self.shutdown.drain(
+                pool=self.pool, writer=self.writer, loops=loops, event_loop=self.event_loop
+            )
         finally:
             control.stopping.set()
             for helper in helpers:
                 helper.stop()
             if self.pool is not None:
                 self.pool.shutdown()
+            if self.event_loop is not None:
+                self.event_loop.close()
             if self.writer is not None and self.writer.is_alive():
                 self.writer.close()
                 self.writer.join(10)
@@ -228,6 +235,8 @@ class Worker:
         self.writer = writer = parts.make_writer(self.control.aborting)
         writer.start()
         self.pool = pool = parts.make_pool(self._maybe_wake)
+        if parts.threaded:
+            self.event_loop = EventLoop(cfg.async_concurrency)
         runner = AttemptRunner(
             config=cfg,
             control=self.control,
@@ -241,12 +250,14 @@ class Worker:
             enforce_timeout=parts.enforce_timeout,
             healthy=self.watchdog.healthy,
             on_started=self._maybe_wake,  # the buffer shrank
+            event_loop=self.event_loop,
         )
         self.claim_loop = ClaimLoop(
             config=cfg,
             control=self.control,
             ops=self.ops,
             pool=pool,
+            event_loop=self.event_loop,
             ledger=self.ledger,
             prefetch=self.prefetch,
             recovery=self.recovery,

@@ -20,6 +20,7 @@ from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import RECORD_GRACE, WorkerConfig
 from django_dbworker.worker.connections import persist
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.handler_loop import HandlerLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.success_writer import SuccessWriter
@@ -57,12 +58,21 @@ class Shutdown:
         pool: Pool | None,
         writer: SuccessWriter | None,
         loops: Sequence[HandlerLoop],
+        event_loop: EventLoop | None = None,
     ) -> None:
-        """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal)."""
+        """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal).
+
+        Async handlers' coroutines still running then are cancelled, and
+        have ended, before their rows are released.
+        """
         cfg, control, clock = self.config, self.control, self.clock
         if control.draining.is_set():
             self.release_buffered()
-        busy = (pool.running() if pool is not None else 0) + sum(loop.pool.busy() for loop in loops)
+        busy = (
+            (pool.running() if pool is not None else 0)
+            + (event_loop.running() if event_loop is not None else 0)
+            + sum(loop.pool.busy() for loop in loops)
+        )
         if busy:
             logger.info(
                 "Stopping: waiting up to %.0fs for %d running item(s).", cfg.shutdown_timeout, busy
@@ -70,6 +80,10 @@ class Shutdown:
         deadline = clock.now() + cfg.shutdown_timeout
         if pool is not None:
             pool.wait_idle(cfg.shutdown_timeout, abort=control.aborting)
+        if event_loop is not None:
+            left = max(0.0, deadline - clock.now())
+            if not event_loop.wait_idle(left, control.aborting):
+                event_loop.cancel_all()
         if writer is not None:
             writer.close()  # successes handed over are written now
         # A finished handler's outcome is recorded, never released: releasing
