@@ -36,7 +36,6 @@ from django_dbworker.worker.clock import SYSTEM_CLOCK, Clock
 from django_dbworker.worker.config import HOOK_GRACE, WorkerConfig
 from django_dbworker.worker.connections import close_thread_connections
 from django_dbworker.worker.control import Control
-from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.handler_loop import HandlerLoop
 from django_dbworker.worker.health_file import HEALTH_FILE_INTERVAL, HealthFile, worker_problem
 from django_dbworker.worker.heartbeat import Heartbeat
@@ -101,7 +100,10 @@ class Worker:
             clock=self.clock,
             handlers=lambda: self.work_item_handlers,
         )
-        self.shutdown = Shutdown(config=cfg, control=control, ledger=self.ledger, clock=self.clock)
+        self.event_loop = self.parts.make_event_loop()  # async handlers' (threaded only)
+        self.shutdown = Shutdown(
+            config=cfg, control=control, ledger=self.ledger, clock=self.clock, aio=self.event_loop
+        )
         self.prefetch = Prefetch(concurrency=cfg.concurrency, horizon=self.parts.prefetch_horizon)
         self.watchers = list(watchers)
         self.listener: Listener | None = None
@@ -109,8 +111,6 @@ class Worker:
         self.pool: Pool | None = None
         self.writer: SuccessWriter | None = None
         self.claim_loop: ClaimLoop | None = None
-        #: Async handlers' attempts run here (threaded only; started on first use).
-        self.event_loop: EventLoop | None = None
 
     # -- what tests, the command and run_until_empty read --------------------------
 
@@ -212,17 +212,13 @@ class Worker:
             while any(loop.is_alive() for loop in loops) and not control.stopping.is_set():
                 self.clock.wait(control.stopping, 0.2)
             control.stopping.set()
-            self.shutdown.drain(
-                pool=self.pool, writer=self.writer, loops=loops, event_loop=self.event_loop
-            )
+            self.shutdown.drain(pool=self.pool, writer=self.writer, loops=loops)
         finally:
             control.stopping.set()
             for helper in helpers:
                 helper.stop()
             if self.pool is not None:
                 self.pool.shutdown()
-            if self.event_loop is not None:
-                self.event_loop.close()
             if self.writer is not None and self.writer.is_alive():
                 self.writer.close()
                 self.writer.join(10)
@@ -235,8 +231,6 @@ class Worker:
         self.writer = writer = parts.make_writer(self.control.aborting)
         writer.start()
         self.pool = pool = parts.make_pool(self._maybe_wake)
-        if parts.threaded:
-            self.event_loop = EventLoop(cfg.async_concurrency)
         runner = AttemptRunner(
             config=cfg,
             control=self.control,

@@ -33,9 +33,17 @@ RELEASE_PATIENCE = 5.0
 
 class Shutdown:
     def __init__(
-        self, *, config: WorkerConfig, control: Control, ledger: Ledger, clock: Clock
+        self,
+        *,
+        config: WorkerConfig,
+        control: Control,
+        ledger: Ledger,
+        clock: Clock,
+        aio: EventLoop | None = None,
     ) -> None:
         self.config = config
+        #: The event loop of async handlers (None inline): drained, cancelled, closed.
+        self.aio = aio
         self.control = control
         self.ledger = ledger
         self.clock = clock
@@ -58,19 +66,20 @@ class Shutdown:
         pool: Pool | None,
         writer: SuccessWriter | None,
         loops: Sequence[HandlerLoop],
-        event_loop: EventLoop | None = None,
     ) -> None:
         """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal).
 
-        Async handlers' coroutines still running then are cancelled, and
-        have ended, before their rows are released.
+        Async handlers' coroutines still running then on the event loop
+        (``aio``) are cancelled, and have ended, before their rows are
+        released; the loop is closed.
         """
         cfg, control, clock = self.config, self.control, self.clock
         if control.draining.is_set():
             self.release_buffered()
+        aio = self.aio
         busy = (
             (pool.running() if pool is not None else 0)
-            + (event_loop.running() if event_loop is not None else 0)
+            + (aio.running() if aio is not None else 0)
             + sum(loop.pool.busy() for loop in loops)
         )
         if busy:
@@ -80,10 +89,10 @@ class Shutdown:
         deadline = clock.now() + cfg.shutdown_timeout
         if pool is not None:
             pool.wait_idle(cfg.shutdown_timeout, abort=control.aborting)
-        if event_loop is not None:
-            left = max(0.0, deadline - clock.now())
-            if not event_loop.wait_idle(left, control.aborting):
-                event_loop.cancel_all()
+        if aio is not None:
+            if not aio.wait_idle(max(0.0, deadline - clock.now()), control.aborting):
+                aio.cancel_all()
+            aio.close()
         if writer is not None:
             writer.close()  # successes handed over are written now
         # A finished handler's outcome is recorded, never released: releasing
