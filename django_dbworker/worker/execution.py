@@ -309,7 +309,10 @@ def _call(handler: WorkItemHandler, item: WorkItem) -> Any:
     if runs_async(type(handler)):
         from asgiref.sync import async_to_sync
 
-        return async_to_sync(handler.handle_item)(item)
+        async def awaited() -> Any:
+            return await handler.handle_item(item)
+
+        return async_to_sync(awaited)()
     return handler.handle_item(item)
 
 

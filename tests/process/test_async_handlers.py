@@ -18,8 +18,9 @@ import pytest
 from django_dbworker import batch
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import WorkerProcess, wait_until
+from tests.testapp import tasks
 from tests.testapp.models import Execution
-from tests.testapp.workers import AsyncKeyed, AsyncSleep, AsyncTimed, BatchDone, Sleep
+from tests.testapp.workers import AsyncBlocks, AsyncKeyed, AsyncSleep, AsyncTimed, BatchDone, Sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -52,7 +53,7 @@ def test_async_items_overlap_beside_sync_ones_within_limits_order_and_timeouts(
     the first end) while sync items run on the threads; a timed-out coroutine is cancelled
     (its end never runs) and recorded TimeoutError; ``after=`` and a batch order and
     complete async items; a concurrency key runs one at a time; a rate limit spaces
-    starts."""
+    starts; an ``async def`` Django task is awaited on the loop too."""
     many = AsyncSleep.enqueue_many([{"key": f"m{i}", "seconds": 1.0} for i in range(20)])
     timed = AsyncTimed.enqueue({"key": "timed", "seconds": 2.5})
     sync = Sleep.enqueue_many([{"key": f"s{i}", "seconds": 0.3} for i in range(2)])
@@ -65,10 +66,19 @@ def test_async_items_overlap_beside_sync_ones_within_limits_order_and_timeouts(
         AsyncKeyed.enqueue({"key": "k", "seconds": 0.3}, concurrency_key="k") for _ in range(3)
     ]
     rated = AsyncKeyed.enqueue_many([{"key": "r", "seconds": 0} for _ in range(5)])
+    on_loop = tasks.loop_thread.enqueue()
     worker = start_worker(
-        "async_sleep", "async_timed", "async_keyed", "sleep", "batch_done", "--concurrency", "2"
+        "async_sleep",
+        "async_timed",
+        "async_keyed",
+        "sleep",
+        "batch_done",
+        "tests.testapp.tasks.loop_thread",
+        "--concurrency",
+        "2",
     )
-    _ended([*many, timed, *sync, witness, parent, child, *keyed, *rated])
+    task_row = WorkItem.objects.get(pk=int(on_loop.id))
+    _ended([*many, timed, *sync, witness, parent, child, *keyed, *rated, task_row])
     wait_until(
         lambda: Execution.objects.filter(key=f"batch:{b.id}", kind="callback").exists(),
         timeout=30,
@@ -77,6 +87,8 @@ def test_async_items_overlap_beside_sync_ones_within_limits_order_and_timeouts(
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.log()
 
+    on_loop.refresh()
+    assert on_loop.return_value == "dbworker-loop", "an async @task is awaited on the loop"
     rows = WorkItem.objects.filter(
         pk__in=[i.pk for i in [*many, *sync, parent, child, *keyed, *rated]]
     )
@@ -133,18 +145,24 @@ def test_a_cancel_stops_a_running_coroutine_and_sigterm_drains_then_releases(
     assert not _times("held", "end") and not _times("long", "end")
 
 
-def test_an_async_item_of_a_killed_worker_is_recovered_and_run_again(
+def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_reported(
     start_worker: StartWorker,
 ) -> None:
+    """SIGKILL mid-coroutine: stale recovery returns the row and another worker runs it. A
+    handler that blocks the loop (``time.sleep``) is logged with the stack it blocks in."""
     item = AsyncSleep.enqueue({"key": "victim", "seconds": 1.0})
     first = start_worker("async_sleep", env=FAST_STALE)
     wait_until(lambda: _times("victim", "start"), timeout=60, what="the item to start")
     first.signal(signal.SIGKILL)
     assert first.wait() == -signal.SIGKILL
-    second = start_worker("async_sleep", env=FAST_STALE)
-    _ended([item])
+    blocks = AsyncBlocks.enqueue({"seconds": 1.5})
+    second = start_worker("async_sleep", "async_blocks", env=FAST_STALE)
+    _ended([item, blocks])
+    second.wait_for_log("answered again")
     second.signal(signal.SIGTERM)
     assert second.wait() == 0, second.log()
     row = WorkItem.objects.get(pk=item.pk)
     assert row.status == Status.SUCCEEDED and row.attempts == 2
     assert len(_times("victim", "start")) == 2 and len(_times("victim", "end")) == 1
+    log = second.log()
+    assert "event loop was blocked" in log and "time.sleep(" in log, log

@@ -739,3 +739,12 @@ class AsyncKeyed(AsyncSleep):
     name = "async_keyed"
     concurrency_limit = 1
     rate_limit = "4/s"
+
+
+class AsyncBlocks(WorkItemHandler):
+    """An async handler that wrongly calls blocking code: ``time.sleep`` holds the loop."""
+
+    name = "async_blocks"
+
+    async def handle(self, payload: Any) -> None:
+        time.sleep(float(payload["seconds"]))
