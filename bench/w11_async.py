@@ -20,6 +20,14 @@ Legs, one ``run_workers`` process each, on the durable benchmark PostgreSQL:
 ``w3_async`` / ``w3_sync``
     an idle worker; ``--latency-items`` no-op items enqueued one at a time at
     20/s; enqueue commit to handler start (p50, p99), as bench/w3_latency.py.
+``procrastinate`` / ``pgqueuer`` (``--peers``)
+    the ``async_sleep`` leg's items as the peers' ``await asyncio.sleep(1)``
+    jobs, each peer in its own virtual environment and database
+    (bench/peers.py, bench/peer_harness): procrastinate's worker at
+    ``concurrency`` = ``--async-concurrency`` (its default is 1; its docs
+    say to raise it for I/O-bound work), pgqueuer's ``pgq run --mode
+    drain`` at its CLI's defaults (no concurrency limit). Their connections
+    count the harness's enqueuing connection too.
 """
 
 from __future__ import annotations
@@ -145,6 +153,28 @@ def latency(handler: str, items: int, rate: float = 20.0) -> dict[str, float]:
     return {"p50_ms": statistics.median(ms), "p99_ms": ms[min(len(ms) - 1, round(0.99 * len(ms)))]}
 
 
+def peer(url: str, name: str, items: int, *extra: str) -> dict[str, Any]:
+    """A peer's W11 run (its harness's ``w11`` mode), its connections sampled meanwhile."""
+    import peers
+
+    packages, script = peers.PEERS[name]
+    python = peers.venv_python(name, packages)
+    database = peers.fresh_database(url, name)
+    sampler = ConnectionSampler(database)
+    sampler.start()
+    try:
+        result = peers.run(python, script, database, "w11", str(items), *extra)
+    finally:
+        sampler.stop.set()
+        sampler.join(5)
+    return {
+        "items": items,
+        "items_per_second": result["items_per_second"],
+        "items_per_second_whole": result.get("items_per_second_whole", 0.0),
+        "max_connections": sampler.most,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--items", type=int, default=2000)
@@ -152,6 +182,7 @@ def main() -> None:
     parser.add_argument("--sync-items", type=int, default=200)
     parser.add_argument("--noop-items", type=int, default=10_000)
     parser.add_argument("--latency-items", type=int, default=200)
+    parser.add_argument("--peers", action="store_true", help="procrastinate and pgqueuer too")
     args = parser.parse_args()
     url = start_postgres()
     try:
@@ -166,6 +197,9 @@ def main() -> None:
             "w3_async": lambda: latency("bench_async", args.latency_items),
             "w3_sync": lambda: latency("bench_latency", args.latency_items),
         }
+        if args.peers:
+            legs["procrastinate"] = lambda: peer(url, "procrastinate", args.items, flags[1])
+            legs["pgqueuer"] = lambda: peer(url, "pgqueuer", args.items)
         for name, leg in legs.items():
             report(f"w11_{name}", {**leg(), "async_concurrency": args.async_concurrency})
     finally:

@@ -389,7 +389,8 @@ async def _execute_async(
     running_async_attempt(item)  # this task's, and the handler's task's (a copy)
     failure: BaseException | None = None
     try:
-        await offload(handler.attempt_started, item)
+        if type(handler).attempt_started is not WorkItemHandler.attempt_started:
+            await offload(handler.attempt_started, item)  # a hook of the handler's (signals)
         task: asyncio.Task[Any] = asyncio.ensure_future(handler.handle_item(item))
     except Exception as exc:
         failure = exc
