@@ -299,8 +299,12 @@ class ClaimLoop:
         """Free threads plus what the buffer lacks of ``target``, within the back-pressure bound."""
         outstanding = self._running() + self.ledger.buffered()
         unrecorded = len(self.ledger)
-        hold = self._slots() + target  # inline, one at a time
-        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        slots = self._slots()
+        hold = slots + target  # inline, one at a time
+        # The event loop's finished items wait for their batched success write like the
+        # threads' do, as many of them as it has slots: room for that many more.
+        extra = UNRECORDED_EXTRA + slots - self.pool.size
+        limit = min(hold - outstanding, hold + extra - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
