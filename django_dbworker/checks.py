@@ -33,7 +33,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems, unfinished_development_migrations
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.periodic.handler import PeriodicHandler, periodic_handlers
 from django_dbworker.registry import registry
 from django_dbworker.routing import NOT_ATOMIC_CHECK, work_db_for_write
@@ -383,13 +383,28 @@ def async_handler_errors(classes: Any) -> list[CheckMessage]:
     loop, but not with ``atomic = True`` (a transaction is one thread's and
     cannot span the loop's awaits of many attempts), nor as an async
     generator (nothing would iterate it); a periodic handler's ``run`` is
-    called by its plain ``handle`` and would never be awaited.
+    called by its plain ``handle`` and would never be awaited, nor would an
+    own-table ``Handler[T]``'s ``claim``, ``process`` or ``recover_stale``.
     """
     errors: list[CheckMessage] = []
     for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+        if not (isinstance(cls, type) and issubclass(cls, Handler)):
             continue
         label = f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__})"
+        if not issubclass(cls, WorkItemHandler):
+            for method in ("claim", "process", "recover_stale"):
+                entry = getattr(cls, method, None)
+                if inspect.iscoroutinefunction(entry) or inspect.isasyncgenfunction(entry):
+                    errors.append(
+                        _e023(
+                            cls,
+                            f"{label} declares async def {method}: an own-table Handler[T] "
+                            "runs on the worker's threads, which would never await it.",
+                            f"Make {method} a plain def, or move the work to a "
+                            "WorkItemHandler with async def handle (run on the event loop).",
+                        )
+                    )
+            continue
         for method in ("handle", "handle_item"):
             entry = getattr(cls, method, None)
             if inspect.isasyncgenfunction(entry):

@@ -361,14 +361,16 @@ async def execute_async(
         )
         if ending is None:
             ready()
-            ending = await offload(
-                record_failure,
-                item,
-                handler,
-                exc,
-                retriable=True,
-                give_up=give_up,
-                landed=observer.landed,
+            ending = await _finish(
+                offload(
+                    record_failure,
+                    item,
+                    handler,
+                    exc,
+                    retriable=True,
+                    give_up=give_up,
+                    landed=observer.landed,
+                )
             )
     if ending.outcome is Outcome.DEFERRED:
         return ending
@@ -408,18 +410,19 @@ async def _execute_async(
             assert timeout is not None
             error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
             ready()
-            ending: Ending = await offload(
-                record_failure,
-                item,
-                handler,
-                error,
-                retriable=True,
-                label=Outcome.TIMEOUT,
-                give_up=give_up,
-                text=errortext.format_error(error, include_traceback=False),
-                landed=observer.landed,
+            return await _finish(
+                offload(
+                    record_failure,
+                    item,
+                    handler,
+                    error,
+                    retriable=True,
+                    label=Outcome.TIMEOUT,
+                    give_up=give_up,
+                    text=errortext.format_error(error, include_traceback=False),
+                    landed=observer.landed,
+                )
             )
-            return ending
         try:
             encoded = _encode_result(task.result())
         except asyncio.CancelledError:
@@ -428,15 +431,16 @@ async def _execute_async(
             failure = Cancelled("cancelled by request while running")
         except _ResultRefused as exc:
             ready()
-            refused: Ending = await offload(
-                record_refused_result,
-                item,
-                handler,
-                exc.cause,
-                give_up=give_up,
-                landed=observer.landed,
+            return await _finish(
+                offload(
+                    record_refused_result,
+                    item,
+                    handler,
+                    exc.cause,
+                    give_up=give_up,
+                    landed=observer.landed,
+                )
             )
-            return refused
         except BaseException as exc:
             failure = exc
         else:
@@ -444,16 +448,28 @@ async def _execute_async(
             ready.reported = record_success(item, encoded)
             return endings.DEFERRED
     ready()
-    failed: Ending = await offload(
-        record_failure,
-        item,
-        handler,
-        failure,
-        retriable=isinstance(failure, handler.retry_on),
-        give_up=give_up,
-        landed=observer.landed,
+    return await _finish(
+        offload(
+            record_failure,
+            item,
+            handler,
+            failure,
+            retriable=isinstance(failure, handler.retry_on),
+            give_up=give_up,
+            landed=observer.landed,
+        )
     )
-    return failed
+
+
+async def _finish(write: Awaitable[Ending]) -> Ending:
+    """The write of an attempt's outcome, once begun, ends and is settled, whatever stop
+    cancels the coroutine meanwhile: its attempt is recording (never released), and
+    shutdown waits for it."""
+    inner = asyncio.ensure_future(write)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        return await inner
 
 
 async def _stop(
