@@ -62,6 +62,8 @@ class EventLoop:
         self._outer: set[asyncio.Task[Any]] = set()
         self._started = False
         self._watch_stop = threading.Event()
+        #: A stop began: attempts still waiting for a slot do not start (shutdown releases them).
+        self._closing = False
 
     # -- what the claim loop and shutdown read -------------------------------------
 
@@ -93,6 +95,8 @@ class EventLoop:
         assert self._slots is not None
         try:
             async with self._slots:
+                if self._closing:
+                    return  # never started: its row is released with the leftovers
                 self._running[attempt] = None
                 try:
                     await run()
@@ -117,6 +121,10 @@ class EventLoop:
         return await self._loop.run_in_executor(self._offload, lambda: fn(*args, **kwargs))
 
     # -- stopping ----------------------------------------------------------------------
+
+    def stop_starting(self) -> None:
+        """A stop began: what waits for a slot now will not start."""
+        self._closing = True
 
     def wait_idle(self, timeout: float, abort: threading.Event) -> bool:
         """Wait until no attempt runs here; False at ``timeout`` or when ``abort`` is set."""

@@ -77,6 +77,8 @@ class Shutdown:
         if control.draining.is_set():
             self.release_buffered()
         aio = self.aio
+        if aio is not None:
+            aio.stop_starting()
         busy = (
             (pool.running() if pool is not None else 0)
             + (aio.running() if aio is not None else 0)

@@ -114,10 +114,18 @@ def test_a_cancel_stops_a_running_coroutine_and_sigterm_drains_then_releases(
     start_worker: StartWorker,
 ) -> None:
     """A cancel request cancels the coroutine (its end never runs; ``cancelled``, one
-    attempt). SIGTERM lets a short item finish, then cancels and releases a long one."""
+    attempt). SIGTERM lets a short item finish, then cancels and releases a long one; an
+    item that waited for a slot of the loop is released without starting."""
     long = AsyncSleep.enqueue({"key": "long", "seconds": 60})
     worker = start_worker(
-        "async_sleep", "--shutdown-timeout", "1", env={"DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
+        "async_sleep",
+        "--concurrency",
+        "1",
+        "--async-concurrency",
+        "2",
+        "--shutdown-timeout",
+        "3",
+        env={"DBWORKER_HEARTBEAT_INTERVAL": "0.2"},
     )
     wait_until(lambda: _times("long", "start"), timeout=60, what="the long item to start")
     assert WorkItem.objects.get(pk=long.pk).cancel() is True
@@ -129,20 +137,28 @@ def test_a_cancel_stops_a_running_coroutine_and_sigterm_drains_then_releases(
     row = WorkItem.objects.get(pk=long.pk)
     assert row.attempts == 1 and "cancelled by request" in row.last_error
 
-    held = AsyncSleep.enqueue({"key": "held", "seconds": 60})
-    short = AsyncSleep.enqueue({"key": "short", "seconds": 0.3})
+    held, short = AsyncSleep.enqueue_many(
+        [{"key": "held", "seconds": 60}, {"key": "short", "seconds": 1.5}], priority=2
+    )
+    waiting = AsyncSleep.enqueue({"key": "waiting"})
     wait_until(
-        lambda: _times("held", "start") and _times("short", "start"),
+        lambda: (
+            _times("held", "start")
+            and _times("short", "start")
+            and WorkItem.objects.get(pk=waiting.pk).status == Status.CLAIMED
+        ),
         timeout=60,
-        what="both items to start",
+        what="two items to start and the third to wait for a slot",
     )
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.log()
     assert WorkItem.objects.get(pk=short.pk).status == Status.SUCCEEDED
-    released = WorkItem.objects.get(pk=held.pk)
-    assert released.status == Status.PENDING and released.claim_token is None
-    assert "Released 1 unfinished" in worker.log()
+    for item in (held, waiting):
+        released = WorkItem.objects.get(pk=item.pk)
+        assert released.status == Status.PENDING and released.claim_token is None
+    assert "Released 2 unfinished" in worker.log()
     assert not _times("held", "end") and not _times("long", "end")
+    assert not _times("waiting", "start"), "it waited for a slot: it never started"
 
 
 def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_reported(
