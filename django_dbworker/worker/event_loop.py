@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -154,6 +155,17 @@ class EventLoop:
         if self._started:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+        # Each writing thread closes its own database connections (they are per thread):
+        # one call each, held at a barrier until every thread has taken one.
+        barrier = threading.Barrier(OFFLOAD_THREADS)
+
+        def close_own() -> None:
+            close_thread_connections()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=2.0)
+
+        for _ in range(OFFLOAD_THREADS):
+            self._offload.submit(close_own)
         self._offload.shutdown(wait=False)
 
     # -- the loop's own thread -----------------------------------------------------------
@@ -164,6 +176,14 @@ class EventLoop:
         self._loop.create_task(self._cancel_poll())
         try:
             self._loop.run_forever()
+            # Stopped: what is left (the cancel poll, a coroutine that ignored its cancel)
+            # is cancelled and given a moment, so that nothing is destroyed pending.
+            left = asyncio.all_tasks(self._loop)
+            for task in left:
+                task.cancel()
+            if left:
+                self._loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+            self._loop.close()
         finally:
             close_thread_connections()
 
