@@ -49,11 +49,11 @@ class EventLoop:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._loop = asyncio.new_event_loop()
+        #: Made by ``start``, at the first async attempt: a worker without any has none.
+        self._loop: asyncio.AbstractEventLoop
+        self._offload: concurrent.futures.ThreadPoolExecutor
         self._thread = threading.Thread(target=self._run, name="dbworker-loop", daemon=True)
-        self._offload = concurrent.futures.ThreadPoolExecutor(
-            OFFLOAD_THREADS, thread_name_prefix="dbworker-loop-db"
-        )
+        self._start_lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None
         #: The attempts running here, with the task of their handler's coroutine once
         #: it started (None before); read by the cancel poll, on the loop's thread.
@@ -74,11 +74,17 @@ class EventLoop:
             return self._count
 
     def start(self) -> None:
-        if self._started:
-            return
-        self._started = True
-        self._thread.start()
-        threading.Thread(target=self._watch, name="dbworker-loop-watch", daemon=True).start()
+        """Make the loop and start its threads, once (pool threads call it at once)."""
+        with self._start_lock:
+            if self._started:
+                return
+            self._loop = asyncio.new_event_loop()
+            self._offload = concurrent.futures.ThreadPoolExecutor(
+                OFFLOAD_THREADS, thread_name_prefix="dbworker-loop-db"
+            )
+            self._thread.start()
+            threading.Thread(target=self._watch, name="dbworker-loop-watch", daemon=True).start()
+            self._started = True
 
     def submit(self, attempt: Attempt, run: Callable[[], Awaitable[None]]) -> None:
         """Run ``run()`` for ``attempt`` on the loop, in a slot (from any thread)."""
@@ -152,9 +158,10 @@ class EventLoop:
     def close(self) -> None:
         """Stop the loop and its threads (after ``cancel_all``)."""
         self._watch_stop.set()
-        if self._started:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
+        if not self._started:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
         # Each writing thread closes its own database connections (they are per thread):
         # one call each, held at a barrier until every thread has taken one.
         barrier = threading.Barrier(OFFLOAD_THREADS)
