@@ -28,6 +28,8 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from asgiref.sync import sync_to_async
+
 from django_dbworker.worker.attempts import Attempt
 from django_dbworker.worker.config import CANCEL_GRACE
 from django_dbworker.worker.connections import close_thread_connections
@@ -190,6 +192,11 @@ class EventLoop:
                 task.cancel()
             if left:
                 self._loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+            # Handlers' sync_to_async calls ran on Django's one thread for sync code:
+            # its database connections are this worker's to close too.
+            closing = sync_to_async(close_thread_connections)()
+            with contextlib.suppress(TimeoutError):  # that thread is busy: left as it is
+                self._loop.run_until_complete(asyncio.wait_for(closing, timeout=2.0))
             self._loop.close()
         finally:
             close_thread_connections()
