@@ -35,7 +35,9 @@ from django_dbworker import errortext, tracing, transitions
 from django_dbworker.db.errors import is_transient
 from django_dbworker.errors import Cancelled
 from django_dbworker.handlers import (
+    ATTEMPT_ATTR,
     WorkItemHandler,
+    cancel_was_requested,
     running_async_attempt,
     running_attempt,
     runs_async,
@@ -425,10 +427,13 @@ async def _execute_async(
             )
         try:
             encoded = _encode_result(task.result())
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             # Cancelled by the loop's poll: a cancel request (ends ``cancelled``), or a
-            # claim lost meanwhile (the write is fenced out).
-            failure = Cancelled("cancelled by request while running")
+            # claim lost meanwhile (the write is fenced out). A CancelledError of the
+            # handler's own (an awaited task cancelled inside it) is a plain failure.
+            attempt = item.__dict__.get(ATTEMPT_ATTR)
+            stopped = cancel_was_requested(item) or bool(getattr(attempt, "lost", False))
+            failure = Cancelled("cancelled by request while running") if stopped else exc
         except _ResultRefused as exc:
             ready()
             return await _finish(

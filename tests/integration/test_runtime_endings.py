@@ -453,3 +453,31 @@ def test_an_async_attempt_that_ignores_its_cancel_is_recorded_and_its_late_resul
     assert reg.get_sample_value(
         "worker_task_duration_seconds_count", labels | {"status": "timeout"}
     )
+
+
+class RaisesCancelledError(WorkItemHandler):
+    """An awaited task cancelled inside the handler: its CancelledError leaks out."""
+
+    name = "raises_cancelled_error"
+
+    async def handle(self, payload: Any) -> None:
+        import asyncio
+
+        raise asyncio.CancelledError
+
+
+def test_a_cancelled_error_of_the_handlers_own_is_a_failure_not_a_cancel(
+    no_stray_threads: None,
+) -> None:
+    """Only a cancel request (or a lost claim) ends an async attempt ``cancelled``; a
+    CancelledError its coroutine raises by itself fails it like any BaseException
+    (not in ``retry_on``: failed at once), as ``run_until_empty`` does."""
+    item = RaisesCancelledError.enqueue({})
+    worker = Worker([RaisesCancelledError], worker_config(burst=True))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the burst worker did not finish"
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.FAILED and "CancelledError" in row.last_error, row.last_error
+    assert "cancelled by request" not in row.last_error
