@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, runs_async
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt, Ledger
@@ -33,6 +33,7 @@ from django_dbworker.worker.config import (
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -64,11 +65,14 @@ class ClaimLoop:
         healthy: Callable[[], bool],
         raise_errors: bool,
         priorities_arrive: Callable[[], bool] = lambda: False,
+        event_loop: EventLoop | None = None,
     ) -> None:
         self.config = config
         self.control = control
         self.ops = ops
         self.pool = pool
+        #: Where async handlers' attempts run: its slots count beside the threads.
+        self.event_loop = event_loop
         self.ledger = ledger
         self.prefetch = prefetch
         self.recovery = recovery
@@ -188,7 +192,19 @@ class ClaimLoop:
         Not prefetched, so that a rate-limited row starts about when it is
         claimed (its start was counted in the window at the claim).
         """
-        return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
+        return max(0, self._slots() - self._running() - self.ledger.buffered())
+
+    def _slots(self) -> int:
+        """Threads, plus the event loop's slots while an async handler is served."""
+        loop = self.event_loop
+        if loop is not None and any(runs_async(type(h)) for h in self.handlers().values()):
+            return self.pool.size + loop.size
+        return self.pool.size
+
+    def _running(self) -> int:
+        """Attempts running on the threads and on the event loop."""
+        loop = self.event_loop
+        return self.pool.running() + (loop.running() if loop is not None else 0)
 
     def _give_back_paused(self) -> None:
         """Give back buffered rows of queues paused since they were claimed (once per poll).
@@ -281,10 +297,14 @@ class ClaimLoop:
 
     def _room(self, target: int) -> int:
         """Free threads plus what the buffer lacks of ``target``, within the back-pressure bound."""
-        outstanding = self.pool.running() + self.ledger.buffered()
+        outstanding = self._running() + self.ledger.buffered()
         unrecorded = len(self.ledger)
-        hold = self.pool.size + target  # inline, one at a time
-        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        slots = self._slots()
+        hold = slots + target  # inline, one at a time
+        # The event loop's finished items wait for their batched success write like the
+        # threads' do, as many of them as it has slots: room for that many more.
+        extra = UNRECORDED_EXTRA + slots - self.pool.size
+        limit = min(hold - outstanding, hold + extra - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
