@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -509,10 +509,8 @@ class PostgresOperations(VendorOperations):
                 yield connection.make_cursor(cursor)
         except BaseException:
             kept.pop(cursor_class, None)
-            try:
+            with suppress(psycopg.Error):  # the connection is gone: nothing to tidy
                 cursor.close()
-            except psycopg.Error:
-                pass  # the connection is gone: nothing to tidy
             raise
 
     def _insert_params(
