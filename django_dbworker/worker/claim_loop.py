@@ -439,8 +439,11 @@ class ClaimLoop:
         waking more often measured as a claim loop spinning on the GIL
         (W6 p50 2.6 -> 16 ms).
         """
-        if self.pool.queued() <= self._refill_at and not self.rests:
-            self.control.wake.set()
+        wake = self.control.wake
+        # ``is_set`` first: ``set`` takes the event's lock and notifies even when
+        # it is already set, which it is for most of a drain's jobs.
+        if not wake.is_set() and not self.rests and self.pool.queued() <= self._refill_at:
+            wake.set()
 
     # -- the loop --------------------------------------------------------------
 

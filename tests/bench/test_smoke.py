@@ -147,6 +147,9 @@ def test_ab_script_compares_two_trees(tmp_path: Path) -> None:
     table = out_file.read_text()
     assert "| `w1_throughput.py --items 200` | items_per_second_whole |" in table
     assert "| `w1_throughput.py --items 200` | items_per_second_active |" in table
+    # The CPU per item, the figure that holds on a shared machine.
+    assert "| `w1_throughput.py --items 200` | worker_cpu_us_per_item |" in table
+    assert "| `w1_throughput.py --items 200` | database_cpu_us_per_item |" in table
 
 
 #: The scale scripts start a durable cluster of their own, with
