@@ -42,8 +42,8 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND wait_event <> 'advisory' AND datname = current_database()"
             )
         else:
             cursor.execute(
@@ -55,6 +55,23 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
             )
         (n,) = cursor.fetchone()
     return int(n)
+
+
+def wake_turns(using: str = "default") -> tuple[int, int]:
+    """Workers holding a wake-up turn, and workers waiting for one (PostgreSQL's ``pg_locks``)."""
+    from django.db import connections
+
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) "
+            "FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [WAKE_TURN_SPACE],
+        )
+        held, waiting = cursor.fetchone()
+    return int(held), int(waiting)
 
 
 @pytest.fixture

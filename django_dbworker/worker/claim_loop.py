@@ -101,6 +101,14 @@ class ClaimLoop:
         self._refill_at = 0
         #: The last claim statement found fewer rows than it asked for.
         self._ran_dry = False
+        #: The last claim (not an urgent one) came back full: more may be ready than this
+        #: worker takes, so it passes the wake-up turn on (``wakeup.Listener``).
+        self.saturated = False
+        #: Wake-ups announced so far (the listener's thread adds), and their count when
+        #: the last claim began if it found all that was ready (``Claim.drained``); a
+        #: buffer running low claims again only once they differ.
+        self._heard = 0
+        self._drained: int | None = None
         self._next_shed_check = 0.0
         #: Wake-ups of rows that outrank something buffered, since the last claim.
         self._urgent = 0
@@ -141,6 +149,7 @@ class ClaimLoop:
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
         lowest = self.ledger.lowest_buffered_priority()
+        heard = self._heard
         taken: list[WorkItem] = []
 
         def dispatch(items: Sequence[WorkItem]) -> None:
@@ -164,6 +173,9 @@ class ClaimLoop:
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
         self._ran_dry = result.dry
+        self._drained = heard if result.drained else None
+        if not self._urgent_claim:
+            self.saturated = not result.dry
         self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
@@ -238,6 +250,7 @@ class ClaimLoop:
         buffer starts in claim order); one that does not just wakes the
         loop, which claims when the buffer runs low as usual.
         """
+        self._heard += 1  # rows came: a buffer running low claims them
         lowest = self.ledger.lowest_buffered_priority()
         if lowest is not None and (priority is None or priority > lowest):
             with self._urgent_lock:
@@ -419,8 +432,21 @@ class ClaimLoop:
         waking more often measured as a claim loop spinning on the GIL
         (W6 p50 2.6 -> 16 ms).
         """
-        if self.pool.queued() <= self._refill_at and not self.rests:
+        if (
+            self.pool.queued() <= self._refill_at
+            and not self.rests
+            and not self._waits_for_wakeups()
+        ):
             self.control.wake.set()
+
+    def _waits_for_wakeups(self) -> bool:
+        """The last claim found all that was ready, and new rows say so themselves.
+
+        Then a buffer running low is no reason to claim: the claim would find
+        nothing (it did: 1.8 empty claims per streamed job). Where wake-ups do
+        not reach this worker, or the claim was held back by limits, it claims.
+        """
+        return self._drained == self._heard and self.priorities_arrive()
 
     # -- the loop --------------------------------------------------------------
 

@@ -1,0 +1,72 @@
+"""One wake-up, one claimer: an enqueue wakes one idle worker of a fleet, and always one.
+
+Real ``run_workers`` processes on PostgreSQL, each serving the same handler:
+one holds the wake-up turn and LISTENs, the others wait for it
+(``worker/wakeup.py``). Claims are counted by the workers themselves
+(``worker_poll_cycles_total`` on each one's metrics port), never timed.
+POLL_INTERVAL is 60 s, so a poll cannot pass for a wake-up.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until, wake_turns
+from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
+from tests.testapp.workers import Record
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
+
+SLOW_POLL = {"DBWORKER_POLL_INTERVAL": "60"}
+TOOK = "Took the wake-up turn"
+
+
+def claims(port: int) -> float:
+    """Claim statements the worker behind ``port`` ran (found rows or not)."""
+    return scrape(port)[("worker_poll_cycles_total", (("worker", "workitems"),))]
+
+
+def succeeded(pk: int) -> bool:
+    return WorkItem.objects.get(pk=pk).status == Status.SUCCEEDED
+
+
+def test_an_enqueue_of_one_item_makes_one_idle_worker_of_three_claim(start_worker) -> None:
+    ports = [free_port() for _ in range(3)]
+    workers = [start_worker("record", "--metrics-port", str(port), env=SLOW_POLL) for port in ports]
+    wait_until(lambda: wake_turns() == (1, 2), timeout=60, what="one turn held, two waiting")
+    wait_until(lambda: all(try_scrape(port) for port in ports), what="the metrics servers")
+    # A first item settles the start-up claims (each worker claims once as it subscribes,
+    # the holder once more as it takes the turn).
+    first = Record.enqueue({"key": "first"})
+    wait_until(lambda: succeeded(first.pk), timeout=30, what="the first item")
+    for n in range(3):
+        before = sum(claims(port) for port in ports)
+        item = Record.enqueue({"key": f"one-{n}"})
+        wait_until(lambda pk=item.pk: succeeded(pk), timeout=30, what=f"item {n}")
+        # One claim found it; no other worker claimed, nor did the holder again
+        # when its buffer ran low (it knew nothing more was ready).
+        assert sum(claims(port) for port in ports) - before == 1
+    assert wake_turns() == (1, 2)
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    assert [worker.wait() for worker in workers] == [0, 0, 0]
+
+
+def test_a_worker_killed_holding_a_wake_up_leaves_it_to_the_next(start_worker) -> None:
+    workers = [start_worker("record", "-v", "2", env=SLOW_POLL) for _ in range(2)]
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    (holder,) = [worker for worker in workers if TOOK in worker.log()]
+    (other,) = [worker for worker in workers if worker is not holder]
+    # Frozen, the holder cannot claim what it is told; then it dies with the wake-up.
+    holder.signal(signal.SIGSTOP)
+    item = Record.enqueue({"key": "orphan"})
+    holder.kill()
+    # Its session ended with it: the other worker takes the turn and claims at once.
+    wait_until(lambda: succeeded(item.pk), timeout=20, what="the other worker to claim")
+    assert TOOK in other.log()
+    wait_until(lambda: wake_turns() == (1, 0), what="the turn to stay with the survivor")
+    other.signal(signal.SIGTERM)
+    assert other.wait() == 0
