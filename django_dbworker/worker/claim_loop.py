@@ -101,8 +101,9 @@ class ClaimLoop:
         self._refill_at = 0
         #: The last claim statement found fewer rows than it asked for.
         self._ran_dry = False
-        #: The last claim (not an urgent one) came back full: more may be ready than this
-        #: worker takes, so it passes the wake-up turn on (``wakeup.Listener``).
+        #: The last claim (not an urgent one) came back full, or the loop was woken with
+        #: no room: more may be ready than this worker takes, so it passes the wake-up
+        #: turn on (``wakeup.Listener``) until a claim of its comes back short.
         self.saturated = False
         #: Wake-ups announced so far (the listener's thread adds), and their count when
         #: the last claim began if it found all that was ready (``Claim.drained``); a
@@ -288,9 +289,12 @@ class ClaimLoop:
             return min(urgent, MAX_CLAIM)
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
+        room = self._room(target)
+        if room <= 0:
+            self.saturated = True  # woken with no room: let an idle worker take the rows
         if self.ledger.buffered() > self._refill_at:
             return 0
-        return self._room(target)
+        return room
 
     def _room(self, target: int) -> int:
         """Free threads plus what the buffer lacks of ``target``, within the back-pressure bound."""

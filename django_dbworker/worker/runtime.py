@@ -290,7 +290,11 @@ class Worker:
                     cfg,
                     wake=self._announced,
                     group=lambda: claim_group(cfg.queues, list(self.work_item_handlers)),
-                    saturated=lambda: self.claim_loop is not None and self.claim_loop.saturated,
+                    # Stopping, it claims no more: the turn goes to a worker that does.
+                    saturated=lambda: (
+                        control.stopping.is_set()
+                        or (self.claim_loop is not None and self.claim_loop.saturated)
+                    ),
                 )
                 self.listener.start()
                 started.append(self.listener)

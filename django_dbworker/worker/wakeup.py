@@ -13,9 +13,9 @@ queues and handlers, ``Listener.group``), one at a time holds the turn
 ``db/postgresql_listen.py``) and acts on every wake-up; the others wait for
 it without listening. The holder passes it on when its claims come back
 full (``saturated``: it cannot take all that is ready), and then listens
-for urgent wake-ups only (a priority above 0: it claims such a row ahead of
-its buffer, as before); once a claim of its comes back short it queues for
-the turn again. A worker granted the turn claims once: wake-ups of the
+for wake-ups meanwhile: it claims an urgent row ahead of its buffer (as
+before), other rows only once it has room; once a claim of its comes back
+short it queues for the turn again. A worker granted the turn claims once: wake-ups of the
 meantime reached nobody. A worker woken that finds nothing wakes no one.
 
 With WAKEUP_WINDOW above 0, enqueuers send at most one wake-up per queue per
@@ -182,7 +182,8 @@ class Listener(threading.Thread):
     handlers) and once its probe came back, it takes turns (the module's
     docstring): it waits for the turn, acts on every wake-up while it holds
     it, and passes it on while ``saturated()`` (its claims come back full),
-    acting meanwhile on urgent wake-ups only.
+    still listening (its loop claims an urgent row at once, others once it
+    has room).
 
     ``using`` is the alias it LISTENs with (WAKEUP_DATABASE, or the work
     table's), ``probe_using`` the alias enqueuers notify on (the work
@@ -314,8 +315,9 @@ class Listener(threading.Thread):
     def _receive(self, subscription: Subscription) -> None:
         """Wake the loop for what arrives within a second (or until the trailing claim).
 
-        Taking turns, for TURN_CHECK at most; without the turn only urgent
-        wake-ups (priority above 0) wake the loop.
+        Taking turns, for TURN_CHECK at most. Without the turn (passed on) it
+        still wakes the loop: a saturated loop claims only what outranks its
+        buffer (an urgent row), or once it has room again.
         """
         trailing = self._trailing
         timeout = TURN_CHECK if self.holding is not None else 1.0
@@ -323,8 +325,6 @@ class Listener(threading.Thread):
             timeout = min(timeout, max(0.0, trailing[0] - self.clock()))
         for payload in subscription.receive(timeout=timeout):
             queue, priority = parse_wake_payload(payload)
-            if self.holding is False and priority <= 0:
-                continue
             if self.queues is None or queue in self.queues:
                 self.wake(priority)
                 if self.window > 0:

@@ -16,7 +16,8 @@ import pytest
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until, wake_turns
 from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
-from tests.testapp.workers import Record
+from tests.testapp.models import Execution
+from tests.testapp.workers import Record, Sleep
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -70,3 +71,17 @@ def test_a_worker_killed_holding_a_wake_up_leaves_it_to_the_next(start_worker) -
     wait_until(lambda: wake_turns() == (1, 0), what="the turn to stay with the survivor")
     other.signal(signal.SIGTERM)
     assert other.wait() == 0
+
+
+def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker) -> None:
+    workers = [start_worker("sleep", "--concurrency", "1", env=SLOW_POLL) for _ in range(2)]
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    Sleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    # Whoever runs it has no room; the other worker must hear of the next item.
+    short = Sleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=20, what="the idle worker to claim")
+    pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
+    assert pids["long"] != pids["short"]
+    for worker in workers:
+        worker.kill()
