@@ -94,18 +94,16 @@ class PostgresSubscription:
     def probed(self, token: str) -> bool:
         return token in self._probes
 
-    def wait_turn(self, group: str, wait: float) -> bool:
-        """Wait up to ``wait`` seconds for ``group``'s turn, not listening; then LISTEN again.
+    def wait_turn(self, group: str) -> bool:
+        """Wait for ``group``'s turn, not listening; then LISTEN again.
 
-        False if the wait ran out (the caller looks whether it still wants
-        the turn, and waits again: at the back of the lock's queue).
+        False if the wait was cancelled: by ``interrupt`` (a stop), or by a
+        ``statement_timeout`` of the server or the role (the caller waits again).
         """
         self._conn.execute(UNLISTEN_ALL.sql)
         try:
-            self._conn.execute(
-                WAIT_TURN.sql, {"wait": f"{wait * 1000:.0f}ms", "group": _key(group)}
-            )
-        except psycopg.errors.LockNotAvailable:
+            self._conn.execute(WAIT_TURN.sql, {"group": _key(group)})
+        except psycopg.errors.QueryCanceled:
             granted = False
         else:
             granted = True

@@ -279,12 +279,12 @@ UNLISTEN_ALL = Statement(
 )
 # The wake-up turn (postgresql_listen.py): one session advisory lock per group of workers that
 # claim alike; its holder alone acts on every wake-up, and its session's end frees it. The wait
-# is bounded (lock_timeout, local to its statement) so that a waiter looks up now and then.
+# has no lock_timeout (local to its statement: a role's setting would end it every few seconds).
 WAKE_TURN_SPACE = 1684109164  # the turns' first number ("dbwl" as an int4); keys' is "dbwk"
 WAIT_TURN = Statement(
     "wait_turn",
-    "Wait, at most %(wait)s, for a group's wake-up turn.",
-    "SELECT set_config('lock_timeout', %(wait)s, true),"
+    "Wait for a group's wake-up turn, however long it takes.",
+    "SELECT set_config('lock_timeout', '0', true),"
     f" pg_advisory_lock({WAKE_TURN_SPACE}, %(group)s)\n",
 )
 PASS_TURN = Statement(

@@ -135,9 +135,9 @@ class Subscription(Protocol):
         """Whether the probe ``token`` arrived (read by ``receive``, never yielded by it)."""
         ...
 
-    def wait_turn(self, group: str, wait: float) -> bool:
-        """Wait up to ``wait`` s for the wake-up turn of ``group`` (not listening meanwhile);
-        granted, listen for every wake-up. False: the wait ran out."""
+    def wait_turn(self, group: str) -> bool:
+        """Wait for the wake-up turn of ``group`` (not listening meanwhile); granted, listen
+        for every wake-up. False: the wait was cancelled (``interrupt``, a timeout)."""
         ...
 
     def pass_turn(self, group: str) -> None:

@@ -72,9 +72,6 @@ BUSY_WINDOW = 1.0
 #: milliseconds; the margin is for a loaded server, so that a working
 #: connection is not reported as broken.
 PROBE_TIMEOUT = 5.0
-#: Seconds a worker waits for the wake-up turn at a time before it looks
-#: again whether it still wants it (a stop interrupts the wait at once).
-TURN_WAIT = 10.0
 #: Seconds between two looks, by a listener taking turns, at whether its
 #: claim loop became saturated (or stopped being so): what it receives meanwhile
 #: is acted on as it arrives. A client-side wait: no statement.
@@ -204,7 +201,6 @@ class Listener(threading.Thread):
         wakeup_database: str | None = None,
         group: Callable[[], str] | None = None,
         saturated: Callable[[], bool] = lambda: False,
-        turn_wait: float = TURN_WAIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="dbworker-listener", daemon=True)
@@ -218,7 +214,6 @@ class Listener(threading.Thread):
         self.wakeup_database = wakeup_database
         self.group = group
         self.saturated = saturated
-        self.turn_wait = turn_wait
         self.clock = clock
         #: This listener holds its group's turn (or takes no turns: None).
         self.holding: bool | None = None
@@ -410,7 +405,7 @@ class Listener(threading.Thread):
                     return
                 self._waiting = subscription
             try:
-                granted = subscription.wait_turn(self.group(), self.turn_wait)
+                granted = subscription.wait_turn(self.group())
             finally:
                 with self._waiting_lock:
                     self._waiting = None
@@ -420,7 +415,8 @@ class Listener(threading.Thread):
                 # Wake-ups sent while no one held the turn reached no one.
                 self.wake(None)
             else:
-                self.holding = False  # listening again, for urgent wake-ups; waits anew
+                self.holding = False  # cancelled (a stop, a statement_timeout): waits anew
+                logger.debug("The wait for the wake-up turn was cancelled; waiting again.")
 
     def stop(self) -> None:
         with self._waiting_lock:

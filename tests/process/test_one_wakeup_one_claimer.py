@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from django.db import connection
 
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until, wake_turns
@@ -85,3 +86,22 @@ def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker
     assert pids["long"] != pids["short"]
     for worker in workers:
         worker.kill()
+
+
+def test_a_statement_timeout_does_not_end_the_wait_for_the_turn(start_worker) -> None:
+    """A DBA's statement_timeout cancels the wait for the turn: the worker waits anew."""
+    name = connection.settings_dict["NAME"]
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER DATABASE \"{name}\" SET statement_timeout = '300ms'")
+    try:
+        workers = [start_worker("record", "-v", "2", env=SLOW_POLL) for _ in range(2)]
+        wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+        (waiter,) = [worker for worker in workers if TOOK not in worker.log()]
+        waiter.wait_for_log("The wait for the wake-up turn was cancelled")
+        wait_until(lambda: wake_turns() == (1, 1), what="the waiter to wait again")
+        item = Record.enqueue({"key": "after"})
+        wait_until(lambda: succeeded(item.pk), timeout=20, what="the holder to claim")
+        assert "lost its connection" not in waiter.log()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f'ALTER DATABASE "{name}" RESET statement_timeout')

@@ -241,8 +241,8 @@ LISTEN django_dbworker;
 UNLISTEN *;
 
 -- name: wait_turn
--- Wait, at most %(wait)s, for a group's wake-up turn.
-SELECT set_config('lock_timeout', %(wait)s, true), pg_advisory_lock(1684109164, %(group)s);
+-- Wait for a group's wake-up turn, however long it takes.
+SELECT set_config('lock_timeout', '0', true), pg_advisory_lock(1684109164, %(group)s);
 
 -- name: pass_turn
 -- Hand a group's wake-up turn to the next waiter.
