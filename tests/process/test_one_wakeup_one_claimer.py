@@ -15,7 +15,7 @@ import pytest
 from django.db import connection
 
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import wait_until, wake_turns
+from tests.conftest import kill_other_connections, wait_until, wake_turns
 from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
 from tests.testapp.models import Execution
 from tests.testapp.workers import Record, Sleep
@@ -35,7 +35,9 @@ def succeeded(pk: int) -> bool:
     return WorkItem.objects.get(pk=pk).status == Status.SUCCEEDED
 
 
-def test_an_enqueue_of_one_item_makes_one_idle_worker_of_three_claim(start_worker) -> None:
+def test_an_enqueue_of_one_item_makes_one_idle_worker_of_three_claim_also_after_a_failover(
+    start_worker,
+) -> None:
     ports = [free_port() for _ in range(3)]
     workers = [start_worker("record", "--metrics-port", str(port), env=SLOW_POLL) for port in ports]
     wait_until(lambda: wake_turns() == (1, 2), timeout=60, what="one turn held, two waiting")
@@ -52,6 +54,12 @@ def test_an_enqueue_of_one_item_makes_one_idle_worker_of_three_claim(start_worke
         # when its buffer ran low (it knew nothing more was ready).
         assert sum(claims(port) for port in ports) - before == 1
     assert wake_turns() == (1, 2)
+    # As at a failover, every session ends, the turn's with them: the workers reconnect
+    # and take turns anew, and the next wake-up reaches one of them.
+    kill_other_connections()
+    wait_until(lambda: wake_turns() == (1, 2), timeout=60, what="the turn taken anew")
+    item = Record.enqueue({"key": "after"})
+    wait_until(lambda: succeeded(item.pk), timeout=20, what="a wake-up after the failover")
     for worker in workers:
         worker.signal(signal.SIGTERM)
     assert [worker.wait() for worker in workers] == [0, 0, 0]
