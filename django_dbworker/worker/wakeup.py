@@ -414,8 +414,8 @@ class Listener(threading.Thread):
                 logger.debug("Took the wake-up turn: this worker claims for every wake-up.")
                 # Wake-ups sent while no one held the turn reached no one.
                 self.wake(None)
-            else:
-                self.holding = False  # cancelled (a stop, a statement_timeout): waits anew
+            elif not self.stopped.is_set():
+                self.holding = False  # cancelled by a statement_timeout: waits anew
                 logger.debug("The wait for the wake-up turn was cancelled; waiting again.")
 
     def stop(self) -> None:

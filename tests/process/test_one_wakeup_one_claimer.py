@@ -83,7 +83,8 @@ def test_a_worker_killed_holding_a_wake_up_leaves_it_to_the_next(start_worker) -
 
 
 def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker) -> None:
-    workers = [start_worker("sleep", "--concurrency", "1", env=SLOW_POLL) for _ in range(2)]
+    for _ in range(2):
+        start_worker("sleep", "--concurrency", "1", env=SLOW_POLL)
     wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
     Sleep.enqueue({"key": "long", "seconds": 60})
     wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
@@ -92,8 +93,23 @@ def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker
     wait_until(lambda: succeeded(short.pk), timeout=20, what="the idle worker to claim")
     pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
     assert pids["long"] != pids["short"]
-    for worker in workers:
-        worker.kill()
+
+
+def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
+    workers = [start_worker("sleep", "--concurrency", "2", env=SLOW_POLL) for _ in range(2)]
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    # The holder claims it, and has room for more: it keeps the turn.
+    Sleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    pid = Execution.objects.get(key="long", kind="start").pid
+    (holder,) = [worker for worker in workers if worker.pid == pid]
+    # Stopping, it waits for its running item (SHUTDOWN_TIMEOUT: 30 s) and claims
+    # nothing more: the turn goes to the other worker, which claims the next item.
+    holder.signal(signal.SIGTERM)
+    late = Sleep.enqueue({"key": "late", "seconds": 0})
+    wait_until(lambda: succeeded(late.pk), timeout=20, what="the other worker to claim")
+    assert holder.proc.poll() is None
+    assert Execution.objects.get(key="late", kind="start").pid != pid
 
 
 def test_a_statement_timeout_does_not_end_the_wait_for_the_turn(start_worker) -> None:
