@@ -41,6 +41,7 @@ idle). Not on SQLite, where every poll takes the database's write lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -138,8 +139,7 @@ def claim_group(queues: Sequence[str] | None, handlers: Sequence[str]) -> str:
     take turns apart, so that a wake-up never goes to a worker that cannot
     claim its row.
     """
-    where = ",".join(sorted(queues)) if queues else "*"
-    return f"{where}\n{','.join(sorted(handlers))}"
+    return json.dumps([sorted(queues) if queues else None, sorted(handlers)])
 
 
 class LocalWaker:
