@@ -102,9 +102,8 @@ class ClaimLoop:
         #: The last claim statement found fewer rows than it asked for.
         self._ran_dry = False
         #: The last claim (not an urgent one) came back full, or the loop was woken with
-        #: no room: more may be ready than this worker takes, so it passes the wake-up
-        #: turn on (``wakeup.Listener``) until a claim of its comes back short.
-        self.saturated = False
+        #: no room (``saturated``).
+        self._saturated = False
         #: Wake-ups announced so far (the listener's thread adds), and their count when
         #: the last claim began if it found all that was ready (``Claim.drained``); a
         #: buffer running low claims again only once they differ.
@@ -124,6 +123,12 @@ class ClaimLoop:
         #: (``retired``) or rows come, a low buffer does not wake the loop (an empty keyed
         #: claim costs as much as a full one).
         self.rests = False
+
+    @property
+    def saturated(self) -> bool:
+        """More may be ready than this worker takes, or it is stopping: it passes the
+        wake-up turn on (``wakeup.Listener``) until a claim of its comes back short."""
+        return self._saturated or self.control.stopping.is_set()
 
     # -- one step --------------------------------------------------------------
 
@@ -176,7 +181,7 @@ class ClaimLoop:
         self._ran_dry = result.dry
         self._drained = heard if result.drained else None
         if not self._urgent_claim:
-            self.saturated = not result.dry
+            self._saturated = not result.dry
         self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
@@ -291,7 +296,7 @@ class ClaimLoop:
         # given back meanwhile would otherwise hold the next claim back.
         room = self._room(target)
         if room <= 0:
-            self.saturated = True  # woken with no room: let an idle worker take the rows
+            self._saturated = True  # woken with no room: let an idle worker take the rows
         if self.ledger.buffered() > self._refill_at:
             return 0
         return room

@@ -50,7 +50,7 @@ from django_dbworker.worker.settle import Settler
 from django_dbworker.worker.shutdown import Shutdown
 from django_dbworker.worker.slow_checks import Watcher
 from django_dbworker.worker.success_writer import SuccessWriter
-from django_dbworker.worker.wakeup import Listener, LocalWaker, claim_group
+from django_dbworker.worker.wakeup import Listener, LocalWaker
 from django_dbworker.worker.watchdog import Watchdog
 
 __all__ = ["Worker", "WorkerConfig"]
@@ -286,16 +286,7 @@ class Worker:
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
             if self.ops.supports_notify and cfg.wakeups:
-                self.listener = Listener.of(
-                    cfg,
-                    wake=self._announced,
-                    group=lambda: claim_group(cfg.queues, list(self.work_item_handlers)),
-                    # Stopping, it claims no more: the turn goes to a worker that does.
-                    saturated=lambda: (
-                        control.stopping.is_set()
-                        or (self.claim_loop is not None and self.claim_loop.saturated)
-                    ),
-                )
+                self.listener = Listener.of(cfg, wake=self._announced, claimer=self.claim_loop)
                 self.listener.start()
                 started.append(self.listener)
             else:

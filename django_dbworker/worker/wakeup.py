@@ -47,7 +47,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from django_dbworker.db import (
     Subscription,
@@ -129,6 +130,17 @@ class AdaptivePoll:
 def polls_adaptively(ops: VendorOperations, wakeups: bool) -> bool:
     """Whether the idle loop polls adaptively: where the vendor asks, or LISTEN is off."""
     return ops.poll_adaptively or (ops.supports_notify and not wakeups)
+
+
+class Claimer(Protocol):
+    """What the listener asks of the claim loop it wakes (``ClaimLoop``)."""
+
+    @property
+    def saturated(self) -> bool:
+        """More may be ready than it takes now, or it is stopping: it passes the turn on."""
+        ...
+
+    def handlers(self) -> Mapping[str, Any]: ...
 
 
 def claim_group(queues: Sequence[str] | None, handlers: Sequence[str]) -> str:
@@ -234,17 +246,15 @@ class Listener(threading.Thread):
 
     @classmethod
     def of(
-        cls,
-        config: WorkerConfig,
-        *,
-        wake: Callable[[int | None], None],
-        group: Callable[[], str] | None = None,
-        saturated: Callable[[], bool] = lambda: False,
+        cls, config: WorkerConfig, *, wake: Callable[[int | None], None], claimer: Claimer | None
     ) -> Listener:
-        """The listener of a worker told ``config``: its aliases, queues and WAKEUP_WINDOW."""
+        """The listener of a worker told ``config``: its aliases, queues and WAKEUP_WINDOW,
+        taking turns for ``claimer`` (its claim loop)."""
         return cls(
-            group=group,
-            saturated=saturated,
+            group=None
+            if claimer is None
+            else lambda: claim_group(config.queues, list(claimer.handlers())),
+            saturated=(lambda: False) if claimer is None else lambda: claimer.saturated,
             using=config.listen_using,
             queues=config.queues,
             wake=wake,
