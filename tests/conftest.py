@@ -39,11 +39,15 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
     count too. Poll it at most every 0.2 s on MariaDB: InnoDB refreshes its
     INNODB_TRX cache only when the previous read is more than 0.1 s old.
     """
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
+            # Workers waiting for their wake-up turn (worker/wakeup.py) wait on a lock too.
             cursor.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND wait_event <> 'advisory' AND datname = current_database()"
+                "AND datname = current_database() AND query NOT LIKE %s",
+                [f"%pg_advisory_lock({WAKE_TURN_SPACE},%"],
             )
         else:
             cursor.execute(
