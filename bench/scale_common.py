@@ -134,6 +134,12 @@ class Snapshot:
             **{k: self.db[k] - before.db[k] for k in self.db},
             "statements": sum(n for _, n in calls.values()),
             "statements_control": control,
+            # Claim statements that ran, found rows or not (the claim's CTE: postgresql_sql).
+            "claims": sum(
+                n
+                for q, n in calls.values()
+                if "FOR UPDATE SKIP LOCKED" in q and q.lstrip().startswith("WITH c AS MATERIALIZED")
+            ),
             "top": sorted(calls.values(), key=lambda qc: -qc[1])[:12],
         }
 

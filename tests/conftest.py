@@ -39,11 +39,15 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
     count too. Poll it at most every 0.2 s on MariaDB: InnoDB refreshes its
     INNODB_TRX cache only when the previous read is more than 0.1 s old.
     """
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
+            # Workers waiting for their wake-up turn (worker/wakeup.py) wait on a lock too.
             cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database() AND query NOT LIKE %s",
+                [f"%pg_advisory_lock({WAKE_TURN_SPACE},%"],
             )
         else:
             cursor.execute(
@@ -55,6 +59,23 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
             )
         (n,) = cursor.fetchone()
     return int(n)
+
+
+def wake_turns(using: str = "default") -> tuple[int, int]:
+    """Workers holding a wake-up turn, and workers waiting for one (PostgreSQL's ``pg_locks``)."""
+    from django.db import connections
+
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) "
+            "FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [WAKE_TURN_SPACE],
+        )
+        held, waiting = cursor.fetchone()
+    return int(held), int(waiting)
 
 
 @pytest.fixture

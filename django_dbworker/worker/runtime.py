@@ -291,7 +291,7 @@ class Worker:
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
             if self.ops.supports_notify and cfg.wakeups:
-                self.listener = Listener.of(cfg, wake=self._announced)
+                self.listener = Listener.of(cfg, wake=self._announced, claimer=self.claim_loop)
                 self.listener.start()
                 started.append(self.listener)
             else:
