@@ -173,8 +173,12 @@ def wait_buffered_behind_gate(worker: Any) -> None:
         lambda: Execution.objects.filter(key="gated-0", kind="start").exists(),
         what="the first gated item to hold the thread",
     )
+    # A few rows are enough to tell an order; how many the worker buffers
+    # follows the pace it measured on the fast items, so the machine's speed
+    # (about 170 alone, 70 beside another test run on 2 cores; fewer under a
+    # heavier load).
     wait_until(
-        lambda: WorkItem.objects.filter(status="claimed").count() >= 100,
+        lambda: WorkItem.objects.filter(status="claimed").count() >= 10,
         what="rows buffered behind it",
     )
     wait_until(lambda: worker.idle.is_set() or not worker.wake.is_set(), what="a quiet loop")

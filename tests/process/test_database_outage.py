@@ -109,6 +109,13 @@ def test_an_outage_is_one_warning_reminders_and_one_line_when_back(
             timeout=30,
             what="work enqueued after the outage to run",
         )
+        # The scheduler's first pass after the outage names the slots it missed
+        # (on its own clock: it can come after the claim loop's first work).
+        wait_until(
+            lambda: "missed slots while the database was unreachable" in log_path.read_text(),
+            timeout=30,
+            what="the scheduler to name the slots missed during the outage",
+        )
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)

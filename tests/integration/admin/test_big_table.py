@@ -1,5 +1,10 @@
 """The admin on 1,000,000 rows (PostgreSQL): fixed query budget, index-driven SQL.
 
+What makes a page fast on a big table is asserted (its number of queries,
+plans that use an index and never scan the table); the times are printed as
+measurements, not asserted: a busy machine stretches them, and speed is the
+benchmarks' business.
+
 The rows are made once for the module with one INSERT ... SELECT
 generate_series (see bench/bigtable.py) and removed afterwards.
 """
@@ -66,8 +71,6 @@ BUDGET = 8
 #: orphans, the last hour's throughput, run times and failures, and the
 #: paused queues (one QueueState read, for their marker).
 BUDGETS = {"summary (dashboard)": 11}
-#: Generous bounds for a shared CI machine; the report prints the real times.
-SECONDS = 2.0
 
 
 def test_every_page_is_fast_by_construction(
@@ -84,7 +87,6 @@ def test_every_page_is_fast_by_construction(
         assert response.status_code == 200, label
         queries = ctx.captured_queries
         assert len(queries) <= BUDGETS.get(label, BUDGET), (label, [q["sql"] for q in queries])
-        assert elapsed < SECONDS, (label, elapsed)
         for query in queries:
             sql = query["sql"]
             if TABLE not in sql or sql.lstrip().upper().startswith("EXPLAIN"):
@@ -145,7 +147,6 @@ def test_the_select_all_confirmation_counts_without_a_scan(
         response = superuser_client.post(url, data)
         elapsed = time.perf_counter() - started
     assert response.status_code == 200 and 'id="dbw-confirm"' in response.content.decode()
-    assert elapsed < SECONDS, elapsed
     for query in ctx.captured_queries:
         sql = query["sql"]
         if TABLE not in sql or sql.lstrip().upper().startswith("EXPLAIN"):
@@ -193,7 +194,6 @@ def test_the_batches_pages_are_index_driven(
         assert response.status_code == 200, label
         queries = ctx.captured_queries
         assert len(queries) <= budget, (label, [q["sql"] for q in queries])
-        assert elapsed < SECONDS, (label, elapsed)
         for query in queries:
             sql = query["sql"]
             if TABLE not in sql or sql.lstrip().upper().startswith("EXPLAIN"):
@@ -234,7 +234,6 @@ def test_the_payload_search_is_served_by_a_gin_index_where_there_is_one(
         assert listed == [str(row)]
         report.append(f"{label:18} {elapsed * 1000:8.1f} ms")
     assert len(ctx.captured_queries) <= BUDGET
-    assert elapsed < SECONDS, elapsed
     for query in ctx.captured_queries:
         sql = query["sql"]
         if TABLE not in sql or "@>" not in sql:
