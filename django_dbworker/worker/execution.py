@@ -395,7 +395,7 @@ async def _execute_async(
     try:
         if type(handler).attempt_started is not WorkItemHandler.attempt_started:
             await offload(handler.attempt_started, item)  # a hook of the handler's (signals)
-        task: asyncio.Task[Any] = asyncio.ensure_future(handler.handle_item(item))
+        task: asyncio.Task[Any] = asyncio.ensure_future(_contained(handler.handle_item(item)))
     except Exception as exc:
         failure = exc
     else:
@@ -446,6 +446,8 @@ async def _execute_async(
                     landed=observer.landed,
                 )
             )
+        except _Escaped as exc:
+            failure = exc.cause
         except BaseException as exc:
             failure = exc
         else:
@@ -464,6 +466,25 @@ async def _execute_async(
             landed=observer.landed,
         )
     )
+
+
+class _Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt a handler's coroutine raised, carried as a plain
+    error: asyncio re-raises those two out of the loop itself, which would end the loop's
+    thread and strand every attempt on it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+async def _contained(coro: Awaitable[Any]) -> Any:
+    """Await the handler's coroutine; its SystemExit or KeyboardInterrupt stays in its
+    task (``_Escaped``) and fails its attempt only."""
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from exc
 
 
 async def _finish(write: Awaitable[Ending]) -> Ending:

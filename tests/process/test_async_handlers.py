@@ -20,7 +20,15 @@ from django_dbworker.models import Status, WorkItem
 from tests.conftest import WorkerProcess, wait_until
 from tests.testapp import tasks
 from tests.testapp.models import Execution
-from tests.testapp.workers import AsyncBlocks, AsyncKeyed, AsyncSleep, AsyncTimed, BatchDone, Sleep
+from tests.testapp.workers import (
+    AsyncBlocks,
+    AsyncKeyed,
+    AsyncRaises,
+    AsyncSleep,
+    AsyncTimed,
+    BatchDone,
+    Sleep,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -182,3 +190,31 @@ def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_rep
     assert len(_times("victim", "start")) == 2 and len(_times("victim", "end")) == 1
     log = second.log()
     assert "event loop was blocked" in log and "time.sleep(" in log, log
+
+
+def test_an_async_handler_ending_badly_fails_its_item_alone_and_long_items_heartbeat(
+    start_worker: StartWorker,
+) -> None:
+    """SystemExit, KeyboardInterrupt or GeneratorExit raised by a coroutine, or a result
+    JSON cannot hold, fails that item with its error; the loop goes on serving the items
+    after them. An async item running past STALE_AFTER is heartbeated: never recovered."""
+    bad = {
+        name: AsyncRaises.enqueue({"raise": name}, priority=5)
+        for name in ("SystemExit", "KeyboardInterrupt", "GeneratorExit")
+    }
+    not_json = AsyncRaises.enqueue({}, priority=5)
+    long = AsyncSleep.enqueue({"key": "long", "seconds": 3.0}, priority=5)
+    after = AsyncSleep.enqueue_many([{"key": f"after{i}"} for i in range(3)])
+    worker = start_worker("async_raises", "async_sleep", "--concurrency", "1", env=FAST_STALE)
+    _ended([*bad.values(), not_json, long, *after], timeout=30)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    for name, item in bad.items():
+        row = WorkItem.objects.get(pk=item.pk)
+        assert row.status == Status.FAILED and name in row.last_error, (name, row.last_error)
+    row = WorkItem.objects.get(pk=not_json.pk)
+    assert row.status == Status.FAILED and "JSON" in row.last_error, row.last_error
+    assert {WorkItem.objects.get(pk=i.pk).status for i in after} == {Status.SUCCEEDED}
+    row = WorkItem.objects.get(pk=long.pk)
+    assert row.status == Status.SUCCEEDED and row.attempts == 1
+    assert len(_times("long", "start")) == 1

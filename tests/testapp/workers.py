@@ -748,3 +748,19 @@ class AsyncBlocks(WorkItemHandler):
 
     async def handle(self, payload: Any) -> None:
         time.sleep(float(payload["seconds"]))
+
+
+class AsyncRaises(WorkItemHandler):
+    """An async handler that ends badly: raises the BaseException its payload names
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``), or returns what JSON
+    cannot hold. Each such item fails alone; the loop serves the others."""
+
+    name = "async_raises"
+    max_attempts = 1
+
+    async def handle(self, payload: Any) -> Any:
+        import builtins
+
+        if "raise" in payload:
+            raise getattr(builtins, payload["raise"])("raised by the handler")
+        return {1, 2}
