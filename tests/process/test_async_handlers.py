@@ -17,7 +17,7 @@ import pytest
 
 from django_dbworker import batch
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import WorkerProcess, wait_until
+from tests.conftest import WorkerProcess, is_server_database, kill_other_connections, wait_until
 from tests.testapp import tasks
 from tests.testapp.models import Execution
 from tests.testapp.workers import (
@@ -25,6 +25,7 @@ from tests.testapp.workers import (
     AsyncKeyed,
     AsyncRaises,
     AsyncSleep,
+    AsyncSteps,
     AsyncTimed,
     BatchDone,
     Sleep,
@@ -218,3 +219,23 @@ def test_an_async_handler_ending_badly_fails_its_item_alone_and_long_items_heart
     row = WorkItem.objects.get(pk=long.pk)
     assert row.status == Status.SUCCEEDED and row.attempts == 1
     assert len(_times("long", "start")) == 1
+
+
+def test_async_handlers_query_again_once_the_database_dropped_their_connection(
+    start_worker: StartWorker,
+) -> None:
+    """A connection the server dropped (a restart, a failover) costs async handlers one
+    attempt, as it does sync ones: the connection their ORM calls share (Django's thread
+    for sync code) is tidied after a failure, and the retry queries on a new one."""
+    if not is_server_database():
+        pytest.skip("SQLite has no server to drop a connection")
+    first = AsyncSteps.enqueue({"key": "before"})
+    worker = start_worker("async_steps", "--concurrency", "1")
+    _ended([first])
+    assert kill_other_connections() > 0
+    after = AsyncSteps.enqueue_many([{"key": f"after{i}"} for i in range(3)])
+    _ended(after, timeout=30)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    rows = WorkItem.objects.filter(pk__in=[i.pk for i in after])
+    assert {row.status for row in rows} == {Status.SUCCEEDED}, [r.last_error for r in rows]

@@ -764,3 +764,40 @@ class AsyncRaises(WorkItemHandler):
         if "raise" in payload:
             raise getattr(builtins, payload["raise"])("raised by the handler")
         return {1, 2}
+
+
+class AsyncSteps(WorkItemHandler):
+    """An async handler whose payload picks what an attempt does: ``snooze`` once, fail
+    until attempt ``fail_until``, poll ``cancel_requested`` / ``cancel_check`` until
+    asked to stop, or (``stubborn``) catch its cancel and record ``late`` after it."""
+
+    name = "async_steps"
+    max_attempts = 3
+    timeout = 4.0
+
+    def backoff(self, attempt: int) -> float:
+        return 0.1
+
+    async def handle(self, payload: Any) -> Any:
+        import asyncio
+
+        from django_dbworker import Snooze
+
+        starts = await _arecord(payload, "start")
+        if payload.get("snooze") and starts == 1:
+            raise Snooze(0.1)
+        if starts < payload.get("fail_until", 0):
+            raise ValueError(f"attempt {starts} fails")
+        if payload.get("poll_cancel"):
+            check = self.cancel_check
+            while not (self.cancel_requested and check()):
+                await asyncio.sleep(0.05)
+            await _arecord(payload, "asked")
+            return "saw the request"
+        if payload.get("stubborn"):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await asyncio.sleep(float(payload["stubborn"]))
+                await _arecord(payload, "late")
+        return "done"
