@@ -193,12 +193,25 @@ def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_rep
     assert "event loop was blocked" in log and "time.sleep(" in log, log
 
 
-def test_an_async_handler_ending_badly_fails_its_item_alone_and_long_items_heartbeat(
+def test_async_items_end_alone_when_they_fail_and_never_wait_for_a_busy_thread(
     start_worker: StartWorker,
 ) -> None:
-    """SystemExit, KeyboardInterrupt or GeneratorExit raised by a coroutine, or a result
-    JSON cannot hold, fails that item with its error; the loop goes on serving the items
-    after them. An async item running past STALE_AFTER is heartbeated: never recovered."""
+    """While the one thread runs a long sync item, async items still start on the loop.
+    SystemExit, KeyboardInterrupt or GeneratorExit raised by a coroutine, or a result JSON
+    cannot hold, fails that item with its error; the loop goes on serving the others. An
+    async item running past STALE_AFTER is heartbeated: never recovered."""
+    busy = Sleep.enqueue({"key": "busy", "seconds": 60})
+    worker = start_worker(
+        "async_raises",
+        "async_sleep",
+        "sleep",
+        "--concurrency",
+        "1",
+        "--shutdown-timeout",
+        "1",
+        env=FAST_STALE,
+    )
+    wait_until(lambda: _times("busy", "start"), timeout=60, what="the sync item to start")
     bad = {
         name: AsyncRaises.enqueue({"raise": name}, priority=5)
         for name in ("SystemExit", "KeyboardInterrupt", "GeneratorExit")
@@ -206,10 +219,10 @@ def test_an_async_handler_ending_badly_fails_its_item_alone_and_long_items_heart
     not_json = AsyncRaises.enqueue({}, priority=5)
     long = AsyncSleep.enqueue({"key": "long", "seconds": 3.0}, priority=5)
     after = AsyncSleep.enqueue_many([{"key": f"after{i}"} for i in range(3)])
-    worker = start_worker("async_raises", "async_sleep", "--concurrency", "1", env=FAST_STALE)
     _ended([*bad.values(), not_json, long, *after], timeout=30)
     worker.signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.log()
+    assert WorkItem.objects.get(pk=busy.pk).status == Status.PENDING, "released at the stop"
     for name, item in bad.items():
         row = WorkItem.objects.get(pk=item.pk)
         assert row.status == Status.FAILED and name in row.last_error, (name, row.last_error)
