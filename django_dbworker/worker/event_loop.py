@@ -154,16 +154,18 @@ class EventLoop:
                 self._cond.wait(min(0.1, remaining))
         return True
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, abort: threading.Event) -> None:
         """Cancel every attempt still running (a stop past its drain) and wait for them.
 
         Their rows are left claimed for shutdown to release: nothing of their
-        coroutines runs after that (each gets CANCEL_GRACE to end).
+        coroutines runs after that (each gets CANCEL_GRACE to end, unless
+        ``abort``, a second signal, says now: ``close`` then stops the loop
+        under them).
         """
         if not self._started:
             return
         self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._outer)])
-        self.wait_idle(CANCEL_GRACE + 1.0, threading.Event())
+        self.wait_idle(CANCEL_GRACE + 1.0, abort)
 
     def close(self) -> None:
         """Stop the loop and its threads (after ``cancel_all``)."""

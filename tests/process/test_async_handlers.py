@@ -26,6 +26,7 @@ from tests.testapp.workers import (
     AsyncRaises,
     AsyncSleep,
     AsyncSteps,
+    AsyncStubborn,
     AsyncTimed,
     BatchDone,
     Sleep,
@@ -168,6 +169,24 @@ def test_a_cancel_stops_a_running_coroutine_and_sigterm_drains_then_releases(
     assert "Released 2 unfinished" in worker.log()
     assert not _times("held", "end") and not _times("long", "end")
     assert not _times("waiting", "start"), "it waited for a slot: it never started"
+
+
+def test_a_second_sigterm_stops_at_once_past_a_coroutine_that_ignores_its_cancel(
+    start_worker: StartWorker,
+) -> None:
+    """The second signal means now: a coroutine that swallows its cancel is not given its
+    CANCEL_GRACE; its row is released and nothing of it runs after."""
+    item = AsyncStubborn.enqueue({"key": "stubborn"})
+    worker = start_worker("async_stubborn", "--shutdown-timeout", "0")
+    wait_until(lambda: _times("stubborn", "start"), timeout=60, what="the item to start")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_log("SIGTERM received")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.PENDING and row.claim_token is None
+    assert "did not stop within" not in worker.log(), "it waited the grace out"
+    assert not _times("stubborn", "late")
 
 
 def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_reported(

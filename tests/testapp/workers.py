@@ -779,3 +779,19 @@ class AsyncSteps(WorkItemHandler):
     async def handle(self, payload: Any) -> str:
         await _arecord(payload, "start")
         return "done"
+
+
+class AsyncStubborn(WorkItemHandler):
+    """An async handler that swallows its cancel and goes on, then records ``late``."""
+
+    name = "async_stubborn"
+
+    async def handle(self, payload: Any) -> None:
+        import asyncio
+
+        await _arecord(payload, "start")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(30)
+        await _arecord(payload, "late")
