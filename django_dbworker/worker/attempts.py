@@ -199,8 +199,11 @@ class Ledger:
     def _push(self, attempt: Attempt) -> None:
         heapq.heappush(self._buffer, (attempt.order, next(self._seq), attempt))
 
-    def take_next(self, now: float, *, draining: bool) -> tuple[Attempt | None, State | None]:
-        """A pool thread takes the best buffered attempt to run it.
+    def take_next(
+        self, now: float, *, draining: bool, only: Callable[[Attempt], bool] | None = None
+    ) -> tuple[Attempt | None, State | None]:
+        """A pool thread takes the best buffered attempt to run it (with ``only``, the
+        best of those it accepts: the event loop's starter takes async ones).
 
         Answers ``(attempt, RUNNING)`` to run it, ``(attempt, LOST)`` for one
         recovered as stale while it waited (the caller drops it), or
@@ -210,25 +213,43 @@ class Ledger:
         with self._lock:
             if draining:
                 return None, None
-            while self._buffer:
-                attempt = heapq.heappop(self._buffer)[2]
-                state = attempt.state
-                if state is State.BUFFERED:  # the common case, inline: every job passes here
-                    priority = attempt.item.priority
-                    left = self._buffered[priority] - 1
-                    if left:
-                        self._buffered[priority] = left
-                    else:
-                        del self._buffered[priority]
-                    attempt.state = State.RUNNING
-                    attempt.started_at = now
-                    return attempt, State.RUNNING
-                if state is State.LOST and attempt.started_at is None:
-                    # Handed out once to be dropped (a restored attempt has a
-                    # second heap entry: that one is skipped).
-                    attempt.started_at = now
-                    return attempt, State.LOST
-            return None, None
+            skipped: list[tuple[tuple[int, datetime, int], int, Attempt]] = []
+            try:
+                return self._pop(now, only, skipped)
+            finally:
+                for entry in skipped:
+                    heapq.heappush(self._buffer, entry)
+
+    def _pop(
+        self,
+        now: float,
+        only: Callable[[Attempt], bool] | None,
+        skipped: list[tuple[tuple[int, datetime, int], int, Attempt]],
+    ) -> tuple[Attempt | None, State | None]:
+        """``take_next``'s search, under the lock; entries ``only`` refuses go to ``skipped``."""
+        while self._buffer:
+            entry = heapq.heappop(self._buffer)
+            attempt = entry[2]
+            state = attempt.state
+            if only is not None and state is State.BUFFERED and not only(attempt):
+                skipped.append(entry)
+                continue
+            if state is State.BUFFERED:  # the common case, inline: every job passes here
+                priority = attempt.item.priority
+                left = self._buffered[priority] - 1
+                if left:
+                    self._buffered[priority] = left
+                else:
+                    del self._buffered[priority]
+                attempt.state = State.RUNNING
+                attempt.started_at = now
+                return attempt, State.RUNNING
+            if state is State.LOST and attempt.started_at is None:
+                # Handed out once to be dropped (a restored attempt has a
+                # second heap entry: that one is skipped).
+                attempt.started_at = now
+                return attempt, State.LOST
+        return None, None
 
     def lowest_buffered_priority(self) -> int | None:
         """The lowest priority among buffered attempts (None: nothing buffered)."""

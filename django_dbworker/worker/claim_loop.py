@@ -62,6 +62,7 @@ class ClaimLoop:
         clock: Clock,
         handlers: Callable[[], dict[str, WorkItemHandler]],
         run_next: Callable[[], None],
+        start_async: Callable[[], None] = lambda: None,
         healthy: Callable[[], bool],
         raise_errors: bool,
         priorities_arrive: Callable[[], bool] = lambda: False,
@@ -84,6 +85,8 @@ class ClaimLoop:
         self.handlers = handlers
         #: What a pool thread runs: the best buffered attempt (``AttemptRunner.run_next``).
         self.run_next = run_next
+        #: What the event loop's threads run per claimed async row (``AttemptRunner.start_async``).
+        self.start_async = start_async
         self.healthy = healthy
         #: Inline, a claim error is the caller's (its connection, its transaction).
         self.raise_errors = raise_errors
@@ -354,6 +357,10 @@ class ClaimLoop:
         attempts = [Attempt(item, handlers[item.handler], claimed_at=claimed_at) for item in items]
         self.ledger.add(attempts)
         self.pool.submit_many([self.run_next] * len(attempts))
+        if self.event_loop is not None:
+            starts = sum(1 for attempt in attempts if runs_async(type(attempt.handler)))
+            if starts:
+                self.event_loop.start_soon([self.start_async] * starts)
 
     def _shed_hoard(self) -> None:
         """Give back buffered rows this worker cannot start soon.

@@ -95,6 +95,14 @@ class EventLoop:
             self._count += 1
         self._loop.call_soon_threadsafe(self._spawn, attempt, run)
 
+    def start_soon(self, fns: list[Callable[[], None]]) -> None:
+        """Call each of ``fns`` on the loop's own threads (the starts of async attempts, which
+        must not wait for a pool thread busy with a long sync item)."""
+        self.start()
+        for fn in fns:
+            with contextlib.suppress(RuntimeError):  # closed by a stop: the pool's calls stand
+                self._offload.submit(_logged, fn)
+
     def _spawn(self, attempt: Attempt, run: Callable[[], Awaitable[None]]) -> None:
         task = self._loop.create_task(self._in_slot(attempt, run))
         self._outer.add(task)
@@ -146,16 +154,18 @@ class EventLoop:
                 self._cond.wait(min(0.1, remaining))
         return True
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, abort: threading.Event) -> None:
         """Cancel every attempt still running (a stop past its drain) and wait for them.
 
         Their rows are left claimed for shutdown to release: nothing of their
-        coroutines runs after that (each gets CANCEL_GRACE to end).
+        coroutines runs after that (each gets CANCEL_GRACE to end, unless
+        ``abort``, a second signal, says now: ``close`` then stops the loop
+        under them).
         """
         if not self._started:
             return
         self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._outer)])
-        self.wait_idle(CANCEL_GRACE + 1.0, threading.Event())
+        self.wait_idle(CANCEL_GRACE + 1.0, abort)
 
     def close(self) -> None:
         """Stop the loop and its threads (after ``cancel_all``)."""
@@ -235,3 +245,11 @@ class EventLoop:
             logger.warning(
                 "The worker's event loop answered again after %.1fs.", time.monotonic() - started
             )
+
+
+def _logged(fn: Callable[[], None]) -> None:
+    """``fn``, its unexpected error logged (an executor would keep it in a future unread)."""
+    try:
+        fn()
+    except BaseException:
+        logger.exception("Unexpected error while starting an async item.")

@@ -21,6 +21,7 @@ This module decides and writes; it *returns* what happened (an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -29,6 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import errortext, tracing, transitions
@@ -58,6 +60,10 @@ from django_dbworker.worker.endings import SILENT, Ending, Observer
 from django_dbworker.worker.failures import record_failure, record_refused_result
 
 logger = logging.getLogger("django_dbworker.worker")
+
+#: Seconds a failed async attempt waits for Django's thread for sync code to tidy its
+#: connections (``_tidy_sync_thread``) before it is recorded anyway.
+SYNC_TIDY_WAIT = 1.0
 
 #: Hands a success to the success writer: (item, result as JSON text or
 #: None). The writer records it and its ending is settled from there; it
@@ -395,7 +401,7 @@ async def _execute_async(
     try:
         if type(handler).attempt_started is not WorkItemHandler.attempt_started:
             await offload(handler.attempt_started, item)  # a hook of the handler's (signals)
-        task: asyncio.Task[Any] = asyncio.ensure_future(handler.handle_item(item))
+        task: asyncio.Task[Any] = asyncio.ensure_future(_contained(handler.handle_item(item)))
     except Exception as exc:
         failure = exc
     else:
@@ -409,6 +415,7 @@ async def _execute_async(
             raise
         if not done:
             await _stop(task, item, handler, observer=observer)
+            await _tidy_sync_thread(item)
             assert timeout is not None
             error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
             ready()
@@ -446,12 +453,15 @@ async def _execute_async(
                     landed=observer.landed,
                 )
             )
+        except _Escaped as exc:
+            failure = exc.cause
         except BaseException as exc:
             failure = exc
         else:
             ready()
             ready.reported = record_success(item, encoded)
             return endings.DEFERRED
+        await _tidy_sync_thread(item)
     ready()
     return await _finish(
         offload(
@@ -464,6 +474,38 @@ async def _execute_async(
             landed=observer.landed,
         )
     )
+
+
+async def _tidy_sync_thread(item: WorkItem) -> None:
+    """After a failed async attempt, ``tidy_all`` on Django's one thread for sync code.
+
+    Handlers' ORM calls (``sync_to_async``, Django's async ORM) share that
+    thread's connections: one the server dropped would fail every later
+    attempt, as a pool thread's would without its tidying between items.
+    A thread held by another handler's long call is not waited for.
+    """
+    tidying = sync_to_async(tidy_all)(item._state.db or "default")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(tidying, timeout=SYNC_TIDY_WAIT)
+
+
+class _Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt a handler's coroutine raised, carried as a plain
+    error: asyncio re-raises those two out of the loop itself, which would end the loop's
+    thread and strand every attempt on it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+async def _contained(coro: Awaitable[Any]) -> Any:
+    """Await the handler's coroutine; its SystemExit or KeyboardInterrupt stays in its
+    task (``_Escaped``) and fails its attempt only."""
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from exc
 
 
 async def _finish(write: Awaitable[Ending]) -> Ending:

@@ -91,6 +91,21 @@ class AttemptRunner:
         attempt = self._start()
         if attempt is None:
             return
+        self._run(attempt)
+
+    def start_async(self) -> None:
+        """Start the best buffered async attempt on the event loop, from one of its threads.
+
+        The claim loop queues one call per claimed async row, beside the pool
+        call every row gets: async rows start while every thread is busy with
+        long sync ones (whichever call comes first starts the row; the other
+        finds nothing and returns).
+        """
+        attempt = self._start(only=_runs_async)
+        if attempt is not None:
+            self._run(attempt)
+
+    def _run(self, attempt: Attempt) -> None:
         assert attempt.started_at is not None
         if self.event_loop is not None and runs_async(type(attempt.handler)):
             self.event_loop.submit(attempt, lambda: self._run_async(attempt))
@@ -129,7 +144,7 @@ class AttemptRunner:
         # Hooks are user code that may block: never on the loop.
         self.settler.settle(attempt, ending, defer_hook=True)
 
-    def _start(self) -> Attempt | None:
+    def _start(self, only: Callable[[Attempt], bool] | None = None) -> Attempt | None:
         """Take the best buffered attempt out of the buffer to run it; None if none may run.
 
         A worker that is stopping (or whose watchdog just tripped) releases
@@ -143,7 +158,7 @@ class AttemptRunner:
         if not self.healthy():
             return None
         attempt, state = self.ledger.take_next(
-            self.clock.now(), draining=self.control.draining.is_set()
+            self.clock.now(), draining=self.control.draining.is_set(), only=only
         )
         if attempt is None:
             return None  # nothing buffered, or released by shutdown / shedding
@@ -279,3 +294,7 @@ class _AttemptObserver(Observer):
 
     def late(self, ending: Ending) -> None:
         self.settler.settle(self.attempt, ending, late=True)
+
+
+def _runs_async(attempt: Attempt) -> bool:
+    return runs_async(type(attempt.handler))

@@ -260,6 +260,7 @@ class Worker:
             clock=self.clock,
             handlers=lambda: self.work_item_handlers,
             run_next=runner.run_next,
+            start_async=runner.start_async,
             healthy=self.watchdog.check,
             raise_errors=parts.raise_claim_errors,
             # Wake-ups say what they announce: a listener whose probe came back.

@@ -93,7 +93,7 @@ class Shutdown:
             pool.wait_idle(cfg.shutdown_timeout, abort=control.aborting)
         if aio is not None:
             if not aio.wait_idle(max(0.0, deadline - clock.now()), control.aborting):
-                aio.cancel_all()
+                aio.cancel_all(control.aborting)
             aio.close()
         if writer is not None:
             writer.close()  # successes handed over are written now

@@ -17,10 +17,20 @@ import pytest
 
 from django_dbworker import batch
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import WorkerProcess, wait_until
+from tests.conftest import WorkerProcess, is_server_database, kill_other_connections, wait_until
 from tests.testapp import tasks
 from tests.testapp.models import Execution
-from tests.testapp.workers import AsyncBlocks, AsyncKeyed, AsyncSleep, AsyncTimed, BatchDone, Sleep
+from tests.testapp.workers import (
+    AsyncBlocks,
+    AsyncKeyed,
+    AsyncRaises,
+    AsyncSleep,
+    AsyncSteps,
+    AsyncStubborn,
+    AsyncTimed,
+    BatchDone,
+    Sleep,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -161,6 +171,24 @@ def test_a_cancel_stops_a_running_coroutine_and_sigterm_drains_then_releases(
     assert not _times("waiting", "start"), "it waited for a slot: it never started"
 
 
+def test_a_second_sigterm_stops_at_once_past_a_coroutine_that_ignores_its_cancel(
+    start_worker: StartWorker,
+) -> None:
+    """The second signal means now: a coroutine that swallows its cancel is not given its
+    CANCEL_GRACE; its row is released and nothing of it runs after."""
+    item = AsyncStubborn.enqueue({"key": "stubborn"})
+    worker = start_worker("async_stubborn", "--shutdown-timeout", "0")
+    wait_until(lambda: _times("stubborn", "start"), timeout=60, what="the item to start")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_log("SIGTERM received")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.PENDING and row.claim_token is None
+    assert "did not stop within" not in worker.log(), "it waited the grace out"
+    assert not _times("stubborn", "late")
+
+
 def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_reported(
     start_worker: StartWorker,
 ) -> None:
@@ -182,3 +210,64 @@ def test_an_async_item_of_a_killed_worker_is_recovered_and_a_blocked_loop_is_rep
     assert len(_times("victim", "start")) == 2 and len(_times("victim", "end")) == 1
     log = second.log()
     assert "event loop was blocked" in log and "time.sleep(" in log, log
+
+
+def test_async_items_end_alone_when_they_fail_and_never_wait_for_a_busy_thread(
+    start_worker: StartWorker,
+) -> None:
+    """While the one thread runs a long sync item, async items still start on the loop.
+    SystemExit, KeyboardInterrupt or GeneratorExit raised by a coroutine, or a result JSON
+    cannot hold, fails that item with its error; the loop goes on serving the others. An
+    async item running past STALE_AFTER is heartbeated: never recovered."""
+    busy = Sleep.enqueue({"key": "busy", "seconds": 60})
+    worker = start_worker(
+        "async_raises",
+        "async_sleep",
+        "sleep",
+        "--concurrency",
+        "1",
+        "--shutdown-timeout",
+        "1",
+        env=FAST_STALE,
+    )
+    wait_until(lambda: _times("busy", "start"), timeout=60, what="the sync item to start")
+    bad = {
+        name: AsyncRaises.enqueue({"raise": name}, priority=5)
+        for name in ("SystemExit", "KeyboardInterrupt", "GeneratorExit")
+    }
+    not_json = AsyncRaises.enqueue({}, priority=5)
+    long = AsyncSleep.enqueue({"key": "long", "seconds": 3.0}, priority=5)
+    after = AsyncSleep.enqueue_many([{"key": f"after{i}"} for i in range(3)])
+    _ended([*bad.values(), not_json, long, *after], timeout=30)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    assert WorkItem.objects.get(pk=busy.pk).status == Status.PENDING, "released at the stop"
+    for name, item in bad.items():
+        row = WorkItem.objects.get(pk=item.pk)
+        assert row.status == Status.FAILED and name in row.last_error, (name, row.last_error)
+    row = WorkItem.objects.get(pk=not_json.pk)
+    assert row.status == Status.FAILED and "JSON" in row.last_error, row.last_error
+    assert {WorkItem.objects.get(pk=i.pk).status for i in after} == {Status.SUCCEEDED}
+    row = WorkItem.objects.get(pk=long.pk)
+    assert row.status == Status.SUCCEEDED and row.attempts == 1
+    assert len(_times("long", "start")) == 1
+
+
+def test_async_handlers_query_again_once_the_database_dropped_their_connection(
+    start_worker: StartWorker,
+) -> None:
+    """A connection the server dropped (a restart, a failover) costs async handlers one
+    attempt, as it does sync ones: the connection their ORM calls share (Django's thread
+    for sync code) is tidied after a failure, and the retry queries on a new one."""
+    if not is_server_database():
+        pytest.skip("SQLite has no server to drop a connection")
+    first = AsyncSteps.enqueue({"key": "before"})
+    worker = start_worker("async_steps", "--concurrency", "1")
+    _ended([first])
+    assert kill_other_connections() > 0
+    after = AsyncSteps.enqueue_many([{"key": f"after{i}"} for i in range(3)])
+    _ended(after, timeout=30)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.log()
+    rows = WorkItem.objects.filter(pk__in=[i.pk for i in after])
+    assert {row.status for row in rows} == {Status.SUCCEEDED}, [r.last_error for r in rows]

@@ -748,3 +748,50 @@ class AsyncBlocks(WorkItemHandler):
 
     async def handle(self, payload: Any) -> None:
         time.sleep(float(payload["seconds"]))
+
+
+class AsyncRaises(WorkItemHandler):
+    """An async handler that ends badly: raises the BaseException its payload names
+    (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``), or returns what JSON
+    cannot hold. Each such item fails alone; the loop serves the others."""
+
+    name = "async_raises"
+    max_attempts = 1
+
+    async def handle(self, payload: Any) -> Any:
+        import builtins
+
+        if "raise" in payload:
+            raise getattr(builtins, payload["raise"])("raised by the handler")
+        return {1, 2}
+
+
+class AsyncSteps(WorkItemHandler):
+    """An async handler that records its start through Django's thread for sync code (the
+    ORM from a coroutine), retried at once (0.1 s) up to 3 attempts."""
+
+    name = "async_steps"
+    max_attempts = 3
+
+    def backoff(self, attempt: int) -> float:
+        return 0.1
+
+    async def handle(self, payload: Any) -> str:
+        await _arecord(payload, "start")
+        return "done"
+
+
+class AsyncStubborn(WorkItemHandler):
+    """An async handler that swallows its cancel and goes on, then records ``late``."""
+
+    name = "async_stubborn"
+
+    async def handle(self, payload: Any) -> None:
+        import asyncio
+
+        await _arecord(payload, "start")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(30)
+        await _arecord(payload, "late")

@@ -148,6 +148,21 @@ def test_buffered_attempts_start_highest_priority_first_then_run_after_then_id()
     assert ledger.take_next(1.0, draining=False) == (None, None)
 
 
+def test_a_filtered_take_starts_the_best_accepted_attempt_and_leaves_the_others() -> None:
+    """The event loop's starter takes only async attempts (``only``); what it passes over
+    stays buffered, in order, for the pool threads."""
+    ledger = Ledger()
+    best, middle, last = _attempt(1, priority=3), _attempt(2, priority=2), _attempt(3)
+    ledger.add([best, middle, last])
+    wanted = {middle.key, last.key}
+    take = ledger.take_next
+    assert take(1.0, draining=False, only=lambda a: a.key in wanted) == (middle, State.RUNNING)
+    assert take(1.0, draining=False, only=lambda a: False) == (None, None)
+    assert ledger.buffered() == 2 and ledger.lowest_buffered_priority() == 0
+    assert take(1.0, draining=False) == (best, State.RUNNING)
+    assert take(1.0, draining=False) == (last, State.RUNNING)
+
+
 def test_a_lost_buffered_attempt_is_handed_out_to_be_dropped() -> None:
     ledger = Ledger()
     attempt = _attempt(1)
