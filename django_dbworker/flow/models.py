@@ -6,8 +6,19 @@ with the app; the claim statements of ``db/`` read and lock them.
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models.functions import Now
+
+from django_dbworker import validation
+
+
+def fair_weight_validator(value: object) -> None:
+    """A fair key's weight, as ``set_fair_weight`` takes it (the admin's form)."""
+    try:
+        validation.fair_weight(value)
+    except validation.InvalidValue as exc:
+        raise ValidationError(f"The weight {exc}.") from None
 
 
 class QueueState(models.Model):
@@ -99,7 +110,7 @@ class FairKey(models.Model):
     """
 
     key = models.CharField(max_length=200, primary_key=True, blank=True)
-    weight = models.FloatField(default=1.0)
+    weight = models.FloatField(default=1.0, validators=[fair_weight_validator])
     served = models.FloatField(default=0.0, editable=False)
     started = models.FloatField(default=0.0, editable=False)
 

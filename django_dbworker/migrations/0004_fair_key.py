@@ -2,6 +2,8 @@
 
 from django.db import migrations, models
 
+import django_dbworker.flow.models
+
 
 class Migration(migrations.Migration):
 
@@ -14,7 +16,7 @@ class Migration(migrations.Migration):
             name='FairKey',
             fields=[
                 ('key', models.CharField(blank=True, max_length=200, primary_key=True, serialize=False)),
-                ('weight', models.FloatField(default=1.0)),
+                ('weight', models.FloatField(default=1.0, validators=[django_dbworker.flow.models.fair_weight_validator])),
                 ('served', models.FloatField(default=0.0, editable=False)),
                 ('started', models.FloatField(default=0.0, editable=False)),
             ],

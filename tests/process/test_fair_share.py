@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
+from itertools import pairwise
 
 from django_dbworker import enqueue_many, set_fair_weight
 from django_dbworker.models import Status, WorkItem
@@ -51,7 +52,7 @@ def test_claims_rotate_across_keys_by_weight_with_priority_first(start_worker) -
     assert abs(window["none"] - 6) <= 2 and abs(window["c"] - 18) <= 3, window
     # Round robin, not blocks: b never waits more than a few starts for its next turn.
     b_at = [i for i, k in enumerate(starts) if k.startswith("b-")]
-    assert max(later - earlier for earlier, later in zip(b_at, b_at[1:], strict=False)) <= 8
+    assert max(later - earlier for earlier, later in pairwise(b_at)) <= 8
     # Work conservation: a alone at the end, the others done, nothing left.
     assert {_tenant(k) for k in starts[-40:]} == {"a"}
 

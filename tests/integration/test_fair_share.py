@@ -1,0 +1,94 @@
+"""Fair share between tenants: the key on every enqueue path, weights, bad input refused
+with nothing written, and what operators see (``dbworker_stats``, the admin's filter).
+The rotation itself runs in real workers: tests/process/test_fair_share.py."""
+
+from __future__ import annotations
+
+import math
+from io import StringIO
+from typing import Any, ClassVar
+
+import pytest
+from django.core.management import call_command
+
+from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many, set_fair_weight
+from django_dbworker.flow.models import FairKey
+from django_dbworker.models import WorkItem
+from tests.testapp.workers import Noop
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Tenanted(WorkItemHandler):
+    name = "tenanted_fair"
+    fair_key: ClassVar[str | None] = "tenant:declared"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("count", [1, 150])  # 150: PostgreSQL's COPY path
+def test_every_enqueue_path_carries_the_key_and_makes_its_rotation_row(count: int) -> None:
+    Noop.enqueue_many([None] * count, fair_key="tenant:1")
+    Noop.enqueue(None, fair_key="tenant:2")
+    enqueue("noop", None, fair_key="tenant:3")
+    enqueue_many("noop", [None], fair_key="tenant:4")
+    Tenanted.enqueue(None)  # the handler's own key
+    Tenanted.enqueue(None, fair_key="tenant:5")  # the enqueue's wins
+    keys = WorkItem.objects.values_list("fair_key", flat=True)
+    assert sorted(set(keys)) == [f"tenant:{n}" for n in (1, 2, 3, 4, 5)] + ["tenant:declared"]
+    assert list(keys).count("tenant:1") == count
+    assert sorted(FairKey.objects.values_list("key", flat=True)) == sorted(set(keys))
+
+
+@pytest.mark.parametrize("key", [5, b"k", "", "x" * 201, ["k"], True, "a\x00b"])
+def test_a_bad_fair_key_is_refused_writing_nothing(key: Any) -> None:
+    with pytest.raises(EnqueueError, match="fair_key"):
+        Noop.enqueue(None, fair_key=key)
+    with pytest.raises(EnqueueError, match="fair_key"):
+        Noop.enqueue_many([None, None], fair_key=key)
+    with pytest.raises(EnqueueError, match="fair_key"):
+        enqueue("noop", None, fair_key=key)
+    with pytest.raises(ValueError, match="fair key"):
+        set_fair_weight(key, 2)
+    assert not WorkItem.objects.exists() and not FairKey.objects.exists()
+
+
+@pytest.mark.parametrize("weight", [0, -1, "2", None, True, math.nan, math.inf, 1e7])
+def test_a_bad_weight_is_refused_writing_nothing(weight: Any) -> None:
+    with pytest.raises(ValueError, match="fair weight"):
+        set_fair_weight("tenant:1", weight)
+    assert not FairKey.objects.exists()
+
+
+def test_weights_are_kept_per_key_and_shown_with_the_busiest_keys() -> None:
+    set_fair_weight("big", 3)
+    set_fair_weight("big", 2.5)  # changed, not added
+    set_fair_weight(None, 0.5)  # the items without a key
+    Noop.enqueue_many([None] * 3, fair_key="big")
+    Noop.enqueue(None, fair_key="small")
+    Noop.enqueue(None)
+    assert dict(FairKey.objects.values_list("key", "weight")) == {
+        "big": 2.5,
+        "small": 1.0,
+        "": 0.5,
+    }
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    section = text[text.index("Fair keys with the most ready work") :]
+    lines = [line.split() for line in section.splitlines()[1:6]]
+    assert ["big", "3", "2.5"] in lines and ["small", "1", "1"] in lines, section
+
+
+def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
+    Noop.enqueue_many([None] * 2, fair_key="tenant:a")
+    other = Noop.enqueue(None, fair_key="tenant:b")
+    plain = Noop.enqueue(None)
+    url = "/admin/django_dbworker/workitem/"
+    page = admin_client.get(url, {"fair_key": "tenant:b"}).content.decode()
+    assert f"/{other.pk}/change/" in page and f"/{plain.pk}/change/" not in page
+    page = admin_client.get(url, {"fair_key": "-"}).content.decode()
+    assert f"/{plain.pk}/change/" in page and f"/{other.pk}/change/" not in page
+    queues = admin_client.get("/admin/django_dbworker/queuestate/").content.decode()
+    assert "dbw-fair-keys" in queues and "tenant:a" in queues
