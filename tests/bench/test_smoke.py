@@ -44,6 +44,11 @@ SCRIPTS = [
     ("startup.py", ["--runs", "1"], "startup"),
     ("w8_rate.py", ["--rate", "30", "--seconds", "1"], "w8_rate"),
     ("w9_batches.py", ["--items", "300", "--runs", "1", "--links", "5"], "w9_batches"),
+    (
+        "w12_fair.py",
+        ["--flood", "300", "--job-ms", "0", "--seconds", "1", "--items", "200", "--keys", "4"],
+        "w12_fair",
+    ),
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
     ("w5_memory.py", ["--items", "4000"], "w5_memory"),
     ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),
