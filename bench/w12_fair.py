@@ -122,11 +122,15 @@ def weights_leg(args: argparse.Namespace) -> dict[str, Any]:
     flood("D", args.flood // 2, args.job_ms)
     settle_table()
     workers = start_workers(args.processes, args.concurrency)
+    claimed = WorkItem.objects.filter(claimed_at__isnull=False)
+    deadline = time.monotonic() + 60  # the workers' start-up is not part of the leg
+    while not claimed.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(args.seconds)
     stop(workers)
-    rows = WorkItem.objects.filter(claimed_at__isnull=False).values_list("fair_key", "claimed_at")
+    rows = claimed.values_list("fair_key", "claimed_at")
     starts = sorted((at.timestamp(), key) for key, at in rows)
-    first = starts[0][0]
+    first = starts[0][0] if starts else 0.0
     windows: dict[int, dict[str, int]] = {}
     for at, key in starts:
         window = windows.setdefault(int((at - first) // 10), {"C": 0, "D": 0})

@@ -262,12 +262,14 @@ class WorkItem(models.Model):
             ),
             # A fair key's pending rows in claim order: a turn of the rotation claims
             # from it (``fair_key IS NULL`` too: the rows without a key take turns).
+            # MySQL/MariaDB: (fair_key, status, priority DESC, run_after, id), by migration
+            # 0004 (they build no partial index).
             models.Index(
                 "fair_key",
-                "status",
                 models.F("priority").desc(),
                 "run_after",
                 "id",
+                condition=Q(status="pending"),
                 name="dbworker_fair_idx",
             ),
             # A batch's unfinished items, probed when one of them ends.
