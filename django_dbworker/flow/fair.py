@@ -37,6 +37,7 @@ from django_dbworker.db.sql import Turn
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
 from django_dbworker.models import WorkItem
+from django_dbworker.routing import work_db_for_write
 
 #: The ``FairKey`` row of the rows without a fair key, which take turns as one key.
 NO_KEY = ""
@@ -45,12 +46,13 @@ NO_KEY = ""
 ClaimTurn = Callable[[int, Turn | None], Claimed[WorkItem]]
 
 
-def set_fair_weight(key: str | None, weight: float, *, using: str = "default") -> None:
+def set_fair_weight(key: str | None, weight: float, *, using: str | None = None) -> None:
     """Give ``key`` (None: the items without a fair key) ``weight``: over a window, the
     starts of the keys with ready work divide in proportion to their weights (default 1).
 
     Raises ``ValueError`` for a key that is not a 1-200 character string (or None) and a
     weight that is not a positive number (at most a million); nothing is written then.
+    ``using``: the database of the work table (default: the routers' write alias).
     """
     try:
         checked_key = validation.fair_key(key)
@@ -61,7 +63,7 @@ def set_fair_weight(key: str | None, weight: float, *, using: str = "default") -
     except validation.InvalidValue as exc:
         raise ValueError(f"fair weight {exc}.") from None
     name = NO_KEY if checked_key is None else checked_key
-    rows = FairKey.objects.using(using)
+    rows = FairKey.objects.using(work_db_for_write(using))
     rows.bulk_create([FairKey(key=name)], ignore_conflicts=True)
     rows.filter(key=name).update(weight=checked)
 

@@ -14,7 +14,7 @@ from django_dbworker import enqueue_many, set_fair_weight
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
 from tests.testapp.models import Execution
-from tests.testapp.workers import Sleep
+from tests.testapp.workers import Keyed, Rated, Sleep
 
 FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
 
@@ -90,3 +90,29 @@ def test_two_workers_share_one_rotation_and_a_killed_one_loses_nothing(start_wor
     # Run twice only what the killed worker held (its attempt ended with it).
     once = WorkItem.objects.filter(attempts=1).values_list("payload__key", flat=True)
     assert all(ends[key] == 1 for key in once)
+
+
+def test_turns_keep_rate_limits_and_concurrency_limits(start_worker) -> None:
+    Rated.enqueue_many([{"key": f"ra-{n}"} for n in range(40)], fair_key="a")
+    Rated.enqueue_many([{"key": f"rb-{n}"} for n in range(5)], fair_key="b")
+    Keyed.enqueue_many([{"key": "ka", "seconds": 0.02}] * 8, fair_key="a", concurrency_key="ka")
+    Keyed.enqueue_many([{"key": "kb", "seconds": 0.02}] * 3, fair_key="b", concurrency_key="kb")
+    worker = start_worker("rated", "keyed", "--burst", "--concurrency", "4")
+    assert worker.wait(120) == 0, worker.log()
+    assert WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
+
+    rated = list(
+        Execution.objects.filter(kind="rated").order_by("id").values_list("key", flat=True)
+    )
+    assert len(rated) == len(set(rated)) == 45
+    # b's items take turns with a's backlog, within the rate limit's pace.
+    assert max(i for i, k in enumerate(rated) if k.startswith("rb-")) < 15, rated
+    started = sorted(
+        float(r) for r in WorkItem.objects.filter(handler="rated").values_list("result", flat=True)
+    )
+    # The limit holds under the turns: no 21 starts within a second (by the handlers'
+    # clocks; tests/process/test_flow_control.py proves the window itself).
+    assert min(b - a for a, b in zip(started, started[20:], strict=False)) >= 0.9
+    # Key "ka" (limit 1) never ran two at once: its records alternate start, end.
+    records = Execution.objects.filter(key="ka").order_by("id").values_list("kind", flat=True)
+    assert list(records) == ["start", "end"] * 8
