@@ -27,8 +27,11 @@ interval, and claims as before meanwhile.
 from __future__ import annotations
 
 import heapq
+import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 
+from django.db import DatabaseError
 from django.db.models import Exists, F, FloatField, OuterRef, Value
 from django.db.models.functions import Coalesce, Greatest
 
@@ -38,6 +41,8 @@ from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
 from django_dbworker.models import WorkItem
 from django_dbworker.routing import work_db_for_write
+
+logger = logging.getLogger("django_dbworker.worker")
 
 #: The ``FairKey`` row of the rows without a fair key, which take turns as one key.
 NO_KEY = ""
@@ -96,26 +101,37 @@ class FairRotation:
         turn left, or turns that took nothing) the usual order for the rest."""
         rows: list[WorkItem] = []
         throttled = 0
-        while (wanted := limit - len(rows) - throttled) > 0:
-            top, shares = self._shares(wanted, handlers, queues) if self._in_use() else (None, [])
-            taken: dict[str, Claimed[WorkItem]] = {}
-            if top is not None:
-                shares = shares or [NO_KEY] * wanted  # no key's rows at this priority
-                taken = {
-                    key: take(shares.count(key), Turn(key, top)) for key in dict.fromkeys(shares)
-                }
-            throttled += sum(part.throttled for part in taken.values())
-            if not any(taken.values()):
-                # No turn, or turns that took nothing (rows of keys without a FairKey row,
-                # rows other workers hold): the usual order.
-                rest = take(limit - len(rows) - throttled, None)
-                rows.extend(rest)
-                throttled += rest.throttled
-                break
-            self._advance({key: len(part) for key, part in taken.items() if part})
-            # Dealt in turn order, so that the buffer starts them in turn order too.
-            queued = {key: iter(part) for key, part in taken.items()}
-            rows.extend(row for key in shares if (row := next(queued[key], None)) is not None)
+        try:
+            while (wanted := limit - len(rows) - throttled) > 0:
+                top, shares = (
+                    self._shares(wanted, handlers, queues) if self._in_use() else (None, [])
+                )
+                taken: dict[str, Claimed[WorkItem]] = {}
+                try:
+                    if top is not None:
+                        shares = shares or [NO_KEY] * wanted  # no key's rows at this priority
+                        for key, count in Counter(shares).items():
+                            taken[key] = take(count, Turn(key, top))
+                finally:  # rows taken are dispatched, whatever fails after them
+                    # Dealt in turn order, so that the buffer starts them in turn order too.
+                    queued = {key: iter(part) for key, part in taken.items()}
+                    rows.extend(
+                        row for key in shares if key in queued and (row := next(queued[key], None))
+                    )
+                    throttled += sum(part.throttled for part in taken.values())
+                if not any(taken.values()):
+                    # No turn, or turns that took nothing (rows of keys without a FairKey
+                    # row, rows other workers hold): the usual order.
+                    rest = take(wanted, None)
+                    rows.extend(rest)
+                    throttled += rest.throttled
+                    break
+                self._advance({key: len(part) for key, part in taken.items() if part})
+        except DatabaseError:
+            if not rows:
+                raise
+            # The next claim meets the same database and says so; these rows run.
+            logger.warning("A fair claim stopped after %d rows.", len(rows), exc_info=True)
         return Claimed(rows, throttled)
 
     def _in_use(self) -> bool:

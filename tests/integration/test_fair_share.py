@@ -92,3 +92,65 @@ def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
     assert f"/{plain.pk}/change/" in page and f"/{other.pk}/change/" not in page
     queues = admin_client.get("/admin/django_dbworker/queuestate/").content.decode()
     assert "dbw-fair-keys" in queues and "tenant:a" in queues
+
+
+@pytest.mark.parametrize("queues", [None, ["default"], ["default", "other"]])
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_turn_claims_only_its_keys_rows_of_its_priority(
+    queues: list[str] | None, limited: bool
+) -> None:
+    """Every claim statement (plain and keyed, any queue, one, several) narrowed to a turn."""
+    from django_dbworker.db import operations
+    from django_dbworker.db.sql import Turn
+    from tests.testapp.workers import KeyedPair
+
+    handler = KeyedPair if limited else Noop
+    handler.enqueue_many([None] * 3, fair_key="a", concurrency_key="k" if limited else None)
+    mine = handler.enqueue_many([None] * 3, fair_key="b", concurrency_key="k2" if limited else None)
+    handler.enqueue_many([None] * 2, fair_key="b", priority=5)
+    handler.enqueue_many([None] * 2)
+    ops = operations("default")
+    claimed = ops.claim(
+        limit=10,
+        handlers=[handler.name],
+        queues=queues,
+        worker="w",
+        limits={handler.name: 2} if limited else None,
+        turn=Turn("b", 0),
+    )
+    expected = [item.pk for item in mine][: 2 if limited else 3]
+    assert [item.pk for item in claimed] == expected
+    unkeyed = ops.claim(
+        limit=10, handlers=[handler.name], queues=queues, worker="w", turn=Turn("", 0)
+    )
+    assert WorkItem.objects.filter(pk__in=[i.pk for i in unkeyed], fair_key=None).count() == 2
+    assert len(unkeyed) == 2
+
+
+def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
+    """A database error after some turns claimed rows: those rows are returned (to run),
+    not left claimed by no one until stale recovery; with none taken, the error is raised."""
+    from django.db import OperationalError
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    Noop.enqueue_many([None] * 3, fair_key="a")
+    Noop.enqueue_many([None] * 3, fair_key="b")
+    ops = operations("default")
+    calls = []
+
+    def take(rows: int, turn: Any) -> Any:
+        calls.append(turn)
+        if len(calls) > 1:
+            raise OperationalError("server closed the connection")
+        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got = rotation.claim(4, handlers=["noop"], queues=None, take=take)
+    assert len(got) == 2 and {i.pk for i in got} == set(
+        WorkItem.objects.filter(status="claimed").values_list("pk", flat=True)
+    )
+    calls.append(None)  # every take fails now
+    with pytest.raises(OperationalError):
+        rotation.claim(4, handlers=["noop"], queues=None, take=take)
