@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from django.db import DatabaseError
-from django.db.models import Exists, F, FloatField, OuterRef, Value
+from django.db.models import Case, Exists, F, FloatField, OuterRef, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
 from django_dbworker import validation
@@ -93,6 +93,10 @@ class FairRotation:
         self._clock = clock
         #: Until when (``clock``) no ``FairKey`` row exists: claims go as usual.
         self._none_until = 0.0
+        #: The rotation's clock as the last claim read it.
+        self._clock_value = 0.0
+        #: The row of the rows without a key is known to exist.
+        self._no_key_row = False
 
     def claim(
         self, limit: int, *, handlers: Sequence[str], queues: Sequence[str] | None, take: ClaimTurn
@@ -135,19 +139,19 @@ class FairRotation:
         return Claimed(rows, throttled)
 
     def _in_use(self) -> bool:
-        now = self._clock()
-        if now < self._none_until:
-            return False
-        if FairKey.objects.using(self.using).exists():
-            return True
-        self._none_until = now + self._every
-        return False
+        return self._clock() >= self._none_until
 
     def _shares(
         self, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
     ) -> tuple[int | None, list[str]]:
         """The top priority with ready rows, and the keys of this claim's rows there, in
         turn order (a key once per row; none: no fair key waits at that priority)."""
+        keys = FairKey.objects.using(self.using)
+        clock_value = keys.order_by("-started").values_list("started", flat=True).first()
+        if clock_value is None:  # no FairKey row: not again for a poll interval
+            self._none_until = self._clock() + self._every
+            return None, []
+        self._clock_value = float(clock_value)
         ready = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             ready = ready.filter(queue__in=list(queues))
@@ -157,10 +161,6 @@ class FairRotation:
         if top is None:
             return None, []
         ready = ready.filter(priority=top)
-        keys = FairKey.objects.using(self.using)
-        self._clock_value = float(
-            keys.order_by("-started").values_list("started", flat=True).first() or 0.0
-        )
         clock = Value(self._clock_value, output_field=FloatField())
         active = (
             keys.exclude(key=NO_KEY)
@@ -190,9 +190,13 @@ class FairRotation:
         """Each key's pass forward by 1/weight for each row its turn took, from the
         rotation's clock if it was behind it (a key back from idling)."""
         keys = FairKey.objects.using(self.using)
-        if NO_KEY in took:
+        if NO_KEY in took and not self._no_key_row:
             keys.bulk_create([FairKey(key=NO_KEY)], ignore_conflicts=True)
-        clock = Value(self._clock_value, output_field=FloatField())
-        for key, rows in sorted(took.items()):
-            start = Greatest(F("served"), clock)
-            keys.filter(key=key).update(started=start, served=start + rows / F("weight"))
+            self._no_key_row = True
+        start = Greatest(F("served"), Value(self._clock_value, output_field=FloatField()))
+        # One UPDATE for every key of the claim: each row by its own count.
+        rows = Case(
+            *(When(key=key, then=Value(float(n))) for key, n in took.items()),
+            output_field=FloatField(),
+        )
+        keys.filter(key__in=sorted(took)).update(started=start, served=start + rows / F("weight"))
