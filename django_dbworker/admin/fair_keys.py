@@ -7,15 +7,20 @@ refuses what ``set_fair_weight`` refuses. The pass is the rotation's state: read
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.http import HttpRequest
 
 from django_dbworker.flow.models import FairKey
 
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[FairKey]
+else:  # ModelAdmin is generic only in django-stubs
+    _ModelAdmin = admin.ModelAdmin
 
-class FairKeyAdmin(admin.ModelAdmin[FairKey]):
+
+class FairKeyAdmin(_ModelAdmin):
     list_display = ["name", "weight", "served"]
     list_editable = ["weight"]
     search_fields = ["=key"]

@@ -149,6 +149,7 @@ def test_handlers_and_enqueue_examples_run_in_run_workers(project: Project) -> N
         ("send_welcome_email", "emails", "pending"): 5,
         ("myapp.tasks.resize_avatar", "default", "succeeded"): 1,
         ("count_words", "default", "succeeded"): 1,  # the async-code block ran it
+        ("build_report", "default", "pending"): 101,  # flow control's fair-share block
     }
 
     worker = project.manage("run_workers", "--burst")
