@@ -17,11 +17,11 @@ A key that comes back after idling starts from the rotation's clock (the highest
 which a turn began, ``started``) rather than the pass it left with: it neither takes the
 turns it missed nor waits for the others to catch up with a pass it ran ahead to.
 
-Cost: with fair keys in the table, a claim reads the top priority (one probe of the claim
-index), probes ``dbworker_fair_idx`` once per fair key ever enqueued (they are the
-``FairKey`` rows; delete those of tenants gone for good), claims once per key given a turn,
-and updates those keys' passes. A process with no ``FairKey`` row checks again every poll
-interval, and claims as before meanwhile.
+Cost: with fair keys in the table, a claim reads the rotation's clock and the top priority
+(one probe of the claim index each), probes ``dbworker_fair_idx`` once per fair key ever
+enqueued (they are the ``FairKey`` rows; delete those of tenants gone for good), claims once
+per key given a turn, and updates those keys' passes in one statement. A process that finds
+no ``FairKey`` row reads again after a poll interval, and claims as before meanwhile.
 """
 
 from __future__ import annotations

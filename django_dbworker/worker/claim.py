@@ -11,7 +11,10 @@ is left out of the claims until the window's earliest start leaves it, so its ro
 hold back the rows of other handlers; its rows are otherwise claimed like any, and each
 takes its start in the window just before it runs (``start``, ``flow/rates.py``).
 
-All claims go through ``VendorOperations.claim``, one call, the same on every database.
+Where fair keys are in use, a claim is dealt in turns across the keys with ready work
+(``flow/fair.py``): the same claim, narrowed to one key and priority a turn.
+
+All claims go through ``VendorOperations.claim``, the same on every database.
 Paused queues are skipped by the statement itself; this module also says which buffered
 rows to give back (``withheld``: their queue was paused, or their handler's window filled,
 after their claim) and whether a burst worker may leave (``finished``). Claims run on the
