@@ -92,6 +92,13 @@ def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
     assert f"/{plain.pk}/change/" in page and f"/{other.pk}/change/" not in page
     queues = admin_client.get("/admin/django_dbworker/queuestate/").content.decode()
     assert "dbw-fair-keys" in queues and "tenant:a" in queues
+    # The Fair keys page edits weights, as set_fair_weight checks them.
+    assert admin_client.get("/admin/django_dbworker/fairkey/").status_code == 200
+    change = "/admin/django_dbworker/fairkey/tenant:a/change/"
+    refused = admin_client.post(change, {"weight": "0"})
+    assert refused.status_code == 200 and FairKey.objects.get(key="tenant:a").weight == 1.0
+    assert admin_client.post(change, {"weight": "2.5"}).status_code == 302
+    assert FairKey.objects.get(key="tenant:a").weight == 2.5
 
 
 @pytest.mark.parametrize("queues", [None, ["default"], ["default", "other"]])
