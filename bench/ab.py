@@ -31,9 +31,21 @@ from common import ROOT, machine, start_postgres, stop_postgres
 
 #: The figures each benchmark reports that the table compares.
 FIGURES = {
-    "w1_throughput": ("items_per_second_whole", "items_per_second_active"),
+    "w1_throughput": (
+        "items_per_second_whole",
+        "items_per_second_active",
+        "worker_cpu_us_per_item",
+        "database_cpu_us_per_item",
+    ),
     "w3_latency": ("p50_ms", "p99_ms"),
-    "w2_enqueue": ("single_per_second", "many_per_second"),
+    "w2_enqueue": (
+        "single_per_second",
+        "single_client_cpu_us",
+        "single_database_cpu_us",
+        "many_per_second",
+    ),
+    "startup": ("first_job_s_median", "burst_one_s_median"),
+    "raw_ceiling": ("claim_complete_batch100_per_second", "single_insert_per_second"),
     "w6_priority": ("p50_ms", "p99_ms", "to_claim_p50_ms", "claim_to_start_p50_ms"),
     "w7_keys": (
         "keyed_items_per_second_active",

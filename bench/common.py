@@ -161,6 +161,89 @@ def machine_cpu() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (which may hold spaces)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def postmaster_cpu_seconds(postmaster: int) -> float:
+    """CPU seconds spent so far by a PostgreSQL cluster (Linux ``/proc``).
+
+    The postmaster's own utime + stime, its live children's (backends,
+    autovacuum, the checkpointer...), and its cutime + cstime, where the
+    times of the backends that exited (a ``--burst`` worker's connections)
+    end up once the postmaster reaps them.
+    """
+    own = _proc_stat(postmaster)
+    assert own is not None, "the postmaster is gone"
+    # Fields after the name: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14).
+    ticks = sum(int(v) for v in own[11:15])
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields and int(fields[1]) == postmaster:
+                ticks += int(fields[11]) + int(fields[12])
+    return ticks / _TICK
+
+
+def database_cpu_seconds() -> float | None:
+    """:func:`postmaster_cpu_seconds` of the server behind Django's connection.
+
+    The postmaster is found from the server's own data directory (a server
+    on this host, as the benchmarks' are); None where that cannot be read
+    (another host, MySQL, not Linux).
+    """
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW data_directory")
+        datadir = Path(cursor.fetchone()[0])
+    try:
+        pid = int((datadir / "postmaster.pid").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return postmaster_cpu_seconds(pid)
+
+
+def wait_for_backends_to_exit(timeout: float = 10.0) -> None:
+    """Wait (bounded) until this connection is the database's only client backend.
+
+    An exited worker's backend may still be ending: its CPU time and its
+    statistics reach the counters only once it is gone.
+    """
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0] == 0:
+                return
+            time.sleep(0.01)
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's children that have been waited for."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def commits() -> int:
     """Transactions committed in this database so far (all sessions).
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import ROOT
+from common import ROOT, postmaster_cpu_seconds
 
 #: The cluster's state file: BENCH_SCALE_STATE, or one per script (:func:`use_state`).
 STATE = Path(os.environ.get("BENCH_SCALE_STATE", ROOT / ".tmp" / "pg-scale.json"))
@@ -107,32 +107,9 @@ def postmaster_pid() -> int:
     return int((datadir / "postmaster.pid").read_text().splitlines()[0])
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may hold spaces: split after it.
-    return text[text.rindex(")") + 2 :].split()
-
-
 def server_cpu_seconds() -> float:
     """CPU seconds spent so far by the cluster: the postmaster, its children, and the reaped."""
-    root = postmaster_pid()
-    own = _stat(root)
-    assert own is not None, "the postmaster is gone"
-    # Fields after the name: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14).
-    ticks = sum(int(v) for v in own[11:15])
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat(int(entry))
-        if fields and int(fields[1]) == root:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / _TICK
+    return postmaster_cpu_seconds(postmaster_pid())
 
 
 @dataclass
@@ -157,6 +134,12 @@ class Snapshot:
             **{k: self.db[k] - before.db[k] for k in self.db},
             "statements": sum(n for _, n in calls.values()),
             "statements_control": control,
+            # Claim statements that ran, found rows or not (the claim's CTE: postgresql_sql).
+            "claims": sum(
+                n
+                for q, n in calls.values()
+                if "FOR UPDATE SKIP LOCKED" in q and q.lstrip().startswith("WITH c AS MATERIALIZED")
+            ),
             "top": sorted(calls.values(), key=lambda qc: -qc[1])[:12],
         }
 

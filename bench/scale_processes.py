@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/scale_processes.py [--items 50000] [--processes 1,2,4,8]
         [--rounds 1] [--concurrency 8] [--stream-rate 200] [--stream-seconds 10]
+        [--stream-only]
 
 For each process count: ``--items`` no-op items enqueued in bulk (not
 timed), then that many ``run_workers --burst`` processes drain them. Per
@@ -15,7 +16,12 @@ BEGIN/COMMIT/SAVEPOINT/RELEASE), rows inserted/updated/deleted/returned.
 Then a steady stream to each process count (``--stream-rate`` items/s for
 ``--stream-seconds``, each enqueued in its own transaction, to
 long-running workers): the same costs per job, enqueue included, where
-no claim finds more than a few rows. Then the raw ceiling
+no claim finds more than a few rows, with its claims per job (claim statements
+that ran, found rows or not, from ``pg_stat_statements``) and its pick-up latency
+(``claimed_at - created_at``, the database's clock, p50/p99). ``--stream-only``
+leaves out the drains. Commits are also counted once the workers exited: a
+LISTEN connection reads each notification in a transaction of its own, which
+its backend reports only when it next runs a command or exits. Then the raw ceiling
 (``raw_ceiling.py``) on the same cluster, the machine's commit rate as the
 other benchmarks state it.
 
@@ -144,10 +150,18 @@ def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, o
         after = snapshot(url)
     finally:
         stop_processes(procs)
+    # A backend counts its transactions when it next goes idle after a command, or exits:
+    # a LISTEN connection's reads of notifications (a transaction each) show only now.
+    time.sleep(1.0)
+    exited = snapshot(url).delta(before)
     delta = after.delta(before)
     per = float(count)
+    pickup = pickup_ms()
     return {
         "mode": "stream",
+        "claims_per_job": delta["claims"] / per,
+        "pickup_p50_ms": pickup[len(pickup) // 2],
+        "pickup_p99_ms": pickup[min(len(pickup) - 1, len(pickup) * 99 // 100)],
         "processes": processes,
         "connections_per_process": connections / processes,
         "rate": rate,
@@ -156,11 +170,24 @@ def stream(url: str, processes: int, rate: float, seconds: float) -> dict[str, o
         "server_cpu_ms_per_job": delta["server_cpu_seconds"] * 1000 / per,
         "server_cpu_share_of_wall": delta["server_cpu_seconds"] / delta["seconds"],
         "commits_per_job": delta["xact_commit"] / per,
+        "commits_per_job_counted_at_exit": exited["xact_commit"] / per,
         "statements_per_job": delta["statements"] / per,
         "queries_per_job": (delta["statements"] - delta["statements_control"]) / per,
         "wal_bytes_per_job": delta["wal_bytes"] / per,
         "top_statements_per_job": [(q[:160], round(n / per, 3)) for q, n in delta["top"]],
     }
+
+
+def pickup_ms() -> list[float]:
+    """The streamed rows' ``claimed_at - created_at`` in milliseconds, sorted."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXTRACT(EPOCH FROM claimed_at - created_at) * 1000 "
+            "FROM django_dbworker_workitem ORDER BY 1"
+        )
+        return [float(row[0]) for row in cursor.fetchall()] or [0.0]
 
 
 def raw_ceiling(url: str) -> dict[str, object]:
@@ -186,6 +213,7 @@ def main() -> None:
         "--stream-rate", type=float, default=200.0, help="items/s of the stream (0: none)"
     )
     parser.add_argument("--stream-seconds", type=float, default=10.0)
+    parser.add_argument("--stream-only", action="store_true", help="skip the drains")
     args = parser.parse_args()
     counts = [int(p) for p in args.processes.split(",")]
     use_state("processes")
@@ -195,7 +223,7 @@ def main() -> None:
         header = {"commit": commit_hash(), "argv": sys.argv, "machine": machine()}
         print(json.dumps({"bench": "scale_processes_run", **header}), flush=True)
         results = []
-        for round_no in range(args.rounds):
+        for round_no in range(0 if args.stream_only else args.rounds):
             for count in counts:
                 result = drain(url, args.items, count, args.concurrency)
                 result["round"] = round_no + 1
@@ -218,9 +246,12 @@ def main() -> None:
             print(
                 f"  stream {args.stream_rate:g}/s to {count} processes: "
                 f"server CPU {result['server_cpu_ms_per_job']:.3f} ms/job; "
-                f"{result['commits_per_job']:.3f} commits, "
+                f"{result['commits_per_job']:.3f} commits "
+                f"({result['commits_per_job_counted_at_exit']:.3f} counted at exit), "
                 f"{result['statements_per_job']:.2f} statements "
-                f"({result['queries_per_job']:.2f} queries) per job",
+                f"({result['queries_per_job']:.2f} queries), "
+                f"{result['claims_per_job']:.2f} claims per job; pick-up p50 "
+                f"{result['pickup_p50_ms']:.1f} ms, p99 {result['pickup_p99_ms']:.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )

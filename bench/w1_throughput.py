@@ -14,6 +14,13 @@ drain pays).
 the last item's ``finished_at``, the rows' own timestamps (start-up
 excluded).
 
+And the CPU each item cost: ``worker_cpu_us_per_item``, the worker
+processes' user + system time (``getrusage`` of the waited-for children,
+start-up included), and ``database_cpu_us_per_item``, the PostgreSQL
+server's (``/proc`` of the postmaster and its children, the exited backends
+included). On a machine shared with other work these are the figures to
+trust: a busy neighbour stretches the rates, not the CPU an item costs.
+
 ``--also NAME`` (repeatable): the workers serve that handler too, with no
 items of its own; ``--also bench_keyed`` is a project where one handler
 declares a ``concurrency_limit``, which makes every claim of the worker keyed.
@@ -28,12 +35,15 @@ import subprocess
 import time
 
 from common import (
+    children_cpu_seconds,
     commits,
+    database_cpu_seconds,
     report,
     reset_table,
     setup_django,
     start_postgres,
     stop_postgres,
+    wait_for_backends_to_exit,
     worker_command,
     worker_env,
 )
@@ -68,6 +78,8 @@ def main() -> None:
             reset_table()
         before = WorkItem.objects.filter(status="succeeded").count()
         commits_before = commits()
+        workers_cpu_before = children_cpu_seconds()
+        database_cpu_before = database_cpu_seconds()
         for start in range(0, args.items, 5000):
             BenchNoop.enqueue_many([None] * min(5000, args.items - start))
         spawned = time.perf_counter()
@@ -82,7 +94,11 @@ def main() -> None:
         ]
         codes = [p.wait() for p in procs]
         whole = time.perf_counter() - spawned
-        # The workers' backends have exited, so their counts are flushed.
+        workers_cpu = children_cpu_seconds() - workers_cpu_before
+        # Once the workers' backends have exited, their counts are flushed
+        # and their CPU time is the postmaster's (reaped children).
+        wait_for_backends_to_exit()
+        database_cpu_after = database_cpu_seconds()
         worker_commits = commits() - commits_before
         done = WorkItem.objects.filter(status="succeeded").count() - before
         span = WorkItem.objects.filter(handler="bench_noop").aggregate(
@@ -103,6 +119,12 @@ def main() -> None:
                 "active_seconds": active,
                 "items_per_second_active": args.items / active,
                 "commits_per_item": worker_commits / args.items,
+                "worker_cpu_us_per_item": workers_cpu * 1e6 / args.items,
+                "database_cpu_us_per_item": (
+                    None
+                    if database_cpu_before is None or database_cpu_after is None
+                    else (database_cpu_after - database_cpu_before) * 1e6 / args.items
+                ),
             },
         )
         if done != args.items or any(codes):

@@ -1,6 +1,10 @@
 """W2: enqueue speed: single enqueue() calls, each its own transaction; enqueue_many.
 
 .venv/bin/python bench/w2_enqueue.py [--single 5000] [--many 10000]
+
+With the single enqueues' CPU: ``single_client_cpu_us`` (this process's,
+``enqueue()`` to its commit) and ``single_database_cpu_us`` (the server's,
+``/proc``), each per enqueue.
 """
 
 from __future__ import annotations
@@ -8,7 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import report, reset_table, setup_django, start_postgres, stop_postgres
+from common import (
+    database_cpu_seconds,
+    report,
+    reset_table,
+    setup_django,
+    start_postgres,
+    stop_postgres,
+)
 
 
 def main() -> None:
@@ -24,10 +35,14 @@ def main() -> None:
         reset_table()
         BenchNoop.enqueue(None)  # warm up the connection and caches
         reset_table()
+        database_before = database_cpu_seconds()
+        client_before = time.process_time()
         started = time.perf_counter()
         for n in range(args.single):
             BenchNoop.enqueue({"n": n})
         single = args.single / (time.perf_counter() - started)
+        client_cpu = time.process_time() - client_before
+        database_after = database_cpu_seconds()
         reset_table()
         payloads = [{"n": n} for n in range(args.many)]
         started = time.perf_counter()
@@ -38,6 +53,12 @@ def main() -> None:
             {
                 "single": args.single,
                 "single_per_second": single,
+                "single_client_cpu_us": client_cpu * 1e6 / args.single,
+                "single_database_cpu_us": (
+                    None
+                    if database_before is None or database_after is None
+                    else (database_after - database_before) * 1e6 / args.single
+                ),
                 "many": args.many,
                 "many_per_second": many,
             },

@@ -16,7 +16,7 @@ from django_dbworker.version import __version__ as __version__
 if TYPE_CHECKING:
     from django_dbworker.batches.block import batch
     from django_dbworker.claiming import claim_next
-    from django_dbworker.enqueuing import enqueue, enqueue_many
+    from django_dbworker.enqueuing import aenqueue, enqueue, enqueue_many
     from django_dbworker.flow.fair import set_fair_weight
     from django_dbworker.flow.queues import UnknownQueue, pause_queue, resume_queue
     from django_dbworker.handlers import Handler, WorkItemHandler
@@ -32,6 +32,7 @@ __all__ = [
     "Snooze",
     "UnknownQueue",
     "WorkItemHandler",
+    "aenqueue",
     "batch",
     "claim_next",
     "enqueue",
@@ -49,6 +50,7 @@ _LAZY = {
     "PeriodicHandler": "django_dbworker.periodic.handler",
     "batch": "django_dbworker.batches.block",
     "claim_next": "django_dbworker.claiming",
+    "aenqueue": "django_dbworker.enqueuing",
     "enqueue": "django_dbworker.enqueuing",
     "enqueue_many": "django_dbworker.enqueuing",
     "pause_queue": "django_dbworker.flow.queues",

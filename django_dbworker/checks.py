@@ -8,8 +8,9 @@ Django's tasks checks), E018 for a database server too old to run the worker
 (infinite, or above ``threading.TIMEOUT_MAX``), E020 for a handler's
 ``rate_limit`` that is not "N/s", "N/m" or "N/h", E021 for a bad
 ``concurrency_limit``, E022 for a database migrated by a development snapshot
-short of its last migration, E023 for an ``async def`` handler method (the
-worker runs handlers in threads), W001-W009 for risky but
+short of its last migration, E023 for an async handler method that cannot
+run (``atomic`` with ``async def handle``, an async generator, a periodic
+handler's ``async def run``), W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based;
 W005: a WAKEUP_DATABASE that is no PostgreSQL alias of DATABASES; W006:
 work written to another database than the one transactions are opened on).
@@ -32,7 +33,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from django_dbworker import validation
 from django_dbworker.conf import DEFAULTS
 from django_dbworker.db import server_problems, unfinished_development_migrations
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import Handler, WorkItemHandler
 from django_dbworker.periodic.handler import PeriodicHandler, periodic_handlers
 from django_dbworker.registry import registry
 from django_dbworker.routing import NOT_ATOMIC_CHECK, work_db_for_write
@@ -370,41 +371,80 @@ def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility)
 def check_async_handlers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Refuse ``async def handle`` (and ``handle_item``, a periodic ``run``): never awaited."""
+    """Refuse async entry points that cannot run (``async_handler_errors``)."""
     return async_handler_errors(registry.values())
 
 
 def async_handler_errors(classes: Any) -> list[CheckMessage]:
-    """One error per WorkItem handler class among ``classes`` with an async entry point.
+    """One error per WorkItem handler class among ``classes`` whose async entry point
+    cannot run.
 
-    The worker calls ``handle_item`` on a thread and stores what it returns:
-    a coroutine function would fail every item with a coroutine that never
-    ran. Django ``@task`` functions are not concerned: the Tasks backend runs
-    an ``async def`` task through ``async_to_sync`` itself.
+    ``async def handle`` (or ``handle_item``) runs on the worker's event
+    loop, but not with ``atomic = True`` (a transaction is one thread's and
+    cannot span the loop's awaits of many attempts), nor as an async
+    generator (nothing would iterate it); a periodic handler's ``run`` is
+    called by its plain ``handle`` and would never be awaited, nor would an
+    own-table ``Handler[T]``'s ``claim``, ``process`` or ``recover_stale``.
     """
     errors: list[CheckMessage] = []
     for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+        if not (isinstance(cls, type) and issubclass(cls, Handler)):
             continue
-        methods = ["handle", "handle_item"]
-        if issubclass(cls, PeriodicHandler):
-            methods.append("run")  # a plain handler's run is its own helper
-        for method in methods:
+        label = f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__})"
+        if not issubclass(cls, WorkItemHandler):
+            for method in ("claim", "process", "recover_stale"):
+                entry = getattr(cls, method, None)
+                if inspect.iscoroutinefunction(entry) or inspect.isasyncgenfunction(entry):
+                    errors.append(
+                        _e023(
+                            cls,
+                            f"{label} declares async def {method}: an own-table Handler[T] "
+                            "runs on the worker's threads, which would never await it.",
+                            f"Make {method} a plain def, or move the work to a "
+                            "WorkItemHandler with async def handle (run on the event loop).",
+                        )
+                    )
+            continue
+        for method in ("handle", "handle_item"):
             entry = getattr(cls, method, None)
-            if inspect.iscoroutinefunction(entry) or inspect.isasyncgenfunction(entry):
+            if inspect.isasyncgenfunction(entry):
                 errors.append(
-                    Error(
-                        f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares "
-                        f"async def {method}: the worker runs handlers on threads and would "
-                        "fail every item with a coroutine that never ran.",
-                        hint=f"Make {method} a plain def and run the async code in it with "
-                        "asgiref.sync.async_to_sync(...)(...), or declare the work as a "
-                        "Django @task (async def tasks run on the worker's threads).",
-                        obj=cls,
-                        id="django_dbworker.E023",
+                    _e023(
+                        cls,
+                        f"{label} declares {method} as an async generator (async def with "
+                        "yield): the worker awaits it once and iterates nothing.",
+                        "Return the result instead of yielding it.",
                     )
                 )
+            elif inspect.iscoroutinefunction(entry) and cls.atomic:
+                errors.append(
+                    _e023(
+                        cls,
+                        f"{label} declares async def {method} with atomic = True: a "
+                        "transaction belongs to one thread and cannot span the awaits of "
+                        "the worker's event loop.",
+                        f"Set atomic = False, or make {method} a plain def (it then runs "
+                        "on a worker thread, in the transaction).",
+                    )
+                )
+        run = getattr(cls, "run", None)
+        if issubclass(cls, PeriodicHandler) and (
+            inspect.iscoroutinefunction(run) or inspect.isasyncgenfunction(run)
+        ):
+            errors.append(
+                _e023(
+                    cls,
+                    f"{label} declares async def run: the periodic handler's plain handle "
+                    "calls it and would store a coroutine that never ran.",
+                    "Make run a plain def, or declare async def handle(self, payload) "
+                    "instead of run (it runs on the worker's event loop).",
+                )
+            )
     return errors
+
+
+def _e023(cls: type, msg: str, hint: str) -> Error:
+    return Error(msg, hint=hint, obj=cls, id="django_dbworker.E023")
 
 
 @register(Tags.compatibility)

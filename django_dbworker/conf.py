@@ -17,6 +17,9 @@ from django_dbworker.validation import DEFAULT_RETENTION
 
 #: Worker threads per ``run_workers`` process.
 CONCURRENCY = 8
+#: Async handlers (``async def handle``) running at once per ``run_workers``
+#: process, on its event loop, beside the CONCURRENCY threads.
+ASYNC_CONCURRENCY = 100
 #: Seconds between idle polls when no wake-up arrives.
 POLL_INTERVAL = 1.0
 #: Whether enqueues wake idle workers of other processes (PostgreSQL's
@@ -63,6 +66,7 @@ RETENTION: dict[str, float | None] | None = dict(DEFAULT_RETENTION)
 
 DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": CONCURRENCY,
+    "ASYNC_CONCURRENCY": ASYNC_CONCURRENCY,
     "POLL_INTERVAL": POLL_INTERVAL,
     "WAKEUPS": WAKEUPS,
     "WAKEUP_WINDOW": WAKEUP_WINDOW,

@@ -204,6 +204,43 @@ def enqueue(
     return insert_one(handler, payload, options)[0]
 
 
+async def aenqueue(
+    handler: str | type[WorkItemHandler],
+    payload: Any = None,
+    *,
+    run_after: datetime | timedelta | None = None,
+    priority: int = 0,
+    queue: str | None = None,
+    unique_key: str | None = None,
+    max_attempts: int | None = None,
+    concurrency_key: str | None = None,
+    fair_key: str | None = None,
+    using: str | None = None,
+    after: Iterable[WorkItem | int] | None = None,
+) -> WorkItem:
+    """``enqueue`` from async code, with the same arguments.
+
+    The insert runs on Django's thread for sync database work
+    (``sync_to_async``): an async view has no transaction of its own to
+    join, so the row commits at once (docs/topics/async.md).
+    """
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(enqueue)(
+        handler,
+        payload,
+        run_after=run_after,
+        priority=priority,
+        queue=queue,
+        unique_key=unique_key,
+        max_attempts=max_attempts,
+        concurrency_key=concurrency_key,
+        fair_key=fair_key,
+        using=using,
+        after=after,
+    )
+
+
 def insert(
     handler: str | type[WorkItemHandler],
     payload: Any = None,

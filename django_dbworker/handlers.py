@@ -11,9 +11,11 @@ contracts in pyproject.toml).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -118,10 +120,13 @@ class WorkItemHandler(Handler["WorkItem"]):
         ``cancelled``, not retried, or return to end it ``succeeded``
         anyway. On any other thread (a thread pool, a library's callbacks,
         ``async_to_sync``) it is always False: give long calls
-        ``self.cancel_check`` instead. Always False outside a worker's
-        attempt (``handle`` called directly, an own-table handler).
+        ``self.cancel_check`` instead. In an ``async def handle`` it reads
+        the attempt of the running coroutine (and of what it awaits); the
+        worker also cancels the coroutine itself at a request. Always False
+        outside a worker's attempt (``handle`` called directly, an
+        own-table handler).
         """
-        item = getattr(_running, "item", None)
+        item = _current_item()
         return item is not None and cancel_was_requested(item)
 
     @property
@@ -137,14 +142,18 @@ class WorkItemHandler(Handler["WorkItem"]):
         of the same row has its own). Outside a worker's attempt it always
         returns False.
         """
-        item = getattr(_running, "item", None)
+        item = _current_item()
         attempt = None if item is None else item.__dict__.get(ATTEMPT_ATTR)
         if attempt is None:
             return _never
         return lambda: bool(getattr(attempt, "cancel_requested", False))
 
     def handle(self, payload: Any) -> Any:
-        """Do the work; the JSON-serialisable return value becomes ``result``."""
+        """Do the work; the JSON-serialisable return value becomes ``result``.
+
+        Declare it ``async def`` to run it on the worker's event loop, up to
+        ASYNC_CONCURRENCY at once (``worker/event_loop.py``).
+        """
         raise NotImplementedError(f"{type(self).__qualname__} must implement handle()")
 
     def handle_item(self, item: WorkItem) -> Any:
@@ -254,6 +263,36 @@ class WorkItemHandler(Handler["WorkItem"]):
         )
         return _enqueuer().insert_many(cls, payloads, options)
 
+    @classmethod
+    async def aenqueue(
+        cls,
+        payload: Any = None,
+        *,
+        run_after: datetime | timedelta | None = None,
+        priority: int = 0,
+        queue: str | None = None,
+        unique_key: str | None = None,
+        concurrency_key: str | None = None,
+        fair_key: str | None = None,
+        using: str | None = None,
+        after: Iterable[WorkItem | int] | None = None,
+    ) -> WorkItem:
+        """``enqueue`` from async code: the same insert, on Django's thread for sync
+        database work (``sync_to_async``), so it joins no transaction of the caller."""
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(cls.enqueue)(
+            payload,
+            run_after=run_after,
+            priority=priority,
+            queue=queue,
+            unique_key=unique_key,
+            concurrency_key=concurrency_key,
+            fair_key=fair_key,
+            using=using,
+            after=after,
+        )
+
     # -- not driven on its own ----------------------------------------------------
     # WorkItem handlers run in run_workers' shared claim loop (and in
     # ``testing.run_until_empty``), which claims for all of them at once.
@@ -269,6 +308,14 @@ class WorkItemHandler(Handler["WorkItem"]):
             f"{type(self).__qualname__} is a WorkItemHandler: run_workers runs its items; "
             "call handle(payload) to run one payload directly."
         )
+
+
+def runs_async(cls: type[WorkItemHandler]) -> bool:
+    """Whether the worker runs ``cls``'s items on its event loop: its ``handle_item``
+    (or, not overridden, its ``handle``) is ``async def``."""
+    if cls.handle_item is not WorkItemHandler.handle_item:
+        return inspect.iscoroutinefunction(cls.handle_item)
+    return inspect.iscoroutinefunction(cls.handle)
 
 
 def unimplemented(cls: type[Handler[Any]]) -> list[str]:
@@ -328,6 +375,22 @@ def _never() -> bool:
 
 #: The attempt each thread is running (``running_attempt``), for ``cancel_requested``.
 _running = threading.local()
+#: The attempt an async handler's coroutine runs (``running_async_attempt``): a
+#: context variable, since one loop thread runs many attempts at once.
+_running_async: ContextVar[WorkItem | None] = ContextVar("dbworker_attempt", default=None)
+
+
+def _current_item() -> WorkItem | None:
+    return getattr(_running, "item", None) or _running_async.get()
+
+
+def running_async_attempt(item: WorkItem) -> None:
+    """The calling task (and what it starts after this) runs the attempt ``item`` holds.
+
+    Set in the task of one attempt on the worker's loop, which ends with it:
+    nothing to reset.
+    """
+    _running_async.set(item)
 
 
 @contextmanager

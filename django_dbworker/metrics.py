@@ -32,8 +32,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from django_dbworker.outcomes import Outcome
@@ -46,6 +45,9 @@ except ImportError:  # the optional extra is not installed
     prometheus_client = None  # type: ignore[assignment]
 
 logger = logging.getLogger("django_dbworker.metrics")
+
+#: The block of ``running`` when metrics are off (a nullcontext is reusable).
+_NOTHING = nullcontext()
 
 #: Label value of the shared WorkItem claim loop's metrics.
 WORK_ITEM_LOOP = "workitems"
@@ -83,6 +85,7 @@ class WorkerMetrics:
     def __init__(self, registry: Any = None) -> None:
         self.enabled = prometheus_client is not None
         self._task_children: dict[tuple[str, Outcome], tuple[list[Any], list[Any]]] = {}
+        self._in_flight_children: dict[str, Any] = {}
         if not self.enabled:
             return
         pc = prometheus_client
@@ -255,17 +258,20 @@ class WorkerMetrics:
         if self.enabled:
             self.abandoned.set(count)
 
-    @contextmanager
-    def running(self, worker: str) -> Iterator[None]:
+    def running(self, worker: str) -> AbstractContextManager[Any]:
+        """``worker_tasks_in_flight{worker}`` raised for the block's duration.
+
+        Entered once per attempt: the gauge's child is looked up once per
+        handler (``labels()`` takes a lock and formats the labels each call)
+        and the context manager is prometheus_client's own class, not a
+        generator (about 3 µs an attempt, of a no-op job's 70).
+        """
         if not self.enabled:
-            yield
-            return
-        gauge = self.in_flight.labels(worker)
-        gauge.inc()
-        try:
-            yield
-        finally:
-            gauge.dec()
+            return _NOTHING
+        gauge = self._in_flight_children.get(worker)
+        if gauge is None:
+            gauge = self._in_flight_children[worker] = self.in_flight.labels(worker)
+        return gauge.track_inprogress()
 
 
 _default: WorkerMetrics | None = None

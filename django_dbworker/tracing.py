@@ -10,19 +10,22 @@ Only ``opentelemetry-api`` is used (the ``otel`` extra). Without it, or
 while no SDK tracer provider is configured, every helper here returns a
 no-op at the cost of one ``isinstance`` check. Payloads never become span
 attributes; for ``sensitive`` handlers not even exception messages do.
+
+``opentelemetry`` is not imported until something else has imported its
+``trace`` module (an SDK's setup, the auto-instrumentation, a project's own
+spans) or the environment names a tracer provider: until then no provider
+can be configured, and every Django process that loads this app (the web
+workers, each ``manage.py`` command, each worker's start) would import
+the API for nothing.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
-
-try:
-    from opentelemetry import propagate, trace
-    from opentelemetry.trace import SpanKind, StatusCode
-except ImportError:  # the optional extra is not installed
-    trace = None  # type: ignore[assignment]
 
 from django_dbworker.errortext import error_summary, format_error
 
@@ -40,7 +43,32 @@ def use_tracer_provider(provider: Any) -> None:
     _provider_override = provider
 
 
+#: The environment variable through which opentelemetry loads a tracer provider itself.
+_PROVIDER_VARIABLE = "OTEL_PYTHON_TRACER_PROVIDER"
+
+
+def _trace_api() -> Any:
+    """``opentelemetry.trace``, or None while no tracer provider can be configured.
+
+    A provider is set through that module, so while nothing has imported
+    it (and no injected provider or environment variable names one) none
+    is, and the API is not imported for nothing. None too without the
+    ``otel`` extra.
+    """
+    module = sys.modules.get("opentelemetry.trace")
+    if module is not None:
+        return module
+    if _provider_override is None and _PROVIDER_VARIABLE not in os.environ:
+        return None
+    try:
+        from opentelemetry import trace
+    except ImportError:  # the optional extra is not installed
+        return None
+    return trace
+
+
 def _tracer() -> Any:
+    trace = _trace_api()
     if trace is None:
         return None
     provider = _provider_override or trace.get_tracer_provider()
@@ -58,6 +86,8 @@ class _Send:
         self.span = span
         self.context: dict[str, str] = {}
         if span is not None:
+            from opentelemetry import propagate
+
             propagate.inject(self.context)
 
     def set_message_id(self, item_id: int) -> None:
@@ -109,6 +139,8 @@ def _sending(tracer: Any, queue: str, handler: str, batch_size: int | None) -> I
     }
     if batch_size is not None:
         attributes["messaging.batch.message_count"] = batch_size
+    from opentelemetry.trace import SpanKind
+
     with tracer.start_as_current_span(
         f"send {queue}", kind=SpanKind.PRODUCER, attributes=attributes
     ) as span:
@@ -128,6 +160,9 @@ def processing(item: WorkItem, handler: WorkItemHandler) -> Any:
 
 @contextmanager
 def _processing(tracer: Any, item: WorkItem, handler: WorkItemHandler) -> Iterator[_Attempt]:
+    from opentelemetry import propagate
+    from opentelemetry.trace import SpanKind
+
     parent = propagate.extract(_carrier(item.trace_context))
     attributes = {
         "messaging.system": SYSTEM,
@@ -162,6 +197,7 @@ def _carrier(value: Any) -> dict[str, str]:
 
 def record_failure(exc: BaseException, *, sensitive: bool) -> None:
     """Record ``exc`` on the current attempt's span and mark it ERROR."""
+    trace = _trace_api()
     if trace is None:
         return
     span = trace.get_current_span()
@@ -171,7 +207,7 @@ def record_failure(exc: BaseException, *, sensitive: bool) -> None:
     if sensitive:
         # The message (and traceback locals) may quote the payload.
         span.add_event("exception", {"exception.type": kind})
-        span.set_status(StatusCode.ERROR, kind)
+        span.set_status(trace.StatusCode.ERROR, kind)
     else:
         summary = error_summary(exc)  # never raises, unlike str(exc)
         span.add_event(
@@ -182,4 +218,4 @@ def record_failure(exc: BaseException, *, sensitive: bool) -> None:
                 "exception.stacktrace": format_error(exc),
             },
         )
-        span.set_status(StatusCode.ERROR, summary)
+        span.set_status(trace.StatusCode.ERROR, summary)

@@ -270,6 +270,7 @@ DEFAULT_RETENTION: Mapping[str, float | None] = {
 #: ``DBWORKER`` keys and their validators (relations between keys: ``checks.py``).
 SETTINGS: Mapping[str, Validator] = {
     "CONCURRENCY": positive_int,
+    "ASYNC_CONCURRENCY": positive_int,
     # Seconds that reach a thread's wait (Condition.wait, Event.wait).
     "POLL_INTERVAL": timeout_seconds,
     "WAKEUPS": boolean,
@@ -304,6 +305,7 @@ TASK_OPTIONS: Mapping[str, Validator] = {
 #: ``WorkerConfig`` fields and their validators: the settings they default from.
 WORKER_CONFIG: Mapping[str, Validator] = {
     "concurrency": SETTINGS["CONCURRENCY"],
+    "async_concurrency": SETTINGS["ASYNC_CONCURRENCY"],
     "poll_interval": SETTINGS["POLL_INTERVAL"],
     "wakeups": SETTINGS["WAKEUPS"],
     "wakeup_window": SETTINGS["WAKEUP_WINDOW"],

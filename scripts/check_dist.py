@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 import venv
 import zipfile
 from pathlib import Path
@@ -47,10 +46,15 @@ def tracked_package_files() -> set[str]:
     return {line for line in out.splitlines() if line}
 
 
+def _version() -> str:
+    text = (ROOT / PACKAGE / "version.py").read_text()
+    return text.split('__version__ = "', 1)[1].split('"', 1)[0]
+
+
 def main(dist: Path) -> list[str]:
     problems: list[str] = []
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    version = project["version"]
+    # The one place the version is written (pyproject.toml reads it from there).
+    version = _version()
     wheels = sorted(dist.glob("*.whl"))
     sdists = sorted(dist.glob("*.tar.gz"))
     if len(wheels) != 1 or len(sdists) != 1:

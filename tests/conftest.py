@@ -39,11 +39,15 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
     count too. Poll it at most every 0.2 s on MariaDB: InnoDB refreshes its
     INNODB_TRX cache only when the previous read is more than 0.1 s old.
     """
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
+            # Workers waiting for their wake-up turn (worker/wakeup.py) wait on a lock too.
             cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database() AND query NOT LIKE %s",
+                [f"%pg_advisory_lock({WAKE_TURN_SPACE},%"],
             )
         else:
             cursor.execute(
@@ -55,6 +59,23 @@ def lock_waiters(table: str = "django_dbworker_workitem") -> int:
             )
         (n,) = cursor.fetchone()
     return int(n)
+
+
+def wake_turns(using: str = "default") -> tuple[int, int]:
+    """Workers holding a wake-up turn, and workers waiting for one (PostgreSQL's ``pg_locks``)."""
+    from django.db import connections
+
+    from django_dbworker.db.postgresql_sql import WAKE_TURN_SPACE
+
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) "
+            "FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            [WAKE_TURN_SPACE],
+        )
+        held, waiting = cursor.fetchone()
+    return int(held), int(waiting)
 
 
 @pytest.fixture
@@ -119,6 +140,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_vendor_neutral(item):
             item.add_marker(pytest.mark.vendor_neutral)
+
+
+class Shard:
+    """``DBWORKER_SHARD=K/N``: run the K-th of N parts of what the leg selected.
+
+    scripts/test splits its longest legs in parts that run side by side, each
+    on a server of its own, so that the lanes end together. Whole files go to
+    one part (their module fixtures are built once), largest first onto the
+    lightest part. A file weighs its number of tests, a process test three
+    (measured on the PostgreSQL leg: a process test takes 2.5 s, the others
+    0.5; this weighting split it 277 s / 263 s). Runs after the marker
+    selection (``trylast``), so it divides what the leg actually runs.
+    """
+
+    def __init__(self, spec: str) -> None:
+        try:
+            index, count = (int(part) for part in spec.split("/"))
+        except ValueError:
+            raise pytest.UsageError(f"DBWORKER_SHARD={spec!r}: expected K/N, e.g. 1/2") from None
+        if not 1 <= index <= count:
+            raise pytest.UsageError(f"DBWORKER_SHARD={spec!r}: K must be between 1 and N")
+        self.index, self.count = index, count
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        weights: dict[str, int] = {}
+        for item in items:
+            path = Path(str(item.path))
+            weights[str(path)] = weights.get(str(path), 0) + (
+                3 if path.parent.name == "process" else 1
+            )
+        loads = [0] * self.count
+        part_of: dict[str, int] = {}
+        for path in sorted(weights, key=lambda p: (-weights[p], p)):
+            part = loads.index(min(loads))
+            loads[part] += weights[path]
+            part_of[path] = part
+        keep = [item for item in items if part_of[str(item.path)] == self.index - 1]
+        dropped = [item for item in items if part_of[str(item.path)] != self.index - 1]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    spec = os.environ.get("DBWORKER_SHARD")
+    if spec:
+        config.pluginmanager.register(Shard(spec), "dbworker-shard")
 
 
 def is_postgres() -> bool:

@@ -65,3 +65,18 @@ class BenchBatchDone(WorkItemHandler):
 
     def handle(self, payload: Any) -> None:
         return None
+
+
+class BenchAsyncSleep(WorkItemHandler):
+    """``await asyncio.sleep(payload["seconds"])`` on the worker's event loop (W11); with
+    no payload, a no-op that returns the time it started (W11's W1 and W3 legs)."""
+
+    name = "bench_async"
+
+    async def handle(self, payload: Any) -> float:
+        import asyncio
+
+        started = time.time()
+        if payload:
+            await asyncio.sleep(float(payload["seconds"]))
+        return started

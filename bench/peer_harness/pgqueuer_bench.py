@@ -92,6 +92,28 @@ async def w1_app() -> AsyncIterator[PgQueuer]:
 
 
 @contextlib.asynccontextmanager
+async def w11_app() -> AsyncIterator[PgQueuer]:
+    """W11: "sleep1" awaits asyncio.sleep(1); first start / last end / count written at exit."""
+    connection = await asyncpg.connect(URL)
+    pgq = PgQueuer(AsyncpgDriver(connection))
+    span = {"first": 0.0, "last": 0.0, "count": 0}
+
+    @pgq.entrypoint("sleep1")
+    async def sleep1(job: Job) -> None:
+        if not span["count"]:
+            span["first"] = time.time()
+        span["count"] += 1
+        await asyncio.sleep(1)
+        span["last"] = time.time()
+
+    try:
+        yield pgq
+    finally:
+        SPAN.write_text(json.dumps(span))
+        await connection.close()
+
+
+@contextlib.asynccontextmanager
 async def latency_app() -> AsyncIterator[PgQueuer]:
     """W3/W6/start-up: "noop" stamps its start; "sleep" blocks BENCH_JOB_MS in a thread."""
     connection = await asyncpg.connect(URL)
@@ -164,6 +186,27 @@ async def w1(items: int) -> None:
     )
     if code or span["count"] != items or left:
         raise SystemExit("not every job ran")
+
+
+async def w11(items: int) -> None:
+    """W11 (bench/w11_async.py): ITEMS one-second async sleeps, one drain-mode worker at the
+    CLI's defaults (no concurrency limit); the measuring side counts the connections."""
+    q = await queries()
+    await truncate(q)
+    await enqueue_bulk(q, "sleep1", items)
+    SPAN.unlink(missing_ok=True)
+    started = time.perf_counter()
+    code = subprocess.call([*CLI, "pgqueuer_bench:w11_app", "--mode", "drain"])
+    whole = time.perf_counter() - started
+    span = json.loads(SPAN.read_text())
+    emit(
+        bench="w11",
+        items=items,
+        handled=span["count"],
+        exit_code=code,
+        items_per_second_whole=items / whole,
+        items_per_second=items / (span["last"] - span["first"]),
+    )
 
 
 async def w2(single: int, many: int) -> None:
@@ -304,6 +347,8 @@ def main() -> None:
         asyncio.run(w6(int(args[0]), int(args[1]), float(args[2]), float(args[3])))
     elif mode == "startup":
         asyncio.run(startup(int(args[0])))
+    elif mode == "w11":
+        asyncio.run(w11(int(args[0])))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 import time
@@ -18,6 +19,11 @@ RECORD = sys.argv[1:2] == ["worker"]
 async def noop(key: str = "") -> None:
     if RECORD:
         stamp(key)
+
+
+@app.task(name="sleep1")
+async def sleep1() -> None:
+    await asyncio.sleep(1)
 
 
 def install() -> None:
@@ -43,6 +49,16 @@ def main() -> None:
             items=items,
             items_per_second=items / (time.perf_counter() - started),
         )
+    elif mode == "w11":
+        # W11 (bench/w11_async.py): one-second async sleeps; concurrency is argv[3]
+        # (procrastinate's default is 1; its docs say to raise it for I/O-bound tasks).
+        items, concurrency = int(sys.argv[2]), int(sys.argv[3])
+        with app.open():
+            for start in range(0, items, 1000):
+                sleep1.batch_defer(*[{} for _ in range(min(1000, items - start))])
+        started = time.perf_counter()
+        app.run_worker(concurrency=concurrency, wait=False)
+        emit(bench="w11", items=items, items_per_second=items / (time.perf_counter() - started))
     elif mode == "w2":
         single, many = int(sys.argv[2]), int(sys.argv[3])
         with app.open():

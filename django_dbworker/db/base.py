@@ -134,8 +134,8 @@ class VendorOperations(ABC):
         if missing:
             raise TypeError(f"{type(self).__qualname__} does not say its {', '.join(missing)}")
         self.using = using
-        self._converters: list[tuple[list[Converter], Any]] | None = None
-        self._inserted_converters: list[tuple[list[Converter], Any]] | None = None
+        self._converters: list[tuple[int, list[Converter], Any]] | None = None
+        self._inserted_converters: list[tuple[int, list[Converter], Any]] | None = None
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
@@ -418,31 +418,45 @@ class VendorOperations(ABC):
         """
         if self._converters is None:
             self._converters = self._converters_of(CLAIM_COLUMNS)
-        items = [self._claimed_item(self._convert(row, self._converters)) for row in rows]
+        converters, connection = self._converters, self.connection
+        items = [self._claimed_item(self._convert(row, converters, connection)) for row in rows]
         items.sort(key=lambda i: (-i.priority, i.run_after, i.pk))
         return Claimed(items)
 
-    def _converters_of(self, names: Sequence[str]) -> list[tuple[list[Converter], Any]]:
-        """Django's converters of the WorkItem columns ``names`` on this connection."""
+    def _converters_of(self, names: Sequence[str]) -> list[tuple[int, list[Converter], Any]]:
+        """Django's converters of the WorkItem columns ``names`` on this connection.
+
+        Only the columns that have any, by position: on PostgreSQL that is
+        the JSON columns alone (the driver loads UUIDs and aware datetimes
+        itself), so a claimed row's other values are taken as they come.
+        """
         connection = self.connection
         table = WorkItem._meta.db_table
-        converters: list[tuple[list[Converter], Any]] = []
-        for name in names:
+        converters: list[tuple[int, list[Converter], Any]] = []
+        for index, name in enumerate(names):
             col = WorkItem._meta.get_field(name).get_col(table)  # type: ignore[union-attr]
             funcs = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
-            converters.append((funcs, col))
+            if funcs:
+                converters.append((index, funcs, col))
         return converters
 
+    @staticmethod
     def _convert(
-        self, row: Sequence[Any], converters: list[tuple[list[Converter], Any]]
+        row: Sequence[Any],
+        converters: list[tuple[int, list[Converter], Any]],
+        connection: BaseDatabaseWrapper,
     ) -> list[Any]:
-        """One row's values as the ORM would load them (JSON, UUID, aware datetimes)."""
-        connection = self.connection
-        values = []
-        for value, (funcs, col) in zip(row, converters, strict=True):
+        """One row's values as the ORM would load them (JSON, UUID, aware datetimes).
+
+        ``connection`` is passed in: looking it up (a thread-local) per row
+        cost more than converting the row.
+        """
+        values = list(row)
+        for index, funcs, col in converters:
+            value = values[index]
             for func in funcs:
                 value = func(value, col, connection)
-            values.append(value)
+            values[index] = value
         return values
 
     def _assign(self, rows: Sequence[Sequence[Any]], items: Sequence[WorkItem]) -> None:
@@ -455,9 +469,9 @@ class VendorOperations(ABC):
             raise RuntimeError(f"inserted {len(rows)} rows for {len(items)} items")
         if self._inserted_converters is None:
             self._inserted_converters = self._converters_of(INSERTED_COLUMNS)
-        converters = self._inserted_converters
+        converters, connection = self._inserted_converters, self.connection
         for item, row in zip(items, rows, strict=True):
-            pk, run_after, created_at, updated_at = self._convert(row[:4], converters)
+            pk, run_after, created_at, updated_at = self._convert(row[:4], converters, connection)
             item.pk = pk
             item.run_after = run_after
             item.created_at = created_at

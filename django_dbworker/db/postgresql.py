@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -86,6 +86,9 @@ COPY_THRESHOLD = 100
 COPY_CHUNK = 1000
 
 #: The type whose loader Django sets to its time zone (``create_cursor``).
+#: Where a connection (a ``DatabaseWrapper``, one per thread) keeps the psycopg
+#: cursors of ``_binding_cursor``, by cursor class: (raw connection, time zone, cursor).
+_KEPT_CURSORS = "_dbworker_kept_cursors"
 TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 
 # -- operations ---------------------------------------------------------------------
@@ -444,7 +447,7 @@ class PostgresOperations(VendorOperations):
                 self._wake(wakes, params["queue"], params["priority"])
         self._assign([(pk, run_after_value, now, now) for pk in ids], items)
 
-    def _insert_cursor(self) -> CursorWrapper:
+    def _insert_cursor(self) -> AbstractContextManager[CursorWrapper]:
         """A cursor for the enqueue statements: prepared where the connection allows it.
 
         Django's psycopg backend uses a ``ClientCursor`` unless told otherwise:
@@ -467,33 +470,60 @@ class PostgresOperations(VendorOperations):
         connection.close_if_health_check_failed()
         connection.ensure_connection()
         if connection.connection.prepare_threshold is None:
-            return connection.cursor()
+            # Django's own cursor class (the connection's cursor_factory), as
+            # ``connection.cursor()`` would create it.
+            return self._binding_cursor(None)
         return self._binding_cursor()
 
+    @contextmanager
     def _binding_cursor(
-        self, cursor_class: type[psycopg.Cursor[Any]] = psycopg.Cursor
-    ) -> CursorWrapper:
-        """A plain ``psycopg.Cursor`` of this alias's connection, wrapped as Django wraps its own.
+        self, cursor_class: type[psycopg.Cursor[Any]] | None = psycopg.Cursor
+    ) -> Iterator[CursorWrapper]:
+        """A ``psycopg.Cursor`` of this alias's connection, wrapped as Django wraps its own.
 
         Parameters are bound on the server (and the statement prepared if
-        the connection's ``prepare_threshold`` allows). Query logging,
-        execute wrappers, error translation and the broken-transaction check
-        apply as to Django's cursors, and timestamps load in the
-        connection's time zone as ``DatabaseWrapper.create_cursor`` arranges.
+        the connection's ``prepare_threshold`` allows); ``cursor_class``
+        None: the connection's own ``cursor_factory`` (Django's client-side
+        binding cursor). Query logging, execute wrappers, error translation
+        and the broken-transaction check apply as to Django's cursors, and
+        timestamps load in the connection's time zone as
+        ``DatabaseWrapper.create_cursor`` arranges.
+
+        The psycopg cursor is kept for the connection's next statement
+        rather than closed: a new cursor starts with no dumpers and loaders,
+        and finding them again for a dozen parameters and the returned
+        timestamps was about a third of a single enqueue's client CPU
+        (docs/internals/benchmarks.md, W2). It is kept per connection (so per
+        thread), for one raw connection and one time zone: a reconnected
+        or re-zoned connection gets a new one; and it is dropped after an
+        error, which may leave it mid-result.
         """
         connection = self.connection
         connection.ensure_connection()
         raw = connection.connection
-        with connection.wrap_database_errors:
-            # Any: django-stubs types make_cursor's argument as a CursorWrapper.
-            cursor: Any = cursor_class(raw)
-            loader = raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
-            if connection.timezone != getattr(loader, "timezone", None):
-                register_tzloader(connection.timezone, cursor)
+        kept: dict[Any, tuple[Any, Any, Any]] = connection.__dict__.setdefault(_KEPT_CURSORS, {})
+        entry = kept.get(cursor_class)
+        if entry is not None and entry[0] is raw and entry[1] == connection.timezone:
+            cursor = entry[2]
+        else:
+            with connection.wrap_database_errors:
+                # Any: django-stubs types make_cursor's argument as a CursorWrapper.
+                cursor = raw.cursor() if cursor_class is None else cursor_class(raw)
+                loader = raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
+                if connection.timezone != getattr(loader, "timezone", None):
+                    register_tzloader(connection.timezone, cursor)
+            kept[cursor_class] = (raw, connection.timezone, cursor)
         connection.validate_thread_sharing()
-        if connection.queries_logged:
-            return connection.make_debug_cursor(cursor)
-        return connection.make_cursor(cursor)
+        try:
+            if connection.queries_logged:
+                yield connection.make_debug_cursor(cursor)
+            else:
+                yield connection.make_cursor(cursor)
+        except BaseException:
+            kept.pop(cursor_class, None)
+            with suppress(psycopg.Error):  # the connection is gone: nothing to tidy
+                cursor.close()
+            raise
 
     def _insert_params(
         self, first: WorkItem, run_after: datetime | timedelta | None

@@ -271,6 +271,27 @@ LISTEN = Statement(
     "Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).",
     "LISTEN django_dbworker\n",
 )
+UNLISTEN_ALL = Statement(
+    "unlisten_all",
+    "Receive nothing while waiting for the wake-up turn (a listener that does not read holds "
+    "back the server's notification queue).",
+    "UNLISTEN *\n",
+)
+# The wake-up turn (postgresql_listen.py): one session advisory lock per group of workers that
+# claim alike; its holder alone acts on every wake-up, and its session's end frees it. The wait
+# has no lock_timeout (local to its statement: a role's setting would end it every few seconds).
+WAKE_TURN_SPACE = 1684109164  # the turns' first number ("dbwl" as an int4); keys' is "dbwk"
+WAIT_TURN = Statement(
+    "wait_turn",
+    "Wait for a group's wake-up turn, however long it takes.",
+    "SELECT set_config('lock_timeout', '0', true),"
+    f" pg_advisory_lock({WAKE_TURN_SPACE}, %(group)s)\n",
+)
+PASS_TURN = Statement(
+    "pass_turn",
+    "Hand a group's wake-up turn to the next waiter.",
+    f"SELECT pg_advisory_unlock({WAKE_TURN_SPACE}, %(group)s)\n",
+)
 
 # SELECT DISTINCT reads every row; this recursive query jumps queue to queue (dbworker_queue_idx).
 DISTINCT_QUEUES = Statement(

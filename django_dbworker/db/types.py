@@ -135,6 +135,19 @@ class Subscription(Protocol):
         """Whether the probe ``token`` arrived (read by ``receive``, never yielded by it)."""
         ...
 
+    def wait_turn(self, group: str) -> bool:
+        """Wait for the wake-up turn of ``group`` (not listening meanwhile); granted, listen
+        for every wake-up. False: the wait was cancelled (``interrupt``, a timeout)."""
+        ...
+
+    def pass_turn(self, group: str) -> None:
+        """Hand ``group``'s wake-up turn on to the next waiter."""
+        ...
+
+    def interrupt(self) -> None:
+        """End a ``wait_turn`` under way with an error (thread-safe: a stop)."""
+        ...
+
     def close(self) -> None:
         """Stop listening and close the connection."""
         ...

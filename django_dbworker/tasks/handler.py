@@ -12,6 +12,7 @@ the worker process.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from typing import Any, ClassVar, Protocol
@@ -135,6 +136,11 @@ class TaskHandler(WorkItemHandler):
         with Django's words ("Unsupported type: ..."), without a retry: it
         cannot store the value.
         """
+        result, args = self._call_of(item)
+        return _normalized(result, self.task.call(*args[0], **args[1]))
+
+    def _call_of(self, item: WorkItem) -> tuple[TaskResult, tuple[tuple[Any, ...], dict[str, Any]]]:
+        """The attempt's ``TaskResult`` and the arguments to call the function with."""
         with self._lock:
             result = self._running.get((item.pk, item.claim_token))
         if result is None:
@@ -143,17 +149,10 @@ class TaskHandler(WorkItemHandler):
             # sent): a result for the context only, kept nowhere.
             result = self._running_result(item)
         args, kwargs = arguments(item.payload)
-        task = self.task
-        if task.takes_context:
-            value = task.call(TaskContext(task_result=result), *args, **kwargs)
-        else:
-            value = task.call(*args, **kwargs)
-        try:
-            value = normalize_json(value)
-        except (TypeError, ValueError) as exc:
-            return errortext.Unencodable(exc)
-        object.__setattr__(result, "_return_value", value)
-        return value
+        context: tuple[Any, ...] = (
+            (TaskContext(task_result=result),) if self.task.takes_context else ()
+        )
+        return result, ((*context, *args), kwargs)
 
     def attempt_recorded(
         self, item: WorkItem, status: str | None, error: BaseException | None
@@ -207,6 +206,38 @@ class TaskHandler(WorkItemHandler):
         if sender is None:
             sender = self.__dict__["_sender_class"] = type(self.task.get_backend())
         return sender
+
+
+class AsyncTaskHandler(TaskHandler):
+    """The handler of an ``async def`` task function: awaited on the worker's event loop
+    (``worker/event_loop.py``), not run through ``async_to_sync`` on a thread."""
+
+    abstract = True
+
+    async def handle(self, payload: Any) -> Any:
+        """Await the task function with the row's arguments (no context, no signals)."""
+        args, kwargs = arguments(payload)
+        if self.task.takes_context:
+            raise TypeError(
+                f"{self.name} takes a context: it runs through handle_item(), with its row."
+            )
+        return await self.task.acall(*args, **kwargs)
+
+    async def handle_item(self, item: WorkItem) -> Any:
+        """``TaskHandler.handle_item``, awaited."""
+        result, args = self._call_of(item)
+        return _normalized(result, await self.task.acall(*args[0], **args[1]))
+
+
+def _normalized(result: TaskResult, value: Any) -> Any:
+    """``value`` through Django's ``normalize_json``, kept as the result's return value; its
+    error (``errortext.Unencodable``) if it has none."""
+    try:
+        value = normalize_json(value)
+    except (TypeError, ValueError) as exc:
+        return errortext.Unencodable(exc)
+    object.__setattr__(result, "_return_value", value)
+    return value
 
 
 def _running_row(item: WorkItem, *, takes_context: bool) -> Row:
@@ -297,9 +328,10 @@ def handler_for(task: Task, backend: OptionsSource) -> type[TaskHandler]:
     ):
         return existing
     options = backend.resolved_options(task)
+    base = AsyncTaskHandler if inspect.iscoroutinefunction(task.func) else TaskHandler
     cls = type(
         f"{task.func.__name__}_handler",
-        (TaskHandler,),
+        (base,),
         {
             "__module__": task.func.__module__,
             "__qualname__": f"{task.func.__qualname__}.handler",

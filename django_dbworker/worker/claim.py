@@ -71,6 +71,10 @@ class Claim:
     keyed: bool
     #: Some handlers are rate-limited (their windows end by themselves: no rest).
     rated: bool
+    #: Nothing ready was left behind: no row held back for its key, no handler for its
+    #: rate, the keyed cap not reached. Only new rows, which announce themselves, are
+    #: reason to claim again.
+    drained: bool = False
 
 
 class ClaimRoute:
@@ -139,6 +143,12 @@ class ClaimRoute:
             # the loop claims again when a key is freed, not when its buffer runs low.
             keyed=bool(limits) and len(limits) == len(names),
             rated=bool(rates),
+            drained=(
+                len(names) == len(handlers)
+                and len(items) < limit
+                and not items.throttled
+                and (keyed_cap is None or keyed < keyed_cap)
+            ),
         )
 
     def _claim(

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, runs_async
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt, Ledger
@@ -33,6 +33,7 @@ from django_dbworker.worker.config import (
 )
 from django_dbworker.worker.connections import Backoff, close_quietly, outage, report_error
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.recovery import Recovery
@@ -64,11 +65,14 @@ class ClaimLoop:
         healthy: Callable[[], bool],
         raise_errors: bool,
         priorities_arrive: Callable[[], bool] = lambda: False,
+        event_loop: EventLoop | None = None,
     ) -> None:
         self.config = config
         self.control = control
         self.ops = ops
         self.pool = pool
+        #: Where async handlers' attempts run: its slots count beside the threads.
+        self.event_loop = event_loop
         self.ledger = ledger
         self.prefetch = prefetch
         self.recovery = recovery
@@ -101,6 +105,14 @@ class ClaimLoop:
         self._refill_at = 0
         #: The last claim statement found fewer rows than it asked for.
         self._ran_dry = False
+        #: The last claim (not an urgent one) came back full, or the loop was woken with
+        #: no room (``saturated``).
+        self._saturated = False
+        #: Wake-ups announced so far (the listener's thread adds), and their count when
+        #: the last claim began if it found all that was ready (``Claim.drained``); a
+        #: buffer running low claims again only once they differ.
+        self._heard = 0
+        self._drained: int | None = None
         self._next_shed_check = 0.0
         #: Wake-ups of rows that outrank something buffered, since the last claim.
         self._urgent = 0
@@ -115,6 +127,12 @@ class ClaimLoop:
         #: (``retired``) or rows come, a low buffer does not wake the loop (an empty keyed
         #: claim costs as much as a full one).
         self.rests = False
+
+    @property
+    def saturated(self) -> bool:
+        """More may be ready than this worker takes, or it is stopping: it passes the
+        wake-up turn on (``wakeup.Listener``) until a claim of its comes back short."""
+        return self._saturated or self.control.stopping.is_set()
 
     # -- one step --------------------------------------------------------------
 
@@ -141,6 +159,7 @@ class ClaimLoop:
         self.metrics.poll(WORK_ITEM_LOOP)
         started = self.clock.now()
         lowest = self.ledger.lowest_buffered_priority()
+        heard = self._heard
         taken: list[WorkItem] = []
 
         def dispatch(items: Sequence[WorkItem]) -> None:
@@ -164,6 +183,9 @@ class ClaimLoop:
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
         self._ran_dry = result.dry
+        self._drained = heard if result.drained else None
+        if not self._urgent_claim:
+            self._saturated = not result.dry
         self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
@@ -188,7 +210,19 @@ class ClaimLoop:
         Not prefetched, so that a rate-limited row starts about when it is
         claimed (its start was counted in the window at the claim).
         """
-        return max(0, self.pool.size - self.pool.running() - self.ledger.buffered())
+        return max(0, self._slots() - self._running() - self.ledger.buffered())
+
+    def _slots(self) -> int:
+        """Threads, plus the event loop's slots while an async handler is served."""
+        loop = self.event_loop
+        if loop is not None and any(runs_async(type(h)) for h in self.handlers().values()):
+            return self.pool.size + loop.size
+        return self.pool.size
+
+    def _running(self) -> int:
+        """Attempts running on the threads and on the event loop."""
+        loop = self.event_loop
+        return self.pool.running() + (loop.running() if loop is not None else 0)
 
     def _give_back_paused(self) -> None:
         """Give back buffered rows of queues paused since they were claimed (once per poll).
@@ -238,6 +272,7 @@ class ClaimLoop:
         buffer starts in claim order); one that does not just wakes the
         loop, which claims when the buffer runs low as usual.
         """
+        self._heard += 1  # rows came: a buffer running low claims them
         lowest = self.ledger.lowest_buffered_priority()
         if lowest is not None and (priority is None or priority > lowest):
             with self._urgent_lock:
@@ -275,16 +310,23 @@ class ClaimLoop:
             return min(urgent, MAX_CLAIM)
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
+        room = self._room(target)
+        if room <= 0:
+            self._saturated = True  # woken with no room: let an idle worker take the rows
         if self.ledger.buffered() > self._refill_at:
             return 0
-        return self._room(target)
+        return room
 
     def _room(self, target: int) -> int:
         """Free threads plus what the buffer lacks of ``target``, within the back-pressure bound."""
-        outstanding = self.pool.running() + self.ledger.buffered()
+        outstanding = self._running() + self.ledger.buffered()
         unrecorded = len(self.ledger)
-        hold = self.pool.size + target  # inline, one at a time
-        limit = min(hold - outstanding, hold + UNRECORDED_EXTRA - unrecorded, MAX_CLAIM)
+        slots = self._slots()
+        hold = slots + target  # inline, one at a time
+        # The event loop's finished items wait for their batched success write like the
+        # threads' do, as many of them as it has slots: room for that many more.
+        extra = UNRECORDED_EXTRA + slots - self.pool.size
+        limit = min(hold - outstanding, hold + extra - unrecorded, MAX_CLAIM)
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
@@ -419,8 +461,25 @@ class ClaimLoop:
         waking more often measured as a claim loop spinning on the GIL
         (W6 p50 2.6 -> 16 ms).
         """
-        if self.pool.queued() <= self._refill_at and not self.rests:
-            self.control.wake.set()
+        wake = self.control.wake
+        # ``is_set`` first: ``set`` takes the event's lock and notifies even when
+        # it is already set, which it is for most of a drain's jobs.
+        if (
+            not wake.is_set()
+            and not self.rests
+            and self.pool.queued() <= self._refill_at
+            and not self._waits_for_wakeups()
+        ):
+            wake.set()
+
+    def _waits_for_wakeups(self) -> bool:
+        """The last claim found all that was ready, and new rows say so themselves.
+
+        Then a buffer running low is no reason to claim: the claim would find
+        nothing (it did: 1.8 empty claims per streamed job). Where wake-ups do
+        not reach this worker, or the claim was held back by limits, it claims.
+        """
+        return self._drained == self._heard and self.priorities_arrive()
 
     # -- the loop --------------------------------------------------------------
 

@@ -29,6 +29,9 @@ SHED_AFTER_HORIZONS = 2.0
 #: Seconds past SHUTDOWN_TIMEOUT a stopping worker waits for the outcomes of
 #: finished handlers to be written (while the database is briefly away).
 RECORD_GRACE = 30.0
+#: Seconds a cancelled async handler's coroutine (a timeout, a cancel request, a
+#: stop) gets to end before its attempt is recorded (or released) without it.
+CANCEL_GRACE = 5.0
 #: How long a stopping worker waits for handlers' attempt_recorded hooks
 #: (task_finished receivers) still queued.
 HOOK_GRACE = 10.0
@@ -39,6 +42,8 @@ class WorkerConfig:
     """Everything a ``Worker`` needs; defaults come from ``DBWORKER`` settings."""
 
     concurrency: int = field(default_factory=lambda: int(dbworker_settings.CONCURRENCY))
+    #: Async handlers' items running at once on the worker's event loop (``event_loop.py``).
+    async_concurrency: int = field(default_factory=lambda: int(dbworker_settings.ASYNC_CONCURRENCY))
     poll_interval: float = field(default_factory=lambda: float(dbworker_settings.POLL_INTERVAL))
     #: LISTEN for other processes' wake-ups (WAKEUPS); False: poll only.
     wakeups: bool = field(default_factory=lambda: bool(dbworker_settings.WAKEUPS))

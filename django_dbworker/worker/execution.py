@@ -20,24 +20,34 @@ This module decides and writes; it *returns* what happened (an
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
 
 from django_dbworker import errortext, tracing, transitions
 from django_dbworker.db.errors import is_transient
-from django_dbworker.handlers import WorkItemHandler, running_attempt
+from django_dbworker.errors import Cancelled
+from django_dbworker.handlers import (
+    ATTEMPT_ATTR,
+    WorkItemHandler,
+    cancel_was_requested,
+    running_async_attempt,
+    running_attempt,
+    runs_async,
+)
 from django_dbworker.metrics import WorkerMetrics, default_metrics
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.outcomes import Outcome
 from django_dbworker.worker import endings
 from django_dbworker.worker.abandoned import AbandonedThreads
+from django_dbworker.worker.config import CANCEL_GRACE
 from django_dbworker.worker.connections import (
     close_thread_connections,
     guarded,
@@ -53,6 +63,8 @@ logger = logging.getLogger("django_dbworker.worker")
 #: None). The writer records it and its ending is settled from there; it
 #: answers how it ended if it knows at once (inline, or a quick write), else None.
 RecordSuccess = Callable[[WorkItem, "str | None"], "Outcome | None"]
+#: Runs a sync call (database work, a sync hook) off the event loop and awaits it.
+Offload = Callable[..., Awaitable[Any]]
 
 
 class _Recording:
@@ -249,7 +261,7 @@ def _run_and_record(
                 handler.attempt_started(item)
                 if handler.atomic:
                     with transaction.atomic(using=db):
-                        result = handler.handle_item(item)
+                        result = _call(handler, item)
                         encoded = _encode_result(result)
                         ready()
                         if not _succeed_or_refuse(item, encoded):
@@ -257,7 +269,7 @@ def _run_and_record(
                     succeeded = Ending(Outcome.SUCCEEDED, Status.SUCCEEDED)
                     observer.landed(succeeded)
                     return succeeded
-                encoded = _encode_result(handler.handle_item(item))
+                encoded = _encode_result(_call(handler, item))
                 ready()
             except _FencedOut:
                 return endings.FENCED
@@ -290,6 +302,206 @@ def _run_and_record(
         tidy_if_owned()
 
 
+def _call(handler: WorkItemHandler, item: WorkItem) -> Any:
+    """``handle_item`` in this thread; an async handler's coroutine run to its end here.
+
+    The threaded worker runs async handlers on its event loop
+    (``execute_async``); this is the inline worker's way (``run_until_empty``).
+    """
+    if runs_async(type(handler)):
+        from asgiref.sync import async_to_sync
+
+        async def awaited() -> Any:
+            return await handler.handle_item(item)
+
+        return async_to_sync(awaited)()
+    return handler.handle_item(item)
+
+
+async def execute_async(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    *,
+    offload: Offload,
+    track: Callable[[asyncio.Task[Any]], None],
+    give_up: threading.Event | None,
+    metrics: WorkerMetrics,
+    record_success: RecordSuccess,
+    observer: Observer = SILENT,
+) -> Ending:
+    """``execute`` for an async handler, on the worker's event loop.
+
+    The handler's coroutine runs in a task of its own, which the timeout,
+    a cancel request or a lost claim cancel (``track`` hands it to the
+    loop's cancel poll); its outcome is recorded only once that task has
+    ended, so nothing of it runs after its outcome is written. Every write
+    goes through ``offload`` (the loop never waits on the database) or to
+    the success writer. A stop that cancels this coroutine leaves the
+    attempt unrecorded: shutdown releases its row.
+    """
+    ready = _Recording(observer.recording)
+    started = time.perf_counter()
+    ending: Ending | None = None
+    try:
+        with metrics.running(handler.name), tracing.processing(item, handler) as attempt:
+            ending = await _execute_async(
+                item, handler, offload, track, give_up, record_success, ready, observer, started
+            )
+            if ending.outcome == Outcome.DEFERRED:
+                attempt.outcome(ready.reported or Outcome.SUCCEEDED)
+            else:
+                attempt.outcome(ending.outcome)
+    except asyncio.CancelledError:
+        raise  # a stop: shutdown releases the row
+    except Exception as exc:
+        logger.error(
+            "Unexpected error around work item %s (%s): %s",
+            item.pk,
+            handler.name,
+            errortext.error_summary(exc, sensitive=handler.sensitive),
+            exc_info=not handler.sensitive,
+        )
+        if ending is None:
+            ready()
+            ending = await _finish(
+                offload(
+                    record_failure,
+                    item,
+                    handler,
+                    exc,
+                    retriable=True,
+                    give_up=give_up,
+                    landed=observer.landed,
+                )
+            )
+    if ending.outcome is Outcome.DEFERRED:
+        return ending
+    return ending.took(time.perf_counter() - started)
+
+
+async def _execute_async(
+    item: WorkItem,
+    handler: WorkItemHandler,
+    offload: Offload,
+    track: Callable[[asyncio.Task[Any]], None],
+    give_up: threading.Event | None,
+    record_success: RecordSuccess,
+    ready: _Recording,
+    observer: Observer,
+    started: float,
+) -> Ending:
+    running_async_attempt(item)  # this task's, and the handler's task's (a copy)
+    failure: BaseException | None = None
+    try:
+        if type(handler).attempt_started is not WorkItemHandler.attempt_started:
+            await offload(handler.attempt_started, item)  # a hook of the handler's (signals)
+        task: asyncio.Task[Any] = asyncio.ensure_future(handler.handle_item(item))
+    except Exception as exc:
+        failure = exc
+    else:
+        track(task)
+        timeout = handler.timeout
+        remaining = None if timeout is None else max(0.0, started + timeout - time.perf_counter())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=remaining)
+        except asyncio.CancelledError:
+            await _stop(task, item, handler)
+            raise
+        if not done:
+            await _stop(task, item, handler, observer=observer)
+            assert timeout is not None
+            error = TimeoutError(f"{handler.name} ran longer than its timeout of {timeout:g}s")
+            ready()
+            return await _finish(
+                offload(
+                    record_failure,
+                    item,
+                    handler,
+                    error,
+                    retriable=True,
+                    label=Outcome.TIMEOUT,
+                    give_up=give_up,
+                    text=errortext.format_error(error, include_traceback=False),
+                    landed=observer.landed,
+                )
+            )
+        try:
+            encoded = _encode_result(task.result())
+        except asyncio.CancelledError as exc:
+            # Cancelled by the loop's poll: a cancel request (ends ``cancelled``), or a
+            # claim lost meanwhile (the write is fenced out). A CancelledError of the
+            # handler's own (an awaited task cancelled inside it) is a plain failure.
+            attempt = item.__dict__.get(ATTEMPT_ATTR)
+            stopped = cancel_was_requested(item) or bool(getattr(attempt, "lost", False))
+            failure = Cancelled("cancelled by request while running") if stopped else exc
+        except _ResultRefused as exc:
+            ready()
+            return await _finish(
+                offload(
+                    record_refused_result,
+                    item,
+                    handler,
+                    exc.cause,
+                    give_up=give_up,
+                    landed=observer.landed,
+                )
+            )
+        except BaseException as exc:
+            failure = exc
+        else:
+            ready()
+            ready.reported = record_success(item, encoded)
+            return endings.DEFERRED
+    ready()
+    return await _finish(
+        offload(
+            record_failure,
+            item,
+            handler,
+            failure,
+            retriable=isinstance(failure, handler.retry_on),
+            give_up=give_up,
+            landed=observer.landed,
+        )
+    )
+
+
+async def _finish(write: Awaitable[Ending]) -> Ending:
+    """The write of an attempt's outcome, once begun, ends and is settled, whatever stop
+    cancels the coroutine meanwhile: its attempt is recording (never released), and
+    shutdown waits for it."""
+    inner = asyncio.ensure_future(write)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        return await inner
+
+
+async def _stop(
+    task: asyncio.Task[Any],
+    item: WorkItem,
+    handler: WorkItemHandler,
+    *,
+    observer: Observer = SILENT,
+) -> None:
+    """Cancel the handler's task and wait (CANCEL_GRACE at most) for it to end."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE)
+    if done:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning
+        return
+    observer.abandoned()
+    logger.error(
+        "Work item %s (%s) did not stop within %gs of being cancelled (does its handler "
+        "catch CancelledError?); its attempt is recorded without it, and whatever it "
+        "records later is discarded.",
+        item.pk,
+        handler.name,
+        CANCEL_GRACE,
+    )
+
+
 def _encode_result(result: Any) -> str | None:
     """The result as JSON text for the ``result`` column; None (SQL NULL) for None."""
     if result is None:
@@ -303,9 +515,9 @@ def _encode_result(result: Any) -> str | None:
         raise _ResultRefused(
             TypeError(
                 f"The handler returned a coroutine ({type(result).__name__}) without running "
-                "it: the worker runs handlers in threads and awaits nothing. Make handle a "
-                "plain def and await inside it with asgiref.sync.async_to_sync, or await "
-                "the call it returns (async def handlers are refused by check E023)."
+                "it: its handle is a plain def, which the worker runs on a thread and does "
+                "not await. Declare it async def to run it on the worker's event loop, or "
+                "await the call inside it with asgiref.sync.async_to_sync."
             )
         )
     try:

@@ -1,8 +1,9 @@
 """The one factory that decides how a worker runs: on threads, or inline.
 
-A threaded worker (``run_workers``) has a thread pool, a batched success
-writer, a hook thread, the heartbeat, wake-ups, the periodic scheduler and
-own-table loops, enforces timeouts and prefetches. An inline worker
+A threaded worker (``run_workers``) has a thread pool, an event loop for
+async handlers, a batched success writer, a hook thread, the heartbeat,
+wake-ups, the periodic scheduler and own-table loops, enforces timeouts and
+prefetches. An inline worker
 (``testing.run_until_empty``) runs each item in the calling thread and its
 transaction, one at a time, with none of those threads: another thread's
 connection would not see the caller's uncommitted rows. Everything that
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from django_dbworker.worker.config import WorkerConfig
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.hooks import HookRunner, InlineHookRunner
 from django_dbworker.worker.pool import InlinePool, Pool
 from django_dbworker.worker.success_writer import InlineSuccessWriter, SuccessWriter
@@ -35,6 +37,8 @@ class Parts:
     make_pool: Callable[[Callable[[], None]], Pool]
     make_writer: Callable[[threading.Event], SuccessWriter]
     make_hooks: Callable[[], HookRunner]
+    #: Where async handlers run; inline, none: each runs to its end in the caller's thread.
+    make_event_loop: Callable[[], EventLoop | None]
 
 
 def parts_for(config: WorkerConfig) -> Parts:
@@ -48,6 +52,7 @@ def parts_for(config: WorkerConfig) -> Parts:
             make_pool=lambda on_done: InlinePool(),
             make_writer=lambda give_up: InlineSuccessWriter(using, give_up=give_up),
             make_hooks=InlineHookRunner,
+            make_event_loop=lambda: None,
         )
     return Parts(
         threaded=True,
@@ -57,4 +62,5 @@ def parts_for(config: WorkerConfig) -> Parts:
         make_pool=lambda on_done: Pool(config.concurrency, name="dbworker", on_done=on_done),
         make_writer=lambda give_up: SuccessWriter(using, give_up=give_up),
         make_hooks=HookRunner,
+        make_event_loop=lambda: EventLoop(config.async_concurrency),
     )

@@ -1,10 +1,14 @@
-"""Running one attempt on a pool thread: start it, execute it, hand its ending over.
+"""Running one attempt on a pool thread (or the event loop): start it, execute it, hand
+its ending over.
 
 What a pool thread does with one buffered attempt: the start-time fence
 check (a row recovered as stale while it waited is someone else's now),
 ``execution.execute``, and the hand-off of a success to the batched
-success writer. Every ending, from whichever thread, goes to
-``Settler.settle``; this module accounts for nothing itself.
+success writer. An async handler's attempt is started the same way, then
+handed to the worker's event loop (``event_loop.py``), where
+``execution.execute_async`` runs it and the pool thread is free at once.
+Every ending, from whichever thread, goes to ``Settler.settle``; this
+module accounts for nothing itself.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from django_dbworker import errortext, transitions
+from django_dbworker.handlers import runs_async
 from django_dbworker.metrics import WorkerMetrics
 from django_dbworker.models import Status
 from django_dbworker.outcomes import Outcome
@@ -24,6 +29,7 @@ from django_dbworker.worker.config import WorkerConfig
 from django_dbworker.worker.connections import close_quietly
 from django_dbworker.worker.control import Control
 from django_dbworker.worker.endings import Ending, Observer
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.prefetch import Prefetch
 from django_dbworker.worker.settle import Settler
 from django_dbworker.worker.success_writer import Refused, SuccessWriter, Written
@@ -57,6 +63,7 @@ class AttemptRunner:
         on_started: Callable[[], None],
         may_start: Callable[[Attempt], bool] = lambda attempt: True,
         give_back: Callable[[list[Attempt]], int] = lambda attempts: 0,
+        event_loop: EventLoop | None = None,
     ) -> None:
         self.config = config
         self.control = control
@@ -76,6 +83,8 @@ class AttemptRunner:
         #: one that may not goes back to pending through ``give_back``.
         self.may_start = may_start
         self.give_back = give_back
+        #: Where async handlers' attempts run; None inline (``execution._call``).
+        self.event_loop = event_loop
 
     def run_next(self) -> None:
         """Start the best buffered attempt, execute it, hand its ending over."""
@@ -83,6 +92,9 @@ class AttemptRunner:
         if attempt is None:
             return
         assert attempt.started_at is not None
+        if self.event_loop is not None and runs_async(type(attempt.handler)):
+            self.event_loop.submit(attempt, lambda: self._run_async(attempt))
+            return
         ending = endings.UNRECORDED
         try:
             ending = execution.execute(
@@ -98,6 +110,24 @@ class AttemptRunner:
         finally:
             self.settler.settle(attempt, ending)
             self.prefetch.observe_run(self.clock.now() - attempt.started_at)
+
+    async def _run_async(self, attempt: Attempt) -> None:
+        """An async handler's attempt, on the event loop; a stop's cancel leaves it unsettled
+        (still claimed: shutdown releases it)."""
+        loop = self.event_loop
+        assert loop is not None
+        ending = await execution.execute_async(
+            attempt.item,
+            attempt.handler,
+            offload=loop.offload,
+            track=lambda task: loop.track(attempt, task),
+            give_up=self.control.aborting,
+            metrics=self.metrics,
+            record_success=lambda item, result: self._hand_over(attempt, result),
+            observer=_AttemptObserver(attempt, self.ledger, self.settler),
+        )
+        # Hooks are user code that may block: never on the loop.
+        self.settler.settle(attempt, ending, defer_hook=True)
 
     def _start(self) -> Attempt | None:
         """Take the best buffered attempt out of the buffer to run it; None if none may run.

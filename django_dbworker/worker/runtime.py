@@ -100,7 +100,10 @@ class Worker:
             clock=self.clock,
             handlers=lambda: self.work_item_handlers,
         )
-        self.shutdown = Shutdown(config=cfg, control=control, ledger=self.ledger, clock=self.clock)
+        self.event_loop = self.parts.make_event_loop()  # async handlers' (threaded only)
+        self.shutdown = Shutdown(
+            config=cfg, control=control, ledger=self.ledger, clock=self.clock, aio=self.event_loop
+        )
         self.prefetch = Prefetch(concurrency=cfg.concurrency, horizon=self.parts.prefetch_horizon)
         self.watchers = list(watchers)
         self.listener: Listener | None = None
@@ -241,12 +244,14 @@ class Worker:
             enforce_timeout=parts.enforce_timeout,
             healthy=self.watchdog.healthy,
             on_started=self._maybe_wake,  # the buffer shrank
+            event_loop=self.event_loop,
         )
         self.claim_loop = ClaimLoop(
             config=cfg,
             control=self.control,
             ops=self.ops,
             pool=pool,
+            event_loop=self.event_loop,
             ledger=self.ledger,
             prefetch=self.prefetch,
             recovery=self.recovery,
@@ -286,7 +291,7 @@ class Worker:
         self.watchdog.watch("success writer", self.writer)
         if not cfg.burst:
             if self.ops.supports_notify and cfg.wakeups:
-                self.listener = Listener.of(cfg, wake=self._announced)
+                self.listener = Listener.of(cfg, wake=self._announced, claimer=self.claim_loop)
                 self.listener.start()
                 started.append(self.listener)
             else:

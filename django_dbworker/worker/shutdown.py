@@ -20,6 +20,7 @@ from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import RECORD_GRACE, WorkerConfig
 from django_dbworker.worker.connections import persist
 from django_dbworker.worker.control import Control
+from django_dbworker.worker.event_loop import EventLoop
 from django_dbworker.worker.handler_loop import HandlerLoop
 from django_dbworker.worker.pool import Pool
 from django_dbworker.worker.success_writer import SuccessWriter
@@ -32,9 +33,17 @@ RELEASE_PATIENCE = 5.0
 
 class Shutdown:
     def __init__(
-        self, *, config: WorkerConfig, control: Control, ledger: Ledger, clock: Clock
+        self,
+        *,
+        config: WorkerConfig,
+        control: Control,
+        ledger: Ledger,
+        clock: Clock,
+        aio: EventLoop | None = None,
     ) -> None:
         self.config = config
+        #: The event loop of async handlers (None inline): drained, cancelled, closed.
+        self.aio = aio
         self.control = control
         self.ledger = ledger
         self.clock = clock
@@ -58,11 +67,23 @@ class Shutdown:
         writer: SuccessWriter | None,
         loops: Sequence[HandlerLoop],
     ) -> None:
-        """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal)."""
+        """Give running items up to SHUTDOWN_TIMEOUT (or until a second signal).
+
+        Async handlers' coroutines still running then on the event loop
+        (``aio``) are cancelled, and have ended, before their rows are
+        released; the loop is closed.
+        """
         cfg, control, clock = self.config, self.control, self.clock
         if control.draining.is_set():
             self.release_buffered()
-        busy = (pool.running() if pool is not None else 0) + sum(loop.pool.busy() for loop in loops)
+        aio = self.aio
+        if aio is not None:
+            aio.stop_starting()
+        busy = (
+            (pool.running() if pool is not None else 0)
+            + (aio.running() if aio is not None else 0)
+            + sum(loop.pool.busy() for loop in loops)
+        )
         if busy:
             logger.info(
                 "Stopping: waiting up to %.0fs for %d running item(s).", cfg.shutdown_timeout, busy
@@ -70,6 +91,10 @@ class Shutdown:
         deadline = clock.now() + cfg.shutdown_timeout
         if pool is not None:
             pool.wait_idle(cfg.shutdown_timeout, abort=control.aborting)
+        if aio is not None:
+            if not aio.wait_idle(max(0.0, deadline - clock.now()), control.aborting):
+                aio.cancel_all()
+            aio.close()
         if writer is not None:
             writer.close()  # successes handed over are written now
         # A finished handler's outcome is recorded, never released: releasing

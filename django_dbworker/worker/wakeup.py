@@ -7,6 +7,17 @@ module holds the thread, its reconnects and backoff; it holds no SQL and no
 driver API. Losing the subscription only costs latency: the claim loop
 still polls at POLL_INTERVAL.
 
+One wake-up, one claimer: among the workers that claim alike (the same
+queues and handlers, ``Listener.group``), one at a time holds the turn
+(``Subscription.wait_turn``: on PostgreSQL a session advisory lock, see
+``db/postgresql_listen.py``) and acts on every wake-up; the others wait for
+it without listening. The holder passes it on when its claims come back
+full (``saturated``: it cannot take all that is ready), and then listens
+for wake-ups meanwhile: it claims an urgent row ahead of its buffer (as
+before), other rows only once it has room; once a claim of its comes back
+short it queues for the turn again. A worker granted the turn claims once: wake-ups of the
+meantime reached nobody. A worker woken that finds nothing wakes no one.
+
 With WAKEUP_WINDOW above 0, enqueuers send at most one wake-up per queue per
 window (``db/wake_window.py``); the listener then wakes the loop once more
 that long after the last wake-up it received (the trailing claim), which
@@ -30,12 +41,14 @@ idle). Not on SQLite, where every poll takes the database's write lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from django_dbworker.db import (
     Subscription,
@@ -61,6 +74,10 @@ BUSY_WINDOW = 1.0
 #: milliseconds; the margin is for a loaded server, so that a working
 #: connection is not reported as broken.
 PROBE_TIMEOUT = 5.0
+#: Seconds between two looks, by a listener taking turns, at whether its
+#: claim loop became saturated (or stopped being so): what it receives meanwhile
+#: is acted on as it arrives. A client-side wait: no statement.
+TURN_CHECK = 0.05
 
 
 class AdaptivePoll:
@@ -115,6 +132,28 @@ def polls_adaptively(ops: VendorOperations, wakeups: bool) -> bool:
     return ops.poll_adaptively or (ops.supports_notify and not wakeups)
 
 
+class Claimer(Protocol):
+    """What the listener asks of the claim loop it wakes (``ClaimLoop``)."""
+
+    @property
+    def saturated(self) -> bool:
+        """More may be ready than it takes now, or it is stopping: it passes the turn on."""
+        ...
+
+    def handlers(self) -> Mapping[str, Any]: ...
+
+
+def claim_group(queues: Sequence[str] | None, handlers: Sequence[str]) -> str:
+    """The name of the workers that claim alike: the wake-up turn they share.
+
+    A wake-up names its queue, not its handler: workers that serve other
+    handlers (another release of the code, ``run_workers`` given names)
+    take turns apart, so that a wake-up never goes to a worker that cannot
+    claim its row.
+    """
+    return json.dumps([sorted(queues) if queues else None, sorted(handlers)])
+
+
 class LocalWaker:
     """Wakes the claim loop when this process commits an enqueue for one of its queues.
 
@@ -148,6 +187,13 @@ class Listener(threading.Thread):
     once more with the highest priority announced since (the trailing
     claim): an enqueuer skips wake-ups for that long after one it sent.
 
+    With ``group`` (the name of what this worker claims: its queues and
+    handlers) and once its probe came back, it takes turns (the module's
+    docstring): it waits for the turn, acts on every wake-up while it holds
+    it, and passes it on while ``saturated()`` (its claims come back full),
+    still listening (its loop claims an urgent row at once, others once it
+    has room).
+
     ``using`` is the alias it LISTENs with (WAKEUP_DATABASE, or the work
     table's), ``probe_using`` the alias enqueuers notify on (the work
     table's): the probe goes from the one to the other, as wake-ups do, so
@@ -165,6 +211,8 @@ class Listener(threading.Thread):
         probe_timeout: float = PROBE_TIMEOUT,
         poll_interval: float | None = None,
         wakeup_database: str | None = None,
+        group: Callable[[], str] | None = None,
+        saturated: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="dbworker-listener", daemon=True)
@@ -176,7 +224,14 @@ class Listener(threading.Thread):
         self.probe_timeout = probe_timeout
         self.poll_interval = poll_interval
         self.wakeup_database = wakeup_database
+        self.group = group
+        self.saturated = saturated
         self.clock = clock
+        #: This listener holds its group's turn (or takes no turns: None).
+        self.holding: bool | None = None
+        #: The subscription of a ``wait_turn`` under way (``stop`` interrupts it).
+        self._waiting: Subscription | None = None
+        self._waiting_lock = threading.Lock()
         #: When the trailing claim is due, and the priority it announces.
         self._trailing: tuple[float, int] | None = None
         #: The probe in flight (its token, when it is overdue), if any.
@@ -190,9 +245,16 @@ class Listener(threading.Thread):
         self.reached = False
 
     @classmethod
-    def of(cls, config: WorkerConfig, *, wake: Callable[[int | None], None]) -> Listener:
-        """The listener of a worker told ``config``: its aliases, queues and WAKEUP_WINDOW."""
+    def of(
+        cls, config: WorkerConfig, *, wake: Callable[[int | None], None], claimer: Claimer | None
+    ) -> Listener:
+        """The listener of a worker told ``config``: its aliases, queues and WAKEUP_WINDOW,
+        taking turns for ``claimer`` (its claim loop)."""
         return cls(
+            group=None
+            if claimer is None
+            else lambda: claim_group(config.queues, list(claimer.handlers())),
+            saturated=(lambda: False) if claimer is None else lambda: claimer.saturated,
             using=config.listen_using,
             queues=config.queues,
             wake=wake,
@@ -225,6 +287,7 @@ class Listener(threading.Thread):
                 subscription = ops.listen()
                 # A probe sent to an earlier subscription may have been lost with it.
                 self._probe = None
+                self.holding = None  # the turn, if held, went with the old session
                 self.listening.set()
                 backoff.reset()
                 outage.back(self.using, reached=True)
@@ -234,6 +297,7 @@ class Listener(threading.Thread):
                 self._check(subscription)  # the probe goes out at once
                 while not self.stopped.is_set():
                     self._receive(subscription)
+                    self._take_turns(subscription)
             except Exception as exc:
                 self.listening.clear()
                 if self.stopped.is_set():
@@ -254,9 +318,16 @@ class Listener(threading.Thread):
                         logger.debug("Ignoring an error closing the listener.", exc_info=True)
 
     def _receive(self, subscription: Subscription) -> None:
-        """Wake the loop for what arrives within a second (or until the trailing claim)."""
+        """Wake the loop for what arrives within a second (or until the trailing claim).
+
+        Taking turns, for TURN_CHECK at most. Without the turn (passed on) it
+        still wakes the loop: a saturated loop claims only what outranks its
+        buffer (an urgent row), or once it has room again.
+        """
         trailing = self._trailing
-        timeout = 1.0 if trailing is None else min(1.0, max(0.0, trailing[0] - self.clock()))
+        timeout = TURN_CHECK if self.holding is not None else 1.0
+        if trailing is not None:
+            timeout = min(timeout, max(0.0, trailing[0] - self.clock()))
         for payload in subscription.receive(timeout=timeout):
             queue, priority = parse_wake_payload(payload)
             if self.queues is None or queue in self.queues:
@@ -323,5 +394,46 @@ class Listener(threading.Thread):
             )
             self.checked.set()
 
+    def _take_turns(self, subscription: Subscription) -> None:
+        """Pass the turn while saturated; wait for it (not listening) while not.
+
+        Only once the probe came back: a LISTEN that holds is a session of
+        its own, where the turn's lock stays with this worker.
+        """
+        if self.group is None or not self.reached:
+            return
+        saturated = self.saturated()
+        if self.holding is None:
+            self.holding = False  # taking turns from now on: without the turn yet
+        if self.holding and saturated:
+            subscription.pass_turn(self.group())
+            self.holding = False
+            logger.debug("Passed the wake-up turn on: this worker's claims come back full.")
+        elif not self.holding and not saturated:
+            with self._waiting_lock:
+                if self.stopped.is_set():
+                    return
+                self._waiting = subscription
+            try:
+                granted = subscription.wait_turn(self.group())
+            finally:
+                with self._waiting_lock:
+                    self._waiting = None
+            if granted:
+                self.holding = True
+                logger.debug("Took the wake-up turn: this worker claims for every wake-up.")
+                # Wake-ups sent while no one held the turn reached no one.
+                self.wake(None)
+            elif not self.stopped.is_set():
+                self.holding = False  # cancelled by a statement_timeout: waits anew
+                logger.debug("The wait for the wake-up turn was cancelled; waiting again.")
+
     def stop(self) -> None:
-        self.stopped.set()
+        with self._waiting_lock:
+            self.stopped.set()
+            waiting = self._waiting
+        if waiting is not None:
+            try:
+                waiting.interrupt()
+            except Exception:
+                logger.debug("Ignoring an error interrupting the turn's wait.", exc_info=True)

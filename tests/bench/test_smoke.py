@@ -45,6 +45,11 @@ SCRIPTS = [
     ("w8_rate.py", ["--rate", "30", "--seconds", "1"], "w8_rate"),
     ("w9_batches.py", ["--items", "300", "--runs", "1", "--links", "5"], "w9_batches"),
     (
+        "w11_async.py",
+        ["--items", "50", "--sync-items", "8", "--noop-items", "50", "--latency-items", "3"],
+        "w11_async_sleep",
+    ),
+    (
         "w12_fair.py",
         ["--flood", "300", "--job-ms", "0", "--seconds", "1", "--items", "200", "--keys", "4"],
         "w12_fair",
@@ -147,6 +152,9 @@ def test_ab_script_compares_two_trees(tmp_path: Path) -> None:
     table = out_file.read_text()
     assert "| `w1_throughput.py --items 200` | items_per_second_whole |" in table
     assert "| `w1_throughput.py --items 200` | items_per_second_active |" in table
+    # The CPU per item, the figure that holds on a shared machine.
+    assert "| `w1_throughput.py --items 200` | worker_cpu_us_per_item |" in table
+    assert "| `w1_throughput.py --items 200` | database_cpu_us_per_item |" in table
 
 
 #: The scale scripts start a durable cluster of their own, with

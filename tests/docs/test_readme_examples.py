@@ -149,6 +149,10 @@ def test_handlers_and_enqueue_examples_run_in_run_workers(project: Project) -> N
         ("send_welcome_email", "emails", "pending"): 5,
         ("myapp.tasks.resize_avatar", "default", "succeeded"): 1,
         ("count_words", "default", "succeeded"): 1,  # the async-code block ran it
+        # Async handlers: three run by run_until_empty, the async view's one waits.
+        ("fetch_feed", "default", "succeeded"): 3,
+        ("fetch_feed", "default", "pending"): 1,
+        ("count_invoices", "default", "succeeded"): 1,
         ("build_report", "default", "pending"): 101,  # flow control's fair-share block
     }
 
@@ -167,7 +171,10 @@ def test_handlers_and_enqueue_examples_run_in_run_workers(project: Project) -> N
     assert sent.count(["succeeded", {"sent_to": "ada@example.com"}]) == 4, after
     # The one with run_after=timedelta(minutes=5) and priority=10 waits.
     assert [i for i in after["items"] if i[0] == "pending"] == [["pending", None, 10]], after
-    assert after["invoices"] == ["sent", "sent"], after
+    # The async view's fetch ran on run_workers' event loop; its invoice was mailed too.
+    fetched = [i for i in after["items"] if isinstance(i[1], dict) and i[1].get("status") == 200]
+    assert len(fetched) == 4 and {i[0] for i in fetched} == {"succeeded"}, after
+    assert after["invoices"] == ["sent", "sent", "sent"], after
 
 
 def test_router_example_routes_the_work_table(project: Project) -> None:

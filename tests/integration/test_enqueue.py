@@ -519,3 +519,20 @@ def test_new_item_matches_the_model_constructor() -> None:
     finally:
         post_init.disconnect(receiver, sender=WorkItem)
     assert seen[0] is item and seen[1:] == items
+
+
+def test_aenqueue_takes_the_sync_forms_arguments_and_refuses_the_same_bad_input() -> None:
+    """``Handler.aenqueue`` and ``django_dbworker.aenqueue`` from async code: the same insert
+    and options as ``enqueue``; bad input raises the same ``EnqueueError``, writing nothing."""
+    from asgiref.sync import async_to_sync
+
+    from django_dbworker import aenqueue
+
+    item = async_to_sync(Echo.aenqueue)({"a": 1}, priority=3, unique_key="once")
+    again = async_to_sync(Echo.aenqueue)({"a": 2}, unique_key="once")
+    assert again.pk == item.pk and item.priority == 3 and item.queue == Echo.queue
+    named = async_to_sync(aenqueue)("noop", [1], max_attempts=2, after=[item])
+    assert (named.handler, named.payload, named.max_attempts) == ("noop", [1], 2)
+    with pytest.raises(EnqueueError, match="nope"):
+        async_to_sync(aenqueue)("nope")
+    assert WorkItem.objects.count() == 2

@@ -181,3 +181,28 @@ def test_crossed_pairs_duplicates_and_empty_arrays() -> None:
     )
     assert [(pk, token) for pk, token, _ in rows] == [(a.pk, a.claim_token)]
     assert WorkItem.objects.get(pk=b.pk).status == Status.CLAIMED
+
+
+def test_the_kept_statement_cursor_follows_reconnects_and_errors() -> None:
+    """The enqueue statement's cursor is kept per connection: a reconnected
+    connection and a statement that failed each get a fresh one, and query
+    logging still sees every enqueue."""
+    from django.test.utils import CaptureQueriesContext
+
+    first = Record.enqueue({"n": 1})
+    connection.close()  # a new raw connection: the kept cursor is not reused
+    second = Record.enqueue({"n": 2})
+    assert second.pk > first.pk
+    with CaptureQueriesContext(connection) as captured:
+        Record.enqueue({"n": 3})
+    sqls = [q["sql"] for q in captured.captured_queries]
+    assert any("INSERT INTO django_dbworker_workitem" in sql for sql in sqls)
+    with pytest.raises(Exception, match="dbworker_priority_range"):
+        # Past the options' own check: the database's CHECK constraint refuses it.
+        operations(connection.alias).insert_item(
+            WorkItem(handler=Record.name, queue="default", priority=1000, max_attempts=1),
+            run_after=None,
+            payload_json=None,
+        )
+    Record.enqueue({"n": 4})
+    assert WorkItem.objects.filter(handler=Record.name).count() == 4

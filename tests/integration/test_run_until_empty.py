@@ -415,3 +415,14 @@ def test_run_until_empty_writes_no_register_row() -> None:
     run_until_empty(["burst_noop"])
     assert WorkItem.objects.get(pk=item.pk).status == Status.SUCCEEDED
     assert not LiveWorker.objects.exists()
+
+
+def test_an_async_handler_runs_to_its_end_inline() -> None:
+    """``run_until_empty`` runs an ``async def handle`` in the caller's thread (no event
+    loop of the worker's), to its end, its result stored as a sync handler's is."""
+    from tests.testapp.workers import AsyncSleep
+
+    item = AsyncSleep.enqueue({"key": "inline", "seconds": 0})
+    run_until_empty()
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.SUCCEEDED and row.result == {"slept": 0}

@@ -384,3 +384,100 @@ def test_the_hook_of_a_recorded_failure_runs_while_the_attempt_counts_in_flight(
         pytest.fail("the burst worker did not finish")
     assert dict(worker.outcomes) == {"failed": 1}
     assert GAUGE["seen"] == 1.0
+
+
+# -- an async coroutine that will not stop when cancelled ------------------------------
+
+STUBBORN = {"cancelled": threading.Event(), "release": threading.Event(), "returned": None}
+
+
+class StubbornAsync(WorkItemHandler):
+    """Swallows the cancel of its timeout and goes on until the test releases it."""
+
+    name = "stubborn_async"
+    timeout = 0.2
+    max_attempts = 1
+
+    async def handle(self, payload: Any) -> str:
+        import asyncio
+
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            STUBBORN["cancelled"].set()
+        while not STUBBORN["release"].is_set():
+            await asyncio.sleep(0.01)
+        STUBBORN["returned"] = True
+        return "late"
+
+
+def test_an_async_attempt_that_ignores_its_cancel_is_recorded_and_its_late_result_dropped(
+    no_stray_threads: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At its timeout the coroutine is cancelled; one that swallows the cancel gets
+    CANCEL_GRACE, then its attempt is recorded as timed out without it (logged), and what it
+    returns later is never written. The attempt is counted once, in the in-flight gauge while
+    it ran and in the duration histogram and outcome count when it ended."""
+    from prometheus_client import CollectorRegistry
+
+    from django_dbworker.metrics import WorkerMetrics
+
+    monkeypatch.setattr("django_dbworker.worker.execution.CANCEL_GRACE", 0.2)
+    STUBBORN["cancelled"].clear()
+    STUBBORN["release"].clear()
+    STUBBORN["returned"] = None
+    reg = CollectorRegistry()
+    item = StubbornAsync.enqueue({})
+    worker = Worker([StubbornAsync], worker_config(concurrency=1), metrics=WorkerMetrics(reg))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(
+            lambda: WorkItem.objects.get(pk=item.pk).status == Status.FAILED,
+            timeout=30,
+            what="the timed-out attempt to be recorded",
+        )
+        assert STUBBORN["cancelled"].is_set() and STUBBORN["returned"] is None
+        STUBBORN["release"].set()
+        wait_until(lambda: STUBBORN["returned"], timeout=10, what="the stubborn coroutine to end")
+    finally:
+        STUBBORN["release"].set()
+        stop(worker, thread)  # writes whatever was handed to the success writer
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.FAILED and row.result is None
+    assert "TimeoutError" in row.last_error
+    assert "did not stop within" in caplog.text
+    labels = {"worker": "stubborn_async"}
+    assert reg.get_sample_value("worker_tasks_in_flight", labels) == 0.0
+    assert dict(worker.outcomes) == {"timeout": 1}
+    assert reg.get_sample_value(
+        "worker_task_duration_seconds_count", labels | {"status": "timeout"}
+    )
+
+
+class RaisesCancelledError(WorkItemHandler):
+    """An awaited task cancelled inside the handler: its CancelledError leaks out."""
+
+    name = "raises_cancelled_error"
+
+    async def handle(self, payload: Any) -> None:
+        import asyncio
+
+        raise asyncio.CancelledError
+
+
+def test_a_cancelled_error_of_the_handlers_own_is_a_failure_not_a_cancel(
+    no_stray_threads: None,
+) -> None:
+    """Only a cancel request (or a lost claim) ends an async attempt ``cancelled``; a
+    CancelledError its coroutine raises by itself fails it like any BaseException
+    (not in ``retry_on``: failed at once), as ``run_until_empty`` does."""
+    item = RaisesCancelledError.enqueue({})
+    worker = Worker([RaisesCancelledError], worker_config(burst=True))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the burst worker did not finish"
+    row = WorkItem.objects.get(pk=item.pk)
+    assert row.status == Status.FAILED and "CancelledError" in row.last_error, row.last_error
+    assert "cancelled by request" not in row.last_error

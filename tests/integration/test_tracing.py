@@ -145,3 +145,32 @@ def test_a_batch_callback_is_sent_like_any_enqueue_and_joins_the_last_items_trac
     assert send.attributes["worker.name"] == BatchDone.name
     assert send.context.trace_id == process.context.trace_id
     assert callback.batch_id is None and callback.payload["batch"] == b.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_async_attempts_overlapping_on_the_loop_are_each_their_own_span(exporter: Any) -> None:
+    """Coroutines interleave on one thread; each attempt's CONSUMER span is its own, the
+    child of its own item's send span, never of another attempt's."""
+    import threading
+
+    from django_dbworker.worker import Worker
+    from tests.factories import worker_config
+    from tests.testapp.workers import AsyncSleep
+
+    memory, _ = exporter
+    items = [AsyncSleep.enqueue({"key": f"t{i}", "seconds": 0.2}) for i in range(3)]
+    worker = Worker([AsyncSleep], worker_config(burst=True))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and dict(worker.outcomes) == {"succeeded": 3}
+    spans = memory.get_finished_spans()
+    sends = {s.attributes["messaging.message.id"]: s for s in by_name(spans, "send default")}
+    processes = by_name(spans, "process default")
+    assert sorted(s.attributes["messaging.message.id"] for s in processes) == sorted(
+        str(item.pk) for item in items
+    )
+    for process in processes:
+        send = sends[process.attributes["messaging.message.id"]]
+        assert process.parent.span_id == send.context.span_id
+        assert process.attributes["dbworker.outcome"] == "succeeded"

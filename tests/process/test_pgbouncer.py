@@ -20,7 +20,7 @@ import os
 import pytest
 
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import wait_until
+from tests.conftest import wait_until, wake_turns
 from tests.testapp.workers import Record
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
@@ -70,6 +70,8 @@ def test_listen_through_pgbouncer_is_a_warning_at_start(start_worker) -> None:
     assert "WAKEUP_DATABASE is not set" in log
     assert "polls every POLL_INTERVAL (30s)" in log
     assert "DBWORKER['WAKEUP_DATABASE']" in log
+    # No wake-up turn through the pooler: its lock would stay on a server session.
+    assert wake_turns() == (0, 0)
     # The worker works all the same: it polls.
     worker.signal(15)
     assert worker.wait() == 0
@@ -78,16 +80,20 @@ def test_listen_through_pgbouncer_is_a_warning_at_start(start_worker) -> None:
 @pytest.mark.pgbouncer
 @behind_pgbouncer
 def test_wakeup_database_brings_wake_ups_past_pgbouncer(start_worker) -> None:
-    worker = start_worker(
-        "record", "-v", "2", env={**SLOW_POLL, "DBWORKER_WAKEUP_DATABASE": "direct"}
-    )
-    worker.wait_for_log(f"{REACHED} 'direct'", timeout=30)
+    env = {**SLOW_POLL, "DBWORKER_WAKEUP_DATABASE": "direct"}
+    workers = [start_worker("record", "-v", "2", env=env) for _ in range(2)]
+    for worker in workers:
+        worker.wait_for_log(f"{REACHED} 'direct'", timeout=30)
+    # The two take turns on the direct connections (one holds, one waits)...
+    wait_until(lambda: wake_turns() == (1, 1), timeout=30, what="the wake-up turn")
     latencies = enqueue_and_time(5)
+    # ...and each wake-up reaches the holder.
     assert max(latencies) < WAKE_UP_BOUND, latencies
     print(f"pick-up through PgBouncer with WAKEUP_DATABASE: {latencies}")
-    assert WARNING not in worker.log()
-    worker.signal(15)
-    assert worker.wait() == 0
+    for worker in workers:
+        assert WARNING not in worker.log()
+        worker.signal(15)
+    assert [worker.wait() for worker in workers] == [0, 0]
 
 
 def test_a_direct_connection_passes_the_probe(start_worker) -> None:

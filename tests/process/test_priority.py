@@ -11,6 +11,7 @@ records; no timing is asserted.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -19,7 +20,7 @@ from django.db.models import Min
 
 from django_dbworker.models import Status, WorkItem
 from django_dbworker.worker.config import URGENT_PEEK
-from tests.conftest import wait_until
+from tests.conftest import wait_until, wake_turns
 from tests.testapp.models import Execution
 from tests.testapp.workers import Sleep
 
@@ -74,24 +75,24 @@ def test_urgent_items_start_before_bulk_claimed_after_them_and_outranked_rows_go
     assert len(overtaking) <= 1, f"the wave waited behind buffered bulk work: {overtaking}"
 
 
-@pytest.mark.pgbouncer
-def test_an_urgent_item_waits_for_the_running_items_not_for_the_buffer(start_worker) -> None:
-    """Wherever the wake-up carries no priority (SQLite, MySQL/MariaDB, a pooler without a
-    wake-up database), the worker looks for outranking rows while it holds a buffer
-    (URGENT_PEEK): an urgent item starts after the running items and the few that start
-    within that look, not after the whole buffer."""
-    threads = 4
+def _overtaking_bulk(start_worker, threads: int, *, ready=None, verbose: bool = False) -> int:
+    """Bulk items that started after an urgent item was enqueued behind a buffer, before it.
+
+    A buffer of 2 s of work (about 400 of these items) and a 2 s poll: a worker that
+    learns of the urgent item only at its next refill starts 91 items first (measured;
+    24 with the tests' 0.2 s poll).
+    """
     Sleep.enqueue_many([{"key": f"bulk-{n}", "seconds": 0.02} for n in range(3 * BULK)])
-    # A buffer of 2 s of work (about 400 of these items) and a 2 s poll: without the look,
-    # the urgent item waits for the next refill (91 items first, measured; 24 with the
-    # tests' 0.2 s poll).
     worker = start_worker(
         "sleep",
         "--concurrency",
         str(threads),
+        *(["-v", "2"] if verbose else []),
         env={"DBWORKER_PREFETCH_HORIZON": "2", "DBWORKER_POLL_INTERVAL": "2"},
     )
     wait_until(lambda: _started("bulk-") >= 50, timeout=30, what="a buffer to fill")
+    if ready is not None:
+        wait_until(lambda: ready(worker), timeout=30, what="the worker to be ready")
     before = set(
         Execution.objects.filter(kind="start", key__startswith="bulk-").values_list(
             "key", flat=True
@@ -102,15 +103,45 @@ def test_an_urgent_item_waits_for_the_running_items_not_for_the_buffer(start_wor
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0, worker.log()
     urgent_at = Execution.objects.get(kind="start", key="urgent").pk
-    overtaking = [
-        key
-        for key in Execution.objects.filter(
-            kind="start", key__startswith="bulk-", pk__lt=urgent_at
-        ).values_list("key", flat=True)
-        if key not in before
-    ]
+    return len(
+        [
+            key
+            for key in Execution.objects.filter(
+                kind="start", key__startswith="bulk-", pk__lt=urgent_at
+            ).values_list("key", flat=True)
+            if key not in before
+        ]
+    )
+
+
+@pytest.mark.pgbouncer
+def test_an_urgent_item_waits_for_the_running_items_not_for_the_buffer(start_worker) -> None:
+    """Wherever the wake-up carries no priority (SQLite, MySQL/MariaDB, a pooler without a
+    wake-up database), the worker looks for outranking rows while it holds a buffer
+    (URGENT_PEEK): an urgent item starts after the running items and the few that start
+    within that look, not after the whole buffer."""
+    threads = 4
+    overtaking = _overtaking_bulk(start_worker, threads)
     # The documented bound: the running items, then the buffered work that starts before
     # the next look (URGENT_PEEK: 50 ms, ten of these 20 ms items on four threads), and
     # one more per thread while the look and its claim run. The whole buffer is about 100.
     bound = threads + round(URGENT_PEEK / 0.02 * threads) + threads
-    assert len(overtaking) <= bound, f"{len(overtaking)} bulk items started first"
+    assert overtaking <= bound, f"{overtaking} bulk items started first"
+
+
+@pytest.mark.postgres_only
+def test_an_urgent_wake_up_reaches_a_worker_that_passed_the_wake_up_turn(start_worker) -> None:
+    """A worker busy with a backlog passes the wake-up turn on (worker/wakeup.py) and no
+    longer looks for outranking rows itself (its wake-ups say their priority): it still
+    hears the urgent ones."""
+    if os.environ.get("DBWORKER_DIRECT_URL"):
+        pytest.skip("DATABASE_URL goes through PgBouncer in this leg")
+    threads = 4
+
+    def aside(worker) -> bool:
+        # Its probe came back, and it neither holds the turn nor waits for it.
+        return "Wake-ups reach the listener" in worker.log() and wake_turns() == (0, 0)
+
+    overtaking = _overtaking_bulk(start_worker, threads, ready=aside, verbose=True)
+    # The running items, and one more per thread while the wake-up's claim runs.
+    assert overtaking <= 2 * threads + round(URGENT_PEEK / 0.02 * threads), overtaking

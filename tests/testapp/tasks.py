@@ -81,6 +81,15 @@ async def async_add(a: int, b: int) -> int:
     return a + b
 
 
+@task
+async def loop_thread() -> str:
+    """The thread an ``async def`` task runs on: the worker's event loop under run_workers."""
+    import threading
+
+    await asyncio.sleep(0)
+    return threading.current_thread().name
+
+
 @dbtask(unique_key=lambda name: f"rebuild:{name}")
 def rebuild(name: str) -> str:
     return name

@@ -700,3 +700,51 @@ class Step(WorkItemHandler):
         _record(payload, "end")
         if payload.get("fail"):
             raise ValueError(f"step {payload['key']} fails for good")
+
+
+async def _arecord(payload: Any, kind: str) -> int:
+    """``_record`` from a coroutine, through Django's thread for sync code."""
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(_record)(payload, kind)
+
+
+class AsyncSleep(WorkItemHandler):
+    """An async handler (on the worker's event loop): records its start, awaits
+    ``asyncio.sleep(seconds)``, records its end. Each record is an Execution whose
+    ``created_at`` shows when it ran (tests/process/test_async_handlers.py)."""
+
+    name = "async_sleep"
+
+    async def handle(self, payload: Any) -> dict[str, Any]:
+        import asyncio
+
+        await _arecord(payload, "start")
+        await asyncio.sleep(float(payload.get("seconds", 0)))
+        await _arecord(payload, "end")
+        return {"slept": payload.get("seconds", 0)}
+
+
+class AsyncTimed(AsyncSleep):
+    """``AsyncSleep`` with a 1 s timeout: a longer sleep is cancelled, its end never recorded."""
+
+    name = "async_timed"
+    timeout = 1.0
+    max_attempts = 1
+
+
+class AsyncKeyed(AsyncSleep):
+    """``AsyncSleep``, one item per concurrency key at a time, at most 4 starts a second."""
+
+    name = "async_keyed"
+    concurrency_limit = 1
+    rate_limit = "4/s"
+
+
+class AsyncBlocks(WorkItemHandler):
+    """An async handler that wrongly calls blocking code: ``time.sleep`` holds the loop."""
+
+    name = "async_blocks"
+
+    async def handle(self, payload: Any) -> None:
+        time.sleep(float(payload["seconds"]))

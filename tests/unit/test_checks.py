@@ -179,8 +179,12 @@ def test_mysql_versions_without_skip_locked_are_refused(
     assert ".".join(map(str, version)) in problem
 
 
-def test_an_async_handle_is_a_check_error_until_async_handlers_run() -> None:
-    from django_dbworker import PeriodicHandler, WorkItemHandler
+def test_e023_refuses_only_the_async_entry_points_that_cannot_run() -> None:
+    """``async def handle`` runs on the worker's event loop: no error. With ``atomic = True``
+    (a transaction cannot span the loop's awaits), as a periodic handler's ``run`` (its
+    plain ``handle`` would never await it) and as an own-table handler's ``process`` (run
+    on a thread), E023 says why."""
+    from django_dbworker import Handler, PeriodicHandler, WorkItemHandler
     from django_dbworker.checks import async_handler_errors
 
     async def handle(self: Any, payload: Any) -> None:
@@ -190,14 +194,25 @@ def test_an_async_handle_is_a_check_error_until_async_handlers_run() -> None:
         return None
 
     sync = type("Sync", (WorkItemHandler,), {"name": "sync_one", "abstract": True})
-    cls = type("Late", (WorkItemHandler,), {"name": "late", "abstract": True, "handle": handle})
+    fine = type("Fine", (WorkItemHandler,), {"name": "fine", "abstract": True, "handle": handle})
+    atomic = type(
+        "Late",
+        (WorkItemHandler,),
+        {"name": "late", "abstract": True, "handle": handle, "atomic": True},
+    )
     periodic = type(
         "Tick", (PeriodicHandler,), {"name": "tick", "abstract": True, "every": 60, "run": run}
     )
-    errors = async_handler_errors([sync, cls, periodic])
-    assert [e.id for e in errors] == ["django_dbworker.E023"] * 2
-    assert "'late'" in errors[0].msg and "async def handle" in errors[0].msg
-    assert "async def run" in errors[1].msg and "async_to_sync" in errors[0].hint
+    own = type(
+        "Own",
+        (Handler,),
+        {"name": "own", "abstract": True, "claim": lambda self: None, "process": handle},
+    )
+    errors = async_handler_errors([sync, fine, atomic, periodic, own])
+    assert [e.id for e in errors] == ["django_dbworker.E023"] * 3
+    assert "'late'" in errors[0].msg and "atomic = True" in errors[0].msg
+    assert "async def run" in errors[1].msg and "async def handle" in errors[1].hint
+    assert "async def process" in errors[2].msg and "own-table" in errors[2].msg
 
 
 def test_e023_leaves_an_async_helper_named_run_of_a_plain_handler_alone() -> None:

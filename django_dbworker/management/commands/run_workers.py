@@ -121,6 +121,13 @@ class Command(BaseCommand):
             help="Worker threads (default: DBWORKER['CONCURRENCY']).",
         )
         parser.add_argument(
+            "--async-concurrency",
+            type=_positive_int,
+            metavar="N",
+            help="Items of async handlers running at once on the worker's event loop "
+            "(default: DBWORKER['ASYNC_CONCURRENCY']).",
+        )
+        parser.add_argument(
             "--interval",
             type=_wait_seconds,
             metavar="SECONDS",
@@ -219,6 +226,7 @@ class Command(BaseCommand):
 
         flags = {
             "concurrency": options["concurrency"],
+            "async_concurrency": options["async_concurrency"],
             "poll_interval": options["interval"],
             "shutdown_timeout": options["shutdown_timeout"],
         }

@@ -236,6 +236,18 @@ LISTEN django_dbworker_probe;
 -- Receive the wake-ups that NOTIFY and the inserts send (on a connection of its own).
 LISTEN django_dbworker;
 
+-- name: unlisten_all
+-- Receive nothing while waiting for the wake-up turn (a listener that does not read holds back the server's notification queue).
+UNLISTEN *;
+
+-- name: wait_turn
+-- Wait for a group's wake-up turn, however long it takes.
+SELECT set_config('lock_timeout', '0', true), pg_advisory_lock(1684109164, %(group)s);
+
+-- name: pass_turn
+-- Hand a group's wake-up turn to the next waiter.
+SELECT pg_advisory_unlock(1684109164, %(group)s);
+
 -- name: distinct_queues
 -- Every queue name in the table, by a loose index scan (one index probe per queue).
 WITH RECURSIVE queues(name) AS (
