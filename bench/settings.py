@@ -48,6 +48,10 @@ DBWORKER: dict[str, object] = {
 # alike (bench/w3_latency.py measured with and without it, issue 23).
 if os.environ.get("BENCH_WAKEUP_WINDOW"):
     DBWORKER["WAKEUP_WINDOW"] = float(os.environ["BENCH_WAKEUP_WINDOW"])
+# BENCH_PREFETCH_HORIZON=seconds: how much work a worker buffers (W12: a fair key's
+# turn waits behind the buffer).
+if os.environ.get("BENCH_PREFETCH_HORIZON"):
+    DBWORKER["PREFETCH_HORIZON"] = float(os.environ["BENCH_PREFETCH_HORIZON"])
 # BENCH_DIRECT_URL: a "direct" alias (PostgreSQL, not through a pooler) for
 # WAKEUP_DATABASE, and BENCH_POLL_INTERVAL (bench/pgbouncer_wakeups.py).
 if os.environ.get("BENCH_DIRECT_URL"):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from django_dbworker.batches.block import batch
     from django_dbworker.claiming import claim_next
     from django_dbworker.enqueuing import aenqueue, enqueue, enqueue_many
+    from django_dbworker.flow.fair import set_fair_weight
     from django_dbworker.flow.queues import UnknownQueue, pause_queue, resume_queue
     from django_dbworker.handlers import Handler, WorkItemHandler
     from django_dbworker.periodic.handler import PeriodicHandler
@@ -39,6 +40,7 @@ __all__ = [
     "pause_queue",
     "registry",
     "resume_queue",
+    "set_fair_weight",
 ]
 
 
@@ -54,6 +56,7 @@ _LAZY = {
     "pause_queue": "django_dbworker.flow.queues",
     "resume_queue": "django_dbworker.flow.queues",
     "UnknownQueue": "django_dbworker.flow.queues",
+    "set_fair_weight": "django_dbworker.flow.fair",
 }
 
 

@@ -58,6 +58,9 @@ class EnqueueOptions:
     #: are claimed at once; None: no limit. The limit is copied onto the row
     #: with the key (a key without a handler limit is stored, unlimited).
     concurrency_key: str | None = None
+    #: The item's fair key (``flow/fair.py``): among ready rows of one priority, claims
+    #: take turns across the keys with ready work; None: the handler's ``fair_key``.
+    fair_key: str | None = None
     #: The database alias to write to; None: the routers' write alias.
     using: str | None = None
     #: Work items (or ids) that must succeed before this one runs
@@ -79,6 +82,9 @@ class EnqueueOptions:
             ),
             "unique_key": _check_unique_key(self.unique_key),
             **_concurrency_columns(handler, self.concurrency_key),
+            "fair_key": _check_fair_key(
+                getattr(handler, "fair_key", None) if self.fair_key is None else self.fair_key
+            ),
         }
 
     def run_after_value(self) -> datetime | Expression | None:
@@ -164,6 +170,13 @@ def _concurrency_columns(handler: type[WorkItemHandler], key: Any) -> dict[str, 
         # anyway must not store a limit the claim cannot honour.
         raise EnqueueError(f"Handler {handler.name!r} has a bad concurrency_limit: {problem}.")
     return {"concurrency_key": key, "concurrency_limit": limit}
+
+
+def _check_fair_key(key: Any) -> str | None:
+    try:
+        return validation.fair_key(key)
+    except validation.InvalidValue as exc:
+        raise EnqueueError(f"fair_key {exc}.") from None
 
 
 def _check_max_attempts(value: Any) -> int:

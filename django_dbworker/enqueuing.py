@@ -36,6 +36,7 @@ from django_dbworker.db import operations, setup_problem
 from django_dbworker.enqueue_options import EnqueueOptions
 from django_dbworker.errors import DatabaseNotReady, EnqueueError
 from django_dbworker.errortext import exception_class_path
+from django_dbworker.flow.fair import register_key
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import ACTIVE_STATUSES, Status, WorkItem
 from django_dbworker.payloads import encode_payload
@@ -179,6 +180,7 @@ def enqueue(
     unique_key: str | None = None,
     max_attempts: int | None = None,
     concurrency_key: str | None = None,
+    fair_key: str | None = None,
     using: str | None = None,
     after: Iterable[WorkItem | int] | None = None,
 ) -> WorkItem:
@@ -195,6 +197,7 @@ def enqueue(
         unique_key=unique_key,
         max_attempts=max_attempts,
         concurrency_key=concurrency_key,
+        fair_key=fair_key,
         using=using,
         after=after,
     )
@@ -211,6 +214,7 @@ async def aenqueue(
     unique_key: str | None = None,
     max_attempts: int | None = None,
     concurrency_key: str | None = None,
+    fair_key: str | None = None,
     using: str | None = None,
     after: Iterable[WorkItem | int] | None = None,
 ) -> WorkItem:
@@ -231,6 +235,7 @@ async def aenqueue(
         unique_key=unique_key,
         max_attempts=max_attempts,
         concurrency_key=concurrency_key,
+        fair_key=fair_key,
         using=using,
         after=after,
     )
@@ -246,6 +251,7 @@ def insert(
     unique_key: str | None = None,
     max_attempts: int | None = None,
     concurrency_key: str | None = None,
+    fair_key: str | None = None,
     using: str | None = None,
     after: Iterable[WorkItem | int] | None = None,
 ) -> tuple[WorkItem, bool]:
@@ -257,6 +263,7 @@ def insert(
         unique_key=unique_key,
         max_attempts=max_attempts,
         concurrency_key=concurrency_key,
+        fair_key=fair_key,
         using=using,
         after=after,
     )
@@ -293,6 +300,8 @@ def insert_one(
     with tracing.sending(item.queue, cls.name) as send:
         item.trace_context = send.context
         try:
+            if item.fair_key is not None:
+                register_key(item.fair_key, using=db)
             if parents:
                 return _save_after(cls, item, send, db, parents, encoded)
             return _save(cls, item, send, db, run_after, encoded)
@@ -430,6 +439,7 @@ def enqueue_many(
     priority: int = 0,
     queue: str | None = None,
     concurrency_key: str | None = None,
+    fair_key: str | None = None,
     using: str | None = None,
 ) -> list[WorkItem]:
     """Insert one work item per payload in one bulk INSERT (or COPY); all or nothing.
@@ -443,6 +453,7 @@ def enqueue_many(
         priority=priority,
         queue=queue,
         concurrency_key=concurrency_key,
+        fair_key=fair_key,
         using=using,
     )
     return insert_many(handler, payloads, options)
@@ -485,6 +496,8 @@ def insert_many(
         for item in items:
             item.trace_context = send.context
         try:
+            if items[0].fair_key is not None:
+                register_key(items[0].fair_key, using=db)
             return _save_many(items, db, run_after, encoded)
         except DatabaseError as exc:
             _raise_setup_problem(db, exc)

@@ -102,6 +102,9 @@ class WorkItemHandler(Handler["WorkItem"]):
     #: None: no limit. The current value decides (a deploy that changes it
     #: applies to rows already enqueued); each keyed row records it at enqueue.
     concurrency_limit: ClassVar[int | None] = None
+    #: The fair key of its items when the enqueue gives none (``flow/fair.py``): claims
+    #: take turns across the keys with ready work. None: no key.
+    fair_key: ClassVar[str | None] = None
 
     @property
     def cancel_requested(self) -> bool:
@@ -220,6 +223,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         queue: str | None = None,
         unique_key: str | None = None,
         concurrency_key: str | None = None,
+        fair_key: str | None = None,
         using: str | None = None,
         after: Iterable[WorkItem | int] | None = None,
     ) -> WorkItem:
@@ -230,6 +234,7 @@ class WorkItemHandler(Handler["WorkItem"]):
             queue=queue,
             unique_key=unique_key,
             concurrency_key=concurrency_key,
+            fair_key=fair_key,
             using=using,
             after=after,
         )
@@ -244,6 +249,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         priority: int = 0,
         queue: str | None = None,
         concurrency_key: str | None = None,
+        fair_key: str | None = None,
         using: str | None = None,
     ) -> list[WorkItem]:
         """Insert one item per payload in one bulk write; see ``django_dbworker.enqueue_many``."""
@@ -252,6 +258,7 @@ class WorkItemHandler(Handler["WorkItem"]):
             priority=priority,
             queue=queue,
             concurrency_key=concurrency_key,
+            fair_key=fair_key,
             using=using,
         )
         return _enqueuer().insert_many(cls, payloads, options)
@@ -266,6 +273,7 @@ class WorkItemHandler(Handler["WorkItem"]):
         queue: str | None = None,
         unique_key: str | None = None,
         concurrency_key: str | None = None,
+        fair_key: str | None = None,
         using: str | None = None,
         after: Iterable[WorkItem | int] | None = None,
     ) -> WorkItem:
@@ -280,6 +288,7 @@ class WorkItemHandler(Handler["WorkItem"]):
             queue=queue,
             unique_key=unique_key,
             concurrency_key=concurrency_key,
+            fair_key=fair_key,
             using=using,
             after=after,
         )

@@ -149,6 +149,9 @@ class WorkItem(models.Model):
     #: informational: the claim reads the handler's declaration, not this.
     concurrency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
     concurrency_limit = models.PositiveIntegerField(null=True, blank=True)
+    #: Fair share (SPEC "Fair share between tenants"): among ready rows of one priority,
+    #: claims take turns across the keys with ready work (``flow/fair.py``).
+    fair_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
     #: Times the handler raised ``Snooze``: pending again without using an attempt.
     snoozes = models.PositiveIntegerField(default=0, db_default=0)
     #: Set by ``cancel()`` on a claimed row; the heartbeat tells the handler.
@@ -256,6 +259,18 @@ class WorkItem(models.Model):
                 fields=["handler", "concurrency_key", "status"],
                 condition=Q(status="claimed") & Q(concurrency_key__isnull=False),
                 name="dbworker_key_slots_idx",
+            ),
+            # A fair key's pending rows in claim order: a turn of the rotation claims
+            # from it (``fair_key IS NULL`` too: the rows without a key take turns).
+            # MySQL/MariaDB: (fair_key, status, priority DESC, run_after, id), by migration
+            # 0004 (they build no partial index).
+            models.Index(
+                "fair_key",
+                models.F("priority").desc(),
+                "run_after",
+                "id",
+                condition=Q(status="pending"),
+                name="dbworker_fair_idx",
             ),
             # A batch's unfinished items, probed when one of them ends.
             models.Index(

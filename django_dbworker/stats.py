@@ -25,6 +25,7 @@ from django.utils import timezone
 from django_dbworker.db import operations
 from django_dbworker.db.types import RunTimes
 from django_dbworker.errortext import error_pattern
+from django_dbworker.flow.models import FairKey
 from django_dbworker.handlers import WorkItemHandler
 from django_dbworker.models import PeriodicSchedule, Status, WorkItem, live_or_failed
 from django_dbworker.periodic.handler import PeriodicHandler, periodic_handlers
@@ -197,6 +198,44 @@ def keys_at_limit(using: str | None = None) -> tuple[list[KeyAtLimit], int]:
         for r in rows
     ]
     return found[:KEYS_AT_LIMIT], len(found)
+
+
+class ReadyFairKey(TypedDict):
+    #: The fair key; ``""``: the rows without one (they take turns as one key).
+    key: str
+    ready: int
+    weight: float
+
+
+#: Fair keys with the most ready work listed.
+FAIR_KEYS_SHOWN = 10
+
+
+def busiest_fair_keys(using: str | None = None) -> list[ReadyFairKey]:
+    """The fair keys with the most ready rows (at most ``FAIR_KEYS_SHOWN``), with their
+    weights; empty when no fair key was ever used (no ``FairKey`` row).
+
+    A count of the ready rows by key (``dbworker_fair_idx``): its cost follows the
+    backlog, as the queues' counts do. The rows without a key count only beside keyed ones.
+    """
+    db = work_db_for_read(using)
+    weights = dict(FairKey.objects.using(db).values_list("key", "weight"))
+    if not weights:
+        return []
+    rows: Any = (
+        WorkItem.objects.using(db)
+        .ready()
+        .order_by()
+        .values("fair_key")
+        .annotate(n=Count("id"))
+        .order_by("-n", "fair_key")
+    )
+    found: list[ReadyFairKey] = []
+    for r in rows[: FAIR_KEYS_SHOWN + 1]:
+        key = r["fair_key"] or ""
+        found.append({"key": key, "ready": r["n"], "weight": weights.get(key, 1.0)})
+    keyed = [f for f in found if f["key"]]
+    return found[:FAIR_KEYS_SHOWN] if keyed else []
 
 
 class ScheduleStats(TypedDict):

@@ -75,6 +75,38 @@ def concurrency_limit_problem(value: Any) -> str | None:
     return None
 
 
+#: A fair key's width (``WorkItem.fair_key``, ``FairKey.key``).
+FAIR_KEY_MAX = 200
+
+
+def fair_key(value: Any) -> str | None:
+    """A fair key: None, or a string of 1 to ``FAIR_KEY_MAX`` characters any database stores."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= FAIR_KEY_MAX:
+        got = (
+            f"a string of {len(value)} characters"
+            if isinstance(value, str)
+            else f"{type(value).__name__} {value!r}"[:80]
+        )
+        raise InvalidValue(
+            f"must be a string of 1 to {FAIR_KEY_MAX} characters or None, got {got}",
+            wrong_type=not isinstance(value, str),
+        )
+    problem = unstorable_text(value)
+    if problem is not None:
+        raise InvalidValue(f"contains {problem}, which is not allowed")
+    return value
+
+
+def fair_weight(value: Any) -> float:
+    """A fair key's weight: a finite number greater than 0 (at most a million)."""
+    number = positive_number(value)
+    if not math.isfinite(number) or number > 1e6:
+        raise InvalidValue(f"must be a finite number of at most 1000000, got {value!r}")
+    return number
+
+
 def non_negative_int(value: Any) -> int:
     if not _is_int(value):
         raise InvalidValue(f"must be an integer, got {value!r}", wrong_type=True)

@@ -3,7 +3,8 @@
 Pages: all work items (``workitems``), claimed ones (``claimed``), failed
 ones (``failed``), a queue summary (``queue_summary``), the schedules of
 periodic handlers (``schedules``), the queues with Pause/Resume
-(``queues``), the batches (``batches``) and the live workers (``workers``); what
+(``queues``), the batches (``batches``), the live workers (``workers``) and the
+fair keys' weights (``fair_keys``); what
 they share is in ``base`` and ``columns``, a row's batch and dependencies in
 ``relations``. This module only registers them.
 Detail pages are read-only (a form save would race the workers); state
@@ -21,6 +22,7 @@ from django_dbworker.admin.base import BaseWorkItemAdmin, _LightChangeList, _One
 from django_dbworker.admin.batches import BatchAdmin
 from django_dbworker.admin.claimed import ClaimedWorkItemAdmin
 from django_dbworker.admin.failed import FailedWorkItemAdmin
+from django_dbworker.admin.fair_keys import FairKeyAdmin
 from django_dbworker.admin.queue_summary import QueueSummaryAdmin
 from django_dbworker.admin.queues import QueueAdmin
 from django_dbworker.admin.schedules import ScheduleAdmin
@@ -28,7 +30,7 @@ from django_dbworker.admin.workers import WorkersAdmin
 from django_dbworker.admin.workitems import WorkItemAdmin
 from django_dbworker.batches.models import Batch
 from django_dbworker.fleet.models import LiveWorker
-from django_dbworker.flow.models import QueueState
+from django_dbworker.flow.models import FairKey, QueueState
 from django_dbworker.models import (
     ClaimedWorkItem,
     FailedWorkItem,
@@ -59,3 +61,4 @@ admin.site.register(PeriodicSchedule, ScheduleAdmin)
 admin.site.register(QueueState, QueueAdmin)
 admin.site.register(Batch, BatchAdmin)
 admin.site.register(LiveWorker, WorkersAdmin)
+admin.site.register(FairKey, FairKeyAdmin)

@@ -127,3 +127,29 @@ class WorkerFilter(admin.SimpleListFilter):
         if not value:
             return queryset
         return queryset.filter(status=Status.CLAIMED, claimed_by__startswith=f"{value}:")
+
+
+class FairKeyFilter(admin.SimpleListFilter):
+    """A fair key's rows: the keys with the most ready work to choose from (any key by
+    ``?fair_key=``), ``(no key)`` for the rows without one."""
+
+    title = "fair key"
+    parameter_name = "fair_key"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        from django_dbworker.stats import busiest_fair_keys
+
+        keys = busiest_fair_keys(using=model_admin.model.objects.db)
+        return [(k["key"] or NO_KEY_PARAM, k["key"] or "(no key)") for k in keys]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if not value:
+            return queryset
+        if value == NO_KEY_PARAM:
+            return queryset.filter(fair_key__isnull=True)
+        return queryset.filter(fair_key=value)
+
+
+#: ``?fair_key=`` of the rows without a fair key (a key is at least one character).
+NO_KEY_PARAM = "-"

@@ -22,6 +22,7 @@ from django_dbworker.admin.base import may
 from django_dbworker.admin.page import PageAdmin
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import UnknownQueue, pause_queue, queue_list, resume_queue
+from django_dbworker.stats import busiest_fair_keys
 
 
 def queues_context() -> dict[str, Any]:
@@ -38,7 +39,11 @@ def queues_context() -> dict[str, Any]:
         }
         for q in queue_list()
     ]
-    return {"rows": rows, "paused_count": sum(r["paused"] for r in rows)}
+    return {
+        "rows": rows,
+        "paused_count": sum(r["paused"] for r in rows),
+        "fair_keys": busiest_fair_keys(),
+    }
 
 
 class QueueAdmin(PageAdmin):

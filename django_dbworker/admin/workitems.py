@@ -7,7 +7,7 @@ from typing import Any
 from django.http import HttpRequest
 
 from django_dbworker.admin.base import BaseWorkItemAdmin
-from django_dbworker.admin.filters import BatchFilter, WaitingFilter
+from django_dbworker.admin.filters import BatchFilter, FairKeyFilter, WaitingFilter
 
 
 class WorkItemAdmin(BaseWorkItemAdmin):
@@ -27,4 +27,4 @@ class WorkItemAdmin(BaseWorkItemAdmin):
 
     # A batch's items (linked from the Batches page) and the rows waiting for parents.
     def get_list_filter(self, request: HttpRequest) -> Any:
-        return (*self.list_filter, WaitingFilter, BatchFilter)
+        return (*self.list_filter, WaitingFilter, BatchFilter, FairKeyFilter)

@@ -32,6 +32,8 @@ from django_dbworker.db.sql import (
     CLAIM_COLUMNS,
     INSERTED_COLUMNS,
     Statement,
+    Turn,
+    fair_filtered,
     numbered,
     numbered_params,
 )
@@ -64,10 +66,12 @@ __all__ = [
     "Statement",
     "Subscription",
     "TableEstimate",
+    "Turn",
     "UnsupportedDatabase",
     "VendorOperations",
     "add_local_waker",
     "as_uuid",
+    "fair_filtered",
     "numbered",
     "numbered_params",
     "percentile",
@@ -173,6 +177,7 @@ class VendorOperations(ABC):
         worker: str,
         limits: Mapping[str, int] | None = None,
         keyed_cap: int | None = None,
+        turn: Turn | None = None,
     ) -> Claimed[WorkItem]:
         """Atomically move up to ``limit`` ready rows to ``claimed``; return them in claim order.
 
@@ -188,6 +193,9 @@ class VendorOperations(ABC):
         claim, keys held to these limits, not to the rows' stored ones, and at
         most ``keyed_cap`` rows of limited keys taken (None: no cap); rows it
         leaves for their keys or the cap are counted in ``throttled``.
+
+        ``turn``: only the rows of one fair key and priority, a turn of the fair
+        rotation (``flow/fair.py``); None: any.
         """
 
     def ending_transaction(self) -> AbstractContextManager[Any]:

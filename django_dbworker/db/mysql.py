@@ -37,7 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
-from django_dbworker.db.base import Claimed, VendorOperations, as_uuid, numbered_params
+from django_dbworker.db.base import Claimed, Turn, VendorOperations, as_uuid, numbered_params
 from django_dbworker.db.errors import mysql_error_code
 from django_dbworker.db.keys import Candidate, current_limits, flow_lock_name, within_limits
 from django_dbworker.db.mysql_sql import (
@@ -53,6 +53,7 @@ from django_dbworker.db.mysql_sql import (
     claim_select_sql,
     claim_update_sql,
     count_key_slots_sql,
+    fair_claim_sql,
     heartbeat_lock_sql,
     insert_chunks,
     insert_flow_locks_sql,
@@ -195,6 +196,7 @@ class MySQLOperations(VendorOperations):
         worker: str,
         limits: Mapping[str, int] | None = None,
         keyed_cap: int | None = None,
+        turn: Turn | None = None,
     ) -> Claimed[WorkItem]:
         queues = list(queues or ())
         params: dict[str, Any] = {"limit": limit, **numbered_params("handler", handlers)}
@@ -202,9 +204,13 @@ class MySQLOperations(VendorOperations):
             params["queue"] = queues[0]
         else:
             params.update(numbered_params("queue", queues))
+        if turn is not None:
+            params.update(turn.params())
         if limits:
-            return self._claim_keyed(params, worker, len(handlers), len(queues), limits, keyed_cap)
-        select = claim_select_sql(len(handlers), len(queues))
+            return self._claim_keyed(
+                params, worker, len(handlers), len(queues), limits, keyed_cap, turn
+            )
+        select = fair_claim_sql(claim_select_sql(len(handlers), len(queues)), turn)
 
         def attempt() -> list[tuple[Any, ...]]:
             with self._read_committed(), self.connection.cursor() as cursor:
@@ -231,9 +237,10 @@ class MySQLOperations(VendorOperations):
         queues: int,
         limits: Mapping[str, int],
         keyed_cap: int | None,
+        turn: Turn | None,
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys (``mysql_sql``, "the keyed claim")."""
-        select = claim_candidates_sql(handlers, queues, len(limits))
+        select = fair_claim_sql(claim_candidates_sql(handlers, queues, len(limits)), turn)
         params = {**params, **numbered_params("limited", list(limits))}
         params.update(numbered_params("limit", list(limits.values())))
 
@@ -394,6 +401,7 @@ class MySQLOperations(VendorOperations):
             "trace_context": json.dumps(first.trace_context or {}),
             "concurrency_key": first.concurrency_key,
             "concurrency_limit": first.concurrency_limit,
+            "fair_key": first.fair_key,
         }
 
     def _read_committed(self) -> Any:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
-from django_dbworker.db.sql import Statement, numbered
+from django_dbworker.db.sql import Statement, Turn, fair_filtered, numbered
 
 #: A batch enqueue's statements: at most this many rows, and about this many
 #: bytes (payloads plus INSERT_ROW_BYTES of SQL per row), well inside the
@@ -388,7 +388,7 @@ INSERT_ITEMS = Statement(
     """
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 VALUES {rows}
 RETURNING id, run_after, created_at, updated_at
@@ -400,7 +400,7 @@ INSERT_ROW = (
     "(%(handler)s, %(queue)s, %(payload_{n})s, 'pending', %(priority)s, "
     "COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), "
     "0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, "
-    "%(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+    "%(concurrency_limit)s, %(fair_key)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
 )
 
 # MySQL and MariaDB read DISTINCT on the leading column of an index by a
@@ -445,6 +445,18 @@ def claim_select_sql(handlers: int, queues: int) -> str:
     return CLAIM_SELECT_IN_QUEUES.render(
         handlers=numbered("handler", handlers), queues=numbered("queue", queues)
     )
+
+
+@lru_cache(maxsize=256)
+def fair_claim_sql(sql: str, turn: Turn | None) -> str:
+    """A claim's SELECT (plain or keyed candidates) narrowed to one turn of the fair
+    rotation: by ``dbworker_fair_idx`` (the key, then claim order) instead of the claim
+    indexes, which would read every other key's rows first. None: ``sql`` as it is."""
+    if turn is None:
+        return sql
+    for index in ("dbworker_my_claim_idx", "dbworker_my_claim_queue_idx"):
+        sql = sql.replace(f"FORCE INDEX ({index})", "FORCE INDEX (dbworker_fair_idx)", 1)
+    return fair_filtered(sql, turn)
 
 
 @lru_cache(maxsize=256)

@@ -28,7 +28,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q, QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import Claimed, VendorOperations, as_uuid
+from django_dbworker.db.base import Claimed, Turn, VendorOperations, as_uuid, fair_filtered
 from django_dbworker.db.expressions import JsonScalar
 from django_dbworker.db.keys import capped, current_limits
 from django_dbworker.db.postgresql_keyed_sql import (
@@ -120,6 +120,7 @@ class PostgresOperations(VendorOperations):
         worker: str,
         limits: Mapping[str, int] | None = None,
         keyed_cap: int | None = None,
+        turn: Turn | None = None,
     ) -> Claimed[WorkItem]:
         if limits:
             return self._claim_keyed(
@@ -129,8 +130,11 @@ class PostgresOperations(VendorOperations):
                 worker=worker,
                 limits=limits,
                 keyed_cap=keyed_cap,
+                turn=turn,
             )
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
+        if turn is not None:
+            sql, params = fair_filtered(sql, turn), {**params, **turn.params()}
         connection = self.connection
         if index_ordered(sql) and connection.get_autocommit() and not connection.in_atomic_block:
             # An implicit transaction of its own: CLAIM_PLAN's settings end with it.
@@ -147,6 +151,7 @@ class PostgresOperations(VendorOperations):
         worker: str,
         limits: Mapping[str, int],
         keyed_cap: int | None,
+        turn: Turn | None,
     ) -> Claimed[WorkItem]:
         """The claim that honours concurrency keys: the heads of free keys, or the walk."""
         connection = self.connection
@@ -166,7 +171,7 @@ class PostgresOperations(VendorOperations):
                     cursor.execute(READ_COMMITTED.sql)
             elif not own:
                 self._refuse_snapshot_isolation(connection)
-            found = self._candidates(limit, handlers, queues, limits, pin=level_on_begin)
+            found = self._candidates(limit, handlers, queues, limits, pin=level_on_begin, turn=turn)
             if not found:
                 return Claimed()
             # Each row carries how many rows the statement locked (some held back by keys).
@@ -196,12 +201,14 @@ class PostgresOperations(VendorOperations):
         limits: Mapping[str, int],
         *,
         pin: bool,
+        turn: Turn | None,
     ) -> list[tuple[Any, ...]]:
         """The keyed claim's candidates, locked: the free keys' heads (``CLAIM_HEADS``: every
         handler limited, no ready row without a key; HEADS_PLAN first where the claim's BEGIN
-        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds."""
+        opened the transaction), else the walk; past KEYS_WALKED keys, for WALK_FOR seconds.
+        A turn of the fair rotation (``turn``) walks: the heads span every fair key."""
         heads = heads_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
-        if heads is not None and time.monotonic() >= self._walk_keys_until:
+        if heads is not None and turn is None and time.monotonic() >= self._walk_keys_until:
             sql, params = heads
             fetch = self._fetch_last if pin else self._fetch_bound
             found = fetch(HEADS_PLAN.sql + sql if pin else sql, params)
@@ -212,8 +219,12 @@ class PostgresOperations(VendorOperations):
                 return []
             if mark == 1:  # many keys, not a row without a key: the walk for a while
                 self._walk_keys_until = time.monotonic() + WALK_FOR
-        walk = candidates_statement(limit=limit, handlers=handlers, queues=queues, limits=limits)
-        return self._fetch_bound(*walk)
+        sql, params = candidates_statement(
+            limit=limit, handlers=handlers, queues=queues, limits=limits
+        )
+        if turn is not None:
+            sql, params = fair_filtered(sql, turn), {**params, **turn.params()}
+        return self._fetch_bound(sql, params)
 
     @contextmanager
     def _read_committed_transaction(self) -> Iterator[None]:
@@ -413,6 +424,7 @@ class PostgresOperations(VendorOperations):
                     copy_text(params["trace_context"]),
                     copy_nullable(params["concurrency_key"]),
                     copy_nullable(params["concurrency_limit"]),
+                    copy_nullable(params["fair_key"]),
                     now.isoformat(),
                     now.isoformat(),
                 ]
@@ -528,6 +540,7 @@ class PostgresOperations(VendorOperations):
             "trace_context": json.dumps(first.trace_context or {}),
             "concurrency_key": first.concurrency_key,
             "concurrency_limit": first.concurrency_limit,
+            "fair_key": first.fair_key,
         }
 
     def notify(self, queues: Sequence[str], priority: int = 0) -> None:

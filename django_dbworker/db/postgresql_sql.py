@@ -172,13 +172,13 @@ INSERT_ITEM = Statement(
     """
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 VALUES (
     %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
     statement_timestamp(), statement_timestamp())
 RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s)
 """,
@@ -194,13 +194,13 @@ INSERT_ITEMS = Statement(
 WITH ins AS (
     INSERT INTO django_dbworker_workitem (
         handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
         created_at, updated_at)
     SELECT
         %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
         coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
         0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
         statement_timestamp(), statement_timestamp()
     FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
     ORDER BY u.n
@@ -250,7 +250,7 @@ COPY_ITEMS = Statement(
     """
 COPY django_dbworker_workitem (
     id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 FROM STDIN
 """,

@@ -10,10 +10,11 @@ import Django, the models or anything of the package, and runs no SQL.
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Columns a claim returns, in this order: everything the executor needs
 #: (and ``run_after``, for the claim order), nothing bulky it doesn't. Every
@@ -78,3 +79,39 @@ class Statement:
     def render(self, **slots: str) -> str:
         """The statement's text with its slots filled in."""
         return self.sql.format(**slots) if self.slots else self.sql
+
+
+# The claims' paused-queue test, which every vendor's claim statements (plain and keyed)
+# hold once in their candidates' WHERE, before any other mention of the queue states.
+_PAUSED_TEST = re.compile(
+    r"(?P<alias>\b\w+\.)?queue NOT IN \(SELECT name FROM django_dbworker_queuestate WHERE paused\)"
+)
+
+
+class Turn(NamedTuple):
+    """One turn of the fair rotation (``flow/fair.py``): the ready rows of one priority
+    and one fair key (``""``: the rows without a key)."""
+
+    key: str
+    priority: int
+
+    def params(self) -> dict[str, Any]:
+        """The parameters ``fair_filtered`` adds."""
+        return {"fair_key": self.key, "fair_priority": self.priority}
+
+
+def fair_filtered(sql: str, turn: Turn | None) -> str:
+    """A claim statement narrowed to one turn of the fair rotation (None: as it is).
+
+    The tests join the candidates' paused-queue test, so every rule of the claim
+    (handlers, queues, pauses, keys' limits) still applies to the turn's rows.
+    """
+    if turn is None:
+        return sql
+    match = _PAUSED_TEST.search(sql)
+    if match is None:
+        raise ValueError("not a claim statement: no paused-queue test to narrow")
+    alias = match.group("alias") or ""
+    key = f"{alias}fair_key IS NULL" if turn.key == "" else f"{alias}fair_key = %(fair_key)s"
+    test = f"\n  AND {key} AND {alias}priority = %(fair_priority)s"
+    return sql[: match.end()] + test + sql[match.end() :]

@@ -23,9 +23,11 @@ from uuid import UUID
 from django_dbworker.db.base import (
     Claimed,
     Statement,
+    Turn,
     UnsupportedDatabase,
     VendorOperations,
     as_uuid,
+    fair_filtered,
     numbered,
     numbered_params,
 )
@@ -336,6 +338,7 @@ class SQLiteOperations(VendorOperations):
         worker: str,
         limits: Mapping[str, int] | None = None,
         keyed_cap: int | None = None,
+        turn: Turn | None = None,
     ) -> Claimed[WorkItem]:
         queues = queues or ()
         params = {
@@ -351,7 +354,9 @@ class SQLiteOperations(VendorOperations):
             sql = claim_keyed_sql(len(handlers), len(queues), len(limits))
         else:
             sql = claim_sql(len(handlers), len(queues))
-        rows = self._fetch(sql, params)
+        if turn is not None:
+            params.update(turn.params())
+        rows = self._fetch(fair_filtered(sql, turn), params)
         # The statement does not say how many candidates it held back.
         return self._rows_to_items(rows)
 

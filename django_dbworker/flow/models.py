@@ -6,8 +6,19 @@ with the app; the claim statements of ``db/`` read and lock them.
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models.functions import Now
+
+from django_dbworker import validation
+
+
+def fair_weight_validator(value: object) -> None:
+    """A fair key's weight, as ``set_fair_weight`` takes it (the admin's form)."""
+    try:
+        validation.fair_weight(value)
+    except validation.InvalidValue as exc:
+        raise ValidationError(f"The weight {exc}.") from None
 
 
 class QueueState(models.Model):
@@ -85,3 +96,31 @@ class RateStart(models.Model):
 
     def __str__(self) -> str:
         return f"{self.handler} at {self.started_at}"
+
+
+class FairKey(models.Model):
+    """A fair key's place in the rotation (``flow/fair.py``) and its weight.
+
+    ``served`` is the key's pass: virtual time that advances by 1/weight per row
+    claimed for it; a turn goes to the key with ready work whose pass is lowest.
+    ``started`` is the pass at which its last turn began: the rotation's clock is the
+    highest of them, and a key that comes back after idling starts from that clock, not
+    from the pass it left with. Inserted on first turn (or by ``set_fair_weight``); the
+    row ``""`` is the rows without a key, which take turns as one key.
+    """
+
+    key = models.CharField(max_length=200, primary_key=True, blank=True)
+    weight = models.FloatField(default=1.0, validators=[fair_weight_validator])
+    served = models.FloatField(default=0.0, editable=False)
+    started = models.FloatField(default=0.0, editable=False)
+
+    objects: models.Manager[FairKey] = models.Manager()
+
+    class Meta:
+        app_label = "django_dbworker"
+        verbose_name = "fair key"
+        verbose_name_plural = "fair keys"
+        indexes = [models.Index(fields=["started"], name="dbworker_fair_clock_idx")]
+
+    def __str__(self) -> str:
+        return self.key or "(no key)"

@@ -7,7 +7,7 @@ worker's guarantees: SKIP LOCKED claims, heartbeats, fencing, retries with
 backoff, timeouts and recovery of tasks whose worker died.
 
 Beyond Django's API, a task can say how it is run: ``max_attempts``,
-``timeout``, ``atomic``, ``sensitive`` and ``unique_key``. They are fields
+``timeout``, ``atomic``, ``sensitive``, ``unique_key`` and ``fair_key``. They are fields
 of ``DBWorkerTask`` (this backend's ``task_class``), given to
 ``django_dbworker.tasks.task`` (or to the backport's ``@task``, which passes
 extra options on), with defaults from the backend's ``OPTIONS``.
@@ -71,6 +71,9 @@ class DBWorkerTask(Task):
     #: At most one live (READY or RUNNING) result per key: a string, or a
     #: callable given the task's arguments that returns one (or None).
     unique_key: UniqueKey = None
+    #: Its items' fair key (claims take turns across the keys with ready work): a string,
+    #: or a callable given the task's arguments that returns one (or None).
+    fair_key: UniqueKey = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def task(
     atomic: bool | None = None,
     sensitive: bool | None = None,
     unique_key: UniqueKey = None,
+    fair_key: UniqueKey = None,
 ) -> Any:
     """Django's ``@task`` with django-dbworker's options, on any Django version.
 
@@ -121,6 +125,7 @@ def task(
             atomic=atomic,
             sensitive=sensitive,
             unique_key=unique_key,
+            fair_key=fair_key,
         )
 
     return wrapper(function) if function is not None else wrapper
@@ -225,6 +230,7 @@ class DBWorkerBackend(BaseTaskBackend):
             priority=int(task.priority),
             queue=task.queue_name,
             unique_key=_unique_key(task, args, kwargs),
+            fair_key=_fair_key(task, args, kwargs),
             max_attempts=int(
                 dbworker_settings.MAX_ATTEMPTS if max_attempts is None else max_attempts
             ),
@@ -363,6 +369,12 @@ def _unique_key(task: Task, args: Any, kwargs: Any) -> str | None:
         if key is not None:
             _check_unique_key(key, TypeError)
     return key
+
+
+def _fair_key(task: Task, args: Any, kwargs: Any) -> str | None:
+    """The task's ``fair_key`` for these arguments (checked by the enqueue)."""
+    key = getattr(task, "fair_key", None)
+    return key(*args, **kwargs) if callable(key) else key
 
 
 def _check_unique_key(key: Any, error: type[Exception]) -> None:

@@ -36,12 +36,14 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from enum import Enum
 
 from django_dbworker.handlers import ATTEMPT_ATTR, WorkItemHandler
 from django_dbworker.models import WorkItem
 from django_dbworker.transitions import AttemptKey
+
+#: Numbers the attempts in the order their claims dealt them (``Attempt.order``).
+_CLAIMS = itertools.count()
 
 
 class State(Enum):
@@ -78,8 +80,12 @@ class Attempt:
     #: ``cancel_requested`` reads it, and its ending is ``cancelled``.
     cancel_requested: bool = False
     _key: AttemptKey = field(init=False)
+    #: Its place among this process's claims: the claim route deals a claim's rows in
+    #: the order they should start (the fair rotation's turns), not always by due time.
+    _seq: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self._seq = next(_CLAIMS)
         self.confirmed_at = self.claimed_at
         assert self.item.claim_token is not None
         self._key = (self.item.pk, self.item.claim_token)
@@ -90,9 +96,9 @@ class Attempt:
         return self._key
 
     @property
-    def order(self) -> tuple[int, datetime, int]:
-        """Claim order: highest priority first, then ``run_after``, then id."""
-        return (-self.item.priority, self.item.run_after, self.item.pk)
+    def order(self) -> tuple[int, int]:
+        """Start order: highest priority first, then as claimed (``ClaimRoute``)."""
+        return (-self.item.priority, self._seq)
 
     @property
     def lost(self) -> bool:
@@ -115,7 +121,7 @@ class Ledger:
         #: started or were withdrawn meanwhile are skipped when popped). Pool
         #: threads start the best one, not the oldest: a higher-priority row
         #: claimed after a buffer of bulk work starts next.
-        self._buffer: list[tuple[tuple[int, datetime, int], int, Attempt]] = []
+        self._buffer: list[tuple[tuple[int, int], int, Attempt]] = []
         self._seq = itertools.count()
         #: How many buffered attempts there are of each priority.
         self._buffered: Counter[int] = Counter()

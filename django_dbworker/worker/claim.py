@@ -11,7 +11,10 @@ is left out of the claims until the window's earliest start leaves it, so its ro
 hold back the rows of other handlers; its rows are otherwise claimed like any, and each
 takes its start in the window just before it runs (``start``, ``flow/rates.py``).
 
-All claims go through ``VendorOperations.claim``, one call, the same on every database.
+Where fair keys are in use, a claim is dealt in turns across the keys with ready work
+(``flow/fair.py``): the same claim, narrowed to one key and priority a turn.
+
+All claims go through ``VendorOperations.claim``, the same on every database.
 Paused queues are skipped by the statement itself; this module also says which buffered
 rows to give back (``withheld``: their queue was paused, or their handler's window filled,
 after their claim) and whether a burst worker may leave (``finished``). Claims run on the
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 
 from django_dbworker import validation
 from django_dbworker.db import VendorOperations
+from django_dbworker.db.sql import Turn
 from django_dbworker.db.types import Claimed
+from django_dbworker.flow.fair import FairRotation
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import paused_queues
 from django_dbworker.flow.rates import take_start
@@ -99,6 +104,8 @@ class ClaimRoute:
         self._paused = PausedQueues(
             lambda: paused_queues(config.using), every=config.poll_interval, clock=now
         )
+        #: Fair share: whose turn each claim is (``flow/fair.py``).
+        self._fair = FairRotation(using=config.using, every=config.poll_interval, clock=now)
 
     def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
         """Claim up to ``limit`` rows and ``dispatch`` them. Rows of limited keys while this
@@ -147,14 +154,23 @@ class ClaimRoute:
     def _claim(
         self, handlers: list[str], limit: int, limits: dict[str, int], keyed_cap: int | None
     ) -> Claimed[WorkItem]:
-        items = self.ops.claim(
-            limit=limit,
-            handlers=handlers,
-            queues=self.config.queues,
-            worker=worker_id(),
-            limits=limits or None,
-            keyed_cap=keyed_cap,
-        )
+        cap = [keyed_cap]
+
+        def take(rows: int, turn: Turn | None) -> Claimed[WorkItem]:
+            taken = self.ops.claim(
+                limit=rows,
+                handlers=handlers,
+                queues=self.config.queues,
+                worker=worker_id(),
+                limits=limits or None,
+                keyed_cap=cap[0],
+                turn=turn,
+            )
+            if cap[0] is not None:  # the keyed cap is the whole claim's, across the turns
+                cap[0] = max(0, cap[0] - sum(1 for i in taken if i.concurrency_key is not None))
+            return taken
+
+        items = self._fair.claim(limit, handlers=handlers, queues=self.config.queues, take=take)
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", items.throttled)
         return items
 

@@ -49,6 +49,11 @@ SCRIPTS = [
         ["--items", "50", "--sync-items", "8", "--noop-items", "50", "--latency-items", "3"],
         "w11_async_sleep",
     ),
+    (
+        "w12_fair.py",
+        ["--flood", "300", "--job-ms", "0", "--seconds", "1", "--items", "200", "--keys", "4"],
+        "w12_fair",
+    ),
     ("w4_big_table.py", ["--finished", "3000", "--items", "300"], "w4_big_table"),
     ("w5_memory.py", ["--items", "4000"], "w5_memory"),
     ("tracing_overhead.py", ["--iterations", "2000"], "tracing_overhead"),

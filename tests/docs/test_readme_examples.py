@@ -153,6 +153,7 @@ def test_handlers_and_enqueue_examples_run_in_run_workers(project: Project) -> N
         ("fetch_feed", "default", "succeeded"): 3,
         ("fetch_feed", "default", "pending"): 1,
         ("count_invoices", "default", "succeeded"): 1,
+        ("build_report", "default", "pending"): 101,  # flow control's fair-share block
     }
 
     worker = project.manage("run_workers", "--burst")

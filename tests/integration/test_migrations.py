@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 #: The development migrations' names: what a database migrated before 0.1 has recorded.
 DEVELOPMENT = ["0001_initial", *DEVELOPMENT_MIGRATIONS]
 #: The migrations added after 0.1's ``0001_initial``, which such a database runs as any does.
-AFTER_0001 = ["0002_workitem_dbworker_concurrency_key_idx", "0003_liveworker"]
+AFTER_0001 = ["0002_workitem_dbworker_concurrency_key_idx", "0003_liveworker", "0004_fair_key"]
 
 #: Run in a subprocess pointed at one database: its django_dbworker tables as JSON.
 DUMP = r"""

@@ -136,7 +136,9 @@ def test_the_manual_clock_waits_without_sleeping_for_the_duration() -> None:
     assert clock.wait(threading.Event(), 0.0) is False
 
 
-def test_buffered_attempts_start_highest_priority_first_then_run_after_then_id() -> None:
+def test_buffered_attempts_start_highest_priority_first_then_as_claimed() -> None:
+    """Within a priority, in the order the claims dealt them (a fair rotation's turns),
+    not by due time: a later-due row dealt first starts first."""
     ledger = Ledger()
     bulk = [_attempt(n) for n in range(1, 4)]
     later = _attempt(9, priority=10, run_after=RUN_AFTER + timedelta(seconds=1))
@@ -144,7 +146,7 @@ def test_buffered_attempts_start_highest_priority_first_then_run_after_then_id()
     ledger.add(bulk)
     ledger.add([later, urgent])
     order = [ledger.take_next(1.0, draining=False)[0] for _ in range(5)]
-    assert order == [urgent, later, *bulk]
+    assert order == [later, urgent, *bulk]
     assert ledger.take_next(1.0, draining=False) == (None, None)
 
 

@@ -17,6 +17,7 @@ from django_dbworker.fleet.register import live_workers
 from django_dbworker.flow.queues import queue_list
 from django_dbworker.routing import work_db_for_read
 from django_dbworker.stats import (
+    busiest_fair_keys,
     flow_stats,
     keys_at_limit,
     orphaned_handlers,
@@ -110,6 +111,14 @@ class Command(BaseCommand):
             self._table(
                 ["handler", "concurrency key", "claimed", "limit"],
                 [[k["handler"], k["key"], str(k["claimed"]), str(k["limit"])] for k in full],
+            )
+        fair = busiest_fair_keys(using=options["database"])
+        if fair:
+            self.stdout.write("")
+            self.stdout.write("Fair keys with the most ready work (claims take turns across them):")
+            self._table(
+                ["fair key", "ready", "weight"],
+                [[k["key"] or "(no key)", str(k["ready"]), f"{k['weight']:g}"] for k in fair],
             )
 
     def _workers(self, options: dict[str, Any]) -> None:

@@ -223,9 +223,9 @@ FOR UPDATE;
 -- Insert pending rows sharing all but their payloads; return their ids and times.
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
-VALUES (%(handler)s, %(queue)s, %(payload_0)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), (%(handler)s, %(queue)s, %(payload_1)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+VALUES (%(handler)s, %(queue)s, %(payload_0)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, %(fair_key)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)), (%(handler)s, %(queue)s, %(payload_1)s, 'pending', %(priority)s, COALESCE(%(run_at)s, UTC_TIMESTAMP(6) + INTERVAL %(delay_us)s MICROSECOND), 0, %(max_attempts)s, '', '', %(trace_context)s, %(concurrency_key)s, %(concurrency_limit)s, %(fair_key)s, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
 RETURNING id, run_after, created_at, updated_at;
 
 -- name: distinct_queues

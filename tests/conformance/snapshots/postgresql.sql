@@ -135,13 +135,13 @@ RETURNING w.id, w.claim_token, w.cancel_requested_at IS NOT NULL;
 -- Insert one pending row and notify its queue, in one round trip.
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 VALUES (
     %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
     statement_timestamp(), statement_timestamp())
 RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(wake)s);
 
@@ -150,13 +150,13 @@ RETURNING id, run_after, created_at, updated_at, pg_notify('django_dbworker', %(
 WITH ins AS (
     INSERT INTO django_dbworker_workitem (
         handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
         created_at, updated_at)
     SELECT
         %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
         coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
         0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
         statement_timestamp(), statement_timestamp()
     FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
     ORDER BY u.n
@@ -170,13 +170,13 @@ ORDER BY ins.id;
 -- Insert one pending row; its wake-up, if any, is sent after the commit.
 INSERT INTO django_dbworker_workitem (
     handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 VALUES (
     %(handler)s, %(queue)s, %(payload)s::jsonb, 'pending', %(priority)s,
     coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
     0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-    %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+    %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
     statement_timestamp(), statement_timestamp())
 RETURNING id, run_after, created_at, updated_at;
 
@@ -185,13 +185,13 @@ RETURNING id, run_after, created_at, updated_at;
 WITH ins AS (
     INSERT INTO django_dbworker_workitem (
         handler, queue, payload, status, priority, run_after, attempts, max_attempts,
-        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+        claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
         created_at, updated_at)
     SELECT
         %(handler)s, %(queue)s, u.payload, 'pending', %(priority)s,
         coalesce(%(run_at)s::timestamptz, statement_timestamp() + %(delay)s::interval),
         0, %(max_attempts)s, '', '', %(trace_context)s::jsonb,
-        %(concurrency_key)s::text, %(concurrency_limit)s::integer,
+        %(concurrency_key)s::text, %(concurrency_limit)s::integer, %(fair_key)s::text,
         statement_timestamp(), statement_timestamp()
     FROM unnest(%(payloads)s::jsonb[]) WITH ORDINALITY AS u(payload, n)
     ORDER BY u.n
@@ -216,7 +216,7 @@ SELECT statement_timestamp(),
 -- Write pending rows with reserved ids, as COPY text (their wake-up is a NOTIFY).
 COPY django_dbworker_workitem (
     id, payload, handler, queue, status, priority, run_after, attempts, max_attempts,
-    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit,
+    claimed_by, last_error, trace_context, concurrency_key, concurrency_limit, fair_key,
     created_at, updated_at)
 FROM STDIN;
 

@@ -1,0 +1,163 @@
+"""Fair share between tenants: the key on every enqueue path, weights, bad input refused
+with nothing written, and what operators see (``dbworker_stats``, the admin's filter).
+The rotation itself runs in real workers: tests/process/test_fair_share.py."""
+
+from __future__ import annotations
+
+import math
+from io import StringIO
+from typing import Any, ClassVar
+
+import pytest
+from django.core.management import call_command
+
+from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many, set_fair_weight
+from django_dbworker.flow.models import FairKey
+from django_dbworker.models import WorkItem
+from tests.testapp.workers import Noop
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Tenanted(WorkItemHandler):
+    name = "tenanted_fair"
+    fair_key: ClassVar[str | None] = "tenant:declared"
+
+    def handle(self, payload: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("count", [1, 150])  # 150: PostgreSQL's COPY path
+def test_every_enqueue_path_carries_the_key_and_makes_its_rotation_row(count: int) -> None:
+    Noop.enqueue_many([None] * count, fair_key="tenant:1")
+    Noop.enqueue(None, fair_key="tenant:2")
+    enqueue("noop", None, fair_key="tenant:3")
+    enqueue_many("noop", [None], fair_key="tenant:4")
+    Tenanted.enqueue(None)  # the handler's own key
+    Tenanted.enqueue(None, fair_key="tenant:5")  # the enqueue's wins
+    keys = WorkItem.objects.values_list("fair_key", flat=True)
+    assert sorted(set(keys)) == [f"tenant:{n}" for n in (1, 2, 3, 4, 5)] + ["tenant:declared"]
+    assert list(keys).count("tenant:1") == count
+    assert sorted(FairKey.objects.values_list("key", flat=True)) == sorted(set(keys))
+
+
+@pytest.mark.parametrize("key", [5, b"k", "", "x" * 201, ["k"], True, "a\x00b"])
+def test_a_bad_fair_key_is_refused_writing_nothing(key: Any) -> None:
+    with pytest.raises(EnqueueError, match="fair_key"):
+        Noop.enqueue(None, fair_key=key)
+    with pytest.raises(EnqueueError, match="fair_key"):
+        Noop.enqueue_many([None, None], fair_key=key)
+    with pytest.raises(EnqueueError, match="fair_key"):
+        enqueue("noop", None, fair_key=key)
+    with pytest.raises(ValueError, match="fair key"):
+        set_fair_weight(key, 2)
+    assert not WorkItem.objects.exists() and not FairKey.objects.exists()
+
+
+@pytest.mark.parametrize("weight", [0, -1, "2", None, True, math.nan, math.inf, 1e7])
+def test_a_bad_weight_is_refused_writing_nothing(weight: Any) -> None:
+    with pytest.raises(ValueError, match="fair weight"):
+        set_fair_weight("tenant:1", weight)
+    assert not FairKey.objects.exists()
+
+
+def test_weights_are_kept_per_key_and_shown_with_the_busiest_keys() -> None:
+    set_fair_weight("big", 3)
+    set_fair_weight("big", 2.5)  # changed, not added
+    set_fair_weight(None, 0.5)  # the items without a key
+    Noop.enqueue_many([None] * 3, fair_key="big")
+    Noop.enqueue(None, fair_key="small")
+    Noop.enqueue(None)
+    assert dict(FairKey.objects.values_list("key", "weight")) == {
+        "big": 2.5,
+        "small": 1.0,
+        "": 0.5,
+    }
+    out = StringIO()
+    call_command("dbworker_stats", stdout=out)
+    text = out.getvalue()
+    section = text[text.index("Fair keys with the most ready work") :]
+    lines = [line.split() for line in section.splitlines()[1:6]]
+    assert ["big", "3", "2.5"] in lines and ["small", "1", "1"] in lines, section
+
+
+def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
+    Noop.enqueue_many([None] * 2, fair_key="tenant:a")
+    other = Noop.enqueue(None, fair_key="tenant:b")
+    plain = Noop.enqueue(None)
+    url = "/admin/django_dbworker/workitem/"
+    page = admin_client.get(url, {"fair_key": "tenant:b"}).content.decode()
+    assert f"/{other.pk}/change/" in page and f"/{plain.pk}/change/" not in page
+    page = admin_client.get(url, {"fair_key": "-"}).content.decode()
+    assert f"/{plain.pk}/change/" in page and f"/{other.pk}/change/" not in page
+    queues = admin_client.get("/admin/django_dbworker/queuestate/").content.decode()
+    assert "dbw-fair-keys" in queues and "tenant:a" in queues
+    # The Fair keys page edits weights, as set_fair_weight checks them.
+    assert admin_client.get("/admin/django_dbworker/fairkey/").status_code == 200
+    change = "/admin/django_dbworker/fairkey/tenant:a/change/"
+    refused = admin_client.post(change, {"weight": "0"})
+    assert refused.status_code == 200 and FairKey.objects.get(key="tenant:a").weight == 1.0
+    assert admin_client.post(change, {"weight": "2.5"}).status_code == 302
+    assert FairKey.objects.get(key="tenant:a").weight == 2.5
+
+
+@pytest.mark.parametrize("queues", [None, ["default"], ["default", "other"]])
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_turn_claims_only_its_keys_rows_of_its_priority(
+    queues: list[str] | None, limited: bool
+) -> None:
+    """Every claim statement (plain and keyed, any queue, one, several) narrowed to a turn."""
+    from django_dbworker.db import operations
+    from django_dbworker.db.sql import Turn
+    from tests.testapp.workers import KeyedPair
+
+    handler = KeyedPair if limited else Noop
+    handler.enqueue_many([None] * 3, fair_key="a", concurrency_key="k" if limited else None)
+    mine = handler.enqueue_many([None] * 3, fair_key="b", concurrency_key="k2" if limited else None)
+    handler.enqueue_many([None] * 2, fair_key="b", priority=5)
+    handler.enqueue_many([None] * 2)
+    ops = operations("default")
+    claimed = ops.claim(
+        limit=10,
+        handlers=[handler.name],
+        queues=queues,
+        worker="w",
+        limits={handler.name: 2} if limited else None,
+        turn=Turn("b", 0),
+    )
+    expected = [item.pk for item in mine][: 2 if limited else 3]
+    assert [item.pk for item in claimed] == expected
+    unkeyed = ops.claim(
+        limit=10, handlers=[handler.name], queues=queues, worker="w", turn=Turn("", 0)
+    )
+    assert WorkItem.objects.filter(pk__in=[i.pk for i in unkeyed], fair_key=None).count() == 2
+    assert len(unkeyed) == 2
+
+
+def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
+    """A database error after some turns claimed rows: those rows are returned (to run),
+    not left claimed by no one until stale recovery; with none taken, the error is raised."""
+    from django.db import OperationalError
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    Noop.enqueue_many([None] * 3, fair_key="a")
+    Noop.enqueue_many([None] * 3, fair_key="b")
+    ops = operations("default")
+    calls = []
+
+    def take(rows: int, turn: Any) -> Any:
+        calls.append(turn)
+        if len(calls) > 1:
+            raise OperationalError("server closed the connection")
+        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got = rotation.claim(4, handlers=["noop"], queues=None, take=take)
+    assert len(got) == 2 and {i.pk for i in got} == set(
+        WorkItem.objects.filter(status="claimed").values_list("pk", flat=True)
+    )
+    calls.append(None)  # every take fails now
+    with pytest.raises(OperationalError):
+        rotation.claim(4, handlers=["noop"], queues=None, take=take)

@@ -1,0 +1,120 @@
+"""Fair share between tenants, in real ``run_workers`` processes: the claims take turns
+across the fair keys with ready work, by weight, priority first, and a key alone gets
+every thread. Orders come from the handlers' own start records (their ids are in start
+order on every database); no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from itertools import pairwise
+
+from django_dbworker import enqueue_many, set_fair_weight
+from django_dbworker.models import Status, WorkItem
+from tests.conftest import wait_until
+from tests.testapp.models import Execution
+from tests.testapp.workers import Keyed, Rated, Sleep
+
+FAST_STALE = {"DBWORKER_STALE_AFTER": "1.0", "DBWORKER_HEARTBEAT_INTERVAL": "0.2"}
+
+
+def _starts() -> list[str]:
+    """The keys of the starts, in start order ("a-3" is tenant a's fourth item)."""
+    return list(Execution.objects.filter(kind="start").order_by("id").values_list("key", flat=True))
+
+
+def _tenant(key: str) -> str:
+    return key.split("-")[0]
+
+
+def test_claims_rotate_across_keys_by_weight_with_priority_first(start_worker) -> None:
+    set_fair_weight("c", 3)
+    Sleep.enqueue_many([{"key": f"a-{n}", "seconds": 0} for n in range(120)], fair_key="a")
+    Sleep.enqueue_many([{"key": f"b-{n}", "seconds": 0} for n in range(12)], fair_key="b")
+    Sleep.enqueue_many([{"key": f"c-{n}", "seconds": 0} for n in range(36)], fair_key="c")
+    enqueue_many("sleep", [{"key": f"none-{n}", "seconds": 0} for n in range(12)])
+    Sleep.enqueue_many(
+        [{"key": f"urgent-{n}", "seconds": 0} for n in range(5)], fair_key="u", priority=5
+    )
+    # One thread: the starts are in the order the claims chose.
+    worker = start_worker("sleep", "--burst", "--concurrency", "1")
+    assert worker.wait(120) == 0, worker.log()
+
+    starts = _starts()
+    assert sorted(starts) == sorted(WorkItem.objects.values_list("payload__key", flat=True))
+    assert WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
+    # Priority first: the urgent items ahead of every key's bulk.
+    assert {_tenant(k) for k in starts[:5]} == {"urgent"}
+    # While every key has work (weights a 1, b 1, c 3, no key 1): 1:1:3:1, in turn.
+    window = Counter(_tenant(k) for k in starts[5:41])
+    assert abs(window["a"] - 6) <= 2 and abs(window["b"] - 6) <= 2, window
+    assert abs(window["none"] - 6) <= 2 and abs(window["c"] - 18) <= 3, window
+    # Round robin, not blocks: b never waits more than a few starts for its next turn.
+    b_at = [i for i, k in enumerate(starts) if k.startswith("b-")]
+    assert max(later - earlier for earlier, later in pairwise(b_at)) <= 8
+    # Work conservation: a alone at the end, the others done, nothing left.
+    assert {_tenant(k) for k in starts[-40:]} == {"a"}
+
+
+def test_two_workers_share_one_rotation_and_a_killed_one_loses_nothing(start_worker) -> None:
+    Sleep.enqueue_many([{"key": f"a-{n}", "seconds": 0.05} for n in range(200)], fair_key="a")
+    first = start_worker("sleep", "--concurrency", "2", env=FAST_STALE)
+    wait_until(lambda: len(_starts()) >= 10, timeout=60, what="tenant a's flood to be running")
+    # Enqueued behind a's whole backlog: each starts within a few starts of its enqueue.
+    Sleep.enqueue_many([{"key": f"b-{n}", "seconds": 0.05} for n in range(6)], fair_key="b")
+    enqueued_at = len(_starts())
+    second = start_worker("sleep", "--concurrency", "2", env=FAST_STALE)
+    wait_until(
+        lambda: WorkItem.objects.filter(fair_key="b", status=Status.SUCCEEDED).count() == 6,
+        timeout=60,
+        what="tenant b's items",
+    )
+    starts = _starts()
+    b_at = [i for i, k in enumerate(starts) if k.startswith("b-")]
+    # Alternating with a across both workers: not after a's 190 remaining items.
+    assert b_at[-1] - enqueued_at <= 40, (enqueued_at, b_at)
+    # A worker killed mid-rotation: its claimed rows go back by stale recovery (a short
+    # STALE_AFTER) and run again; nothing is lost, nothing else runs twice.
+    first.signal(signal.SIGKILL)
+    first.wait(30)
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 206,
+        timeout=120,
+        what="every item, after the kill",
+    )
+    second.signal(signal.SIGTERM)
+    assert second.wait(60) == 0, second.log()
+    ends = Counter(Execution.objects.filter(kind="end").values_list("key", flat=True))
+    assert len(ends) == 206
+    # Run twice only what the killed worker held (its attempt ended with it).
+    once = WorkItem.objects.filter(attempts=1).values_list("payload__key", flat=True)
+    assert all(ends[key] == 1 for key in once)
+
+
+def test_turns_keep_rate_limits_and_concurrency_limits(start_worker) -> None:
+    Rated.enqueue_many([{"key": f"ra-{n}"} for n in range(40)], fair_key="a")
+    Rated.enqueue_many([{"key": f"rb-{n}"} for n in range(5)], fair_key="b")
+    Keyed.enqueue_many([{"key": "ka", "seconds": 0.02}] * 8, fair_key="a", concurrency_key="ka")
+    Keyed.enqueue_many([{"key": "kb", "seconds": 0.02}] * 3, fair_key="b", concurrency_key="kb")
+    worker = start_worker("rated", "keyed", "--burst", "--concurrency", "4")
+    assert worker.wait(120) == 0, worker.log()
+    assert WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
+
+    rated = list(
+        Execution.objects.filter(kind="rated").order_by("id").values_list("key", flat=True)
+    )
+    assert len(rated) == len(set(rated)) == 45
+    # b's items take turns with a's backlog, within the rate limit's pace: all of them
+    # start while a's last ten wait (in claim order b would come after all 40 of a's;
+    # a start the full window refuses goes back and waits for a turn again).
+    assert max(i for i, k in enumerate(rated) if k.startswith("rb-")) < 35, rated
+    started = sorted(
+        float(r) for r in WorkItem.objects.filter(handler="rated").values_list("result", flat=True)
+    )
+    # The limit holds under the turns: no 21 starts within a second (by the handlers'
+    # clocks; tests/process/test_flow_control.py proves the window itself).
+    assert min(b - a for a, b in zip(started, started[20:], strict=False)) >= 0.9
+    # Key "ka" (limit 1) never ran two at once: its records alternate start, end.
+    records = Execution.objects.filter(key="ka").order_by("id").values_list("kind", flat=True)
+    assert list(records) == ["start", "end"] * 8
