@@ -219,7 +219,7 @@ class Ledger:
         with self._lock:
             if draining:
                 return None, None
-            skipped: list[tuple[tuple[int, datetime, int], int, Attempt]] = []
+            skipped: list[tuple[tuple[int, int], int, Attempt]] = []
             try:
                 return self._pop(now, only, skipped)
             finally:
@@ -230,7 +230,7 @@ class Ledger:
         self,
         now: float,
         only: Callable[[Attempt], bool] | None,
-        skipped: list[tuple[tuple[int, datetime, int], int, Attempt]],
+        skipped: list[tuple[tuple[int, int], int, Attempt]],
     ) -> tuple[Attempt | None, State | None]:
         """``take_next``'s search, under the lock; entries ``only`` refuses go to ``skipped``."""
         while self._buffer:
