@@ -9,16 +9,24 @@ POLL_INTERVAL is 60 s, so a poll cannot pass for a wake-up.
 
 from __future__ import annotations
 
+import os
 import signal
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import kill_other_connections, wait_until, wake_turns
 from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
 from tests.testapp.models import Execution
 from tests.testapp.workers import Record, Sleep
+
+try:
+    from django.tasks import task
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import task  # type: ignore[no-redef]
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -129,3 +137,34 @@ def test_a_statement_timeout_does_not_end_the_wait_for_the_turn(start_worker) ->
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f'ALTER DATABASE "{name}" RESET statement_timeout')
+
+
+@task
+def found_after_start(key: str) -> str:
+    """A ``@task`` of a module no worker imports at start: each finds it (task discovery)."""
+    Execution.objects.create(key=key, pid=os.getpid())
+    return key
+
+
+def test_workers_that_found_a_task_after_start_still_take_turns(start_worker) -> None:
+    """A worker's group changes when it finds a task: the turn it holds is its old group's.
+
+    It must give that one back, not the new group's (which it does not hold):
+    else the other worker waits for the old turn for ever, not listening, and
+    a wake-up the busy holder cannot take reaches no one.
+    """
+    workers = [start_worker("--concurrency", "1", "-v", "2", env=SLOW_POLL) for _ in range(2)]
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    # Due in an hour: pending, so that both workers find it.
+    found_after_start.using(run_after=timezone.now() + timedelta(hours=1)).enqueue("found")
+    for worker in workers:
+        worker.wait_for_log("Now running task(s) enqueued since start", timeout=30)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=20, what="the turns of the new group")
+    # The holder takes a long item and, with no room left, passes its turn on.
+    Sleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    short = Sleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=20, what="the idle worker to claim")
+    pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
+    assert pids["long"] != pids["short"]
+    assert wake_turns() == (1, 1)
