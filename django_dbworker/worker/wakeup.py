@@ -401,7 +401,9 @@ class Listener(threading.Thread):
         """Pass the turn while saturated; wait for it (not listening) while not.
 
         Only once the probe came back: a LISTEN that holds is a session of
-        its own, where the turn's lock stays with this worker. A worker whose
+        its own, where the turn's lock stays with this worker. Not while a
+        trailing claim is due (WAKEUP_WINDOW): the rows whose wake-up the
+        window skipped were announced to no one else. A worker whose
         group changed (a task found after start) gives back the turn it took
         and waits for its new group's.
         """
@@ -417,7 +419,8 @@ class Listener(threading.Thread):
             logger.debug(
                 "Passed the wake-up turn on: its claims come back full, or its handlers changed."
             )
-        elif not self.holding and not saturated:
+        elif not self.holding and not saturated and self._trailing is None:
+            # A trailing claim owed first: only this worker heard the wake-up it follows.
             with self._waiting_lock:
                 if self.stopped.is_set():
                     return
