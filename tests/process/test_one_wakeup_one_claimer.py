@@ -103,6 +103,24 @@ def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker
     assert pids["long"] != pids["short"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="A worker that also serves async handlers counts its event loop's slots as room "
+    "for sync rows (ClaimLoop._slots): with its threads busy it claims a sync row into its "
+    "buffer, keeps the turn, and the row waits for its thread while another worker idles.",
+)
+def test_a_holder_whose_threads_are_busy_leaves_a_sync_item_to_an_idle_worker(
+    start_worker,
+) -> None:
+    for _ in range(2):
+        start_worker("sleep", "async_sleep", "--concurrency", "1", env=SLOW_POLL)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    Sleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    short = Sleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
+
+
 def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
     workers = [start_worker("sleep", "--concurrency", "2", env=SLOW_POLL) for _ in range(2)]
     wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
