@@ -229,6 +229,9 @@ class Listener(threading.Thread):
         self.clock = clock
         #: This listener holds its group's turn (or takes no turns: None).
         self.holding: bool | None = None
+        #: The group whose turn it holds: the group's name changes when a task is found
+        #: after start, and the turn to give back is the one taken.
+        self._held = ""
         #: The subscription of a ``wait_turn`` under way (``stop`` interrupts it).
         self._waiting: Subscription | None = None
         self._waiting_lock = threading.Lock()
@@ -398,29 +401,37 @@ class Listener(threading.Thread):
         """Pass the turn while saturated; wait for it (not listening) while not.
 
         Only once the probe came back: a LISTEN that holds is a session of
-        its own, where the turn's lock stays with this worker.
+        its own, where the turn's lock stays with this worker. Not while a
+        trailing claim is due (WAKEUP_WINDOW): the rows whose wake-up the
+        window skipped were announced to no one else. A worker whose
+        group changed (a task found after start) gives back the turn it took
+        and waits for its new group's.
         """
         if self.group is None or not self.reached:
             return
         saturated = self.saturated()
+        group = self.group()
         if self.holding is None:
             self.holding = False  # taking turns from now on: without the turn yet
-        if self.holding and saturated:
-            subscription.pass_turn(self.group())
+        if self.holding and (saturated or group != self._held):
+            subscription.pass_turn(self._held)
             self.holding = False
-            logger.debug("Passed the wake-up turn on: this worker's claims come back full.")
-        elif not self.holding and not saturated:
+            logger.debug(
+                "Passed the wake-up turn on: its claims come back full, or its handlers changed."
+            )
+        elif not self.holding and not saturated and self._trailing is None:
+            # A trailing claim owed first: only this worker heard the wake-up it follows.
             with self._waiting_lock:
                 if self.stopped.is_set():
                     return
                 self._waiting = subscription
             try:
-                granted = subscription.wait_turn(self.group())
+                granted = subscription.wait_turn(group)
             finally:
                 with self._waiting_lock:
                     self._waiting = None
             if granted:
-                self.holding = True
+                self.holding, self._held = True, group
                 logger.debug("Took the wake-up turn: this worker claims for every wake-up.")
                 # Wake-ups sent while no one held the turn reached no one.
                 self.wake(None)

@@ -22,9 +22,9 @@ from django.db import connection, connections, transaction
 
 from django_dbworker.db.wake_window import WINDOW
 from django_dbworker.models import Status, WorkItem
-from tests.conftest import wait_until
+from tests.conftest import wait_until, wake_turns
 from tests.testapp.models import Execution
-from tests.testapp.workers import Record
+from tests.testapp.workers import Record, Sleep
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -246,3 +246,27 @@ def test_a_failed_notify_after_the_commit_is_logged_not_raised(
     # Not counted as sent: the next enqueue notifies.
     Record.enqueue({"key": "next"})
     assert notifications.collect(0.5) == ["default"]
+
+
+def test_a_worker_that_passed_its_turn_makes_its_trailing_claim_before_it_waits_again(
+    window: Callable[..., None], notifications: Notifications, start_worker: Callable[..., Any]
+) -> None:
+    """Only the worker a wake-up reached knows of the trailing claim it owes: it makes
+    it before waiting for its turn again (not listening), else a row whose wake-up
+    the window skipped waits for a poll, whoever holds the turn."""
+    window(5.0)
+    env = {"DBWORKER_POLL_INTERVAL": POLL, "DBWORKER_WAKEUP_WINDOW": "5.0"}
+    for _ in range(2):
+        start_worker("sleep", "--concurrency", "1", env=env)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    # The holder takes it, has no room left and passes the turn on; once the item has
+    # run (a claim that came back short), it would wait for the turn again.
+    Sleep.enqueue({"key": "first", "seconds": 0.2})
+    wait_until(
+        lambda: Execution.objects.filter(key="first", kind="end").exists(),
+        timeout=10,
+        what="the first item to run",
+    )
+    Sleep.enqueue({"key": "skipped", "seconds": 0})
+    assert notifications.collect(0.05) == ["default"], "the second enqueue sent a notify"
+    wait_until(lambda: _ran("skipped"), timeout=15, what="the trailing claim to run the item")

@@ -9,16 +9,24 @@ POLL_INTERVAL is 60 s, so a poll cannot pass for a wake-up.
 
 from __future__ import annotations
 
+import os
 import signal
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import kill_other_connections, wait_until, wake_turns
 from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
 from tests.testapp.models import Execution
 from tests.testapp.workers import Record, Sleep
+
+try:
+    from django.tasks import task
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import task  # type: ignore[no-redef]
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -95,6 +103,24 @@ def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker
     assert pids["long"] != pids["short"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="A worker that also serves async handlers counts its event loop's slots as room "
+    "for sync rows (ClaimLoop._slots): with its threads busy it claims a sync row into its "
+    "buffer, keeps the turn, and the row waits for its thread while another worker idles.",
+)
+def test_a_holder_whose_threads_are_busy_leaves_a_sync_item_to_an_idle_worker(
+    start_worker,
+) -> None:
+    for _ in range(2):
+        start_worker("sleep", "async_sleep", "--concurrency", "1", env=SLOW_POLL)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    Sleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    short = Sleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
+
+
 def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
     workers = [start_worker("sleep", "--concurrency", "2", env=SLOW_POLL) for _ in range(2)]
     wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
@@ -129,3 +155,42 @@ def test_a_statement_timeout_does_not_end_the_wait_for_the_turn(start_worker) ->
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f'ALTER DATABASE "{name}" RESET statement_timeout')
+
+
+@task
+def found_after_start(key: str) -> str:
+    """A ``@task`` of a module no worker imports at start: each finds it (task discovery)."""
+    Execution.objects.create(key=key, pid=os.getpid())
+    return key
+
+
+def test_workers_that_found_a_task_after_start_still_take_turns(start_worker) -> None:
+    """A worker's group changes when it finds a task: the turn it holds is its old group's.
+
+    It must give that one back, not the new group's (which it does not hold):
+    else the other worker waits for the old turn for ever, not listening, and
+    a wake-up the busy holder cannot take reaches no one.
+    """
+    # Every handler (task discovery is on then), on a queue of their own: the test app's
+    # periodic handlers run on others.
+    workers = [
+        start_worker("--queue", "other", "--concurrency", "1", "-v", "2", env=SLOW_POLL)
+        for _ in range(2)
+    ]
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    # Due in an hour: pending, so that both workers find it.
+    found_after_start.using(
+        queue_name="other", run_after=timezone.now() + timedelta(hours=1)
+    ).enqueue("found")
+    for worker in workers:
+        worker.wait_for_log("Now running task(s) enqueued since start", timeout=30)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=20, what="the turns of the new group")
+    # More items than the holder takes at once: it passes the turn on, and both take
+    # turns again once they are done, one holding it and one waiting for it.
+    Record.enqueue_many([{"key": f"r{n}"} for n in range(300)], queue="other")
+    wait_until(
+        lambda: Execution.objects.filter(key__startswith="r").count() == 300,
+        timeout=60,
+        what="the items",
+    )
+    wait_until(lambda: wake_turns() == (1, 1), timeout=20, what="the turns of the new group")
