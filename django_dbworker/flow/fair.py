@@ -17,10 +17,11 @@ A key that comes back after idling starts from the rotation's clock (the highest
 which a turn began, ``started``) rather than the pass it left with: it neither takes the
 turns it missed nor waits for the others to catch up with a pass it ran ahead to.
 
-Cost: with fair keys in the table, a claim reads the rotation's clock and the top priority
-(one probe of the claim index each), probes ``dbworker_fair_idx`` once per fair key ever
-enqueued (they are the ``FairKey`` rows; delete those of tenants gone for good), claims once
-per key given a turn, and updates those keys' passes in one statement. A process that finds
+Cost: with fair keys in the table, a claim reads the rotation's clock and whether any key
+has a ready row (one statement; without such a row the claim goes on as usual from there),
+then the top priority (one probe of the claim index), probes ``dbworker_fair_idx`` once
+per fair key ever enqueued (they are the ``FairKey`` rows; delete those of tenants gone for
+good), claims once per key given a turn, and updates those keys' passes in one statement. A process that finds
 no ``FairKey`` row reads again after a poll interval, and claims as before meanwhile.
 """
 
@@ -147,11 +148,22 @@ class FairRotation:
         """The top priority with ready rows, and the keys of this claim's rows there, in
         turn order (a key once per row; none: no fair key waits at that priority)."""
         keys = FairKey.objects.using(self.using)
-        clock_value = keys.order_by("-started").values_list("started", flat=True).first()
-        if clock_value is None:  # no FairKey row: not again for a poll interval
+        # With the clock, whether any fair key has a ready row (by ``dbworker_fair_idx``):
+        # the rows of keys long finished stay, and without ready rows of theirs a claim
+        # costs this one read more than the usual order, not the rotation's probes.
+        keyed = WorkItem.objects.using(self.using).ready().filter(fair_key__isnull=False)
+        found = (
+            keys.annotate(keyed=Exists(keyed))
+            .order_by("-started")
+            .values_list("started", "keyed")
+            .first()
+        )
+        if found is None:  # no FairKey row: not again for a poll interval
             self._none_until = self._clock() + self._every
             return None, []
-        self._clock_value = float(clock_value)
+        if not found[1]:
+            return None, []
+        self._clock_value = float(found[0])
         ready = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             ready = ready.filter(queue__in=list(queues))

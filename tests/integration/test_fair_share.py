@@ -161,3 +161,39 @@ def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     calls.append(None)  # every take fails now
     with pytest.raises(OperationalError):
         rotation.claim(4, handlers=["noop"], queues=None, take=take)
+
+
+def test_claims_after_a_stray_fair_key_finished_cost_one_read_more_than_plain() -> None:
+    """A key enqueued once, its items gone, leaves its ``FairKey`` row: from then on a claim
+    with no fair key's rows ready pays one read beside the plain claim, not the rotation's
+    top-priority and per-key probes, a narrowed claim and an UPDATE of the rotation."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    ops = operations("default")
+
+    def take(rows: int, turn: Any) -> Any:
+        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+    Noop.enqueue_many([None] * 2)
+    with CaptureQueriesContext(connection) as plain:
+        assert len(take(2, None)) == 2
+    Noop.enqueue(None, fair_key="stray")
+    WorkItem.objects.filter(fair_key="stray").update(status="succeeded")
+    assert FairKey.objects.filter(key="stray").exists()  # it stays
+    waiting = [item.pk for item in Noop.enqueue_many([None] * 5)]
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got: list[int] = []
+    for _ in range(3):  # 2 + 2 + 1 rows, then none
+        with CaptureQueriesContext(connection) as fair:
+            got.extend(
+                item.pk for item in rotation.claim(2, handlers=["noop"], queues=None, take=take)
+            )
+        assert len(fair.captured_queries) <= len(plain.captured_queries) + 1, [
+            q["sql"] for q in fair.captured_queries
+        ]
+    assert got == waiting  # in the usual order
+    assert list(FairKey.objects.values_list("key", flat=True)) == ["stray"]  # nothing written
