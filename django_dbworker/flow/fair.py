@@ -21,8 +21,9 @@ Cost: with fair keys in the table, a claim reads the rotation's clock and whethe
 has a ready row (one statement; without such a row the claim goes on as usual from there),
 then the top priority (one probe of the claim index), probes ``dbworker_fair_idx`` once
 per fair key ever enqueued (they are the ``FairKey`` rows; delete those of tenants gone for
-good), claims once per key given a turn, and updates those keys' passes in one statement. A process that finds
-no ``FairKey`` row reads again after a poll interval, and claims as before meanwhile.
+good), claims once per key given a turn, and updates those keys' passes in one statement.
+A process that finds no ``FairKey`` row reads again after a poll interval, and claims as
+before meanwhile.
 """
 
 from __future__ import annotations
