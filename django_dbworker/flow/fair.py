@@ -38,6 +38,7 @@ from django.db.models import Case, Exists, F, FloatField, OuterRef, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
 from django_dbworker import validation
+from django_dbworker.db import operations
 from django_dbworker.db.sql import Turn
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
@@ -212,4 +213,10 @@ class FairRotation:
             *(When(key=key, then=Value(float(n))) for key, n in took.items()),
             output_field=FloatField(),
         )
-        keys.filter(key__in=sorted(took)).update(started=start, served=start + rows / F("weight"))
+        # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
+        # waited for another claimer's commit of a key's row fails, and the pass forgets
+        # this claim's rows (an increment is right from the committed value).
+        with operations(self.using).ending_transaction():
+            keys.filter(key__in=sorted(took)).update(
+                started=start, served=start + rows / F("weight")
+            )

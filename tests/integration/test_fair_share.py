@@ -197,3 +197,53 @@ def test_claims_after_a_stray_fair_key_finished_cost_one_read_more_than_plain() 
         ]
     assert got == waiting  # in the usual order
     assert list(FairKey.objects.values_list("key", flat=True)) == ["stray"]  # nothing written
+
+
+@pytest.mark.postgres_only
+def test_the_passes_count_every_claim_at_a_repeatable_read_default() -> None:
+    """A server (or role) whose default_transaction_isolation is REPEATABLE READ: a
+    claim's pass UPDATE that waited on another claimer's lock of the key's row, which then
+    committed, would fail with a serialization failure; the claim's rows ran, but its key's
+    pass forgot them (the key's turns came again, ahead of the others)."""
+    import threading
+
+    from django.db import connection, connections, transaction
+    from django.db.models import F
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+    from tests.conftest import wait_until
+
+    Noop.enqueue_many([None] * 2, fair_key="a")
+    out: dict[str, Any] = {}
+
+    def claimer() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET default_transaction_isolation = 'repeatable read'")
+            ops = operations("default")
+
+            def take(rows: int, turn: Any) -> Any:
+                return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+            rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+            out["rows"] = len(rotation.claim(1, handlers=["noop"], queues=None, take=take))
+        except BaseException as exc:  # pragma: no cover - reported below
+            out["error"] = exc
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():  # another claimer's pass UPDATE, not yet committed
+        FairKey.objects.filter(key="a").update(served=F("served") + 5)
+        thread = threading.Thread(target=claimer)
+        thread.start()
+
+        def waiting() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                return cursor.fetchone()[0] > 0
+
+        wait_until(waiting, what="the claim's pass UPDATE waiting on the key's row")
+    thread.join(30)
+    assert out.get("rows") == 1, out
+    assert FairKey.objects.get(key="a").served == 6.0  # the other claimer's 5, and this 1
