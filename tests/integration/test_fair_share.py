@@ -99,6 +99,15 @@ def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
     assert refused.status_code == 200 and FairKey.objects.get(key="tenant:a").weight == 1.0
     assert admin_client.post(change, {"weight": "2.5"}).status_code == 302
     assert FairKey.objects.get(key="tenant:a").weight == 2.5
+    # A key's row is not deleted while its items wait: without it they get no turns
+    # (only what a flooding key's turns leave); once they ended, it may go.
+    assert admin_client.post(change.replace("change", "delete"), {"post": "yes"}).status_code == 403
+    selected = {"action": "delete_selected", "_selected_action": ["tenant:a"], "post": "yes"}
+    admin_client.post("/admin/django_dbworker/fairkey/", selected)
+    assert FairKey.objects.filter(key="tenant:a").exists()
+    WorkItem.objects.filter(fair_key="tenant:a").update(status="succeeded")
+    assert admin_client.post(change.replace("change", "delete"), {"post": "yes"}).status_code == 302
+    assert not FairKey.objects.filter(key="tenant:a").exists()
 
 
 @pytest.mark.parametrize("queues", [None, ["default"], ["default", "other"]])
