@@ -256,3 +256,25 @@ def test_the_passes_count_every_claim_at_a_repeatable_read_default() -> None:
     thread.join(30)
     assert out.get("rows") == 1, out
     assert FairKey.objects.get(key="a").served == 6.0  # the other claimer's 5, and this 1
+
+
+def test_a_handlers_bad_fair_key_is_a_check_error() -> None:
+    """Declared on the class, a bad key would refuse every enqueue: the checks say so first."""
+    from django_dbworker.checks import fair_key_errors
+    from django_dbworker.registry import registry
+
+    for n, key in enumerate(["", 5, "a\x00b", "x" * 201]):
+
+        class Bad(WorkItemHandler):
+            name = f"bad_fair_{n}"
+            fair_key = key
+
+        try:
+            errors = fair_key_errors([Bad, Tenanted, Noop])
+            assert [e.id for e in errors] == ["django_dbworker.E024"], key
+            assert f"bad_fair_{n}" in errors[0].msg and "fair_key" in errors[0].msg
+            with pytest.raises(EnqueueError, match="fair_key"):
+                Bad.enqueue(None)
+        finally:
+            registry.unregister(f"bad_fair_{n}")
+    assert not WorkItem.objects.exists()
