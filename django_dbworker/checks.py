@@ -10,7 +10,7 @@ Django's tasks checks), E018 for a database server too old to run the worker
 ``concurrency_limit``, E022 for a database migrated by a development snapshot
 short of its last migration, E023 for an async handler method that cannot
 run (``atomic`` with ``async def handle``, an async generator, a periodic
-handler's ``async def run``), W001-W009 for risky but
+handler's ``async def run``), E024 for a handler's bad ``fair_key``, W001-W009 for risky but
 working configurations (W004: a MySQL binary log that is not row-based;
 W005: a WAKEUP_DATABASE that is no PostgreSQL alias of DATABASES; W006:
 work written to another database than the one transactions are opened on).
@@ -366,6 +366,34 @@ def concurrency_limit_errors(classes: Any) -> list[CheckMessage]:
                 id="django_dbworker.E021",
             )
         )
+    return errors
+
+
+@register(Tags.compatibility)
+def check_fair_keys(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Refuse a handler's ``fair_key`` that no enqueue would take (``fair_key_errors``)."""
+    return fair_key_errors(registry.values())
+
+
+def fair_key_errors(classes: Any) -> list[CheckMessage]:
+    """One error per WorkItem handler class among ``classes`` whose declared fair key is
+    bad: every enqueue of the handler (that gives no key of its own) would be refused."""
+    errors: list[CheckMessage] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, WorkItemHandler)):
+            continue
+        try:
+            validation.fair_key(getattr(cls, "fair_key", None))
+        except validation.InvalidValue as exc:
+            errors.append(
+                Error(
+                    f"Handler {cls.name!r} ({cls.__module__}.{cls.__qualname__}) has a bad "
+                    f"fair_key: it {exc}.",
+                    hint="Set fair_key to a string of 1 to 200 characters, or None.",
+                    obj=cls,
+                    id="django_dbworker.E024",
+                )
+            )
     return errors
 
 

@@ -17,11 +17,13 @@ A key that comes back after idling starts from the rotation's clock (the highest
 which a turn began, ``started``) rather than the pass it left with: it neither takes the
 turns it missed nor waits for the others to catch up with a pass it ran ahead to.
 
-Cost: with fair keys in the table, a claim reads the rotation's clock and the top priority
-(one probe of the claim index each), probes ``dbworker_fair_idx`` once per fair key ever
-enqueued (they are the ``FairKey`` rows; delete those of tenants gone for good), claims once
-per key given a turn, and updates those keys' passes in one statement. A process that finds
-no ``FairKey`` row reads again after a poll interval, and claims as before meanwhile.
+Cost: with fair keys in the table, a claim reads the rotation's clock and whether any key
+has a ready row (one statement; without such a row the claim goes on as usual from there),
+then the top priority (one probe of the claim index), probes ``dbworker_fair_idx`` once
+per fair key ever enqueued (they are the ``FairKey`` rows; delete those of tenants gone for
+good), claims once per key given a turn, and updates those keys' passes in one statement.
+A process that finds no ``FairKey`` row reads again after a poll interval, and claims as
+before meanwhile.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from django.db.models import Case, Exists, F, FloatField, OuterRef, Value, When
 from django.db.models.functions import Coalesce, Greatest
 
 from django_dbworker import validation
+from django_dbworker.db import operations
 from django_dbworker.db.sql import Turn
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
@@ -147,11 +150,22 @@ class FairRotation:
         """The top priority with ready rows, and the keys of this claim's rows there, in
         turn order (a key once per row; none: no fair key waits at that priority)."""
         keys = FairKey.objects.using(self.using)
-        clock_value = keys.order_by("-started").values_list("started", flat=True).first()
-        if clock_value is None:  # no FairKey row: not again for a poll interval
+        # With the clock, whether any fair key has a ready row (by ``dbworker_fair_idx``):
+        # the rows of keys long finished stay, and without ready rows of theirs a claim
+        # costs this one read more than the usual order, not the rotation's probes.
+        keyed = WorkItem.objects.using(self.using).ready().filter(fair_key__isnull=False)
+        found = (
+            keys.annotate(keyed=Exists(keyed))
+            .order_by("-started")
+            .values_list("started", "keyed")
+            .first()
+        )
+        if found is None:  # no FairKey row: not again for a poll interval
             self._none_until = self._clock() + self._every
             return None, []
-        self._clock_value = float(clock_value)
+        if not found[1]:
+            return None, []
+        self._clock_value = float(found[0])
         ready = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             ready = ready.filter(queue__in=list(queues))
@@ -199,4 +213,10 @@ class FairRotation:
             *(When(key=key, then=Value(float(n))) for key, n in took.items()),
             output_field=FloatField(),
         )
-        keys.filter(key__in=sorted(took)).update(started=start, served=start + rows / F("weight"))
+        # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
+        # waited for another claimer's commit of a key's row fails, and the pass forgets
+        # this claim's rows (an increment is right from the committed value).
+        with operations(self.using).ending_transaction():
+            keys.filter(key__in=sorted(took)).update(
+                started=start, served=start + rows / F("weight")
+            )

@@ -162,6 +162,12 @@ class DBWorkerBackend(BaseTaskBackend):
         key = getattr(task, "unique_key", None)
         if key is not None and not callable(key):
             _check_unique_key(key, InvalidTask)
+        fair_key = getattr(task, "fair_key", None)
+        if not callable(fair_key):  # a callable's keys are checked by each enqueue
+            try:
+                validation.fair_key(fair_key)
+            except validation.InvalidValue as exc:
+                raise InvalidTask(f"fair_key {exc}.") from None
         options = self.resolved_options(task)
         if options.atomic and inspect.iscoroutinefunction(task.func):
             raise InvalidTask(

@@ -99,6 +99,15 @@ def test_the_work_item_list_filters_by_fair_key(admin_client) -> None:
     assert refused.status_code == 200 and FairKey.objects.get(key="tenant:a").weight == 1.0
     assert admin_client.post(change, {"weight": "2.5"}).status_code == 302
     assert FairKey.objects.get(key="tenant:a").weight == 2.5
+    # A key's row is not deleted while its items wait: without it they get no turns
+    # (only what a flooding key's turns leave); once they ended, it may go.
+    assert admin_client.post(change.replace("change", "delete"), {"post": "yes"}).status_code == 403
+    selected = {"action": "delete_selected", "_selected_action": ["tenant:a"], "post": "yes"}
+    admin_client.post("/admin/django_dbworker/fairkey/", selected)
+    assert FairKey.objects.filter(key="tenant:a").exists()
+    WorkItem.objects.filter(fair_key="tenant:a").update(status="succeeded")
+    assert admin_client.post(change.replace("change", "delete"), {"post": "yes"}).status_code == 302
+    assert not FairKey.objects.filter(key="tenant:a").exists()
 
 
 @pytest.mark.parametrize("queues", [None, ["default"], ["default", "other"]])
@@ -161,3 +170,111 @@ def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     calls.append(None)  # every take fails now
     with pytest.raises(OperationalError):
         rotation.claim(4, handlers=["noop"], queues=None, take=take)
+
+
+def test_claims_after_a_stray_fair_key_finished_cost_one_read_more_than_plain() -> None:
+    """A key enqueued once, its items gone, leaves its ``FairKey`` row: from then on a claim
+    with no fair key's rows ready pays one read beside the plain claim, not the rotation's
+    top-priority and per-key probes, a narrowed claim and an UPDATE of the rotation."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    ops = operations("default")
+
+    def take(rows: int, turn: Any) -> Any:
+        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+    Noop.enqueue_many([None] * 2)
+    with CaptureQueriesContext(connection) as plain:
+        assert len(take(2, None)) == 2
+    Noop.enqueue(None, fair_key="stray")
+    WorkItem.objects.filter(fair_key="stray").update(status="succeeded")
+    assert FairKey.objects.filter(key="stray").exists()  # it stays
+    waiting = [item.pk for item in Noop.enqueue_many([None] * 5)]
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got: list[int] = []
+    for _ in range(3):  # 2 + 2 + 1 rows, then none
+        with CaptureQueriesContext(connection) as fair:
+            got.extend(
+                item.pk for item in rotation.claim(2, handlers=["noop"], queues=None, take=take)
+            )
+        assert len(fair.captured_queries) <= len(plain.captured_queries) + 1, [
+            q["sql"] for q in fair.captured_queries
+        ]
+    assert got == waiting  # in the usual order
+    assert list(FairKey.objects.values_list("key", flat=True)) == ["stray"]  # nothing written
+
+
+@pytest.mark.postgres_only
+def test_the_passes_count_every_claim_at_a_repeatable_read_default() -> None:
+    """A server (or role) whose default_transaction_isolation is REPEATABLE READ: a
+    claim's pass UPDATE that waited on another claimer's lock of the key's row, which then
+    committed, would fail with a serialization failure; the claim's rows ran, but its key's
+    pass forgot them (the key's turns came again, ahead of the others)."""
+    import threading
+
+    from django.db import connection, connections, transaction
+    from django.db.models import F
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+    from tests.conftest import wait_until
+
+    Noop.enqueue_many([None] * 2, fair_key="a")
+    out: dict[str, Any] = {}
+
+    def claimer() -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET default_transaction_isolation = 'repeatable read'")
+            ops = operations("default")
+
+            def take(rows: int, turn: Any) -> Any:
+                return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+
+            rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+            out["rows"] = len(rotation.claim(1, handlers=["noop"], queues=None, take=take))
+        except BaseException as exc:  # pragma: no cover - reported below
+            out["error"] = exc
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():  # another claimer's pass UPDATE, not yet committed
+        FairKey.objects.filter(key="a").update(served=F("served") + 5)
+        thread = threading.Thread(target=claimer)
+        thread.start()
+
+        def waiting() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                return cursor.fetchone()[0] > 0
+
+        wait_until(waiting, what="the claim's pass UPDATE waiting on the key's row")
+    thread.join(30)
+    assert out.get("rows") == 1, out
+    assert FairKey.objects.get(key="a").served == 6.0  # the other claimer's 5, and this 1
+
+
+def test_a_handlers_bad_fair_key_is_a_check_error() -> None:
+    """Declared on the class, a bad key would refuse every enqueue: the checks say so first."""
+    from django_dbworker.checks import fair_key_errors
+    from django_dbworker.registry import registry
+
+    for n, key in enumerate(["", 5, "a\x00b", "x" * 201]):
+
+        class Bad(WorkItemHandler):
+            name = f"bad_fair_{n}"
+            fair_key = key
+
+        try:
+            errors = fair_key_errors([Bad, Tenanted, Noop])
+            assert [e.id for e in errors] == ["django_dbworker.E024"], key
+            assert f"bad_fair_{n}" in errors[0].msg and "fair_key" in errors[0].msg
+            with pytest.raises(EnqueueError, match="fair_key"):
+                Bad.enqueue(None)
+        finally:
+            registry.unregister(f"bad_fair_{n}")
+    assert not WorkItem.objects.exists()

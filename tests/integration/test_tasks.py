@@ -301,6 +301,9 @@ def test_task_options_are_validated_at_declaration() -> None:
         ({"timeout": -1}, "timeout"),
         ({"atomic": "yes"}, "atomic"),
         ({"unique_key": ""}, "unique_key"),
+        ({"fair_key": ""}, "fair_key"),
+        ({"fair_key": 5}, "fair_key"),
+        ({"fair_key": "a\x00b"}, "fair_key"),
     ]:
         with pytest.raises(InvalidTask, match=message):
             task(**options)(module_level)
