@@ -236,17 +236,27 @@ def test_sigterm_during_a_read_only_window_does_not_release_a_finished_job(
 
 @pytest.mark.postgres_only
 @pytest.mark.django_db(transaction=True)
-def test_a_result_too_large_for_jsonb_fails_that_item_alone() -> None:
+def test_a_result_too_large_for_jsonb_fails_that_item_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # PostgreSQL refuses a jsonb string over 256 MiB with SQLSTATE 54000
     # (program_limit_exceeded), which psycopg/Django raise as OperationalError.
     # db/errors.py is_transient() calls every OperationalError transient, so
     # the writer's persist() retries the same refused batch for ever (backoff
     # up to 10 s): the item is never recorded, nor is any other success queued
     # behind it, and the burst worker never exits.
+    # Sending 256 MiB (twice: in the batch, then alone) takes seconds, a minute on a
+    # loaded machine: the wait is long, and the fault (a retry) ends it at once.
     bad = HugeResult.enqueue({"key": "huge"})
     good = Echo.enqueue_many([{"n": n} for n in range(5)])
     worker, thread = start(["huge_result", "echo"], burst=True)
-    finished = finish(worker, thread, 60)
+    wait_until(
+        lambda: not thread.is_alive() or "while recording successes" in caplog.text,
+        timeout=300,
+        what="the burst worker to finish",
+    )
+    assert "while recording successes" not in caplog.text, "the refused write was retried"
+    finished = finish(worker, thread, 0)
     row = WorkItem.objects.get(pk=bad.pk)
     assert finished, f"the burst worker did not finish; huge item is {row.status}"
     assert row.status == Status.FAILED

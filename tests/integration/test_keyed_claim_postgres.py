@@ -1094,24 +1094,53 @@ def test_other_queues_unkeyed_rows_are_not_read_by_a_queue_worker() -> None:
     assert [i.pk for i in limited_claim(["keyed"], 4, queues=["q2"])] == [mine.pk]
 
 
-@pytest.mark.parametrize("analyzed", [2000, 0])
+@pytest.mark.parametrize(
+    ("analyzed", "vacuumed"),
+    [
+        (2000, False),
+        (0, False),
+        pytest.param(
+            2000,
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a VACUUM (autovacuum's) after the unkeyed rows went: each step of the "
+                "recursion scans dbworker_claim_queue_idx and sorts (150,215 rows read a claim)",
+            ),
+        ),
+    ],
+    ids=["2000", "0", "2000-vacuumed"],
+)
 def test_the_loose_scan_keeps_its_indexes_when_the_statistics_knew_no_keyed_row(
-    analyzed: int,
+    analyzed: int, vacuumed: bool
 ) -> None:
     """ANALYZE while the table held unkeyed rows only, then 100 keys' rows: the planner took
     each step of the recursion for a seq scan of a tiny table (220 ms a claim of 100 keys,
     bench/claim_cost.py's first run), and with seq scans off for a bitmap scan of the key's
     every row and a sort (145 ms). HEADS_PLAN keeps it on the index: a descent a key. The
-    same after an ANALYZE of the empty table."""
-    if analyzed:
-        Noop.enqueue_many([{}] * analyzed)
+    same after an ANALYZE of the empty table.
+
+    The statistics are the test's own: autovacuum is off for the table meanwhile (on a
+    loaded host this test ran 54 s, time for autovacuum to change them halfway, which
+    the vacuumed case does on purpose)."""
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE django_dbworker_workitem")
-    WorkItem.objects.all().delete()
-    with transaction.atomic():
-        for n in range(3000):
-            Keyed.enqueue({"key": n}, concurrency_key=f"k{n % 100}")
-    got, plans = auto_explained_json(lambda: heads_claim(limit=500))
+        cursor.execute("ALTER TABLE django_dbworker_workitem SET (autovacuum_enabled = off)")
+    try:
+        if analyzed:
+            Noop.enqueue_many([{}] * analyzed)
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE django_dbworker_workitem")
+        WorkItem.objects.all().delete()
+        if vacuumed:
+            with connection.cursor() as cursor:
+                cursor.execute("VACUUM django_dbworker_workitem")
+        with transaction.atomic():
+            for n in range(3000):
+                Keyed.enqueue({"key": n}, concurrency_key=f"k{n % 100}")
+        got, plans = auto_explained_json(lambda: heads_claim(limit=500))
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE django_dbworker_workitem RESET (autovacuum_enabled)")
     assert len(got) == 100
     (heads,) = [p for p in plans if "WITH RECURSIVE unkeyed" in p.get("Query Text", "")]
     assert rows_read(heads["Plan"]) < 1000, json.dumps(heads["Plan"])[:3000]

@@ -193,22 +193,29 @@ def test_a_give_back_that_fails_keeps_the_buffered_rows(
     assert never_ran == [], f"failed without ever running: {never_ran}"
 
 
-def test_a_row_released_at_a_max_items_stop_is_started_afterwards(
+def test_a_row_released_at_a_max_items_stop_is_not_started_afterwards(
     background_worker: StartWorker, gate: None
 ) -> None:
-    """PROVES: a worker stopping at ``max_items`` releases its buffered rows after
-    SHUTDOWN_TIMEOUT but leaves their tasks queued on the pool, so a pool
-    thread starts them afterwards: a row that is ``pending`` again (anyone's
-    to claim) runs here without a claim, and runs again when it is claimed.
+    """A worker that stopped at ``max_items`` releases its buffered rows after
+    SHUTDOWN_TIMEOUT, and its pool never starts them: a row ``pending`` again is
+    anyone's to claim, and this worker, having claimed its ``max_items``, claims
+    nothing more. (Was: ``_drain``'s final release left the rows' tasks queued on
+    the pool, and a pool thread started them afterwards, without a claim.)
 
-    ``_drain``'s final release does not withdraw the attempts it releases;
-    ``_start`` refuses buffered attempts only when ``draining`` is set, which
-    a max_items stop (``run_once`` sets ``stopping`` only) never sets.
+    The stop must come while the gated item holds the thread, or the worker is
+    not stopped: rows given back earlier by the horizon's give-back are then
+    claimed again, legitimately (a fresh claim each, within ``max_items``). A
+    long horizon keeps the whole buffer until the stop, and the test waits for it.
     """
-    _prefetch_behind_a_gated_item(background_worker, max_items=31, shutdown_timeout=0.5)
+    worker = _prefetch_behind_a_gated_item(
+        background_worker, max_items=31, shutdown_timeout=0.5, prefetch_horizon=3.0
+    )
+    wait_until(
+        lambda: worker.stopping.is_set(),
+        timeout=15,
+        what="the max_items stop while the gated item runs (its 31 rows claimed)",
+    )
     later = WorkItem.objects.filter(payload__key__startswith="later-")
-    # Released by the stop, or earlier by the horizon's give-back (the gated item runs
-    # long, so on a loaded host the buffer can outlast PREFETCH_HORIZON first): pending.
     wait_until(
         lambda: later.filter(status=Status.PENDING).count() == 10,
         timeout=10,
