@@ -2,8 +2,9 @@
 them: the database migrated first, workers of the code before that migration still
 claiming beside the new ones. No item lost, none run twice, no error in either log.
 
-The old code is the parent of the commit that last changed the migrations, taken from
-this clone's history (``git archive``) and run with its own tests' settings and handlers.
+The old code is main as it was before the commit (or merge) that last changed the
+migrations, taken from this clone's history (``git archive``) and run with its own
+tests' settings and handlers.
 The database is as that code's ``migrate`` and then the new one's leave it: the new
 migrations applied, and the old ones' names recorded too (what the old ``migrate``
 recorded; the schema is the same when the change was the squash of 0.1, which
@@ -48,8 +49,10 @@ def old_code() -> Path:
     """This clone's code before the newest migration (extracted once per run)."""
     folder = ROOT / "django_dbworker" / "migrations"
     try:
-        changed = _git("log", "--format=%H", "-1", "--", str(folder))
-        old = _git("rev-parse", f"{changed}^")
+        # Along the first parents: main's own commits, so a migration merged from
+        # a branch gives main as it was before the merge, not a commit of the branch.
+        changed = _git("log", "--first-parent", "--format=%H", "-1", "--", str(folder))
+        old = _git("rev-parse", f"{changed}^1")
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
         pytest.skip(f"no git history to take the previous code from ({exc})")
     if _git("status", "--porcelain", "--", str(folder)):
