@@ -35,7 +35,7 @@ from tests.testapp.workers import Record
 # PostgreSQL, the production database: one server is enough to roll across a migration.
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
-ITEMS = 10_000
+ITEMS = 4_000
 
 
 def _git(*args: str) -> str:
