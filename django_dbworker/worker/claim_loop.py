@@ -122,6 +122,11 @@ class ClaimLoop:
         #: The claim being made was sized by such wake-ups.
         self._urgent_claim = False
         self._urgent_lock = threading.Lock()
+        #: Held by a claim and by a give-back: a claim beside a give-back of this
+        #: worker's would skip the rows being given back (locked) and take the rows
+        #: behind them, which would then start first. Reentrant: in burst mode a
+        #: claimed row runs inside the claim's dispatch, and may be given back there.
+        self._claim_or_give_back = threading.RLock()
         #: Which rows to claim, by which statement (``claim.py``).
         self.route = ClaimRoute(
             ops=ops, config=config, metrics=metrics, now=clock.now, handlers=handlers
@@ -170,12 +175,13 @@ class ClaimLoop:
             self._dispatch(items, claimed_at=started)
 
         try:
-            result = self.route.claim(
-                limit,
-                free=self._free_threads(),
-                limited_in_flight=self.ledger.keyed_of(self.route.limited()),
-                dispatch=dispatch,
-            )
+            with self._claim_or_give_back:
+                result = self.route.claim(
+                    limit,
+                    free=self._free_threads(),
+                    limited_in_flight=self.ledger.keyed_of(self.route.limited()),
+                    dispatch=dispatch,
+                )
         except Exception:
             if self._urgent_claim:
                 with self._urgent_lock:
@@ -264,8 +270,12 @@ class ClaimLoop:
             )
 
     def give_back(self, attempts: list[Attempt]) -> int:
-        """Release attempts a pool thread could not start (their rate window is full)."""
-        return self._give_back(attempts)
+        """Release attempts a pool thread could not start (their rate window is full),
+        with their handlers' buffered rows: those were claimed after them, and kept here
+        they would start first (a window that frees up before the loop next gives back
+        withheld rows), while the refused rows wait behind them in pending."""
+        handlers = frozenset(attempt.handler.name for attempt in attempts)
+        return self._give_back(attempts + self.ledger.withdraw_of_handlers(handlers))
 
     def announce(self, priority: int | None) -> None:
         """A wake-up: rows of ``priority`` were committed (None: unknown, after a reconnect).
@@ -401,7 +411,8 @@ class ClaimLoop:
         if not withdrawn:
             return 0
         try:
-            given_back = self.shutdown.release(withdrawn, "giving back buffered work items")
+            with self._claim_or_give_back:
+                given_back = self.shutdown.release(withdrawn, "giving back buffered work items")
         except Exception as exc:
             logger.warning("Could not give back %d buffered work item(s): %s", len(withdrawn), exc)
             self.ledger.restore(withdrawn)

@@ -363,7 +363,9 @@ def test_rows_refused_by_a_full_window_start_before_the_rows_behind_them(
     # Two threads race for each start: one that waited for the start's lock (SQLite's
     # writer lock is not first come, first served; seen: 100 ms) finds the window taken by
     # the other and starts in the next one, up to a window's starts (20) and a claim (10)
-    # late. A row given back behind the backlog would start about 50 places late.
+    # late. A row given back behind the backlog would start about 50 places late; so would
+    # one given back alone while the rows claimed after it stayed buffered and started first,
+    # or one a claim skipped while it was being given back (seen: 36 places, PostgreSQL).
     late = {pk: position[pk] - n for n, pk in enumerate(order) if position[pk] - n > 30}
     assert not late, f"rows that started far behind their place in claim order: {late}"
 
