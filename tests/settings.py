@@ -14,6 +14,9 @@ import django
 
 BASE_DIR = Path(__file__).resolve().parent
 SECRET_KEY = "tests-only-not-secret"
+# The tests log users in by the hundred: a slow password hash would cost seconds of CPU each
+# time (Django's default is made slow on purpose); what the tests prove does not depend on it.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEBUG = False
 USE_TZ = True
 TIME_ZONE = "UTC"
