@@ -138,27 +138,42 @@ def execute(
                 ready=ready,
                 observer=observer,
             )
-            if ending.outcome == Outcome.DEFERRED:
-                attempt.outcome(ready.reported or Outcome.SUCCEEDED)
-            else:
-                attempt.outcome(ending.outcome)
+            _report(attempt, ending, ready)
     except BaseException as exc:
         # Our own code (or a tracing SDK) failed around the handler. If no
         # outcome was recorded yet, the attempt still needs one.
-        logger.error(
-            "Unexpected error around work item %s (%s): %s",
-            item.pk,
-            handler.name,
-            errortext.error_summary(exc, sensitive=handler.sensitive),
-            exc_info=not handler.sensitive,
-        )
+        _log_unexpected(item, handler, exc)
         if ending is None:
             ready()
             ending = record_failure(
                 item, handler, exc, retriable=True, give_up=give_up, landed=observer.landed
             )
+    return _timed(ending, started)
+
+
+def _report(attempt: Any, ending: Ending, ready: _Recording) -> None:
+    """Tell the attempt's span its outcome (a deferred success: what the writer reported)."""
+    if ending.outcome == Outcome.DEFERRED:
+        attempt.outcome(ready.reported or Outcome.SUCCEEDED)
+    else:
+        attempt.outcome(ending.outcome)
+
+
+def _log_unexpected(item: WorkItem, handler: WorkItemHandler, exc: BaseException) -> None:
+    """Our own code (or a tracing SDK) failed around the handler: say so, never a secret."""
+    logger.error(
+        "Unexpected error around work item %s (%s): %s",
+        item.pk,
+        handler.name,
+        errortext.error_summary(exc, sensitive=handler.sensitive),
+        exc_info=not handler.sensitive,
+    )
+
+
+def _timed(ending: Ending, started: float) -> Ending:
+    """The ending with its run time; a deferred success's comes with the writer's answer."""
     if ending.outcome is Outcome.DEFERRED:
-        return ending  # the writer's answer carries the time
+        return ending
     return ending.took(time.perf_counter() - started)
 
 
@@ -353,20 +368,11 @@ async def execute_async(
             ending = await _execute_async(
                 item, handler, offload, track, give_up, record_success, ready, observer, started
             )
-            if ending.outcome == Outcome.DEFERRED:
-                attempt.outcome(ready.reported or Outcome.SUCCEEDED)
-            else:
-                attempt.outcome(ending.outcome)
+            _report(attempt, ending, ready)
     except asyncio.CancelledError:
         raise  # a stop: shutdown releases the row
     except Exception as exc:
-        logger.error(
-            "Unexpected error around work item %s (%s): %s",
-            item.pk,
-            handler.name,
-            errortext.error_summary(exc, sensitive=handler.sensitive),
-            exc_info=not handler.sensitive,
-        )
+        _log_unexpected(item, handler, exc)
         if ending is None:
             ready()
             ending = await _finish(
@@ -380,9 +386,7 @@ async def execute_async(
                     landed=observer.landed,
                 )
             )
-    if ending.outcome is Outcome.DEFERRED:
-        return ending
-    return ending.took(time.perf_counter() - started)
+    return _timed(ending, started)
 
 
 async def _execute_async(
