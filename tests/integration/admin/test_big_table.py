@@ -140,7 +140,7 @@ def test_dashboard_reads_only_the_last_hour(
 def test_the_select_all_confirmation_counts_without_a_scan(
     big_table: None, superuser_client: Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """ "Select all" on a filter of 12,000 failed rows: the confirmation page counts as the lists do."""
+    """ "Select all" on 12,000 failed rows: the confirmation page counts as the lists do."""
     url = reverse("admin:django_dbworker_workitem_changelist") + "?status__exact=failed"
     one = WorkItem.objects.filter(status=Status.FAILED).values_list("pk", flat=True)[0]
     data = {"action": "retry", "select_across": "1", "index": "0", "_selected_action": [one]}
