@@ -267,6 +267,11 @@ class Ledger:
         with self._lock:
             return sum(self._buffered.values())
 
+    def buffered_of(self, kind: Callable[[Attempt], bool]) -> int:
+        """How many buffered attempts ``kind`` accepts (the event loop's, the threads')."""
+        with self._lock:
+            return sum(1 for a in self._attempts.values() if a.state is State.BUFFERED and kind(a))
+
     def begin_recording(self, attempt: Attempt) -> None:
         """The handler is done; its outcome is being written (a heartbeat miss now raced it)."""
         with self._lock:

@@ -38,7 +38,7 @@ from django_dbworker.flow.fair import FairRotation
 from django_dbworker.flow.models import QueueState
 from django_dbworker.flow.queues import paused_queues
 from django_dbworker.flow.rates import take_start
-from django_dbworker.handlers import WorkItemHandler
+from django_dbworker.handlers import WorkItemHandler, runs_async
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt
@@ -107,14 +107,28 @@ class ClaimRoute:
         #: Fair share: whose turn each claim is (``flow/fair.py``).
         self._fair = FairRotation(using=config.using, every=config.poll_interval, clock=now)
 
-    def claim(self, limit: int, *, free: int, limited_in_flight: int, dispatch: Dispatch) -> Claim:
+    def claim(
+        self,
+        limit: int,
+        *,
+        free: int,
+        limited_in_flight: int,
+        dispatch: Dispatch,
+        skip_async: bool | None = None,
+    ) -> Claim:
         """Claim up to ``limit`` rows and ``dispatch`` them. Rows of limited keys while this
         process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them (``limited_in_
         flight``: keyed rows of limited handlers, buffered, running or being written; their
-        unkeyed rows hold no slot), or for the ``free`` threads."""
+        unkeyed rows hold no slot), or for the ``free`` threads. ``skip_async`` leaves out
+        the async handlers (True) or the sync ones (False): the worker has no room for them."""
         handlers = self.handlers()
         rates = self.rates(handlers)
-        names = [name for name in handlers if not (name in rates and self._held(name))]
+        names = [
+            name
+            for name, handler in handlers.items()
+            if not (name in rates and self._held(name))
+            and (skip_async is None or runs_async(type(handler)) is not skip_async)
+        ]
         limits = concurrency_limits(handlers, names)
         keyed_cap = None
         if limits:

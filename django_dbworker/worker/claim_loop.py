@@ -111,6 +111,9 @@ class ClaimLoop:
         #: The last claim (not an urgent one) came back full, or the loop was woken with
         #: no room (``saturated``).
         self._saturated = False
+        #: The kind of handler the claim being made leaves out for want of room
+        #: (``_kind_without_room``).
+        self._full_kind: bool | None = None
         #: Wake-ups announced so far (the listener's thread adds), and their count when
         #: the last claim began if it found all that was ready (``Claim.drained``); a
         #: buffer running low claims again only once they differ.
@@ -181,6 +184,7 @@ class ClaimLoop:
                     free=self._free_threads(),
                     limited_in_flight=self.ledger.keyed_of(self.route.limited()),
                     dispatch=dispatch,
+                    skip_async=self._full_kind,
                 )
         except Exception:
             if self._urgent_claim:
@@ -194,7 +198,7 @@ class ClaimLoop:
         self._ran_dry = result.dry
         self._drained = heard if result.drained else None
         if not self._urgent_claim:
-            self._saturated = not result.dry
+            self._saturated = not result.dry or self._full_kind is not None
         self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
@@ -314,6 +318,7 @@ class ClaimLoop:
         self._refill_at = self.prefetch.refill_at(target, running_for)
         urgent = self._take_urgent()
         self._urgent_claim = bool(urgent)
+        self._full_kind = None
         if urgent:
             # One row per such wake-up, and only those: a small claim is a
             # quick one (a refill of hundreds takes several milliseconds),
@@ -324,7 +329,8 @@ class ClaimLoop:
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
         room = self._room(target)
-        if room <= 0:
+        self._full_kind = self._kind_without_room(target)
+        if room <= 0 or self._full_kind is not None:
             self._saturated = True  # woken with no room: let an idle worker take the rows
         if self.ledger.buffered() > self._refill_at:
             return 0
@@ -343,6 +349,29 @@ class ClaimLoop:
         if self.config.batch_size > 0:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
+
+    def _kind_without_room(self, target: int) -> bool | None:
+        """The kind of handler this worker has no room for now, when it serves both: True
+        (async: the event loop's slots are taken) or False (sync: every thread is busy and
+        its share of the buffer full); None when it has room for both, or serves one kind.
+
+        The claim then leaves that kind's rows to other workers: counted together, the
+        loop's free slots were room for a sync row, which waited here for a thread while
+        another worker idled (and kept the wake-up turn).
+        """
+        loop = self.event_loop
+        handlers = self.handlers().values()
+        if loop is None or not any(runs_async(type(h)) for h in handlers):
+            return None
+        if all(runs_async(type(h)) for h in handlers):
+            return None
+        waiting_async = self.ledger.buffered_of(lambda a: runs_async(type(a.handler)))
+        waiting_sync = self.ledger.buffered() - waiting_async
+        if self.pool.running() + waiting_sync >= self.pool.size + target:
+            return False
+        if loop.running() + waiting_async >= loop.size + target:
+            return True
+        return None
 
     def retired(self, attempt: Attempt) -> None:
         """An attempt left the ledger. If it held a slot of a limited key, a resting loop

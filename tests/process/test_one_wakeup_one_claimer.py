@@ -21,7 +21,7 @@ from django_dbworker.models import Status, WorkItem
 from tests.conftest import kill_other_connections, wait_until, wake_turns
 from tests.process.test_metrics_endpoint import free_port, scrape, try_scrape
 from tests.testapp.models import Execution
-from tests.testapp.workers import Record, Sleep
+from tests.testapp.workers import AsyncSleep, Record, Sleep
 
 try:
     from django.tasks import task
@@ -106,12 +106,6 @@ def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker
     assert pids["long"] != pids["short"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="A worker that also serves async handlers counts its event loop's slots as room "
-    "for sync rows (ClaimLoop._slots): with its threads busy it claims a sync row into its "
-    "buffer, keeps the turn, and the row waits for its thread while another worker idles.",
-)
 def test_a_holder_whose_threads_are_busy_leaves_a_sync_item_to_an_idle_worker(
     start_worker,
 ) -> None:
@@ -122,6 +116,21 @@ def test_a_holder_whose_threads_are_busy_leaves_a_sync_item_to_an_idle_worker(
     wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
     short = Sleep.enqueue({"key": "short", "seconds": 0})
     wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
+
+
+def test_a_holder_whose_event_loop_is_full_leaves_an_async_item_to_an_idle_worker(
+    start_worker,
+) -> None:
+    """The same for the event loop's slots: free threads are no room for an async row."""
+    for _ in range(2):
+        start_worker("sleep", "async_sleep", "--async-concurrency", "1", env=SLOW_POLL)
+    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
+    AsyncSleep.enqueue({"key": "long", "seconds": 60})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    short = AsyncSleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
+    pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
+    assert pids["long"] != pids["short"]
 
 
 def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
