@@ -25,6 +25,12 @@ trust: a busy neighbour stretches the rates, not the CPU an item costs.
 items of its own; ``--also bench_keyed`` is a project where one handler
 declares a ``concurrency_limit``, which makes every claim of the worker keyed.
 
+``--hold-xmin``: another connection holds a snapshot open (REPEATABLE READ,
+``txid_current()``) from before the enqueue until the workers are done, as a
+long report or a forgotten ``psql`` session would: no row the run updates or
+deletes can be vacuumed meanwhile, and a claim that walks dead rows slows
+down as they pile up.
+
 bench/peer_harness/pgqueuer_bench.py reports the same two for pgqueuer.
 """
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import time
+from typing import Any
 
 from common import (
     children_cpu_seconds,
@@ -65,6 +72,11 @@ def main() -> None:
         default=[],
         help="another handler the workers serve (with no items), e.g. bench_keyed",
     )
+    parser.add_argument(
+        "--hold-xmin",
+        action="store_true",
+        help="hold a snapshot open in another connection for the whole run",
+    )
     args = parser.parse_args()
     url = start_postgres()
     try:
@@ -76,6 +88,7 @@ def main() -> None:
 
         if not args.keep_rows:
             reset_table()
+        holder = _hold_xmin(url) if args.hold_xmin else None
         before = WorkItem.objects.filter(status="succeeded").count()
         commits_before = commits()
         workers_cpu_before = children_cpu_seconds()
@@ -94,6 +107,8 @@ def main() -> None:
         ]
         codes = [p.wait() for p in procs]
         whole = time.perf_counter() - spawned
+        if holder is not None:
+            holder.close()  # before the backends' count: it is one of them
         workers_cpu = children_cpu_seconds() - workers_cpu_before
         # Once the workers' backends have exited, their counts are flushed
         # and their CPU time is the postmaster's (reaped children).
@@ -112,6 +127,7 @@ def main() -> None:
                 "processes": args.processes,
                 "concurrency": args.concurrency,
                 "also": args.also,
+                "hold_xmin": args.hold_xmin,
                 "succeeded": done,
                 "exit_codes": codes,
                 "whole_seconds": whole,
@@ -131,6 +147,16 @@ def main() -> None:
             raise SystemExit("not every item succeeded")
     finally:
         stop_postgres()
+
+
+def _hold_xmin(url: str) -> Any:
+    """A connection whose open snapshot holds the xmin horizon back until it is closed."""
+    import psycopg
+
+    conn = psycopg.connect(url)
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    conn.execute("SELECT txid_current()")
+    return conn
 
 
 if __name__ == "__main__":
