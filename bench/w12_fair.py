@@ -13,9 +13,12 @@ threads:
    count with the time they had waited (a lower bound, said in ``*_unstarted``).
 2. **Weights.** Tenants C (weight 3) and D (weight 1) flood together for ``--seconds``
    s: the ratio of their starts (rows' ``claimed_at``) in each 10 s window (target 3).
-3. **Throughput.** ``--items`` no-op items over ``--keys`` fair keys drained with
-   ``--burst``, against the same items without keys (W1): the fair claim's share
-   (target >= 0.9), by *active* rate (first claim to last finish).
+3. **Throughput.** ``--items`` no-op items (``--item-ms``: items of that many ms)
+   over ``--keys`` fair keys drained with ``--burst``, against the same items without
+   keys (W1): the fair claim's share (target >= 0.9), by *active* rate (first claim to
+   last finish).
+
+``--only throughput`` runs the third alone (``--only`` is repeatable).
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ def weights_leg(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def throughput_leg(args: argparse.Namespace, fair: bool) -> float:
-    """Active rate (items/s) of a ``--burst`` drain of ``--items`` no-op items."""
+    """Active rate (items/s) of a ``--burst`` drain of ``--items`` items."""
     from django.db.models import Max, Min
 
     from bench.benchapp.workers import BenchNoop
@@ -156,8 +159,9 @@ def throughput_leg(args: argparse.Namespace, fair: bool) -> float:
     reset_table()
     FairKey.objects.all().delete()
     per_key = args.items // args.keys
+    payload = {"ms": args.item_ms} if args.item_ms else None
     for n in range(args.keys):
-        BenchNoop.enqueue_many([None] * per_key, fair_key=f"t{n}" if fair else None)
+        BenchNoop.enqueue_many([payload] * per_key, fair_key=f"t{n}" if fair else None)
     settle_table()
     for proc in start_workers(args.processes, args.concurrency, "--burst"):
         proc.wait()
@@ -172,6 +176,10 @@ def main() -> None:
     parser.add_argument("--job-ms", type=float, default=10.0, help="each flood item's length")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--items", type=int, default=20_000)
+    parser.add_argument("--item-ms", type=float, default=0.0, help="throughput items' length")
+    parser.add_argument(
+        "--only", action="append", choices=["latency", "weights", "throughput"], default=[]
+    )
     parser.add_argument("--keys", type=int, default=10)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -186,15 +194,22 @@ def main() -> None:
             "processes": args.processes,
             "concurrency": args.concurrency,
         }
-        result.update(latency_leg(args, fair=True))
-        result.update(latency_leg(args, fair=False))
-        result.update(weights_leg(args))
+        legs = set(args.only or ["latency", "weights", "throughput"])
+        if "latency" in legs:
+            result.update(latency_leg(args, fair=True))
+            result.update(latency_leg(args, fair=False))
+        if "weights" in legs:
+            result.update(weights_leg(args))
+        if "throughput" not in legs:
+            report("w12_fair", result)
+            return
         fair_rate = throughput_leg(args, fair=True)
         plain_rate = throughput_leg(args, fair=False)
         result.update(
             {
                 "items": args.items,
                 "keys": args.keys,
+                "item_ms": args.item_ms,
                 "fair_items_per_second_active": fair_rate,
                 "plain_items_per_second_active": plain_rate,
                 "fair_share_active": fair_rate / plain_rate,
