@@ -199,7 +199,15 @@ class ClaimLoop:
         self._drained = heard if result.drained else None
         if not self._urgent_claim:
             self._saturated = not result.dry or self._full_kind is not None
-        self.rests = result.dry and result.keyed and not result.rated and not self._urgent_claim
+        # Not after a claim that left a kind out: its rows wait for room, not for a key, and
+        # no wake-up announces them again (room that frees up wakes the loop, ``maybe_wake``).
+        self.rests = (
+            result.dry
+            and result.keyed
+            and not result.rated
+            and not self._urgent_claim
+            and self._full_kind is None
+        )
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
             if self._urgent_claim:

@@ -133,6 +133,20 @@ def test_a_holder_whose_event_loop_is_full_leaves_an_async_item_to_an_idle_worke
     assert pids["long"] != pids["short"]
 
 
+def test_a_worker_that_left_out_its_full_kind_claims_it_once_room_frees_up(
+    start_worker,
+) -> None:
+    """A claim that left async rows out (the loop full) and found nothing of the keyed sync
+    handler is no keyed rest: the async row left out starts once the slot frees, not a poll
+    interval later (no wake-up announces it again)."""
+    start_worker("keyed", "async_sleep", "--async-concurrency", "1", env=SLOW_POLL)
+    wait_until(lambda: wake_turns() == (1, 0), timeout=60, what="the turn held")
+    AsyncSleep.enqueue({"key": "long", "seconds": 1})
+    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
+    short = AsyncSleep.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=15, what="the row left out to start")
+
+
 def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
     workers = [start_worker("sleep", "--concurrency", "2", env=SLOW_POLL) for _ in range(2)]
     wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
