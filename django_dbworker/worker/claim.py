@@ -120,15 +120,16 @@ class ClaimRoute:
         process holds fewer than ``KEYED_IN_FLIGHT`` per thread of them (``limited_in_
         flight``: keyed rows of limited handlers, buffered, running or being written; their
         unkeyed rows hold no slot), or for the ``free`` threads. ``skip_async`` leaves out
-        the async handlers (True) or the sync ones (False): the worker has no room for them."""
+        the async handlers (True) or the sync ones (False): the worker has no room for them,
+        or claims for them apart (``drained`` then speaks of the kind claimed for)."""
         handlers = self.handlers()
         rates = self.rates(handlers)
-        names = [
+        served = [
             name
             for name, handler in handlers.items()
-            if not (name in rates and self._held(name))
-            and (skip_async is None or runs_async(type(handler)) is not skip_async)
+            if skip_async is None or runs_async(type(handler)) is not skip_async
         ]
+        names = [name for name in served if not (name in rates and self._held(name))]
         limits = concurrency_limits(handlers, names)
         keyed_cap = None
         if limits:
@@ -158,7 +159,7 @@ class ClaimRoute:
             keyed=bool(limits) and len(limits) == len(names),
             rated=bool(rates),
             drained=(
-                len(names) == len(handlers)
+                len(names) == len(served)
                 and len(items) < limit
                 and not items.throttled
                 and (keyed_cap is None or keyed < keyed_cap)

@@ -22,7 +22,7 @@ from django_dbworker.handlers import WorkItemHandler, runs_async
 from django_dbworker.metrics import WORK_ITEM_LOOP, WorkerMetrics
 from django_dbworker.models import WorkItem
 from django_dbworker.worker.attempts import Attempt, Ledger
-from django_dbworker.worker.claim import KEYED_REFILL, ClaimRoute
+from django_dbworker.worker.claim import KEYED_REFILL, Claim, ClaimRoute
 from django_dbworker.worker.clock import Clock
 from django_dbworker.worker.config import (
     MAX_CLAIM,
@@ -114,6 +114,10 @@ class ClaimLoop:
         #: The kind of handler the claim being made leaves out for want of room
         #: (``_kind_without_room``).
         self._full_kind: bool | None = None
+        #: Rows each kind has room for, when the worker serves both (``_kind_without_room``;
+        #: None: one kind, or an urgent claim).
+        self._sync_room: int | None = None
+        self._async_room = 0
         #: Wake-ups announced so far (the listener's thread adds), and their count when
         #: the last claim began if it found all that was ready (``Claim.drained``); a
         #: buffer running low claims again only once they differ.
@@ -179,13 +183,7 @@ class ClaimLoop:
 
         try:
             with self._claim_or_give_back:
-                result = self.route.claim(
-                    limit,
-                    free=self._free_threads(),
-                    limited_in_flight=self.ledger.keyed_of(self.route.limited()),
-                    dispatch=dispatch,
-                    skip_async=self._full_kind,
-                )
+                result = self._claim(limit, dispatch, taken)
         except Exception:
             if self._urgent_claim:
                 with self._urgent_lock:
@@ -196,7 +194,8 @@ class ClaimLoop:
         self.prefetch.observe_claim(took)
         self.recovery.observe_write(took)
         self._ran_dry = result.dry
-        self._drained = heard if result.drained else None
+        # Rows of a kind left out may be ready: room for them, not a wake-up, says when.
+        self._drained = heard if result.drained and self._full_kind is None else None
         if not self._urgent_claim:
             self._saturated = not result.dry or self._full_kind is not None
         # Not after a claim that left a kind out: its rows wait for room, not for a key, and
@@ -224,6 +223,38 @@ class ClaimLoop:
                 # (and, held here, every other worker) from taking.
                 self._give_back_outranked(top, than=lowest)
         return result.taken
+
+    def _claim(
+        self, limit: int, dispatch: Callable[[Sequence[WorkItem]], None], taken: list[WorkItem]
+    ) -> Claim:
+        """The claim of up to ``limit`` rows: one statement, or, when the sync rows could take
+        more than the threads' room (``_sync_room``), one per kind, each within its room
+        (the event loop's free slots are no room for sync rows, nor threads for async ones)."""
+
+        def claim(rows: int, skip_async: bool | None) -> Claim:
+            return self.route.claim(
+                rows,
+                free=self._free_threads(),
+                limited_in_flight=self.ledger.keyed_of(self.route.limited()),
+                dispatch=dispatch,
+                skip_async=skip_async,
+            )
+
+        sync_room = self._sync_room
+        if self._full_kind is not None or sync_room is None or sync_room >= limit:
+            return claim(limit, self._full_kind)
+        sync = claim(sync_room, True)
+        rows = min(limit - len(taken), self._async_room)
+        if rows <= 0:
+            return sync
+        both = (sync, claim(rows, False))
+        return Claim(
+            taken=sum(part.taken for part in both),
+            dry=all(part.dry for part in both),
+            keyed=all(part.keyed for part in both),
+            rated=any(part.rated for part in both),
+            drained=all(part.drained for part in both),
+        )
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -327,6 +358,7 @@ class ClaimLoop:
         urgent = self._take_urgent()
         self._urgent_claim = bool(urgent)
         self._full_kind = None
+        self._sync_room = None
         if urgent:
             # One row per such wake-up, and only those: a small claim is a
             # quick one (a refill of hundreds takes several milliseconds),
@@ -338,8 +370,11 @@ class ClaimLoop:
         # given back meanwhile would otherwise hold the next claim back.
         room = self._room(target)
         self._full_kind = self._kind_without_room(target)
-        if room <= 0 or self._full_kind is not None:
-            self._saturated = True  # woken with no room: let an idle worker take the rows
+        if (room <= 0 or self._full_kind is not None) and not self._waits_for_wakeups():
+            # Woken with no room: let an idle worker take the rows. Not when no rows were
+            # announced since a claim that found all that was ready (a job's end woke it):
+            # no claim might follow to say it has room again, and it kept passing the turn.
+            self._saturated = True
         if self.ledger.buffered() > self._refill_at:
             return 0
         return room
@@ -375,9 +410,11 @@ class ClaimLoop:
             return None
         waiting_async = self.ledger.buffered_of(lambda a: runs_async(type(a.handler)))
         waiting_sync = self.ledger.buffered() - waiting_async
-        if self.pool.running() + waiting_sync >= self.pool.size + target:
+        self._sync_room = self.pool.size + target - self.pool.running() - waiting_sync
+        self._async_room = loop.size + target - loop.running() - waiting_async
+        if self._sync_room <= 0:
             return False
-        if loop.running() + waiting_async >= loop.size + target:
+        if self._async_room <= 0:
             return True
         return None
 

@@ -58,6 +58,23 @@ def test_long_jobs_are_not_prefetched(background_worker: StartWorker) -> None:
     assert worker.claims >= 3, "a claim took more rows than there were threads"
 
 
+def test_long_jobs_are_not_prefetched_into_the_event_loops_slots(
+    background_worker: StartWorker,
+) -> None:
+    """The same beside an async handler: the event loop's free slots are no room for
+    sync rows (an idle worker claimed one for each, to wait for its two threads)."""
+    Pace.enqueue_many([{"key": str(n), "seconds": 0.4} for n in range(6)])
+    worker = background_worker(
+        ["pace", "async_sleep"], concurrency=2, async_concurrency=4, prefetch_horizon=0.2
+    )
+    wait_until(
+        lambda: WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 6,
+        timeout=30,
+        what="6 paced items",
+    )
+    assert worker.claims >= 3, "a claim took more sync rows than there were threads"
+
+
 def test_buffered_rows_go_back_when_jobs_turn_long(background_worker: StartWorker) -> None:
     """Fast jobs size the buffer; slow ones behind them are given back, not hoarded."""
     Noop.enqueue_many([None] * 300, priority=5)
