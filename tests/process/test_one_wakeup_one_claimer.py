@@ -93,42 +93,35 @@ def test_a_worker_killed_holding_a_wake_up_leaves_it_to_the_next(start_worker) -
     assert other.wait() == 0
 
 
-def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(start_worker) -> None:
-    for _ in range(2):
-        start_worker("sleep", "--concurrency", "1", env=SLOW_POLL)
-    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
-    Sleep.enqueue({"key": "long", "seconds": 60})
-    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
-    # Whoever runs it has no room; the other worker must hear of the next item.
-    short = Sleep.enqueue({"key": "short", "seconds": 0})
-    wait_until(lambda: succeeded(short.pk), timeout=20, what="the idle worker to claim")
-    pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
-    assert pids["long"] != pids["short"]
-
-
-def test_a_holder_whose_threads_are_busy_leaves_a_sync_item_to_an_idle_worker(
-    start_worker,
+@pytest.mark.parametrize(
+    ("args", "handler", "timeout"),
+    [
+        pytest.param(("sleep", "--concurrency", "1"), Sleep, 20, id="threads busy"),
+        # Free slots of the other kind are no room: counted together, the holder kept
+        # the turn and the item waited in its buffer while the other worker idled.
+        pytest.param(
+            ("sleep", "async_sleep", "--concurrency", "1"), Sleep, 5, id="threads busy, loop free"
+        ),
+        pytest.param(
+            ("sleep", "async_sleep", "--async-concurrency", "1"),
+            AsyncSleep,
+            5,
+            id="loop full, threads free",
+        ),
+    ],
+)
+def test_a_holder_without_room_passes_the_wake_up_to_an_idle_worker(
+    start_worker, args: tuple[str, ...], handler: type[Sleep] | type[AsyncSleep], timeout: float
 ) -> None:
     for _ in range(2):
-        start_worker("sleep", "async_sleep", "--concurrency", "1", env=SLOW_POLL)
+        start_worker(*args, env=SLOW_POLL)
     wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
-    Sleep.enqueue({"key": "long", "seconds": 60})
+    handler.enqueue({"key": "long", "seconds": 60})
     wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
-    short = Sleep.enqueue({"key": "short", "seconds": 0})
-    wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
-
-
-def test_a_holder_whose_event_loop_is_full_leaves_an_async_item_to_an_idle_worker(
-    start_worker,
-) -> None:
-    """The same for the event loop's slots: free threads are no room for an async row."""
-    for _ in range(2):
-        start_worker("sleep", "async_sleep", "--async-concurrency", "1", env=SLOW_POLL)
-    wait_until(lambda: wake_turns() == (1, 1), timeout=60, what="one turn held, one waiting")
-    AsyncSleep.enqueue({"key": "long", "seconds": 60})
-    wait_until(lambda: Execution.objects.filter(key="long").exists(), what="the long item")
-    short = AsyncSleep.enqueue({"key": "short", "seconds": 0})
-    wait_until(lambda: succeeded(short.pk), timeout=5, what="the idle worker to claim")
+    # Whoever runs it has no room for another of its kind; the other worker must hear of
+    # the next item.
+    short = handler.enqueue({"key": "short", "seconds": 0})
+    wait_until(lambda: succeeded(short.pk), timeout=timeout, what="the idle worker to claim")
     pids = dict(Execution.objects.filter(kind="start").values_list("key", "pid"))
     assert pids["long"] != pids["short"]
 
