@@ -272,7 +272,11 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
     The attempt the claim counted is handed back: a release is not a failure.
     A row whose cancellation was requested ends ``cancelled`` instead (in
     the same UPDATE): given back, it would run work an operator cancelled.
+    Rows back in pending wake idle workers as an enqueue does: the one that
+    holds the wake-up turn may have heard of them only by this worker, which
+    claimed them (a stopping worker's buffer, rows shed or given back).
     """
+    items = list(items)
     claims = {item.pk: item.claim_token for item in items}
     if not claims:
         return 0
@@ -305,4 +309,6 @@ def release(items: Iterable[WorkItem], using: str | None = None) -> int:
             )
         )
         completion.propagate_rows(list(claims), ops.using)  # those that ended cancelled
+        if released:
+            ops.notify(sorted({item.queue for item in items}), max(item.priority for item in items))
     return released

@@ -151,6 +151,8 @@ def test_a_stopping_holder_passes_the_wake_up_turn(start_worker) -> None:
     # Stopping, it waits for its running item (SHUTDOWN_TIMEOUT: 30 s) and claims
     # nothing more: the turn goes to the other worker, which claims the next item.
     holder.signal(signal.SIGTERM)
+    # Once it has heard the signal: an item enqueued before that is the holder's to run.
+    holder.wait_for_log("SIGTERM received")
     late = Sleep.enqueue({"key": "late", "seconds": 0})
     wait_until(lambda: succeeded(late.pk), timeout=20, what="the other worker to claim")
     assert holder.proc.poll() is None
