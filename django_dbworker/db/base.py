@@ -14,6 +14,7 @@ import from the worker, the admin or enqueuing: they call it.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -21,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q, QuerySet
 from django.db.models.base import ModelState
@@ -33,6 +34,7 @@ from django_dbworker.db.sql import (
     INSERTED_COLUMNS,
     Statement,
     Turn,
+    Turns,
     fair_filtered,
     numbered,
     numbered_params,
@@ -55,6 +57,8 @@ from django_dbworker.db.wakers import (
 )
 from django_dbworker.models import Status, WorkItem
 
+logger = logging.getLogger("django_dbworker.worker")
+
 __all__ = [
     "CAPABILITIES",
     "CLAIM_COLUMNS",
@@ -67,6 +71,7 @@ __all__ = [
     "Subscription",
     "TableEstimate",
     "Turn",
+    "Turns",
     "UnsupportedDatabase",
     "VendorOperations",
     "add_local_waker",
@@ -197,6 +202,48 @@ class VendorOperations(ABC):
         ``turn``: only the rows of one fair key and priority, a turn of the fair
         rotation (``flow/fair.py``); None: any.
         """
+
+    def claim_turns(
+        self,
+        *,
+        turns: Turns,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
+    ) -> Claimed[WorkItem]:
+        """``claim`` of each of ``turns``: up to its count of its key's rows (``keyed_cap``
+        is the whole claim's, across the turns).
+
+        Here a claim per turn; PostgreSQL takes every turn of a plain claim in one
+        statement. A turn that fails ends the claim: with rows of earlier turns taken, those
+        are returned (they are claimed: the caller must run them) and the error is logged.
+        """
+        rows: list[WorkItem] = []
+        throttled = 0
+        for turn, count in turns.each():
+            try:
+                taken = self.claim(
+                    limit=count,
+                    handlers=handlers,
+                    queues=queues,
+                    worker=worker,
+                    limits=limits,
+                    keyed_cap=keyed_cap,
+                    turn=turn,
+                )
+            except DatabaseError:
+                if not rows:
+                    raise
+                # The next claim meets the same database and says so; these rows run.
+                logger.warning("A fair claim stopped after %d rows.", len(rows), exc_info=True)
+                break
+            rows.extend(taken)
+            throttled += taken.throttled
+            if keyed_cap is not None:
+                keyed_cap = max(0, keyed_cap - sum(1 for i in taken if i.concurrency_key))
+        return Claimed(rows, throttled)
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction whose reads after a lock see what the lock's previous holder

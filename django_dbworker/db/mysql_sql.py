@@ -310,7 +310,7 @@ CLAIM_READ = Statement(
     """
 SELECT id, handler, queue, payload, priority, run_after, attempts,
        max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-       concurrency_key
+       concurrency_key, fair_key
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN ({ids})
   AND status = 'claimed'

@@ -28,7 +28,14 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Q, QuerySet
 from psycopg.pq import Format
 
-from django_dbworker.db.base import Claimed, Turn, VendorOperations, as_uuid, fair_filtered
+from django_dbworker.db.base import (
+    Claimed,
+    Turn,
+    Turns,
+    VendorOperations,
+    as_uuid,
+    fair_filtered,
+)
 from django_dbworker.db.expressions import JsonScalar
 from django_dbworker.db.keys import capped, current_limits
 from django_dbworker.db.postgresql_keyed_sql import (
@@ -59,6 +66,7 @@ from django_dbworker.db.postgresql_sql import (
     SUCCEED_MANY,
     TABLE_ESTIMATE,
     claim_statement,
+    fair_claim_statement,
     index_ordered,
 )
 from django_dbworker.db.postgresql_text import (
@@ -135,6 +143,33 @@ class PostgresOperations(VendorOperations):
         sql, params = claim_statement(limit=limit, handlers=handlers, queues=queues, worker=worker)
         if turn is not None:
             sql, params = fair_filtered(sql, turn), {**params, **turn.params()}
+        return self._claimed(sql, params)
+
+    def claim_turns(
+        self,
+        *,
+        turns: Turns,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        worker: str,
+        limits: Mapping[str, int] | None = None,
+        keyed_cap: int | None = None,
+    ) -> Claimed[WorkItem]:
+        if limits:  # the keyed claim: a statement per turn
+            return super().claim_turns(
+                turns=turns,
+                handlers=handlers,
+                queues=queues,
+                worker=worker,
+                limits=limits,
+                keyed_cap=keyed_cap,
+            )
+        return self._claimed(
+            *fair_claim_statement(turns=turns, handlers=handlers, queues=queues, worker=worker)
+        )
+
+    def _claimed(self, sql: str, params: dict[str, Any]) -> Claimed[WorkItem]:
+        """The rows the plain claim ``sql`` takes."""
         connection = self.connection
         if index_ordered(sql) and connection.get_autocommit() and not connection.in_atomic_block:
             # An implicit transaction of its own: CLAIM_PLAN's settings end with it.

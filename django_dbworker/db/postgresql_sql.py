@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from django_dbworker.db.sql import Statement
+from django_dbworker.db.sql import Statement, Turns
 
 # What a claim sets on each row it takes, and the columns it returns (``_rows_to_items``).
 CLAIM_SET = """SET status = 'claimed',
@@ -33,7 +33,7 @@ CLAIM_SET = """SET status = 'claimed',
 CLAIMED_COLUMNS = """RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, \
 w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key
+          w.has_dependents, w.concurrency_key, w.fair_key
 """
 
 
@@ -89,6 +89,75 @@ CLAIM_IN_QUEUES = Statement(
     "claim_in_queues",
     "Claim the next ready rows of some handlers in several queues.",
     _claim("\n      AND queue = ANY(%(queues)s::text[])"),
+)
+
+# The fair rotation's claim (``flow/fair.py``): every turn of one claim in one statement, at one
+# priority. The keyed turns are a LATERAL subquery per key (keys and counts travel as two arrays),
+# the rows without a key have a branch of their own (``IS NULL`` is another index condition); each
+# reads dbworker_fair_idx in its order from the key's first ready row, stopped by the turn's count.
+# A claim statement per turn, as before, cost most of a fair claim (W12's throughput leg).
+_FAIR_TURN = """
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[]){queues}
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND {key}
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT {limit}
+        FOR UPDATE SKIP LOCKED"""
+
+
+def _fair_claim(queue_filter: str) -> str:
+    # The key as a range: an equality would leave the claim index (in claim order as well
+    # at one key) to the planner, which then walks every other key's ready rows to the turn's.
+    keyed = _FAIR_TURN.format(
+        queues=queue_filter, key="fair_key >= f.key AND fair_key <= f.key", limit="f.n"
+    )
+    unkeyed = _FAIR_TURN.format(
+        queues=queue_filter, key="fair_key IS NULL", limit="%(fair_unkeyed)s"
+    )
+    return (
+        """
+WITH c AS MATERIALIZED (
+    SELECT t.id FROM unnest(%(fair_keys)s::text[], %(fair_counts)s::int[]) AS f(key, n)
+    CROSS JOIN LATERAL ("""
+        + keyed
+        + """
+    ) t
+    UNION ALL
+    SELECT n.id FROM ("""
+        + unkeyed
+        + """
+    ) n
+)
+UPDATE django_dbworker_workitem AS w
+"""
+        + CLAIM_SET
+        + """FROM c
+WHERE w.id = c.id
+"""
+        + CLAIMED_COLUMNS
+    )
+
+
+FAIR_CLAIM = Statement(
+    "fair_claim",
+    "Claim the turns of the fair rotation: each key's share of its next ready rows, any queue.",
+    _fair_claim(""),
+)
+
+FAIR_CLAIM_IN_QUEUE = Statement(
+    "fair_claim_in_queue",
+    "Claim the turns of the fair rotation in one queue.",
+    _fair_claim("\n          AND queue = %(queue)s"),
+)
+
+FAIR_CLAIM_IN_QUEUES = Statement(
+    "fair_claim_in_queues",
+    "Claim the turns of the fair rotation in several queues.",
+    _fair_claim("\n          AND queue = ANY(%(queues)s::text[])"),
 )
 
 # The claim's plan must not follow wrong statistics: after an ANALYZE that counted the pages but
@@ -377,9 +446,33 @@ def claim_statement(
     return CLAIM_IN_QUEUES.sql, {**params, "queues": list(queues)}
 
 
+def fair_claim_statement(
+    *, turns: Turns, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
+) -> tuple[str, dict[str, Any]]:
+    """The fair rotation's claim of ``turns`` for these filters, and its parameters."""
+    keyed = [(key, rows) for key, rows in turns.shares if key]
+    params: dict[str, Any] = {
+        "worker": worker,
+        "handlers": list(handlers),
+        "fair_priority": turns.priority,
+        "fair_keys": [key for key, _ in keyed],
+        "fair_counts": [rows for _, rows in keyed],
+        "fair_unkeyed": sum(rows for key, rows in turns.shares if not key),
+    }
+    if not queues:
+        return FAIR_CLAIM.sql, params
+    if len(queues) == 1:
+        return FAIR_CLAIM_IN_QUEUE.sql, {**params, "queue": queues[0]}
+    return FAIR_CLAIM_IN_QUEUES.sql, {**params, "queues": list(queues)}
+
+
 def index_ordered(sql: str) -> bool:
     """Whether ``sql`` is a claim whose rows come in claim order from an index (``CLAIM_PLAN``)."""
     return sql in _INDEX_ORDERED
 
 
-_INDEX_ORDERED = frozenset((CLAIM.sql, CLAIM_IN_QUEUE.sql))
+# The fair claims walk dbworker_fair_idx whatever their queues (a queue is a filter there).
+_INDEX_ORDERED = frozenset(
+    statement.sql
+    for statement in (CLAIM, CLAIM_IN_QUEUE, FAIR_CLAIM, FAIR_CLAIM_IN_QUEUE, FAIR_CLAIM_IN_QUEUES)
+)

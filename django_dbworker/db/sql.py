@@ -36,6 +36,8 @@ CLAIM_COLUMNS = (
     "has_dependents",
     # Its key's slot, which its ending frees (the claim loop claims again at once).
     "concurrency_key",
+    # Its fair key: a claim of several turns deals its rows out by key (``flow/fair.py``).
+    "fair_key",
 )
 
 #: Columns an enqueue statement returns for each inserted row, in this order.
@@ -98,6 +100,18 @@ class Turn(NamedTuple):
     def params(self) -> dict[str, Any]:
         """The parameters ``fair_filtered`` adds."""
         return {"fair_key": self.key, "fair_priority": self.priority}
+
+
+class Turns(NamedTuple):
+    """The turns of one claim of the fair rotation: at one priority, how many rows each
+    fair key takes (``""``: the rows without a key), in the order they were dealt."""
+
+    priority: int
+    shares: tuple[tuple[str, int], ...]
+
+    def each(self) -> list[tuple[Turn, int]]:
+        """Each key's turn, with its row count."""
+        return [(Turn(key, self.priority), rows) for key, rows in self.shares]
 
 
 def fair_filtered(sql: str, turn: Turn | None) -> str:

@@ -71,7 +71,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key
+          concurrency_key, fair_key
 """,
 )
 
@@ -100,7 +100,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key
+          concurrency_key, fair_key
 """,
 )
 
@@ -171,7 +171,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key
+          concurrency_key, fair_key
 """,
 )
 

@@ -32,14 +32,25 @@ import heapq
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from django.db import DatabaseError
-from django.db.models import Case, Exists, F, FloatField, OuterRef, Value, When
-from django.db.models.functions import Coalesce, Greatest
+from django.db import DatabaseError, connections
+from django.db.models import (
+    BigIntegerField,
+    Case,
+    F,
+    FloatField,
+    OuterRef,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
+from django.db.models.functions import Greatest
 
 from django_dbworker import validation
 from django_dbworker.db import operations
-from django_dbworker.db.sql import Turn
+from django_dbworker.db.sql import Turns
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
 from django_dbworker.models import WorkItem
@@ -50,8 +61,11 @@ logger = logging.getLogger("django_dbworker.worker")
 #: The ``FairKey`` row of the rows without a fair key, which take turns as one key.
 NO_KEY = ""
 
-#: Claims up to ``rows`` of one turn (None: any rows, in the usual order).
-ClaimTurn = Callable[[int, Turn | None], Claimed[WorkItem]]
+#: Claims up to ``rows`` rows: ``turns``' (None: any rows, in the usual order).
+Take = Callable[[int, Turns | None], Claimed[WorkItem]]
+
+#: dbworker_fair_idx's order: a fair read or claim walks it from a key's first ready row.
+FAIR_ORDER = ("fair_key", "-priority", "run_after", "id")
 
 
 def set_fair_weight(key: str | None, weight: float, *, using: str | None = None) -> None:
@@ -100,9 +114,11 @@ class FairRotation:
         self._clock_value = 0.0
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
+        #: The reads' SQL and parameters, by what they depend on (``_read``).
+        self._compiled: dict[tuple[object, ...], tuple[str, tuple[Any, ...]]] = {}
 
     def claim(
-        self, limit: int, *, handlers: Sequence[str], queues: Sequence[str] | None, take: ClaimTurn
+        self, limit: int, *, handlers: Sequence[str], queues: Sequence[str] | None, take: Take
     ) -> Claimed[WorkItem]:
         """Up to ``limit`` rows: the fair keys' turns, priority by priority, then (no key's
         turn left, or turns that took nothing) the usual order for the rest."""
@@ -110,30 +126,27 @@ class FairRotation:
         throttled = 0
         try:
             while (wanted := limit - len(rows) - throttled) > 0:
-                top, shares = (
-                    self._shares(wanted, handlers, queues) if self._in_use() else (None, [])
+                turns, dealt = (
+                    self._turns(wanted, handlers, queues) if self._in_use() else (None, [])
                 )
-                taken: dict[str, Claimed[WorkItem]] = {}
-                try:
-                    if top is not None:
-                        shares = shares or [NO_KEY] * wanted  # no key's rows at this priority
-                        for key, count in Counter(shares).items():
-                            taken[key] = take(count, Turn(key, top))
-                finally:  # rows taken are dispatched, whatever fails after them
-                    # Dealt in turn order, so that the buffer starts them in turn order too.
-                    queued = {key: iter(part) for key, part in taken.items()}
-                    rows.extend(
-                        row for key in shares if key in queued and (row := next(queued[key], None))
-                    )
-                    throttled += sum(part.throttled for part in taken.values())
-                if not any(taken.values()):
+                taken = take(wanted, turns) if turns is not None else Claimed[WorkItem]()
+                throttled += taken.throttled
+                if not taken:
                     # No turn, or turns that took nothing (rows of keys without a FairKey
                     # row, rows other workers hold): the usual order.
                     rest = take(wanted, None)
                     rows.extend(rest)
                     throttled += rest.throttled
                     break
-                self._advance({key: len(part) for key, part in taken.items() if part})
+                by_key: dict[str, list[WorkItem]] = {}
+                for item in taken:
+                    by_key.setdefault(item.fair_key or NO_KEY, []).append(item)
+                # Dealt in turn order, so that the buffer starts them in turn order too.
+                queued = {key: iter(part) for key, part in by_key.items()}
+                rows.extend(
+                    row for key in dealt if key in queued and (row := next(queued[key], None))
+                )
+                self._advance({key: len(part) for key, part in by_key.items()})
         except DatabaseError:
             if not rows:
                 raise
@@ -144,69 +157,101 @@ class FairRotation:
     def _in_use(self) -> bool:
         return self._clock() >= self._none_until
 
-    def _shares(
+    def _turns(
         self, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
-    ) -> tuple[int | None, list[str]]:
-        """The top priority with ready rows, and the keys of this claim's rows there, in
-        turn order (a key once per row; none: no fair key waits at that priority)."""
-        keys = FairKey.objects.using(self.using)
-        # With the clock, whether any fair key has a ready row (by ``dbworker_fair_idx``):
-        # the rows of keys long finished stay, and without ready rows of theirs a claim
-        # costs this one read more than the usual order, not the rotation's probes.
-        keyed = WorkItem.objects.using(self.using).ready().filter(fair_key__isnull=False)
-        found = (
-            keys.annotate(keyed=Exists(keyed))
-            .order_by("-started")
-            .values_list("started", "keyed")
-            .first()
-        )
-        if found is None:  # no FairKey row: not again for a poll interval
+    ) -> tuple[Turns | None, list[str]]:
+        """This claim's turns at the top priority with ready rows, and the key of each of its
+        rows in turn order (None: no fair key waits at that priority: the usual order)."""
+        found = self._read(("clock",), self._clock_query)
+        if not found:  # no FairKey row: not again for a poll interval
             self._none_until = self._clock() + self._every
             return None, []
-        if not found[1]:
+        if found[0]["keyed"] is None:
             return None, []
-        self._clock_value = float(found[0])
+        if not self._no_key_row:  # the rows without a key take turns as this row
+            FairKey.objects.using(self.using).bulk_create(
+                [FairKey(key=NO_KEY)], ignore_conflicts=True
+            )
+            self._no_key_row = True
+        self._clock_value = clock = float(found[0]["started"])
+        active = self._read(
+            ("keys", tuple(handlers), tuple(queues or ()), limit),
+            lambda: self._keys_query(handlers, queues, limit),
+        )
+        if all(row["key"] == NO_KEY for row in active):
+            return None, []  # no key's turn at this priority: the usual order
+        # A key behind the rotation's clock (back from idling) starts from it.
+        entries = [(max(row["served"], clock), row["key"], row["weight"]) for row in active]
+        heapq.heapify(entries)
+        dealt: list[str] = []
+        for _ in range(limit):
+            due, key, weight = heapq.heappop(entries)
+            dealt.append(key)
+            heapq.heappush(entries, (due + 1.0 / weight, key, weight))
+        return Turns(active[0]["top"], tuple(Counter(dealt).items())), dealt
+
+    def _read(
+        self, name: tuple[object, ...], build: Callable[[], QuerySet[Any]]
+    ) -> list[dict[str, Any]]:
+        """The rows of the query ``build`` makes, by column name. Its SQL depends on ``name``
+        alone (the worker's handlers and queues, the claim's size), so it is compiled once:
+        compiling these reads took longer than running them, on each claim."""
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            if len(self._compiled) > 64:  # claims of many sizes
+                self._compiled.clear()
+            query = build().query
+            compiled = self._compiled[name] = query.get_compiler(using=self.using).as_sql()
+        with connections[self.using].cursor() as cursor:
+            cursor.execute(*compiled)
+            names = [column[0] for column in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def _clock_query(self) -> QuerySet[Any]:
+        """The rotation's clock (the highest pass at which a turn began), and whether any
+        fair key has a ready row: the rows of keys long finished stay, and without ready
+        rows of theirs a claim costs this one read more than the usual order. In
+        dbworker_fair_idx's order: a plan that scans the table for it (the statistics of a
+        fresh flood) reads every claimed row."""
+        keyed = WorkItem.objects.using(self.using).ready().filter(fair_key__isnull=False)
+        head = keyed.order_by(*FAIR_ORDER).values("pk")[:1]
+        keys = FairKey.objects.using(self.using)
+        return (
+            keys.annotate(keyed=Subquery(head)).order_by("-started").values("started", "keyed")[:1]
+        )
+
+    def _keys_query(
+        self, handlers: Sequence[str], queues: Sequence[str] | None, limit: int
+    ) -> QuerySet[Any]:
+        """The keys with a ready row at the top priority (also in each row), by pass: each
+        by one probe of dbworker_fair_idx. The key as a range, not an equality: that would
+        make the order by key no order at all, and the claim index (in claim order too, at
+        one key) would walk the other keys' ready rows. By pass, not by the pass from the
+        clock: keys behind the clock are all first either way."""
         ready = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             ready = ready.filter(queue__in=list(queues))
         paused = QueueState.objects.using(self.using).filter(paused=True).values("name")
         ready = ready.exclude(queue__in=paused)
-        top = ready.in_order().values_list("priority", flat=True).first()
-        if top is None:
-            return None, []
-        ready = ready.filter(priority=top)
-        clock = Value(self._clock_value, output_field=FloatField())
-        active = (
-            keys.exclude(key=NO_KEY)
-            .filter(Exists(ready.filter(fair_key=OuterRef("key"))))
-            .annotate(due=Greatest(F("served"), clock))
-            .order_by("due", "key")
-            .values_list("key", "due", "weight")[:limit]
+        top = Subquery(ready.in_order().values("priority")[:1])
+        at_top = ready.filter(priority=top).order_by(*FAIR_ORDER).values("pk")
+        own = at_top.filter(fair_key__gte=OuterRef("key"), fair_key__lte=OuterRef("key"))
+        head = Case(
+            When(key=NO_KEY, then=Subquery(at_top.filter(fair_key__isnull=True)[:1])),
+            default=Subquery(own[:1]),
+            output_field=BigIntegerField(),
         )
-        entries: list[tuple[float, str, float]] = [(due, key, w) for key, due, w in active]
-        if not entries:
-            return top, []  # no key's turn at this priority: the usual order
-        if ready.filter(fair_key__isnull=True).exists():
-            own = keys.filter(key=NO_KEY).annotate(
-                due=Greatest(Coalesce(F("served"), Value(0.0)), clock)
-            )
-            due, weight = own.values_list("due", "weight").first() or (self._clock_value, 1.0)
-            entries.append((due, NO_KEY, weight))
-        heapq.heapify(entries)
-        shares: list[str] = []
-        for _ in range(limit):
-            due, key, weight = heapq.heappop(entries)
-            shares.append(key)
-            heapq.heappush(entries, (due + 1.0 / weight, key, weight))
-        return top, shares
+        keys = FairKey.objects.using(self.using).alias(head=head).filter(head__isnull=False)
+        return (
+            keys.annotate(top=top)
+            .order_by("served", "key")
+            .values("key", "served", "weight", "top")[:limit]
+        )
 
     def _advance(self, took: dict[str, int]) -> None:
         """Each key's pass forward by 1/weight for each row its turn took, from the
         rotation's clock if it was behind it (a key back from idling)."""
         keys = FairKey.objects.using(self.using)
-        if NO_KEY in took and not self._no_key_row:
-            keys.bulk_create([FairKey(key=NO_KEY)], ignore_conflicts=True)
-            self._no_key_row = True
         start = Greatest(F("served"), Value(self._clock_value, output_field=FloatField()))
         # One UPDATE for every key of the claim: each row by its own count.
         rows = Case(

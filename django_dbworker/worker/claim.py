@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from django_dbworker import validation
 from django_dbworker.db import VendorOperations
-from django_dbworker.db.sql import Turn
+from django_dbworker.db.sql import Turns
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.fair import FairRotation
 from django_dbworker.flow.models import QueueState
@@ -169,20 +169,31 @@ class ClaimRoute:
     def _claim(
         self, handlers: list[str], limit: int, limits: dict[str, int], keyed_cap: int | None
     ) -> Claimed[WorkItem]:
-        cap = [keyed_cap]
+        cap = keyed_cap  # the whole claim's, across the fair rotation's takes
 
-        def take(rows: int, turn: Turn | None) -> Claimed[WorkItem]:
-            taken = self.ops.claim(
-                limit=rows,
-                handlers=handlers,
-                queues=self.config.queues,
-                worker=worker_id(),
-                limits=limits or None,
-                keyed_cap=cap[0],
-                turn=turn,
-            )
-            if cap[0] is not None:  # the keyed cap is the whole claim's, across the turns
-                cap[0] = max(0, cap[0] - sum(1 for i in taken if i.concurrency_key is not None))
+        def take(rows: int, turns: Turns | None) -> Claimed[WorkItem]:
+            nonlocal cap
+            queues, worker = self.config.queues, worker_id()
+            if turns is None:
+                taken = self.ops.claim(
+                    limit=rows,
+                    handlers=handlers,
+                    queues=queues,
+                    worker=worker,
+                    limits=limits or None,
+                    keyed_cap=cap,
+                )
+            else:
+                taken = self.ops.claim_turns(
+                    turns=turns,
+                    handlers=handlers,
+                    queues=queues,
+                    worker=worker,
+                    limits=limits or None,
+                    keyed_cap=cap,
+                )
+            if cap is not None:
+                cap = max(0, cap - sum(1 for item in taken if item.concurrency_key is not None))
             return taken
 
         items = self._fair.claim(limit, handlers=handlers, queues=self.config.queues, take=take)

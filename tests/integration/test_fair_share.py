@@ -143,12 +143,24 @@ def test_a_turn_claims_only_its_keys_rows_of_its_priority(
     assert len(unkeyed) == 2
 
 
+def plain_take(ops: Any) -> Any:
+    """The claim route's ``take`` for the plain claim of the handler ``noop``."""
+
+    def take(rows: int, turns: Any) -> Any:
+        if turns is None:
+            return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w")
+        return ops.claim_turns(turns=turns, handlers=["noop"], queues=None, worker="w")
+
+    return take
+
+
 def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     """A database error after some turns claimed rows: those rows are returned (to run),
     not left claimed by no one until stale recovery; with none taken, the error is raised."""
     from django.db import OperationalError
 
     from django_dbworker.db import operations
+    from django_dbworker.db.sql import Turns
     from django_dbworker.flow.fair import FairRotation
 
     Noop.enqueue_many([None] * 3, fair_key="a")
@@ -156,11 +168,13 @@ def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     ops = operations("default")
     calls = []
 
-    def take(rows: int, turn: Any) -> Any:
-        calls.append(turn)
+    def take(rows: int, turns: Turns | None) -> Any:
+        calls.append(turns)
         if len(calls) > 1:
             raise OperationalError("server closed the connection")
-        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+        assert turns is not None
+        first = Turns(turns.priority, turns.shares[:1])  # the other key's rows were gone
+        return ops.claim_turns(turns=first, handlers=["noop"], queues=None, worker="w")
 
     rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
     got = rotation.claim(4, handlers=["noop"], queues=None, take=take)
@@ -170,6 +184,43 @@ def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     calls.append(None)  # every take fails now
     with pytest.raises(OperationalError):
         rotation.claim(4, handlers=["noop"], queues=None, take=take)
+
+
+def test_a_claim_of_turns_that_fails_midway_hands_over_the_rows_it_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same one level down, where turns are claimed one statement each (a keyed claim;
+    every plain claim but PostgreSQL's): the turns before the failing one are returned."""
+    from django.db import OperationalError
+
+    from django_dbworker.db import operations
+    from django_dbworker.db.sql import Turns
+
+    Noop.enqueue_many([None] * 3, fair_key="a")
+    Noop.enqueue_many([None] * 3, fair_key="b")
+    ops = operations("default")
+    claim = ops.claim
+    calls = []
+
+    def failing(**kwargs: Any) -> Any:
+        calls.append(kwargs["turn"])
+        if len(calls) > 1:
+            raise OperationalError("server closed the connection")
+        return claim(**kwargs)
+
+    monkeypatch.setattr(ops, "claim", failing)
+    turns = Turns(0, (("a", 2), ("b", 2)))
+    got = ops.claim_turns(
+        turns=turns, handlers=["noop"], queues=None, worker="w", limits={"noop": 5}
+    )
+    assert [i.fair_key for i in got] == ["a", "a"]
+    assert {i.pk for i in got} == set(
+        WorkItem.objects.filter(status="claimed").values_list("pk", flat=True)
+    )
+    calls.clear()
+    calls.append(None)  # every claim fails now
+    with pytest.raises(OperationalError):
+        ops.claim_turns(turns=turns, handlers=["noop"], queues=None, worker="w", limits={"noop": 5})
 
 
 def test_claims_after_a_stray_fair_key_finished_cost_one_read_more_than_plain() -> None:
@@ -184,8 +235,7 @@ def test_claims_after_a_stray_fair_key_finished_cost_one_read_more_than_plain() 
 
     ops = operations("default")
 
-    def take(rows: int, turn: Any) -> Any:
-        return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+    take = plain_take(ops)
 
     Noop.enqueue_many([None] * 2)
     with CaptureQueriesContext(connection) as plain:
@@ -232,8 +282,7 @@ def test_the_passes_count_every_claim_at_a_repeatable_read_default() -> None:
                 cursor.execute("SET default_transaction_isolation = 'repeatable read'")
             ops = operations("default")
 
-            def take(rows: int, turn: Any) -> Any:
-                return ops.claim(limit=rows, handlers=["noop"], queues=None, worker="w", turn=turn)
+            take = plain_take(ops)
 
             rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
             out["rows"] = len(rotation.claim(1, handlers=["noop"], queues=None, take=take))

@@ -178,7 +178,7 @@ ORDER BY id;
 -- Read back the rows this transaction just claimed.
 SELECT id, handler, queue, payload, priority, run_after, attempts,
        max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-       concurrency_key
+       concurrency_key, fair_key
 FROM django_dbworker_workitem FORCE INDEX (PRIMARY)
 WHERE id IN (%(id_0)s, %(id_1)s)
   AND status = 'claimed';

@@ -27,7 +27,7 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key, w.fair_key;
 
 -- name: claim_in_queue
 -- Claim the next ready rows of some handlers in one queue.
@@ -54,7 +54,7 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key, w.fair_key;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in several queues.
@@ -81,7 +81,143 @@ FROM c
 WHERE w.id = c.id
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key, w.fair_key;
+
+-- name: fair_claim
+-- Claim the turns of the fair rotation: each key's share of its next ready rows, any queue.
+WITH c AS MATERIALIZED (
+    SELECT t.id FROM unnest(%(fair_keys)s::text[], %(fair_counts)s::int[]) AS f(key, n)
+    CROSS JOIN LATERAL (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key = f.key
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT f.n
+        FOR UPDATE SKIP LOCKED
+    ) t
+    UNION ALL
+    SELECT n.id FROM (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key IS NULL
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT %(fair_unkeyed)s
+        FOR UPDATE SKIP LOCKED
+    ) n
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents, w.concurrency_key, w.fair_key;
+
+-- name: fair_claim_in_queue
+-- Claim the turns of the fair rotation in one queue.
+WITH c AS MATERIALIZED (
+    SELECT t.id FROM unnest(%(fair_keys)s::text[], %(fair_counts)s::int[]) AS f(key, n)
+    CROSS JOIN LATERAL (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue = %(queue)s
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key = f.key
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT f.n
+        FOR UPDATE SKIP LOCKED
+    ) t
+    UNION ALL
+    SELECT n.id FROM (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue = %(queue)s
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key IS NULL
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT %(fair_unkeyed)s
+        FOR UPDATE SKIP LOCKED
+    ) n
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents, w.concurrency_key, w.fair_key;
+
+-- name: fair_claim_in_queues
+-- Claim the turns of the fair rotation in several queues.
+WITH c AS MATERIALIZED (
+    SELECT t.id FROM unnest(%(fair_keys)s::text[], %(fair_counts)s::int[]) AS f(key, n)
+    CROSS JOIN LATERAL (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue = ANY(%(queues)s::text[])
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key = f.key
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT f.n
+        FOR UPDATE SKIP LOCKED
+    ) t
+    UNION ALL
+    SELECT n.id FROM (
+        SELECT id FROM django_dbworker_workitem
+        WHERE status = 'pending'
+          AND run_after <= statement_timestamp()
+          AND handler = ANY(%(handlers)s::text[])
+          AND queue = ANY(%(queues)s::text[])
+          AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
+          AND fair_key IS NULL
+          AND priority = %(fair_priority)s
+        ORDER BY fair_key, priority DESC, run_after, id
+        LIMIT %(fair_unkeyed)s
+        FOR UPDATE SKIP LOCKED
+    ) n
+)
+UPDATE django_dbworker_workitem AS w
+SET status = 'claimed',
+    attempts = w.attempts + 1,
+    claimed_at = statement_timestamp(),
+    heartbeat_at = statement_timestamp(),
+    updated_at = statement_timestamp(),
+    claimed_by = %(worker)s,
+    claim_token = gen_random_uuid()
+FROM c
+WHERE w.id = c.id
+RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
+          w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
+          w.has_dependents, w.concurrency_key, w.fair_key;
 
 -- name: claim_plan
 -- Plan the claim that follows in its index's order, never a sort (its transaction only).
@@ -517,7 +653,7 @@ WHERE w.id = ANY(%(ids)s::bigint[])
   AND w.status = 'pending'
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
-          w.has_dependents, w.concurrency_key;
+          w.has_dependents, w.concurrency_key, w.fair_key;
 
 -- name: heads_plan
 -- Plan the key-driven candidates on ordered index scans; compile nothing (its transaction).

@@ -25,7 +25,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key;
+          concurrency_key, fair_key;
 
 -- name: claim_in_queues
 -- Claim the next ready rows of some handlers in some queues.
@@ -50,7 +50,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key;
+          concurrency_key, fair_key;
 
 -- name: claim_keyed
 -- Claim the next ready rows of some handlers (any queue, or some) within their keys' limits.
@@ -119,7 +119,7 @@ WHERE id IN (
 AND status = 'pending'
 RETURNING id, handler, queue, payload, priority, run_after, attempts,
           max_attempts, claimed_by, claim_token, trace_context, batch_id, has_dependents,
-          concurrency_key;
+          concurrency_key, fair_key;
 
 -- name: succeed_many
 -- Record the successes of several attempts, each fenced by its own id, token and status.
