@@ -76,6 +76,17 @@ class Claim:
     #: reason to claim again.
     drained: bool = False
 
+    def and_then(self, other: Claim) -> Claim:
+        """This claim and ``other`` (made right after, for the other kind of handler) as
+        one round."""
+        return Claim(
+            taken=self.taken + other.taken,
+            dry=self.dry and other.dry,
+            keyed=self.keyed and other.keyed,
+            rated=self.rated or other.rated,
+            drained=self.drained and other.drained,
+        )
+
 
 class ClaimRoute:
     """Claims for one worker's WorkItem handlers, by the rules they declare."""

@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from django_dbworker.db import VendorOperations
 from django_dbworker.db.errors import is_transient
@@ -44,6 +45,25 @@ logger = logging.getLogger("django_dbworker.worker")
 
 #: Seconds between two looks at whether the buffer should shed rows.
 SHED_CHECK_EVERY = 0.25
+
+
+@dataclass(frozen=True)
+class Rooms:
+    """The rows each kind of handler has room for in a worker that serves both: threads
+    for the sync ones, the event loop's slots for the async ones (with each one's share of
+    the buffer)."""
+
+    sync: int
+    async_: int
+
+    @property
+    def full_kind(self) -> bool | None:
+        """The kind without room: True (async), False (sync); None: room for both."""
+        if self.sync <= 0:
+            return False
+        if self.async_ <= 0:
+            return True
+        return None
 
 
 class ClaimLoop:
@@ -111,13 +131,9 @@ class ClaimLoop:
         #: The last claim (not an urgent one) came back full, or the loop was woken with
         #: no room (``saturated``).
         self._saturated = False
-        #: The kind of handler the claim being made leaves out for want of room
-        #: (``_kind_without_room``).
-        self._full_kind: bool | None = None
-        #: Rows each kind has room for, when the worker serves both (``_kind_without_room``;
+        #: Rows each kind of handler has room for, when the worker serves both (``_rooms``;
         #: None: one kind, or an urgent claim).
-        self._sync_room: int | None = None
-        self._async_room = 0
+        self._rooms: Rooms | None = None
         #: Wake-ups announced so far (the listener's thread adds), and their count when
         #: the last claim began if it found all that was ready (``Claim.drained``); a
         #: buffer running low claims again only once they differ.
@@ -195,9 +211,9 @@ class ClaimLoop:
         self.recovery.observe_write(took)
         self._ran_dry = result.dry
         # Rows of a kind left out may be ready: room for them, not a wake-up, says when.
-        self._drained = heard if result.drained and self._full_kind is None else None
+        self._drained = heard if result.drained and self._full_kind() is None else None
         if not self._urgent_claim:
-            self._saturated = not result.dry or self._full_kind is not None
+            self._saturated = not result.dry or self._full_kind() is not None
         # Not after a claim that left a kind out: its rows wait for room, not for a key, and
         # no wake-up announces them again (room that frees up wakes the loop, ``maybe_wake``).
         self.rests = (
@@ -205,7 +221,7 @@ class ClaimLoop:
             and result.keyed
             and not result.rated
             and not self._urgent_claim
-            and self._full_kind is None
+            and self._full_kind() is None
         )
         if taken and not self._ran_dry and lowest is not None:
             top = min(item.priority for item in taken)
@@ -228,7 +244,7 @@ class ClaimLoop:
         self, limit: int, dispatch: Callable[[Sequence[WorkItem]], None], taken: list[WorkItem]
     ) -> Claim:
         """The claim of up to ``limit`` rows: one statement, or, when the sync rows could take
-        more than the threads' room (``_sync_room``), one per kind, each within its room
+        more than the threads' room (``Rooms.sync``), one per kind, each within its room
         (the event loop's free slots are no room for sync rows, nor threads for async ones)."""
 
         def claim(rows: int, skip_async: bool | None) -> Claim:
@@ -240,21 +256,14 @@ class ClaimLoop:
                 skip_async=skip_async,
             )
 
-        sync_room = self._sync_room
-        if self._full_kind is not None or sync_room is None or sync_room >= limit:
-            return claim(limit, self._full_kind)
-        sync = claim(sync_room, True)
-        rows = min(limit - len(taken), self._async_room)
+        rooms = self._rooms
+        if rooms is None or rooms.full_kind is not None or rooms.sync >= limit:
+            return claim(limit, self._full_kind())
+        sync = claim(rooms.sync, True)
+        rows = min(limit - len(taken), rooms.async_)
         if rows <= 0:
             return sync
-        both = (sync, claim(rows, False))
-        return Claim(
-            taken=sum(part.taken for part in both),
-            dry=all(part.dry for part in both),
-            keyed=all(part.keyed for part in both),
-            rated=any(part.rated for part in both),
-            drained=all(part.drained for part in both),
-        )
+        return sync.and_then(claim(rows, False))
 
     def _free_threads(self) -> int:
         """Threads with nothing to start: rate-limited rows are claimed for these only.
@@ -267,7 +276,7 @@ class ClaimLoop:
     def _slots(self) -> int:
         """Threads, plus the event loop's slots while an async handler is served."""
         loop = self.event_loop
-        if loop is not None and any(runs_async(type(h)) for h in self.handlers().values()):
+        if loop is not None and self._serves_async():
             return self.pool.size + loop.size
         return self.pool.size
 
@@ -357,8 +366,7 @@ class ClaimLoop:
         self._refill_at = self.prefetch.refill_at(target, running_for)
         urgent = self._take_urgent()
         self._urgent_claim = bool(urgent)
-        self._full_kind = None
-        self._sync_room = None
+        self._rooms = None
         if urgent:
             # One row per such wake-up, and only those: a small claim is a
             # quick one (a refill of hundreds takes several milliseconds),
@@ -369,8 +377,8 @@ class ClaimLoop:
         # The buffer as the ledger counts it: pool calls queued for rows
         # given back meanwhile would otherwise hold the next claim back.
         room = self._room(target)
-        self._full_kind = self._kind_without_room(target)
-        if (room <= 0 or self._full_kind is not None) and not self._waits_for_wakeups():
+        self._rooms = self._rooms_of_kinds(target)
+        if (room <= 0 or self._full_kind() is not None) and not self._waits_for_wakeups():
             # Woken with no room: let an idle worker take the rows. Not when no rows were
             # announced since a claim that found all that was ready (a job's end woke it):
             # no claim might follow to say it has room again, and it kept passing the turn.
@@ -393,30 +401,31 @@ class ClaimLoop:
             limit = min(limit, self.config.batch_size)
         return max(0, limit)
 
-    def _kind_without_room(self, target: int) -> bool | None:
-        """The kind of handler this worker has no room for now, when it serves both: True
-        (async: the event loop's slots are taken) or False (sync: every thread is busy and
-        its share of the buffer full); None when it has room for both, or serves one kind.
-
-        The claim then leaves that kind's rows to other workers: counted together, the
-        loop's free slots were room for a sync row, which waited here for a thread while
-        another worker idled (and kept the wake-up turn).
+    def _rooms_of_kinds(self, target: int) -> Rooms | None:
+        """The rows each kind of handler has room for, when this worker serves both (None:
+        one kind). Counted together, the event loop's free slots were room for a sync row,
+        which waited here for a thread while another worker idled (and kept the wake-up
+        turn): the claim leaves a kind without room to other workers (``Rooms.full_kind``).
         """
         loop = self.event_loop
-        handlers = self.handlers().values()
-        if loop is None or not any(runs_async(type(h)) for h in handlers):
+        if loop is None or not self._serves_async():
             return None
-        if all(runs_async(type(h)) for h in handlers):
+        if all(runs_async(type(h)) for h in self.handlers().values()):
             return None
         waiting_async = self.ledger.buffered_of(lambda a: runs_async(type(a.handler)))
         waiting_sync = self.ledger.buffered() - waiting_async
-        self._sync_room = self.pool.size + target - self.pool.running() - waiting_sync
-        self._async_room = loop.size + target - loop.running() - waiting_async
-        if self._sync_room <= 0:
-            return False
-        if self._async_room <= 0:
-            return True
-        return None
+        return Rooms(
+            sync=self.pool.size + target - self.pool.running() - waiting_sync,
+            async_=loop.size + target - loop.running() - waiting_async,
+        )
+
+    def _full_kind(self) -> bool | None:
+        """The kind the claim being made leaves out for want of room (``Rooms.full_kind``)."""
+        return None if self._rooms is None else self._rooms.full_kind
+
+    def _serves_async(self) -> bool:
+        """Whether any of this worker's handlers is async (the event loop's slots count)."""
+        return any(runs_async(type(h)) for h in self.handlers().values())
 
     def retired(self, attempt: Attempt) -> None:
         """An attempt left the ledger. If it held a slot of a limited key, a resting loop
