@@ -114,6 +114,8 @@ class FairRotation:
         self._clock_value = 0.0
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
+        #: The last claim was dealt in turns (some fair key had ready rows at its priority).
+        self.dealt = False
         #: The reads' SQL and parameters, by what they depend on (``_read``).
         self._compiled: dict[tuple[object, ...], tuple[str, tuple[Any, ...]]] = {}
 
@@ -129,6 +131,8 @@ class FairRotation:
                 turns, dealt = (
                     self._turns(wanted, handlers, queues) if self._in_use() else (None, [])
                 )
+                if not rows:
+                    self.dealt = turns is not None
                 taken = take(wanted, turns) if turns is not None else Claimed[WorkItem]()
                 throttled += taken.throttled
                 if not taken:
@@ -242,11 +246,10 @@ class FairRotation:
             output_field=BigIntegerField(),
         )
         keys = FairKey.objects.using(self.using).alias(head=head).filter(head__isnull=False)
-        return (
-            keys.annotate(top=top)
-            .order_by("served", "key")
-            .values("key", "served", "weight", "top")[:limit]
-        )
+        # One more than the claim's rows: the rows without a key alone, ahead of the keys by
+        # pass, would make "no key's turn" (the usual order, which does not advance passes).
+        by_pass = keys.annotate(top=top).order_by("served", "key")
+        return by_pass.values("key", "served", "weight", "top")[: limit + 1]
 
     def _advance(self, took: dict[str, int]) -> None:
         """Each key's pass forward by 1/weight for each row its turn took, from the

@@ -211,6 +211,11 @@ class ClaimRoute:
         self.metrics.throttle(WORK_ITEM_LOOP, "concurrency", items.throttled)
         return items
 
+    def fair_turns(self) -> bool:
+        """Whether the last claim was dealt in turns of fair keys (the buffer is then kept
+        short, ``prefetch.FAIR_HORIZON``)."""
+        return self._fair.dealt
+
     def limited(self) -> frozenset[str]:
         """The handlers whose rows count against ``KEYED_IN_FLIGHT``: those with a
         ``concurrency_limit``."""

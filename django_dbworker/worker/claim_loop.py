@@ -362,7 +362,7 @@ class ClaimLoop:
         (and heartbeats stay one bounded UPDATE).
         """
         running_for = self._youngest_running_age()
-        target = self.prefetch.target(running_for)
+        target = self.prefetch.target(running_for, fair=self.route.fair_turns())
         self._refill_at = self.prefetch.refill_at(target, running_for)
         urgent = self._take_urgent()
         self._urgent_claim = bool(urgent)

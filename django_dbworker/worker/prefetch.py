@@ -34,6 +34,13 @@ MAX_PREFETCH = 1000
 SMOOTHING = 0.2
 #: A refill starts while the buffer still covers this many claim latencies.
 REFILL_MARGIN = 3.0
+#: The most seconds of work a worker buffers while fair keys take turns (or the horizon,
+#: if shorter). A key's new item is dealt its turn in the next claim, and starts after
+#: what is buffered then: behind a horizon of 0.5 s its start took 320 ms at the median
+#: and 500 ms at p99 (W12); at 0.05 s, 41 ms and under 100 ms. The claims that come ten
+#: times as often cost 8% of the throughput of 10 ms jobs and nothing for short ones (whose
+#: buffer is capped by rows, MAX_PREFETCH, either way).
+FAIR_HORIZON = 0.05
 
 
 class Prefetch:
@@ -80,14 +87,16 @@ class Prefetch:
         run = max(run, running_for, 1e-6)
         return self.concurrency / run
 
-    def target(self, running_for: float = 0.0) -> int:
-        """Rows to hold claimed and not yet started (0: claim free threads only)."""
+    def target(self, running_for: float = 0.0, *, fair: bool = False) -> int:
+        """Rows to hold claimed and not yet started (0: claim free threads only); ``fair``:
+        while fair keys take turns (``FAIR_HORIZON``)."""
         if not self.enabled:
             return 0
         capacity = self.capacity(running_for)
         if math.isinf(capacity):
             return 0
-        return min(self.cap, int(capacity * self.horizon))
+        horizon = min(self.horizon, FAIR_HORIZON) if fair else self.horizon
+        return min(self.cap, int(capacity * horizon))
 
     def refill_at(self, target: int, running_for: float = 0.0) -> int:
         """Refill when no more than this many rows are buffered.

@@ -149,6 +149,9 @@ def test_a_backlog_the_statistics_do_not_know_is_still_claimed_from_the_index(
     (plan,) = _claim_plans(queues, limit=1)
     assert f"Index Scan using {index}" in plan, plan
     assert "Sort" not in plan, plan
+    # The claimed rows by their ids: a join with the chosen ids was planned as a walk of the
+    # whole primary key, the ids scanned for each of its rows.
+    assert "Nested Loop" not in plan and "(id = ANY" in plan, plan
 
 
 def test_success_writes_are_primary_key_lookups(big_table: None) -> None:

@@ -14,6 +14,7 @@ from django.core.management import call_command
 from django_dbworker import EnqueueError, WorkItemHandler, enqueue, enqueue_many, set_fair_weight
 from django_dbworker.flow.models import FairKey
 from django_dbworker.models import WorkItem
+from tests.conftest import wait_until
 from tests.testapp.workers import Noop
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -327,3 +328,163 @@ def test_a_handlers_bad_fair_key_is_a_check_error() -> None:
         finally:
             registry.unregister(f"bad_fair_{n}")
     assert not WorkItem.objects.exists()
+
+
+def test_while_keys_take_turns_a_worker_buffers_a_short_horizon(background_worker: Any) -> None:
+    """A key's new item is dealt its turn in the next claim and waits behind what is buffered
+    then: while fair keys take turns, a worker buffers ``FAIR_HORIZON`` of work, not
+    ``PREFETCH_HORIZON``: about ten times as many claims of the same jobs as without keys."""
+    from tests.testapp.workers import Pace
+
+    claims = {}
+    for fair_key in (None, "a"):
+        Pace.enqueue_many([{"seconds": 0.004}] * 300, fair_key=fair_key)
+        worker = background_worker(["pace"], concurrency=2, burst=True, prefetch_horizon=0.5)
+        wait_until(
+            lambda: not WorkItem.objects.exclude(status="succeeded").exists(),
+            timeout=60,
+            what="300 paced items",
+        )
+        claims[fair_key] = worker.claims
+    # 2 threads of 4 ms jobs start up to 500 a second: up to 250 rows buffered at 0.5 s,
+    # 25 at FAIR_HORIZON (claims refill at half the buffer). Seen: 4-5 claims against 32-62.
+    assert claims["a"] >= 3 * claims[None], claims
+
+
+def test_claims_of_one_row_take_turns_when_rows_without_a_key_wait() -> None:
+    """Claims of one row (one thread of long jobs; a claim's last round) while rows without
+    a key are ready: the keys still take turns. The keys read was cut to one key by pass,
+    which the rows without a key (first on ties) filled alone: "no key's turn" then sent
+    every such claim to the usual order, which never advanced their pass."""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    Noop.enqueue_many([None] * 10, fair_key="flood")
+    Noop.enqueue(None, fair_key="small")
+    Noop.enqueue_many([None] * 2)  # rows without a key
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    keys = []
+    for _ in range(4):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(item.fair_key for item in got)
+    # Three keys with work (flood, small, no key), weights 1: each within the first 4.
+    assert "small" in keys and None in keys, keys
+
+
+@pytest.mark.parametrize("odd", ["%s", "%(x)s", "{x}", "'", "a,b", "NULL", "é" * 200])
+def test_keys_of_any_characters_take_their_turns(odd: str) -> None:
+    """Keys that quoting, array literals or %-formatting could mangle are claimed as keys."""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    Noop.enqueue_many([None] * 4, fair_key="flood")
+    mine = Noop.enqueue_many([None] * 2, fair_key=odd)
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got = rotation.claim(4, handlers=["noop"], queues=None, take=take)
+    assert sorted(i.fair_key for i in got) == sorted(["flood", "flood", odd, odd])
+    assert {i.pk for i in got} >= {i.pk for i in mine}
+    assert FairKey.objects.get(key=odd).served == 2.0
+
+
+@pytest.mark.server_db
+def test_two_claimers_of_turns_at_once_take_every_row_once() -> None:
+    """Two rotations (two workers) claim turns at once on their own connections, over keys,
+    rows without a key and two priorities: every row claimed, none twice."""
+    import threading
+
+    from django.db import connections
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    for key in ("a", "b", "c", None):
+        Noop.enqueue_many([None] * 60, fair_key=key)
+    Noop.enqueue_many([None] * 10, fair_key="b", priority=3)
+    got: list[list[int]] = [[], []]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def run(n: int) -> None:
+        try:
+            take = plain_take(operations("default"))
+            rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+            barrier.wait()
+            while taken := rotation.claim(3, handlers=["noop"], queues=None, take=take):
+                got[n].extend(i.pk for i in taken)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    both = got[0] + got[1]
+    assert len(both) == len(set(both)) == 250
+    assert set(both) == set(WorkItem.objects.values_list("pk", flat=True))
+
+
+def _flood(key: str | None, n: int) -> None:
+    """``n`` ready rows of ``key`` (PostgreSQL: one INSERT ... SELECT from a first row)."""
+    from django.db import connection
+
+    Noop.enqueue(None, fair_key=key)
+    table = WorkItem._meta.db_table
+    columns = ", ".join(f.column for f in WorkItem._meta.concrete_fields if not f.primary_key)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table} "
+            "CROSS JOIN generate_series(1, %s) WHERE fair_key IS NOT DISTINCT FROM %s",
+            [n - 1, key],
+        )
+
+
+@pytest.mark.postgres_only
+@pytest.mark.parametrize("statistics", ["analyzed", "no-row", "no-row-of-a-first-backlog"])
+@pytest.mark.parametrize("queues", [None, ["default", "other"]], ids=["any-queue", "queues"])
+def test_the_fair_claim_reads_each_turns_rows_only(
+    statistics: str, queues: list[str] | None
+) -> None:
+    """Every turn's rows by dbworker_fair_idx from the key's first ready row, the rows
+    without a key too, and the claimed rows by their ids: not the other keys' rows ahead in
+    claim order, nor the whole table, whether the statistics know the backlog or, analyzed
+    while it was uncommitted, say the table holds no row (test_claim_plans)."""
+    import psycopg
+    from django.db import connection, transaction
+
+    from django_dbworker.db import operations
+    from django_dbworker.db.sql import Turns
+    from tests.factories import auto_explained_json, rows_read
+
+    table = WorkItem._meta.db_table
+    with connection.cursor() as cursor:
+        if statistics == "no-row-of-a-first-backlog":  # no column statistics either
+            cursor.execute(f"DELETE FROM pg_statistic WHERE starelid = '{table}'::regclass")
+        else:
+            _flood("x", 1000)  # an earlier backlog's
+            cursor.execute(f"ANALYZE {table}")
+            cursor.execute(f"TRUNCATE {table}")
+    with transaction.atomic():
+        _flood(None, 20000)
+        _flood("a", 20000)
+        _flood("b", 5)
+        if statistics != "analyzed":
+            with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+                other.execute(f"ANALYZE {table}")
+    if statistics == "analyzed":
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {table}")
+    turns = Turns(0, (("a", 2), ("", 2), ("b", 2)))
+    got, plans = auto_explained_json(
+        lambda: operations("default").claim_turns(
+            turns=turns, handlers=["noop"], queues=queues, worker="w"
+        )
+    )
+    assert sorted(i.fair_key or "" for i in got) == ["", "", "a", "a", "b", "b"]
+    plan = [p for p in plans if "Update" in str(p)][-1]
+    assert rows_read(plan["Plan"]) < 200, plan

@@ -118,3 +118,20 @@ def test_turns_keep_rate_limits_and_concurrency_limits(start_worker) -> None:
     # Key "ka" (limit 1) never ran two at once: its records alternate start, end.
     records = Execution.objects.filter(key="ka").order_by("id").values_list("kind", flat=True)
     assert list(records) == ["start", "end"] * 8
+
+
+def test_claims_of_one_row_take_turns_beside_rows_without_a_key(start_worker) -> None:
+    """One thread that buffers nothing (``PREFETCH_HORIZON`` 0; jobs too long to buffer):
+    every claim is of one row. With rows without a key ready too, tenant b's item still
+    comes within the first turns (three keys with work, weights 1), not after tenant a's
+    whole backlog."""
+    Sleep.enqueue_many([{"key": f"a-{n}", "seconds": 0.1} for n in range(8)], fair_key="a")
+    Sleep.enqueue_many([{"key": "b-0", "seconds": 0.1}], fair_key="b")
+    enqueue_many("sleep", [{"key": f"none-{n}", "seconds": 0.1} for n in range(2)])
+    worker = start_worker(
+        "sleep", "--burst", "--concurrency", "1", env={"DBWORKER_PREFETCH_HORIZON": "0"}
+    )
+    assert worker.wait(120) == 0, worker.log()
+    starts = _starts()
+    assert len(starts) == 11 and WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
+    assert starts.index("b-0") <= 3, starts

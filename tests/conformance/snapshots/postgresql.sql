@@ -23,8 +23,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
@@ -50,8 +49,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
@@ -77,8 +75,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
@@ -93,7 +90,7 @@ WITH c AS MATERIALIZED (
           AND run_after <= statement_timestamp()
           AND handler = ANY(%(handlers)s::text[])
           AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND fair_key = f.key
+          AND fair_key >= f.key AND fair_key <= f.key
           AND priority = %(fair_priority)s
         ORDER BY fair_key, priority DESC, run_after, id
         LIMIT f.n
@@ -121,8 +118,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
@@ -138,7 +134,7 @@ WITH c AS MATERIALIZED (
           AND handler = ANY(%(handlers)s::text[])
           AND queue = %(queue)s
           AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND fair_key = f.key
+          AND fair_key >= f.key AND fair_key <= f.key
           AND priority = %(fair_priority)s
         ORDER BY fair_key, priority DESC, run_after, id
         LIMIT f.n
@@ -167,8 +163,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
@@ -184,7 +179,7 @@ WITH c AS MATERIALIZED (
           AND handler = ANY(%(handlers)s::text[])
           AND queue = ANY(%(queues)s::text[])
           AND queue NOT IN (SELECT name FROM django_dbworker_queuestate WHERE paused)
-          AND fair_key = f.key
+          AND fair_key >= f.key AND fair_key <= f.key
           AND priority = %(fair_priority)s
         ORDER BY fair_key, priority DESC, run_after, id
         LIMIT f.n
@@ -213,8 +208,7 @@ SET status = 'claimed',
     updated_at = statement_timestamp(),
     claimed_by = %(worker)s,
     claim_token = gen_random_uuid()
-FROM c
-WHERE w.id = c.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM c))
 RETURNING w.id, w.handler, w.queue, w.payload, w.priority, w.run_after, w.attempts,
           w.max_attempts, w.claimed_by, w.claim_token, w.trace_context, w.batch_id,
           w.has_dependents, w.concurrency_key, w.fair_key;
