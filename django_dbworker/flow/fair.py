@@ -6,12 +6,13 @@ for each row claimed for the key. A claim (``FairRotation.claim``, called by the
 route, ``worker/claim.py``) reads the highest priority with ready work, then the keys with
 ready work at that priority, lowest pass first, and deals its rows out one at a time to the
 key of lowest pass (which then advances): with weights 3 and 1, three rows to one for each
-of the other. Each key's share is then claimed by the vendor's claim statement narrowed to
-that key (``fair_filtered``), so limits, rates, pauses and queues apply as to any claim,
-and the passes advance by what was taken, in one UPDATE a key (an increment: two workers
-that dealt from the same passes both count). Rows without a key take turns as one key, the
-row ``""``. What the shares left (keys with fewer ready rows than their share, lower
-priorities) goes to one claim of the usual order: a key alone gets every thread.
+of the other. The keys' shares are then claimed (``VendorOperations.claim_turns``): on
+PostgreSQL in one statement, elsewhere by the vendor's claim statement narrowed to each key
+(``fair_filtered``), so limits, rates, pauses and queues apply as to any claim. The passes
+advance by what was taken, in one UPDATE (an increment: two workers that dealt from the
+same passes both count). Rows without a key take turns as one key, the row ``""``. What
+the shares left (keys with fewer ready rows than their share, lower priorities) goes to
+one claim of the usual order: a key alone gets every thread.
 
 A key that comes back after idling starts from the rotation's clock (the highest pass at
 which a turn began, ``started``) rather than the pass it left with: it neither takes the
@@ -19,11 +20,12 @@ turns it missed nor waits for the others to catch up with a pass it ran ahead to
 
 Cost: with fair keys in the table, a claim reads the rotation's clock and whether any key
 has a ready row (one statement; without such a row the claim goes on as usual from there),
-then the top priority (one probe of the claim index), probes ``dbworker_fair_idx`` once
-per fair key ever enqueued (they are the ``FairKey`` rows; delete those of tenants gone for
-good), claims once per key given a turn, and updates those keys' passes in one statement.
-A process that finds no ``FairKey`` row reads again after a poll interval, and claims as
-before meanwhile.
+then the keys with a ready row at the top priority (one statement: a probe of
+``dbworker_fair_idx`` per fair key ever enqueued, the ``FairKey`` rows; delete those of
+tenants gone for good), claims the turns, and updates those keys' passes. A process that
+finds no ``FairKey`` row reads again after a poll interval, and claims as before
+meanwhile. While keys take turns the worker buffers less (``prefetch.FAIR_HORIZON``): a
+key's new item is dealt its turn in the next claim, and starts behind what is buffered.
 """
 
 from __future__ import annotations
@@ -38,19 +40,15 @@ from django.db import DatabaseError, connections
 from django.db.models import (
     BigIntegerField,
     Case,
-    F,
-    FloatField,
     OuterRef,
     QuerySet,
     Subquery,
-    Value,
     When,
 )
-from django.db.models.functions import Greatest
 
 from django_dbworker import validation
 from django_dbworker.db import operations
-from django_dbworker.db.sql import Turns
+from django_dbworker.db.sql import Turns, numbered, numbered_params
 from django_dbworker.db.types import Claimed
 from django_dbworker.flow.models import FairKey, QueueState
 from django_dbworker.models import WorkItem
@@ -116,6 +114,8 @@ class FairRotation:
         self._no_key_row = False
         #: The last claim was dealt in turns (some fair key had ready rows at its priority).
         self.dealt = False
+        #: The passes' advance, by its number of keys (``_advance_sql``).
+        self._compiled_advance: dict[int, str] = {}
         #: The reads' SQL and parameters, by what they depend on (``_read``).
         self._compiled: dict[tuple[object, ...], tuple[str, tuple[Any, ...]]] = {}
 
@@ -150,6 +150,7 @@ class FairRotation:
                 rows.extend(
                     row for key in dealt if key in queued and (row := next(queued[key], None))
                 )
+                rows.extend(row for rest in queued.values() for row in rest)  # none: claimed
                 self._advance({key: len(part) for key, part in by_key.items()})
         except DatabaseError:
             if not rows:
@@ -178,9 +179,12 @@ class FairRotation:
             )
             self._no_key_row = True
         self._clock_value = clock = float(found[0]["started"])
+        # Up to a power of two keys, at least the claim's rows and one (``_keys_query``): one
+        # compiled read serves claims of many sizes (the deal takes the lowest passes).
+        keys = 1 << (limit + 1).bit_length()
         active = self._read(
-            ("keys", tuple(handlers), tuple(queues or ()), limit),
-            lambda: self._keys_query(handlers, queues, limit),
+            ("keys", tuple(handlers), tuple(queues or ()), keys),
+            lambda: self._keys_query(handlers, queues, keys),
         )
         if all(row["key"] == NO_KEY for row in active):
             return None, []  # no key's turn at this priority: the usual order
@@ -227,11 +231,11 @@ class FairRotation:
     def _keys_query(
         self, handlers: Sequence[str], queues: Sequence[str] | None, limit: int
     ) -> QuerySet[Any]:
-        """The keys with a ready row at the top priority (also in each row), by pass: each
-        by one probe of dbworker_fair_idx. The key as a range, not an equality: that would
-        make the order by key no order at all, and the claim index (in claim order too, at
-        one key) would walk the other keys' ready rows. By pass, not by the pass from the
-        clock: keys behind the clock are all first either way."""
+        """Up to ``limit`` keys with a ready row at the top priority (also in each row), by
+        pass: each by one probe of dbworker_fair_idx. The key as a range, not an equality:
+        that would make the order by key no order at all, and the claim index (in claim order
+        too, at one key) would walk the other keys' ready rows. By pass, not by the pass from
+        the clock: keys behind the clock are all first either way."""
         ready = WorkItem.objects.using(self.using).ready().filter(handler__in=list(handlers))
         if queues:
             ready = ready.filter(queue__in=list(queues))
@@ -246,25 +250,41 @@ class FairRotation:
             output_field=BigIntegerField(),
         )
         keys = FairKey.objects.using(self.using).alias(head=head).filter(head__isnull=False)
-        # One more than the claim's rows: the rows without a key alone, ahead of the keys by
-        # pass, would make "no key's turn" (the usual order, which does not advance passes).
+        # More than the claim's rows: the rows without a key alone, ahead of the keys by pass,
+        # would make "no key's turn" (the usual order, which does not advance passes).
         by_pass = keys.annotate(top=top).order_by("served", "key")
-        return by_pass.values("key", "served", "weight", "top")[: limit + 1]
+        return by_pass.values("key", "served", "weight", "top")[:limit]
 
     def _advance(self, took: dict[str, int]) -> None:
         """Each key's pass forward by 1/weight for each row its turn took, from the
-        rotation's clock if it was behind it (a key back from idling)."""
-        keys = FairKey.objects.using(self.using)
-        start = Greatest(F("served"), Value(self._clock_value, output_field=FloatField()))
-        # One UPDATE for every key of the claim: each row by its own count.
-        rows = Case(
-            *(When(key=key, then=Value(float(n))) for key, n in took.items()),
-            output_field=FloatField(),
-        )
+        rotation's clock if it was behind it (a key back from idling): one UPDATE."""
+        keys = sorted(took)
+        sql = self._compiled_advance.get(len(keys))
+        if sql is None:
+            sql = self._compiled_advance[len(keys)] = _advance_sql(self.using, len(keys))
+        params: dict[str, Any] = {"clock": self._clock_value}
+        params.update(numbered_params("key", keys))
+        params.update(numbered_params("rows", [float(took[key]) for key in keys]))
         # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
         # waited for another claimer's commit of a key's row fails, and the pass forgets
         # this claim's rows (an increment is right from the committed value).
-        with operations(self.using).ending_transaction():
-            keys.filter(key__in=sorted(took)).update(
-                started=start, served=start + rows / F("weight")
-            )
+        with (
+            operations(self.using).ending_transaction(),
+            connections[self.using].cursor() as cursor,
+        ):
+            cursor.execute(sql, params)
+
+
+def _advance_sql(using: str, keys: int) -> str:
+    """The passes' advance for ``keys`` keys, as every vendor runs it: written out, as the
+    ORM's took longer to build than to run, on each claim. ``started`` first: MySQL sets a
+    row's columns left to right, each from the values set before it."""
+    quote = connections[using].ops.quote_name
+    key, served = quote("key"), quote("served")
+    start = f"CASE WHEN {served} > %(clock)s THEN {served} ELSE %(clock)s END"
+    rows = " ".join(f"WHEN %(key_{i})s THEN %(rows_{i})s" for i in range(keys))
+    return (
+        f"UPDATE {quote(FairKey._meta.db_table)} SET {quote('started')} = {start}, "
+        f"{served} = {start} + (CASE {key} {rows} END) / {quote('weight')} "
+        f"WHERE {key} IN ({numbered('key', keys)})"
+    )
