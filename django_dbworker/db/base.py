@@ -216,10 +216,17 @@ class VendorOperations(ABC):
         """``claim`` of each of ``turns``: up to its count of its key's rows (``keyed_cap``
         is the whole claim's, across the turns).
 
-        Here a claim per turn; PostgreSQL takes every turn of a plain claim in one
-        statement. A turn that fails ends the claim: with rows of earlier turns taken, those
-        are returned (they are claimed: the caller must run them) and the error is logged.
+        A plain claim's turns all at once where the vendor can (``_claim_plain_turns``),
+        else a claim per turn. A turn that fails ends the claim: with rows of earlier turns
+        taken, those are returned (they are claimed: the caller must run them) and the error
+        is logged.
         """
+        if not limits:
+            plain = self._claim_plain_turns(
+                turns=turns, handlers=handlers, queues=queues, worker=worker
+            )
+            if plain is not None:
+                return plain
         rows: list[WorkItem] = []
         throttled = 0
         for turn, count in turns.each():
@@ -244,6 +251,12 @@ class VendorOperations(ABC):
             if keyed_cap is not None:
                 keyed_cap = max(0, keyed_cap - sum(1 for i in taken if i.concurrency_key))
         return Claimed(rows, throttled)
+
+    def _claim_plain_turns(
+        self, *, turns: Turns, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
+    ) -> Claimed[WorkItem] | None:
+        """Every turn of a plain claim at once (None: this vendor claims turn by turn)."""
+        return None
 
     def ending_transaction(self) -> AbstractContextManager[Any]:
         """A transaction whose reads after a lock see what the lock's previous holder

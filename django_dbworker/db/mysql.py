@@ -115,6 +115,16 @@ def is_lock_conflict(exc: BaseException) -> bool:
 # -- operations ---------------------------------------------------------------------
 
 
+def filter_params(handlers: Sequence[str], queues: Sequence[str]) -> dict[str, Any]:
+    """The parameters of a claim's handlers and queues (``claim_select_sql``'s slots)."""
+    params: dict[str, Any] = numbered_params("handler", handlers)
+    if len(queues) == 1:
+        params["queue"] = queues[0]
+    else:
+        params.update(numbered_params("queue", queues))
+    return params
+
+
 class MySQLOperations(VendorOperations):
     vendor = "mysql"
     supports_notify = False
@@ -206,11 +216,7 @@ class MySQLOperations(VendorOperations):
         turn: Turn | None = None,
     ) -> Claimed[WorkItem]:
         queues = list(queues or ())
-        params: dict[str, Any] = {"limit": limit, **numbered_params("handler", handlers)}
-        if len(queues) == 1:
-            params["queue"] = queues[0]
-        else:
-            params.update(numbered_params("queue", queues))
+        params = {"limit": limit, **filter_params(handlers, queues)}
         if turn is not None:
             params.update(turn.params())
         if limits:
@@ -230,33 +236,13 @@ class MySQLOperations(VendorOperations):
 
         return self._rows_to_items(self._retrying(attempt, "claiming"))
 
-    def claim_turns(
-        self,
-        *,
-        turns: Turns,
-        handlers: Sequence[str],
-        queues: Sequence[str] | None,
-        worker: str,
-        limits: Mapping[str, int] | None = None,
-        keyed_cap: int | None = None,
+    def _claim_plain_turns(
+        self, *, turns: Turns, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
     ) -> Claimed[WorkItem]:
-        if limits:  # the keyed claim: a transaction per turn
-            return super().claim_turns(
-                turns=turns,
-                handlers=handlers,
-                queues=queues,
-                worker=worker,
-                limits=limits,
-                keyed_cap=keyed_cap,
-            )
         # Every turn's locking read in one transaction, then one UPDATE and one read-back:
         # a transaction per turn cost three statements and a commit a key.
         queues = list(queues or ())
-        params: dict[str, Any] = numbered_params("handler", handlers)
-        if len(queues) == 1:
-            params["queue"] = queues[0]
-        else:
-            params.update(numbered_params("queue", queues))
+        params = filter_params(handlers, queues)
         select = claim_select_sql(len(handlers), len(queues))
 
         def attempt() -> list[tuple[Any, ...]]:

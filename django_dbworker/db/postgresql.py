@@ -145,25 +145,9 @@ class PostgresOperations(VendorOperations):
             sql, params = fair_filtered(sql, turn), {**params, **turn.params()}
         return self._claimed(sql, params)
 
-    def claim_turns(
-        self,
-        *,
-        turns: Turns,
-        handlers: Sequence[str],
-        queues: Sequence[str] | None,
-        worker: str,
-        limits: Mapping[str, int] | None = None,
-        keyed_cap: int | None = None,
+    def _claim_plain_turns(
+        self, *, turns: Turns, handlers: Sequence[str], queues: Sequence[str] | None, worker: str
     ) -> Claimed[WorkItem]:
-        if limits:  # the keyed claim: a statement per turn
-            return super().claim_turns(
-                turns=turns,
-                handlers=handlers,
-                queues=queues,
-                worker=worker,
-                limits=limits,
-                keyed_cap=keyed_cap,
-            )
         return self._claimed(
             *fair_claim_statement(turns=turns, handlers=handlers, queues=queues, worker=worker)
         )
