@@ -112,7 +112,7 @@ class FairRotation:
         self._clock_value = 0.0
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
-        #: The last claim was dealt in turns (some fair key had ready rows at its priority).
+        #: The last claim was dealt in turns of fair keys (some had ready rows at its priority).
         self.dealt = False
         #: The passes' advance, by its number of keys (``_advance_sql``).
         self._compiled_advance: dict[int, str] = {}
@@ -132,7 +132,7 @@ class FairRotation:
                     self._turns(wanted, handlers, queues) if self._in_use() else (None, [])
                 )
                 if not rows:
-                    self.dealt = turns is not None
+                    self.dealt = turns is not None and any(key for key, _ in turns.shares)
                 taken = take(wanted, turns) if turns is not None else Claimed[WorkItem]()
                 throttled += taken.throttled
                 if not taken:
@@ -186,8 +186,11 @@ class FairRotation:
             ("keys", tuple(handlers), tuple(queues or ()), keys),
             lambda: self._keys_query(handlers, queues, keys),
         )
+        if not active:
+            return None, []  # no ready row: the usual order says so
         if all(row["key"] == NO_KEY for row in active):
-            return None, []  # no key's turn at this priority: the usual order
+            # No key's turn at this priority: its rows without a key, then the next one's.
+            return Turns(active[0]["top"], ((NO_KEY, limit),)), [NO_KEY] * limit
         # A key behind the rotation's clock (back from idling) starts from it.
         entries = [(max(row["served"], clock), row["key"], row["weight"]) for row in active]
         heapq.heapify(entries)

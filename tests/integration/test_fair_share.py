@@ -488,3 +488,19 @@ def test_the_fair_claim_reads_each_turns_rows_only(
     assert sorted(i.fair_key or "" for i in got) == ["", "", "a", "a", "b", "b"]
     plan = [p for p in plans if "Update" in str(p)][-1]
     assert rows_read(plan["Plan"]) < 200, plan
+
+
+def test_turns_go_priority_by_priority_past_a_priority_without_keys() -> None:
+    """The top priority holds only rows without a key: those are claimed, and the rest of
+    the claim is dealt in turns at the next priority, not taken in the usual order (which
+    gives a flooding key every row it has before another key's)."""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    Noop.enqueue_many([None] * 2, priority=5)  # rows without a key, first
+    Noop.enqueue_many([None] * 10, fair_key="flood")
+    Noop.enqueue(None, fair_key="small")
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got = rotation.claim(4, handlers=["noop"], queues=None, take=plain_take(operations("default")))
+    assert [(i.priority, i.fair_key) for i in got][:2] == [(5, None), (5, None)]
+    assert sorted(i.fair_key for i in got[2:]) == ["flood", "small"]
