@@ -154,6 +154,41 @@ def test_a_backlog_the_statistics_do_not_know_is_still_claimed_from_the_index(
     assert "Nested Loop" not in plan and "(id = ANY" in plan, plan
 
 
+@pytest.mark.django_db(transaction=True)
+def test_heartbeats_and_success_writes_read_their_rows_only_whatever_the_statistics() -> None:
+    """After an ANALYZE that counted the table's pages but none of its rows (autovacuum
+    during an uncommitted enqueue_many), a heartbeat's join with its locked ids was
+    planned as a walk of the whole primary key: 40,010 rows read for 5 attempts."""
+    from django.db import transaction
+
+    from django_dbworker.db import operations
+    from django_dbworker.models import WorkItem
+    from tests.factories import auto_explained_json, rows_read
+
+    columns = ", ".join(f.column for f in WorkItem._meta.concrete_fields if not f.primary_key)
+    with connection.cursor() as cursor:  # no column statistics either: a first backlog
+        cursor.execute(f"DELETE FROM pg_statistic WHERE starelid = '{TABLE}'::regclass")
+    with transaction.atomic():
+        WorkItem.objects.create(handler="noop", queue="default", payload={}, max_attempts=3)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {TABLE} ({columns}) SELECT {columns} FROM {TABLE}, "
+                "generate_series(1, 39999)"
+            )
+        with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+            other.execute(f"ANALYZE {TABLE}")
+    ops = operations("default")
+    got = ops.claim(limit=5, handlers=["noop"], queues=None, worker="w")
+    attempts = [(item.pk, item.claim_token) for item in got]
+    _, beats = auto_explained_json(lambda: ops.heartbeat(attempts))
+    _, writes = auto_explained_json(
+        lambda: ops.succeed_rows([(pk, token, None) for pk, token in attempts])
+    )
+    assert [rows_read(plan["Plan"]) < 100 for plan in beats + writes] == [True, True], (
+        beats + writes
+    )
+
+
 def test_success_writes_are_primary_key_lookups(big_table: None) -> None:
     ids = [1, 2, 3]
     params = {

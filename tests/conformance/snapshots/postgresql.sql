@@ -257,8 +257,7 @@ WITH l AS MATERIALIZED (
 )
 UPDATE django_dbworker_workitem AS w
 SET heartbeat_at = statement_timestamp()
-FROM l
-WHERE w.id = l.id
+WHERE w.id = ANY(ARRAY(SELECT id FROM l))
 RETURNING w.id, w.claim_token, w.cancel_requested_at IS NOT NULL;
 
 -- name: insert_item
