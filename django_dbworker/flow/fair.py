@@ -15,12 +15,13 @@ the shares left (keys with fewer ready rows than their share, lower priorities) 
 one claim of the usual order: a key alone gets every thread.
 
 A key that comes back after idling starts from the rotation's clock (the highest pass at
-which a turn began, ``started``) rather than the pass it left with: it neither takes the
-turns it missed nor waits for the others to catch up with a pass it ran ahead to.
+which a turn of the keys the claim deals began, ``started``) rather than the pass it left
+with: it neither takes the turns it missed nor waits for the others to catch up with a pass
+it ran ahead to.
 
-Cost: with fair keys in the table, a claim reads the rotation's clock and whether any key
-has a ready row (one statement; without such a row the claim goes on as usual from there),
-then the keys with a ready row at the top priority (one statement: a probe of
+Cost: with fair keys in the table, a claim reads whether any key has a ready row (one
+statement; without such a row the claim goes on as usual from there), then the keys with a
+ready row at the top priority, with their passes (one statement: a probe of
 ``dbworker_fair_idx`` per fair key ever enqueued, the ``FairKey`` rows; delete those of
 tenants gone for good), claims the turns, and updates those keys' passes. A process that
 finds no ``FairKey`` row reads again after a poll interval, and claims as before
@@ -108,8 +109,10 @@ class FairRotation:
         self._clock = clock
         #: Until when (``clock``) no ``FairKey`` row exists: claims go as usual.
         self._none_until = 0.0
-        #: The rotation's clock as the last claim read it.
+        #: The rotation's clock as the last claim read it, and the pass each key's turn
+        #: began at in its deal.
         self._clock_value = 0.0
+        self._dues: dict[str, float] = {}
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
         #: The last claim was dealt in turns of fair keys (some had ready rows at its priority).
@@ -167,7 +170,7 @@ class FairRotation:
     ) -> tuple[Turns | None, list[str]]:
         """This claim's turns at the top priority with ready rows, and the key of each of its
         rows in turn order (None: no fair key waits at that priority: the usual order)."""
-        found = self._read(("clock",), self._clock_query)
+        found = self._read(("ready",), self._ready_query)
         if not found:  # no FairKey row: not again for a poll interval
             self._none_until = self._clock() + self._every
             return None, []
@@ -178,7 +181,6 @@ class FairRotation:
                 [FairKey(key=NO_KEY)], ignore_conflicts=True
             )
             self._no_key_row = True
-        self._clock_value = clock = float(found[0]["started"])
         # Up to a power of two keys, at least the claim's rows and one (``_keys_query``): one
         # compiled read serves claims of many sizes (the deal takes the lowest passes).
         keys = 1 << (limit + 1).bit_length()
@@ -188,17 +190,26 @@ class FairRotation:
         )
         if not active:
             return None, []  # no ready row: the usual order says so
+        # The clock: the highest pass at which a turn of these keys began. A key behind it
+        # (back from idling) starts from it. Of the keys this worker deals, not of every key:
+        # a key that other workers serve alone (their queues, their handlers) ran the clock
+        # ahead of these, which all started from it each claim, the same one first.
+        self._clock_value = clock = max(row["started"] for row in active)
         if all(row["key"] == NO_KEY for row in active):
             # No key's turn at this priority: its rows without a key, then the next one's.
+            self._dues = {NO_KEY: max(active[0]["served"], clock)}
             return Turns(active[0]["top"], ((NO_KEY, limit),)), [NO_KEY] * limit
-        # A key behind the rotation's clock (back from idling) starts from it.
-        entries = [(max(row["served"], clock), row["key"], row["weight"]) for row in active]
+        # Ties (keys started from the clock together) go to the key served least.
+        entries = [
+            (max(row["served"], clock), row["served"], row["key"], row["weight"]) for row in active
+        ]
+        self._dues = {key: due for due, _, key, _ in entries}
         heapq.heapify(entries)
         dealt: list[str] = []
         for _ in range(limit):
-            due, key, weight = heapq.heappop(entries)
+            due, served, key, weight = heapq.heappop(entries)
             dealt.append(key)
-            heapq.heappush(entries, (due + 1.0 / weight, key, weight))
+            heapq.heappush(entries, (due + 1.0 / weight, served + 1.0 / weight, key, weight))
         return Turns(active[0]["top"], tuple(Counter(dealt).items())), dealt
 
     def _read(
@@ -218,18 +229,14 @@ class FairRotation:
             names = [column[0] for column in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
-    def _clock_query(self) -> QuerySet[Any]:
-        """The rotation's clock (the highest pass at which a turn began), and whether any
-        fair key has a ready row: the rows of keys long finished stay, and without ready
-        rows of theirs a claim costs this one read more than the usual order. In
-        dbworker_fair_idx's order: a plan that scans the table for it (the statistics of a
-        fresh flood) reads every claimed row."""
+    def _ready_query(self) -> QuerySet[Any]:
+        """Whether any fair key has a ready row (no row: no ``FairKey`` row at all): the
+        rows of keys long finished stay, and without ready rows of theirs a claim costs this
+        one read more than the usual order. In dbworker_fair_idx's order: a plan that scans
+        the table for it (the statistics of a fresh flood) reads every claimed row."""
         keyed = WorkItem.objects.using(self.using).ready().filter(fair_key__isnull=False)
         head = keyed.order_by(*FAIR_ORDER).values("pk")[:1]
-        keys = FairKey.objects.using(self.using)
-        return (
-            keys.annotate(keyed=Subquery(head)).order_by("-started").values("started", "keyed")[:1]
-        )
+        return FairKey.objects.using(self.using).annotate(keyed=Subquery(head)).values("keyed")[:1]
 
     def _keys_query(
         self, handlers: Sequence[str], queues: Sequence[str] | None, limit: int
@@ -256,11 +263,14 @@ class FairRotation:
         # More than the claim's rows: the rows without a key alone, ahead of the keys by pass,
         # would make "no key's turn" (the usual order, which does not advance passes).
         by_pass = keys.annotate(top=top).order_by("served", "key")
-        return by_pass.values("key", "served", "weight", "top")[:limit]
+        return by_pass.values("key", "served", "started", "weight", "top")[:limit]
 
     def _advance(self, took: dict[str, int]) -> None:
         """Each key's pass forward by 1/weight for each row its turn took, from the
-        rotation's clock if it was behind it (a key back from idling): one UPDATE."""
+        rotation's clock if it was behind it (a key back from idling), and the pass its turn
+        began at (``started``, the clock's) as this claim dealt it: one UPDATE. Not from the
+        pass as the UPDATE finds it: other workers that dealt the same key from the same
+        passes added theirs, and the clock would jump ahead of the keys still waiting."""
         keys = sorted(took)
         sql = self._compiled_advance.get(len(keys))
         if sql is None:
@@ -268,6 +278,7 @@ class FairRotation:
         params: dict[str, Any] = {"clock": self._clock_value}
         params.update(numbered_params("key", keys))
         params.update(numbered_params("rows", [float(took[key]) for key in keys]))
+        params.update(numbered_params("due", [self._dues.get(key, 0.0) for key in keys]))
         # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
         # waited for another claimer's commit of a key's row fails, and the pass forgets
         # this claim's rows (an increment is right from the committed value).
@@ -280,14 +291,20 @@ class FairRotation:
 
 def _advance_sql(using: str, keys: int) -> str:
     """The passes' advance for ``keys`` keys, as every vendor runs it: written out, as the
-    ORM's took longer to build than to run, on each claim. ``started`` first: MySQL sets a
-    row's columns left to right, each from the values set before it."""
+    ORM's took longer to build than to run, on each claim (CASE for the greater of two:
+    SQLite has no GREATEST). Each column from its own old value: MySQL sets a row's
+    columns left to right, each from the values set before it."""
     quote = connections[using].ops.quote_name
-    key, served = quote("key"), quote("served")
-    start = f"CASE WHEN {served} > %(clock)s THEN {served} ELSE %(clock)s END"
+    key, served, started = quote("key"), quote("served"), quote("started")
+    began = " ".join(
+        f"WHEN %(key_{i})s THEN CASE WHEN {started} > %(due_{i})s THEN {started} "
+        f"ELSE %(due_{i})s END"
+        for i in range(keys)
+    )
     rows = " ".join(f"WHEN %(key_{i})s THEN %(rows_{i})s" for i in range(keys))
     return (
-        f"UPDATE {quote(FairKey._meta.db_table)} SET {quote('started')} = {start}, "
-        f"{served} = {start} + (CASE {key} {rows} END) / {quote('weight')} "
+        f"UPDATE {quote(FairKey._meta.db_table)} SET {started} = CASE {key} {began} END, "
+        f"{served} = CASE WHEN {served} > %(clock)s THEN {served} ELSE %(clock)s END "
+        f"+ (CASE {key} {rows} END) / {quote('weight')} "
         f"WHERE {key} IN ({numbered('key', keys)})"
     )

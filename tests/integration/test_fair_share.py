@@ -504,3 +504,101 @@ def test_turns_go_priority_by_priority_past_a_priority_without_keys() -> None:
     got = rotation.claim(4, handlers=["noop"], queues=None, take=plain_take(operations("default")))
     assert [(i.priority, i.fair_key) for i in got][:2] == [(5, None), (5, None)]
     assert sorted(i.fair_key for i in got[2:]) == ["flood", "small"]
+
+
+def test_weights_hold_over_many_claims_of_one_row_and_of_mixed_sizes() -> None:
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    set_fair_weight("big", 3)
+    Noop.enqueue_many([None] * 60, fair_key="big")
+    Noop.enqueue_many([None] * 60, fair_key="small")
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    got: list[Any] = []
+    for size in [1, 2, 3, 5, 1, 7, 1, 4, 8, 1, 1, 6] * 2:
+        claimed = rotation.claim(size, handlers=["noop"], queues=None, take=take)
+        got.extend(item.fair_key for item in claimed)
+    assert abs(got.count("big") - 3 * len(got) / 4) <= 3, (len(got), got.count("big"))
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_workers_dealing_from_the_same_passes_keep_the_weights(workers: int) -> None:
+    """Several workers whose claims read the passes at the same moment (each deals from
+    what it read, then claims and advances): over many claims of one row the starts still
+    divide 3:1. Each claim's turn began at the pass as the UPDATE found it, with the other
+    workers' increments: the clock ran ahead of the waiting key, which then started from
+    it, its credit lost (0.67 of the starts to the heavy key with 2 workers, 0.5 with 4).
+
+    The interleaving is made certain: each worker's claim runs the next one's whole claim
+    between its own read of the passes and its take."""
+    from collections import Counter
+
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    set_fair_weight("big", 3)
+    Noop.enqueue_many([None] * 300, fair_key="big")
+    Noop.enqueue_many([None] * 300, fair_key="small")
+    plain = plain_take(operations("default"))
+    rotations = [
+        FairRotation(using="default", every=1.0, clock=lambda: 0.0) for _ in range(workers)
+    ]
+    got: list[Any] = []
+
+    def claim(n: int) -> None:
+        def take(rows: int, turns: Any) -> Any:
+            if n + 1 < workers and turns is not None:
+                claim(n + 1)  # the next worker read the same passes, and claims first
+            return plain(rows, turns)
+
+        claimed = rotations[n].claim(1, handlers=["noop"], queues=None, take=take)
+        got.extend(item.fair_key for item in claimed)
+
+    while len(got) < 200:
+        claim(0)
+    share = Counter(got[:200])["big"] / 200
+    assert share == pytest.approx(0.75, abs=0.04), (
+        share,
+        list(FairKey.objects.values_list("key", "served", "started")),
+    )
+
+
+@pytest.mark.parametrize("split", ["handlers", "queues"])
+def test_a_key_that_other_workers_serve_alone_leaves_these_keys_their_turns(split: str) -> None:
+    """Worker 2 claims for its own handlers (or ``--queue``) and serves key "solo" alone;
+    worker 1 deals keys a and b (weights 1, both with a backlog): its claims alternate
+    them. (The clock was every key's highest pass at a turn's start: "solo" ran it ahead,
+    a and b both started from it every claim, and the tie went to a.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+    from tests.testapp.workers import Echo
+
+    ops = operations("default")
+    if split == "handlers":
+        Noop.enqueue_many([None] * 40, fair_key="a")
+        Noop.enqueue_many([None] * 40, fair_key="b")
+        Echo.enqueue_many([None] * 200, fair_key="solo")
+        one, two = (["noop"], None), (["echo"], None)
+    else:
+        Noop.enqueue_many([None] * 40, fair_key="a", queue="q1")
+        Noop.enqueue_many([None] * 40, fair_key="b", queue="q1")
+        Noop.enqueue_many([None] * 200, fair_key="solo", queue="q2")
+        one, two = (["noop"], ["q1"]), (["noop"], ["q2"])
+
+    def take_of(handlers: list[str], queues: list[str] | None) -> Any:
+        def take(rows: int, turns: Any) -> Any:
+            if turns is None:
+                return ops.claim(limit=rows, handlers=handlers, queues=queues, worker="w")
+            return ops.claim_turns(turns=turns, handlers=handlers, queues=queues, worker="w")
+
+        return take
+
+    first = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    second = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    keys: list[Any] = []
+    for _ in range(20):
+        got = first.claim(1, handlers=one[0], queues=one[1], take=take_of(*one))
+        keys.extend(item.fair_key for item in got)
+        second.claim(4, handlers=two[0], queues=two[1], take=take_of(*two))
+    assert keys.count("b") >= 8, (keys, list(FairKey.objects.values_list("key", "served")))

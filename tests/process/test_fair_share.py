@@ -135,3 +135,38 @@ def test_claims_of_one_row_take_turns_beside_rows_without_a_key(start_worker) ->
     starts = _starts()
     assert len(starts) == 11 and WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
     assert starts.index("b-0") <= 3, starts
+
+
+def test_a_queues_keys_alternate_while_another_queues_worker_runs_its_own_key(
+    start_worker,
+) -> None:
+    """Worker 2 (``--queue q2``) runs tenant "solo" alone; worker 1 (``--queue q1``, one
+    thread, claims of one row) has tenants a and b, weights 1, both with a backlog: worker
+    1's starts alternate a and b. The clock was the highest pass at which any key's turn
+    began: "solo" ran it past a's and b's, both started from it every claim, and the tie
+    went to a each time (b waited behind a's whole backlog)."""
+    Sleep.enqueue_many(
+        [{"key": f"solo-{n}", "seconds": 0.002} for n in range(3000)], fair_key="solo", queue="q2"
+    )
+    for tenant in ("a", "b"):
+        Sleep.enqueue_many(
+            [{"key": f"{tenant}-{n}", "seconds": 0.01} for n in range(30)],
+            fair_key=tenant,
+            queue="q1",
+        )
+    second = start_worker("sleep", "--queue", "q2", "--concurrency", "2")
+    wait_until(lambda: len(_starts()) >= 20, timeout=60, what="tenant solo running")
+    first = start_worker(
+        "sleep", "--queue", "q1", "--concurrency", "1", env={"DBWORKER_PREFETCH_HORIZON": "0"}
+    )
+
+    def ours() -> list[str]:
+        return [key for key in _starts() if _tenant(key) in ("a", "b")]
+
+    wait_until(lambda: len(ours()) >= 20, timeout=60, what="20 starts of a and b")
+    solo_left = WorkItem.objects.filter(fair_key="solo", status=Status.PENDING).count()
+    window = ours()[:20]
+    assert solo_left > 0, "solo ran out before the window: the test did not test"
+    assert sum(1 for key in window if key.startswith("b-")) >= 7, window
+    first.kill()
+    second.kill()
