@@ -104,8 +104,8 @@ class FairKey(models.Model):
     ``served`` is the key's pass: virtual time that advances by 1/weight per row
     claimed for it; a turn goes to the key with ready work whose pass is lowest.
     ``started`` is the pass at which its last turn began: the rotation's clock is the
-    highest of them, and a key that comes back after idling starts from that clock, not
-    from the pass it left with. Inserted on first turn (or by ``set_fair_weight``); the
+    highest of them among the keys a claim deals, and a key that comes back after idling
+    starts from that clock, not from the pass it left with. Inserted on first turn (or by ``set_fair_weight``); the
     row ``""`` is the rows without a key, which take turns as one key.
     """
 
@@ -120,7 +120,6 @@ class FairKey(models.Model):
         app_label = "django_dbworker"
         verbose_name = "fair key"
         verbose_name_plural = "fair keys"
-        indexes = [models.Index(fields=["started"], name="dbworker_fair_clock_idx")]
 
     def __str__(self) -> str:
         return self.key or "(no key)"

@@ -60,7 +60,6 @@ class Migration(migrations.Migration):
             options={
                 'verbose_name': 'fair key',
                 'verbose_name_plural': 'fair keys',
-                'indexes': [models.Index(fields=['started'], name='dbworker_fair_clock_idx')],
             },
         ),
         migrations.AddField(
