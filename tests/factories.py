@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import connection, connections, transaction
@@ -262,3 +262,14 @@ class RowLockHeld:
         self.release.set()
         self.thread.join(30)
         assert not self.thread.is_alive() and not self.errors, self.errors
+
+
+def most_in_a_window(times: list[datetime], seconds: float) -> int:
+    """The most of ``times`` within any window of ``seconds``."""
+    times = sorted(times)
+    most = start = 0
+    for end, t in enumerate(times):
+        while (t - times[start]).total_seconds() >= seconds:
+            start += 1
+        most = max(most, end - start + 1)
+    return most

@@ -105,8 +105,9 @@ class FairKey(models.Model):
     claimed for it; a turn goes to the key with ready work whose pass is lowest.
     ``started`` is the pass at which its last turn began: the rotation's clock is the
     highest of them among the keys a claim deals, and a key that comes back after idling
-    starts from that clock, not from the pass it left with. Inserted on first turn (or by ``set_fair_weight``); the
-    row ``""`` is the rows without a key, which take turns as one key.
+    starts from that clock, not from the pass it left with. Inserted on first turn (or by
+    ``set_fair_weight``); the row ``""`` is the rows without a key, which take turns as one
+    key.
     """
 
     key = models.CharField(max_length=200, primary_key=True, blank=True)

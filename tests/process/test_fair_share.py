@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
+from datetime import UTC, datetime
 from itertools import pairwise
 
 from django_dbworker import enqueue_many, set_fair_weight
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import wait_until
+from tests.factories import most_in_a_window
 from tests.testapp.models import Execution
 from tests.testapp.workers import Keyed, Rated, Sleep
 
@@ -109,12 +111,16 @@ def test_turns_keep_rate_limits_and_concurrency_limits(start_worker) -> None:
     # start while a's last ten wait (in claim order b would come after all 40 of a's;
     # a start the full window refuses goes back and waits for a turn again).
     assert max(i for i, k in enumerate(rated) if k.startswith("rb-")) < 35, rated
-    started = sorted(
-        float(r) for r in WorkItem.objects.filter(handler="rated").values_list("result", flat=True)
-    )
-    # The limit holds under the turns: no 21 starts within a second (by the handlers'
-    # clocks; tests/process/test_flow_control.py proves the window itself).
-    assert min(b - a for a, b in zip(started, started[20:], strict=False)) >= 0.9
+    starts = [
+        datetime.fromtimestamp(float(r), UTC)
+        for r in WorkItem.objects.filter(handler="rated").values_list("result", flat=True)
+    ]
+    # The limit holds under the turns, by the handlers' clocks: a second of starts holds at
+    # most the limit plus the threads (each may hold one start taken, not yet begun: a
+    # loaded CI run's thread began 150 ms after its take; test_flow_control.py proves the
+    # window itself). 45 starts at 20 a second wait for two windows.
+    assert most_in_a_window(starts, 1.0) <= 20 + 4
+    assert (max(starts) - min(starts)).total_seconds() >= 1.5
     # Key "ka" (limit 1) never ran two at once: its records alternate start, end.
     records = Execution.objects.filter(key="ka").order_by("id").values_list("kind", flat=True)
     assert list(records) == ["start", "end"] * 8

@@ -17,20 +17,11 @@ import pytest
 from django_dbworker import pause_queue, resume_queue
 from django_dbworker.models import Status, WorkItem
 from tests.conftest import WorkerProcess, wait_until
+from tests.factories import most_in_a_window
 from tests.testapp.models import Execution
 from tests.testapp.workers import Keyed, Paused, Rated, Sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _most_in_a_window(times: list[datetime], seconds: float) -> int:
-    times = sorted(times)
-    most = start = 0
-    for end, t in enumerate(times):
-        while (t - times[start]).total_seconds() >= seconds:
-            start += 1
-        most = max(most, end - start + 1)
-    return most
 
 
 def _both_claim_other_work(batch: str, pids: set[int]) -> None:
@@ -112,7 +103,7 @@ def test_a_rate_limit_holds_across_two_workers(start_worker) -> None:
     # that much"; a loaded CI run saw 21 in a second). Each thread holds at most one taken,
     # not yet started start, so a second of records holds at most the limit plus the threads.
     starts = [datetime.fromtimestamp(float(t), UTC) for t in rows.values_list("result", flat=True)]
-    assert _most_in_a_window(starts, 1.0) <= n + threads * len(workers)
+    assert most_in_a_window(starts, 1.0) <= n + threads * len(workers)
     # 70 items at 20 a second: three windows were waited for (3.06 s less a late first
     # start); one limit per process, 40 a second, would take half of that.
     assert (max(starts) - min(starts)).total_seconds() >= 2.5
