@@ -16,7 +16,7 @@ threads:
 3. **Throughput.** ``--items`` no-op items (``--item-ms``: items of that many ms)
    over ``--keys`` fair keys drained with ``--burst``, against the same items without
    keys (W1): the fair claim's share (target >= 0.9), by *active* rate (first claim to
-   last finish).
+   last finish), and the CPU per item of the worker processes and of the database.
 
 ``--only throughput`` runs the third alone (``--only`` is repeatable).
 """
@@ -31,12 +31,15 @@ import time
 from typing import Any
 
 from common import (
+    children_cpu_seconds,
+    database_cpu_seconds,
     report,
     reset_table,
     settle_table,
     setup_django,
     start_postgres,
     stop_postgres,
+    wait_for_backends_to_exit,
     worker_command,
     worker_env,
 )
@@ -148,8 +151,9 @@ def weights_leg(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def throughput_leg(args: argparse.Namespace, fair: bool) -> float:
-    """Active rate (items/s) of a ``--burst`` drain of ``--items`` items."""
+def throughput_leg(args: argparse.Namespace, fair: bool) -> tuple[float, float, float | None]:
+    """Active rate (items/s) of a ``--burst`` drain of ``--items`` items, and the CPU per
+    item (µs) of the worker processes and of the database server (None: not measurable)."""
     from django.db.models import Max, Min
 
     from bench.benchapp.workers import BenchNoop
@@ -163,11 +167,21 @@ def throughput_leg(args: argparse.Namespace, fair: bool) -> float:
     for n in range(args.keys):
         BenchNoop.enqueue_many([payload] * per_key, fair_key=f"t{n}" if fair else None)
     settle_table()
+    workers_before, database_before = children_cpu_seconds(), database_cpu_seconds()
     for proc in start_workers(args.processes, args.concurrency, "--burst"):
         proc.wait()
+    wait_for_backends_to_exit()
+    workers_cpu = children_cpu_seconds() - workers_before
+    database_after = database_cpu_seconds()
     found = WorkItem.objects.aggregate(first=Min("claimed_at"), last=Max("finished_at"))
     done = WorkItem.objects.filter(status="succeeded").count()
-    return done / (found["last"] - found["first"]).total_seconds()
+    database_cpu = (
+        None
+        if database_before is None or database_after is None
+        else (database_after - database_before) / done * 1e6
+    )
+    rate = done / (found["last"] - found["first"]).total_seconds()
+    return rate, workers_cpu / done * 1e6, database_cpu
 
 
 def main() -> None:
@@ -203,8 +217,8 @@ def main() -> None:
         if "throughput" not in legs:
             report("w12_fair", result)
             return
-        fair_rate = throughput_leg(args, fair=True)
-        plain_rate = throughput_leg(args, fair=False)
+        fair_rate, fair_worker_cpu, fair_db_cpu = throughput_leg(args, fair=True)
+        plain_rate, plain_worker_cpu, plain_db_cpu = throughput_leg(args, fair=False)
         result.update(
             {
                 "items": args.items,
@@ -213,6 +227,12 @@ def main() -> None:
                 "fair_items_per_second_active": fair_rate,
                 "plain_items_per_second_active": plain_rate,
                 "fair_share_active": fair_rate / plain_rate,
+                # CPU per item, µs: the worker processes' (start-up included) and the
+                # database server's.
+                "fair_worker_cpu_us": fair_worker_cpu,
+                "plain_worker_cpu_us": plain_worker_cpu,
+                "fair_database_cpu_us": fair_db_cpu,
+                "plain_database_cpu_us": plain_db_cpu,
             }
         )
         report("w12_fair", result)
