@@ -14,10 +14,10 @@ same passes both count). Rows without a key take turns as one key, the row ``""`
 the shares left (keys with fewer ready rows than their share, lower priorities) goes to
 one claim of the usual order: a key alone gets every thread.
 
-A key that comes back after idling starts from the rotation's clock (the highest pass at
-which a turn of the keys the claim deals began, ``started``) rather than the pass it left
-with: it neither takes the turns it missed nor waits for the others to catch up with a pass
-it ran ahead to.
+A key that comes back after idling starts from the rotation's clock (the highest pass the
+turns of the keys with ready work reached, ``started``) rather than the pass it left with:
+it neither takes the turns it missed nor waits for the others to catch up with a pass it
+ran ahead to.
 
 Cost: with fair keys in the table, a claim reads whether any key has a ready row (one
 statement; without such a row the claim goes on as usual from there), then the keys with a
@@ -41,10 +41,12 @@ from django.db import DatabaseError, connections
 from django.db.models import (
     BigIntegerField,
     Case,
+    Max,
     OuterRef,
     QuerySet,
     Subquery,
     When,
+    Window,
 )
 
 from django_dbworker import validation
@@ -62,6 +64,9 @@ NO_KEY = ""
 
 #: Claims up to ``rows`` rows: ``turns``' (None: any rows, in the usual order).
 Take = Callable[[int, Turns | None], Claimed[WorkItem]]
+
+#: The most keys a claim reads (those of lowest pass; every key with ready work is probed).
+READ_KEYS = 1024
 
 #: dbworker_fair_idx's order: a fair read or claim walks it from a key's first ready row.
 FAIR_ORDER = ("fair_key", "-priority", "run_after", "id")
@@ -110,9 +115,9 @@ class FairRotation:
         #: Until when (``clock``) no ``FairKey`` row exists: claims go as usual.
         self._none_until = 0.0
         #: The rotation's clock as the last claim read it, and the pass each key's turn
-        #: began at in its deal.
+        #: began at in its deal, with the key's weight.
         self._clock_value = 0.0
-        self._dues: dict[str, float] = {}
+        self._dues: dict[str, tuple[float, float]] = {}
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
         #: The last claim was dealt in turns of fair keys (some had ready rows at its priority).
@@ -181,29 +186,30 @@ class FairRotation:
                 [FairKey(key=NO_KEY)], ignore_conflicts=True
             )
             self._no_key_row = True
-        # Up to a power of two keys, at least the claim's rows and one (``_keys_query``): one
+        # Up to 1,024 keys, or a power of two above the claim's rows (``_keys_query``): one
         # compiled read serves claims of many sizes (the deal takes the lowest passes).
-        keys = 1 << (limit + 1).bit_length()
+        keys = max(READ_KEYS, 1 << (limit + 1).bit_length())
         active = self._read(
             ("keys", tuple(handlers), tuple(queues or ()), keys),
             lambda: self._keys_query(handlers, queues, keys),
         )
         if not active:
             return None, []  # no ready row: the usual order says so
-        # The clock: the highest pass at which a turn of these keys began. A key behind it
-        # (back from idling) starts from it. Of the keys this worker deals, not of every key:
-        # a key that other workers serve alone (their queues, their handlers) ran the clock
+        # The clock: the highest pass any of these keys' turns reached (``started``: the pass
+        # of its last row as dealt). A key behind it (back from idling) starts from it. Of
+        # every key with ready work for this worker (the read's window), not of every key: a
+        # key that other workers serve alone (their queues, their handlers) ran the clock
         # ahead of these, which all started from it each claim, the same one first.
-        self._clock_value = clock = max(row["started"] for row in active)
+        self._clock_value = clock = active[0]["clock"]
         if all(row["key"] == NO_KEY for row in active):
             # No key's turn at this priority: its rows without a key, then the next one's.
-            self._dues = {NO_KEY: max(active[0]["served"], clock)}
+            self._dues = {NO_KEY: (max(active[0]["served"], clock), active[0]["weight"])}
             return Turns(active[0]["top"], ((NO_KEY, limit),)), [NO_KEY] * limit
         # Ties (keys started from the clock together) go to the key served least.
         entries = [
             (max(row["served"], clock), row["served"], row["key"], row["weight"]) for row in active
         ]
-        self._dues = {key: due for due, _, key, _ in entries}
+        self._dues = {key: (due, weight) for due, _, key, weight in entries}
         heapq.heapify(entries)
         dealt: list[str] = []
         for _ in range(limit):
@@ -262,13 +268,16 @@ class FairRotation:
         keys = FairKey.objects.using(self.using).alias(head=head).filter(head__isnull=False)
         # More than the claim's rows: the rows without a key alone, ahead of the keys by pass,
         # would make "no key's turn" (the usual order, which does not advance passes).
-        by_pass = keys.annotate(top=top).order_by("served", "key")
-        return by_pass.values("key", "served", "started", "weight", "top")[:limit]
+        clock = Window(Max("started"))  # of every key with ready work, before the cut
+        by_pass = keys.annotate(top=top, clock=clock).order_by("served", "key")
+        return by_pass.values("key", "served", "weight", "top", "clock")[:limit]
 
     def _advance(self, took: dict[str, int]) -> None:
         """Each key's pass forward by 1/weight for each row its turn took, from the
-        rotation's clock if it was behind it (a key back from idling), and the pass its turn
-        began at (``started``, the clock's) as this claim dealt it: one UPDATE. Not from the
+        rotation's clock if it was behind it (a key back from idling), and the pass of its
+        turn's last row as this claim dealt it (``started``, the clock's): one UPDATE. Not
+        the pass the turn began at: after a large turn, a key back from idling started that
+        far behind the keys it joined, and took the rows they had meanwhile. Not from the
         pass as the UPDATE finds it: other workers that dealt the same key from the same
         passes added theirs, and the clock would jump ahead of the keys still waiting."""
         keys = sorted(took)
@@ -278,7 +287,9 @@ class FairRotation:
         params: dict[str, Any] = {"clock": self._clock_value}
         params.update(numbered_params("key", keys))
         params.update(numbered_params("rows", [float(took[key]) for key in keys]))
-        params.update(numbered_params("due", [self._dues.get(key, 0.0) for key in keys]))
+        # The pass of each key's last row as this claim dealt it (from the pass it read).
+        last = [self._dues[key][0] + (took[key] - 1) / self._dues[key][1] for key in keys]
+        params.update(numbered_params("due", last))
         # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
         # waited for another claimer's commit of a key's row fails, and the pass forgets
         # this claim's rows (an increment is right from the committed value).
@@ -296,14 +307,14 @@ def _advance_sql(using: str, keys: int) -> str:
     columns left to right, each from the values set before it."""
     quote = connections[using].ops.quote_name
     key, served, started = quote("key"), quote("served"), quote("started")
-    began = " ".join(
+    reached = " ".join(
         f"WHEN %(key_{i})s THEN CASE WHEN {started} > %(due_{i})s THEN {started} "
         f"ELSE %(due_{i})s END"
         for i in range(keys)
     )
     rows = " ".join(f"WHEN %(key_{i})s THEN %(rows_{i})s" for i in range(keys))
     return (
-        f"UPDATE {quote(FairKey._meta.db_table)} SET {started} = CASE {key} {began} END, "
+        f"UPDATE {quote(FairKey._meta.db_table)} SET {started} = CASE {key} {reached} END, "
         f"{served} = CASE WHEN {served} > %(clock)s THEN {served} ELSE %(clock)s END "
         f"+ (CASE {key} {rows} END) / {quote('weight')} "
         f"WHERE {key} IN ({numbered('key', keys)})"

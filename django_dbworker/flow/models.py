@@ -103,9 +103,10 @@ class FairKey(models.Model):
 
     ``served`` is the key's pass: virtual time that advances by 1/weight per row
     claimed for it; a turn goes to the key with ready work whose pass is lowest.
-    ``started`` is the pass at which its last turn began: the rotation's clock is the
-    highest of them among the keys a claim deals, and a key that comes back after idling
-    starts from that clock, not from the pass it left with. Inserted on first turn (or by
+    ``started`` is the pass its last turn reached (of its last row, as dealt): the
+    rotation's clock is the highest of them among the keys with ready work for a claim,
+    and a key that comes back after idling starts from that clock, not from the pass it
+    left with. Inserted on first turn (or by
     ``set_fair_weight``); the row ``""`` is the rows without a key, which take turns as one
     key.
     """

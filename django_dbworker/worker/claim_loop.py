@@ -592,8 +592,10 @@ class ClaimLoop:
             control.wake.clear()
             # Burst mode stops only after a claim that began with nothing in flight:
             # an attempt's ending can enqueue work (a batch's callback, released
-            # dependents) in the same commit, which a claim begun before it misses.
-            settled = not self.ledger
+            # dependents) in the same commit, which a claim begun before it misses. Nor
+            # while a thread still runs its task after its attempt left the ledger: the
+            # threads are full then, and a claim with no room finds nothing.
+            settled = not self.ledger and not self._running()
             try:
                 claimed = self.run_once()
             except Exception as exc:

@@ -602,3 +602,104 @@ def test_a_key_that_other_workers_serve_alone_leaves_these_keys_their_turns(spli
         keys.extend(item.fair_key for item in got)
         second.claim(4, handlers=two[0], queues=two[1], take=take_of(*two))
     assert keys.count("b") >= 8, (keys, list(FairKey.objects.values_list("key", "served")))
+
+
+def test_a_key_ahead_of_new_keys_beyond_the_read_is_not_held_back() -> None:
+    """Key "old" has been served alone (its pass is 30) and still has a backlog; four new
+    tenants arrive with backlogs of their own (passes 0): "old" takes about one turn in
+    five. (When the clock came from the keys a claim of one row read, the four of lowest
+    pass, the new keys were not lifted to the rotation's pass, and "old" waited for each
+    of them to run 30 rows.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    Noop.enqueue_many([None] * 60, fair_key="old")
+    for _ in range(30):  # "old" alone: its pass runs to 30
+        rotation.claim(1, handlers=["noop"], queues=None, take=take)
+    for n in range(4):
+        Noop.enqueue_many([None] * 60, fair_key=f"new{n}")
+    keys: list[Any] = []
+    for _ in range(20):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(i.fair_key for i in got)
+    # Five keys with backlogs, weights 1: "old" about one start in five.
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    assert keys.count("old") >= 3, (keys, passes)
+
+
+def test_keys_back_from_idling_beyond_the_read_do_not_take_the_turns_they_missed() -> None:
+    """Four keys served a little, then idle while "busy" runs 40 rows alone; they come
+    back together, and start level with "busy", which keeps its turns. (When the clock came
+    from the keys read, the four of lowest pass, nothing lifted them: they took the ~40
+    turns each they had missed while "busy", with a backlog, waited.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    for n in range(4):
+        Noop.enqueue(None, fair_key=f"idle{n}")
+    Noop.enqueue_many([None] * 100, fair_key="busy")
+    for _ in range(44):  # the idle keys' one row each, then "busy" alone
+        rotation.claim(1, handlers=["noop"], queues=None, take=take)
+    for n in range(4):
+        Noop.enqueue_many([None] * 60, fair_key=f"idle{n}")  # back
+    keys: list[Any] = []
+    for _ in range(20):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(i.fair_key for i in got)
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    assert keys.count("busy") >= 3, (keys, passes)
+
+
+def test_a_key_back_after_another_workers_large_claim_starts_level_with_the_active_keys() -> None:
+    """Worker 2 claims 32 rows: keys a and b (backlogs) take 16 each. Key c comes back:
+    worker 1's claims of one row alternate the three. (``started`` was the pass a turn
+    began at, 0 for a and b: c started 16 behind them and took 16 turns in a row, the rows
+    a and b had while it was idle; it is now the pass of a turn's last row.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    take = plain_take(operations("default"))
+    first = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    second = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    Noop.enqueue_many([None] * 100, fair_key="a")
+    Noop.enqueue_many([None] * 100, fair_key="b")
+    assert len(second.claim(32, handlers=["noop"], queues=None, take=take)) == 32
+    Noop.enqueue_many([None] * 100, fair_key="c")
+    keys: list[Any] = []
+    for _ in range(9):
+        got = first.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(i.fair_key for i in got)
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    # Three keys with backlogs, weights 1: about three starts each.
+    assert keys.count("c") <= 5, (keys, passes)
+
+
+def test_rows_without_a_key_keep_their_turns_after_a_priority_of_their_own() -> None:
+    """30 rows without a key at priority 5 are claimed first (the row "" alone: its pass
+    runs to 30). At priority 0 wait more rows without a key and four new keys' backlogs:
+    the rows without a key keep about one turn in five. (When the clock came from the keys
+    read, the four of lowest pass, they got none until each key had run ~30 rows.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    Noop.enqueue(None, fair_key="seen")  # a FairKey row: the rotation is in use
+    WorkItem.objects.filter(fair_key="seen").update(status="succeeded")
+    Noop.enqueue_many([None] * 30, priority=5)
+    Noop.enqueue_many([None] * 60)
+    for n in range(4):
+        Noop.enqueue_many([None] * 60, fair_key=f"k{n}")
+    for _ in range(30):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        assert [(i.priority, i.fair_key) for i in got] == [(5, None)]
+    keys: list[Any] = []
+    for _ in range(20):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(i.fair_key for i in got)
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    assert keys.count(None) >= 3, (keys, passes)

@@ -36,6 +36,36 @@ def test_burst_leaves_future_work_pending() -> None:
     assert list(Execution.objects.values_list("key", flat=True)) == ["now"]
 
 
+def test_burst_leaves_only_when_nothing_is_left_though_a_thread_lingers_after_its_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool thread counts as running until its task returns, a moment after its outcome
+    was recorded (a machine that keeps it waiting). Meanwhile the ledger is empty but the
+    threads are full: no room for a claim. A burst worker took that for an empty queue and
+    left with items pending (seen in CI: 57 of 90 run)."""
+    from django_dbworker.worker.pool import Pool
+
+    submit_many = Pool.submit_many
+
+    def lingering(self: Pool, fns: list[Callable[[], None]]) -> None:
+        def linger(fn: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                fn()
+                wait_until(
+                    lambda: not WorkItem.objects.filter(status=Status.CLAIMED).exists(),
+                    what="the outcome recorded",
+                )
+
+            return run
+
+        submit_many(self, [linger(fn) for fn in fns])
+
+    monkeypatch.setattr(Pool, "submit_many", lingering)
+    Record.enqueue_many([{"key": str(n)} for n in range(5)])
+    Worker([Record], worker_config(burst=True, concurrency=1, prefetch_horizon=0)).run()
+    assert WorkItem.objects.filter(status=Status.SUCCEEDED).count() == 5
+
+
 def test_timeouts_abandon_the_run_and_discard_its_late_outcome(
     background_worker: Callable[..., Worker], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -175,9 +175,11 @@ def test_a_second_sigterm_stops_at_once_past_a_coroutine_that_ignores_its_cancel
     start_worker: StartWorker,
 ) -> None:
     """The second signal means now: a coroutine that swallows its cancel is not given its
-    CANCEL_GRACE; its row is released and nothing of it runs after."""
+    CANCEL_GRACE; its row is released and nothing of it runs after. (A shutdown timeout
+    of its own: at 0 the first signal had stopped the worker already, and the second one
+    could come while the interpreter shut down, which ended it with -15.)"""
     item = AsyncStubborn.enqueue({"key": "stubborn"})
-    worker = start_worker("async_stubborn", "--shutdown-timeout", "0")
+    worker = start_worker("async_stubborn", "--shutdown-timeout", "60")
     wait_until(lambda: _times("stubborn", "start"), timeout=60, what="the item to start")
     worker.signal(signal.SIGTERM)
     worker.wait_for_log("SIGTERM received")

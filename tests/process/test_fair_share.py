@@ -44,7 +44,9 @@ def test_claims_rotate_across_keys_by_weight_with_priority_first(start_worker) -
     assert worker.wait(120) == 0, worker.log()
 
     starts = _starts()
-    assert sorted(starts) == sorted(WorkItem.objects.values_list("payload__key", flat=True))
+    assert sorted(starts) == sorted(WorkItem.objects.values_list("payload__key", flat=True)), (
+        worker.log()
+    )
     assert WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
     # Priority first: the urgent items ahead of every key's bulk.
     assert {_tenant(k) for k in starts[:5]} == {"urgent"}
@@ -176,3 +178,28 @@ def test_a_queues_keys_alternate_while_another_queues_worker_runs_its_own_key(
     assert sum(1 for key in window if key.startswith("b-")) >= 7, window
     first.kill()
     second.kill()
+
+
+def test_a_tenant_that_ran_alone_takes_its_turns_beside_new_tenants(start_worker) -> None:
+    """Tenant "old" ran alone (30 items: its pass is 30); then it has 10 items more, and
+    four new tenants 20 each. One thread, claims of one row: five tenants with work,
+    weights 1, so "old" starts within the first few. (A claim reads the keys of lowest
+    pass, the four new ones here: when the clock came from those alone they were not
+    lifted to the rotation's pass, and "old" waited for their 80 items.)"""
+    no_buffer = {"DBWORKER_PREFETCH_HORIZON": "0"}
+    Sleep.enqueue_many([{"key": f"old-{n}", "seconds": 0} for n in range(30)], fair_key="old")
+    worker = start_worker("sleep", "--burst", "--concurrency", "1", env=no_buffer)
+    assert worker.wait(120) == 0, worker.log()
+    before = len(_starts())
+    Sleep.enqueue_many(
+        [{"key": f"old-{n}", "seconds": 0.001} for n in range(30, 40)], fair_key="old"
+    )
+    for tenant in ("n0", "n1", "n2", "n3"):
+        Sleep.enqueue_many(
+            [{"key": f"{tenant}-{n}", "seconds": 0.001} for n in range(20)], fair_key=tenant
+        )
+    worker = start_worker("sleep", "--burst", "--concurrency", "1", env=no_buffer)
+    assert worker.wait(120) == 0, worker.log()
+    starts = [_tenant(key) for key in _starts()[before:]]
+    assert len(starts) == 90, starts
+    assert starts.index("old") <= 8, starts
