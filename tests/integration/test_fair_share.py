@@ -155,6 +155,15 @@ def plain_take(ops: Any) -> Any:
     return take
 
 
+def claims_of_one_row(rotation: Any, take: Any, claims: int) -> list[str | None]:
+    """The keys of ``claims`` claims of one row each, in claim order."""
+    keys: list[str | None] = []
+    for _ in range(claims):
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        keys.extend(item.fair_key for item in got)
+    return keys
+
+
 def test_a_fair_claim_that_fails_midway_hands_over_the_rows_it_took() -> None:
     """A database error after some turns claimed rows: those rows are returned (to run),
     not left claimed by no one until stale recovery; with none taken, the error is raised."""
@@ -364,10 +373,7 @@ def test_claims_of_one_row_take_turns_when_rows_without_a_key_wait() -> None:
     Noop.enqueue_many([None] * 2)  # rows without a key
     take = plain_take(operations("default"))
     rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
-    keys = []
-    for _ in range(4):
-        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
-        keys.extend(item.fair_key for item in got)
+    keys = claims_of_one_row(rotation, take, 4)
     # Three keys with work (flood, small, no key), weights 1: each within the first 4.
     assert "small" in keys and None in keys, keys
 
@@ -620,10 +626,7 @@ def test_a_key_ahead_of_new_keys_beyond_the_read_is_not_held_back() -> None:
         rotation.claim(1, handlers=["noop"], queues=None, take=take)
     for n in range(4):
         Noop.enqueue_many([None] * 60, fair_key=f"new{n}")
-    keys: list[Any] = []
-    for _ in range(20):
-        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
-        keys.extend(i.fair_key for i in got)
+    keys = claims_of_one_row(rotation, take, 20)
     # Five keys with backlogs, weights 1: "old" about one start in five.
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     assert keys.count("old") >= 3, (keys, passes)
@@ -646,10 +649,7 @@ def test_keys_back_from_idling_beyond_the_read_do_not_take_the_turns_they_missed
         rotation.claim(1, handlers=["noop"], queues=None, take=take)
     for n in range(4):
         Noop.enqueue_many([None] * 60, fair_key=f"idle{n}")  # back
-    keys: list[Any] = []
-    for _ in range(20):
-        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
-        keys.extend(i.fair_key for i in got)
+    keys = claims_of_one_row(rotation, take, 20)
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     assert keys.count("busy") >= 3, (keys, passes)
 
@@ -669,10 +669,7 @@ def test_a_key_back_after_another_workers_large_claim_starts_level_with_the_acti
     Noop.enqueue_many([None] * 100, fair_key="b")
     assert len(second.claim(32, handlers=["noop"], queues=None, take=take)) == 32
     Noop.enqueue_many([None] * 100, fair_key="c")
-    keys: list[Any] = []
-    for _ in range(9):
-        got = first.claim(1, handlers=["noop"], queues=None, take=take)
-        keys.extend(i.fair_key for i in got)
+    keys = claims_of_one_row(first, take, 9)
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     # Three keys with backlogs, weights 1: about three starts each.
     assert keys.count("c") <= 5, (keys, passes)
@@ -697,9 +694,6 @@ def test_rows_without_a_key_keep_their_turns_after_a_priority_of_their_own() -> 
     for _ in range(30):
         got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
         assert [(i.priority, i.fair_key) for i in got] == [(5, None)]
-    keys: list[Any] = []
-    for _ in range(20):
-        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
-        keys.extend(i.fair_key for i in got)
+    keys = claims_of_one_row(rotation, take, 20)
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     assert keys.count(None) >= 3, (keys, passes)
