@@ -65,6 +65,11 @@ NO_KEY = ""
 #: Claims up to ``rows`` rows: ``turns``' (None: any rows, in the usual order).
 Take = Callable[[int, Turns | None], Claimed[WorkItem]]
 
+#: The compiled keys read's stand-in for the priority its turns must be below (``_read``):
+#: out of the priorities' range (-100 to 100), so no other parameter equals it, and in the
+#: column's (a small integer: past it, Django drops the test as always true).
+BELOW = 10_003
+
 #: The most keys a claim reads (those of lowest pass; every key with ready work is probed).
 READ_KEYS = 1024
 
@@ -134,18 +139,25 @@ class FairRotation:
         turn left, or turns that took nothing) the usual order for the rest."""
         rows: list[WorkItem] = []
         throttled = 0
+        below: int | None = None  # turns only below this priority
         try:
             while (wanted := limit - len(rows) - throttled) > 0:
                 turns, dealt = (
-                    self._turns(wanted, handlers, queues) if self._in_use() else (None, [])
+                    self._turns(wanted, handlers, queues, below) if self._in_use() else (None, [])
                 )
                 if not rows:
                     self.dealt = turns is not None and any(key for key, _ in turns.shares)
                 taken = take(wanted, turns) if turns is not None else Claimed[WorkItem]()
                 throttled += taken.throttled
+                if turns is not None and not taken and (below is None or turns.priority < below):
+                    # The turns at this priority took nothing (their rows held back by their
+                    # keys' limits, or by other claimers): the next priority's turns, not the
+                    # usual order, where one key's flood took every row.
+                    below = turns.priority
+                    continue
                 if not taken:
-                    # No turn, or turns that took nothing (rows of keys without a FairKey
-                    # row, rows other workers hold): the usual order.
+                    # No turn (no ready row at a priority with turns left): the usual order,
+                    # for what the turns left (rows of keys without a FairKey row).
                     rest = take(wanted, None)
                     rows.extend(rest)
                     throttled += rest.throttled
@@ -171,10 +183,15 @@ class FairRotation:
         return self._clock() >= self._none_until
 
     def _turns(
-        self, limit: int, handlers: Sequence[str], queues: Sequence[str] | None
+        self,
+        limit: int,
+        handlers: Sequence[str],
+        queues: Sequence[str] | None,
+        below: int | None = None,
     ) -> tuple[Turns | None, list[str]]:
-        """This claim's turns at the top priority with ready rows, and the key of each of its
-        rows in turn order (None: no fair key waits at that priority: the usual order)."""
+        """This claim's turns at the top priority with ready rows (below ``below``, if
+        given), and the key of each of its rows in turn order (None: no ready row there:
+        the usual order)."""
         found = self._read(("ready",), self._ready_query)
         if not found:  # no FairKey row: not again for a poll interval
             self._none_until = self._clock() + self._every
@@ -190,8 +207,9 @@ class FairRotation:
         # compiled read serves claims of many sizes (the deal takes the lowest passes).
         keys = max(READ_KEYS, 1 << (limit + 1).bit_length())
         active = self._read(
-            ("keys", tuple(handlers), tuple(queues or ()), keys),
-            lambda: self._keys_query(handlers, queues, keys),
+            ("keys", tuple(handlers), tuple(queues or ()), keys, below is not None),
+            lambda: self._keys_query(handlers, queues, keys, below is not None),
+            below,
         )
         if not active:
             return None, []  # no ready row: the usual order says so
@@ -219,19 +237,26 @@ class FairRotation:
         return Turns(active[0]["top"], tuple(Counter(dealt).items())), dealt
 
     def _read(
-        self, name: tuple[object, ...], build: Callable[[], QuerySet[Any]]
+        self,
+        name: tuple[object, ...],
+        build: Callable[[], QuerySet[Any]],
+        below: int | None = None,
     ) -> list[dict[str, Any]]:
         """The rows of the query ``build`` makes, by column name. Its SQL depends on ``name``
         alone (the worker's handlers and queues, the claim's size), so it is compiled once:
-        compiling these reads took longer than running them, on each claim."""
+        compiling these reads took longer than running them, on each claim. ``below`` takes
+        the place of the parameter ``BELOW`` (a priority no row has)."""
         compiled = self._compiled.get(name)
         if compiled is None:
             if len(self._compiled) > 64:  # claims of many sizes
                 self._compiled.clear()
             query = build().query
             compiled = self._compiled[name] = query.get_compiler(using=self.using).as_sql()
+        sql, params = compiled
+        if below is not None:
+            params = tuple(below if param == BELOW else param for param in params)
         with connections[self.using].cursor() as cursor:
-            cursor.execute(*compiled)
+            cursor.execute(sql, params)
             names = [column[0] for column in cursor.description]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
@@ -245,7 +270,7 @@ class FairRotation:
         return FairKey.objects.using(self.using).annotate(keyed=Subquery(head)).values("keyed")[:1]
 
     def _keys_query(
-        self, handlers: Sequence[str], queues: Sequence[str] | None, limit: int
+        self, handlers: Sequence[str], queues: Sequence[str] | None, limit: int, below: bool
     ) -> QuerySet[Any]:
         """Up to ``limit`` keys with a ready row at the top priority (also in each row), by
         pass: each by one probe of dbworker_fair_idx. The key as a range, not an equality:
@@ -257,6 +282,8 @@ class FairRotation:
             ready = ready.filter(queue__in=list(queues))
         paused = QueueState.objects.using(self.using).filter(paused=True).values("name")
         ready = ready.exclude(queue__in=paused)
+        if below:  # the priorities below one whose turns were all held by their limits
+            ready = ready.filter(priority__lt=BELOW)
         top = Subquery(ready.in_order().values("priority")[:1])
         at_top = ready.filter(priority=top).order_by(*FAIR_ORDER).values("pk")
         own = at_top.filter(fair_key__gte=OuterRef("key"), fair_key__lte=OuterRef("key"))

@@ -697,3 +697,38 @@ def test_rows_without_a_key_keep_their_turns_after_a_priority_of_their_own() -> 
     keys = claims_of_one_row(rotation, take, 20)
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     assert keys.count(None) >= 3, (keys, passes)
+
+
+def test_keys_keep_their_turns_while_the_top_prioritys_key_is_held_by_its_limit() -> None:
+    """Key p's rows wait at priority 5, but their concurrency key is at its limit (two
+    running): its turn takes nothing. Below, at priority 0, "flood" (enqueued first, a
+    backlog) and "small" take turns. (The claim fell back to the usual order: "flood" took
+    every row, "small" none, as long as p was held.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+    from tests.testapp.workers import KeyedPair
+
+    ops = operations("default")
+    KeyedPair.enqueue_many([None] * 4, fair_key="p", concurrency_key="k", priority=5)
+    held = ops.claim(
+        limit=2, handlers=["keyed_pair"], queues=None, worker="other", limits={"keyed_pair": 2}
+    )
+    assert len(held) == 2
+    Noop.enqueue_many([None] * 50, fair_key="flood")
+    Noop.enqueue_many([None] * 5, fair_key="small")
+    handlers = ["keyed_pair", "noop"]
+
+    def take(rows: int, turns: Any) -> Any:
+        common: dict[str, Any] = {"handlers": handlers, "queues": None, "worker": "w"}
+        limits = {"keyed_pair": 2}
+        if turns is None:
+            return ops.claim(limit=rows, limits=limits, **common)
+        return ops.claim_turns(turns=turns, limits=limits, **common)
+
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    keys: list[Any] = []
+    for _ in range(10):
+        got = rotation.claim(1, handlers=handlers, queues=None, take=take)
+        keys.extend(item.fair_key for item in got)
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    assert keys.count("small") >= 3, (keys, passes)

@@ -203,3 +203,28 @@ def test_a_tenant_that_ran_alone_takes_its_turns_beside_new_tenants(start_worker
     starts = [_tenant(key) for key in _starts()[before:]]
     assert len(starts) == 90, starts
     assert starts.index("old") <= 8, starts
+
+
+def test_keys_take_turns_while_an_urgent_keys_rows_wait_for_their_concurrency_key(
+    start_worker,
+) -> None:
+    """Key p: three ``keyed`` items at priority 5 on one concurrency key (limit 1), the
+    first running 1 s. Below, at priority 0: "flood" (60 items, enqueued first) and "small"
+    (6 items) take turns while p's other items wait for their key. (Every claim's turn, p's
+    at the top priority, took nothing, and the claim fell back to the usual order: flood
+    ran its whole backlog before small started.)"""
+    Keyed.enqueue_many(
+        [{"key": "p-0", "seconds": 1}, {"key": "p-1"}, {"key": "p-2"}],
+        fair_key="p",
+        concurrency_key="k",
+        priority=5,
+    )
+    Sleep.enqueue_many([{"key": f"flood-{n}", "seconds": 0} for n in range(60)], fair_key="flood")
+    Sleep.enqueue_many([{"key": f"small-{n}", "seconds": 0} for n in range(6)], fair_key="small")
+    worker = start_worker("keyed", "sleep", "--burst", "--concurrency", "2")
+    assert worker.wait(120) == 0, worker.log()
+    starts = [k for k in _starts() if not k.startswith("p-")]
+    assert WorkItem.objects.exclude(status=Status.SUCCEEDED).count() == 0
+    first_small = next(i for i, k in enumerate(starts) if k.startswith("small-"))
+    # Two keys with backlogs, weights 1: small's first start among the first few.
+    assert first_small <= 6, (first_small, starts[:20])
