@@ -70,6 +70,9 @@ Take = Callable[[int, Turns | None], Claimed[WorkItem]]
 #: column's (a small integer: past it, Django drops the test as always true).
 BELOW = 10_003
 
+#: A key's lift when it keeps its own pass (below every pass).
+NOT_LIFTED = -1e300
+
 #: The most keys a claim reads (those of lowest pass; every key with ready work is probed).
 READ_KEYS = 1024
 
@@ -119,10 +122,11 @@ class FairRotation:
         self._clock = clock
         #: Until when (``clock``) no ``FairKey`` row exists: claims go as usual.
         self._none_until = 0.0
-        #: The rotation's clock as the last claim read it, and the pass each key's turn
-        #: began at in its deal, with the key's weight.
-        self._clock_value = 0.0
-        self._dues: dict[str, tuple[float, float]] = {}
+        #: The keys with ready work in the last read, by priority; the pass each key of
+        #: the last read starts from (``NOT_LIFTED``: its own).
+        self._active: dict[int, frozenset[str]] = {}
+        self._lifts: dict[str, float] = {}
+        self._read_keys: tuple[int, frozenset[str]] = (0, frozenset())
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
         #: The last claim was dealt in turns of fair keys (some had ready rows at its priority).
@@ -218,16 +222,23 @@ class FairRotation:
         # every key with ready work for this worker (the read's window), not of every key: a
         # key that other workers serve alone (their queues, their handlers) ran the clock
         # ahead of these, which all started from it each claim, the same one first.
-        self._clock_value = clock = active[0]["clock"]
+        clock = active[0]["clock"]
+        # A key with ready work in this worker's last read at this priority too has waited
+        # all along: its pass stands, credit and all. One that was not there (back from
+        # idling, new, or the worker's first claim) starts from the clock. Lifting every key
+        # behind the clock took the credit of keys another priority's or another worker's
+        # turns left behind it: 3:1 weights came out 1:1.
+        before = self._active.get(active[0]["top"], frozenset())
+        self._read_keys = (active[0]["top"], frozenset(row["key"] for row in active))
+        self._lifts = {row["key"]: NOT_LIFTED if row["key"] in before else clock for row in active}
         if all(row["key"] == NO_KEY for row in active):
             # No key's turn at this priority: its rows without a key, then the next one's.
-            self._dues = {NO_KEY: (max(active[0]["served"], clock), active[0]["weight"])}
             return Turns(active[0]["top"], ((NO_KEY, limit),)), [NO_KEY] * limit
         # Ties (keys started from the clock together) go to the key served least.
         entries = [
-            (max(row["served"], clock), row["served"], row["key"], row["weight"]) for row in active
+            (max(row["served"], self._lifts[row["key"]]), row["served"], row["key"], row["weight"])
+            for row in active
         ]
-        self._dues = {key: (due, weight) for due, _, key, weight in entries}
         heapq.heapify(entries)
         dealt: list[str] = []
         for _ in range(limit):
@@ -300,23 +311,20 @@ class FairRotation:
         return by_pass.values("key", "served", "weight", "top", "clock")[:limit]
 
     def _advance(self, took: dict[str, int]) -> None:
-        """Each key's pass forward by 1/weight for each row its turn took, from the
-        rotation's clock if it was behind it (a key back from idling), and the pass of its
-        turn's last row as this claim dealt it (``started``, the clock's): one UPDATE. Not
-        the pass the turn began at: after a large turn, a key back from idling started that
-        far behind the keys it joined, and took the rows they had meanwhile. Not from the
-        pass as the UPDATE finds it: other workers that dealt the same key from the same
-        passes added theirs, and the clock would jump ahead of the keys still waiting."""
+        """Each key's pass forward by 1/weight for each row its turn took (from the clock,
+        for a key this claim lifted to it), and ``started`` to the pass of its last row: one
+        UPDATE, from the passes as it finds them (other workers' turns of the same keys
+        count too). ``started`` is the pass a key's turns reached, not the one a turn began
+        at: after a large turn, a key back from idling started that far behind the keys it
+        joined, and took the rows they had meanwhile."""
         keys = sorted(took)
         sql = self._compiled_advance.get(len(keys))
         if sql is None:
             sql = self._compiled_advance[len(keys)] = _advance_sql(self.using, len(keys))
-        params: dict[str, Any] = {"clock": self._clock_value}
+        params: dict[str, Any] = {}
         params.update(numbered_params("key", keys))
         params.update(numbered_params("rows", [float(took[key]) for key in keys]))
-        # The pass of each key's last row as this claim dealt it (from the pass it read).
-        last = [self._dues[key][0] + (took[key] - 1) / self._dues[key][1] for key in keys]
-        params.update(numbered_params("due", last))
+        params.update(numbered_params("lift", [self._lifts.get(key, NOT_LIFTED) for key in keys]))
         # At READ COMMITTED whatever the project's level: at REPEATABLE READ, an UPDATE that
         # waited for another claimer's commit of a key's row fails, and the pass forgets
         # this claim's rows (an increment is right from the committed value).
@@ -325,24 +333,34 @@ class FairRotation:
             connections[self.using].cursor() as cursor,
         ):
             cursor.execute(sql, params)
+        # Waiting all along, for the next claim: the keys of this read that were so already,
+        # and those whose lift this UPDATE kept (a lift of a key without a turn is not kept:
+        # it is lifted again next time, from the clock then).
+        priority, read = self._read_keys
+        self._active[priority] = (self._active.get(priority, frozenset()) & read) | set(took)
 
 
 def _advance_sql(using: str, keys: int) -> str:
     """The passes' advance for ``keys`` keys, as every vendor runs it: written out, as the
     ORM's took longer to build than to run, on each claim (CASE for the greater of two:
-    SQLite has no GREATEST). Each column from its own old value: MySQL sets a row's
+    SQLite has no GREATEST). ``started`` first, from the old pass: MySQL sets a row's
     columns left to right, each from the values set before it."""
     quote = connections[using].ops.quote_name
-    key, served, started = quote("key"), quote("served"), quote("started")
-    reached = " ".join(
-        f"WHEN %(key_{i})s THEN CASE WHEN {started} > %(due_{i})s THEN {started} "
-        f"ELSE %(due_{i})s END"
-        for i in range(keys)
-    )
-    rows = " ".join(f"WHEN %(key_{i})s THEN %(rows_{i})s" for i in range(keys))
+    key, served, started, weight = quote("key"), quote("served"), quote("started"), quote("weight")
+
+    def each(value: str) -> str:  # the key's own value
+        return (
+            f"CASE {key} "
+            + " ".join(f"WHEN %(key_{i})s THEN {value.format(i=i)}" for i in range(keys))
+            + " END"
+        )
+
+    start = each(f"CASE WHEN {served} > %(lift_{{i}})s THEN {served} ELSE %(lift_{{i}})s END")
+    rows = each("%(rows_{i})s")
+    last = f"{start} + ({rows} - 1) / {weight}"
     return (
-        f"UPDATE {quote(FairKey._meta.db_table)} SET {started} = CASE {key} {reached} END, "
-        f"{served} = CASE WHEN {served} > %(clock)s THEN {served} ELSE %(clock)s END "
-        f"+ (CASE {key} {rows} END) / {quote('weight')} "
+        f"UPDATE {quote(FairKey._meta.db_table)} "
+        f"SET {started} = CASE WHEN {started} > {last} THEN {started} ELSE {last} END, "
+        f"{served} = {start} + {rows} / {weight} "
         f"WHERE {key} IN ({numbered('key', keys)})"
     )

@@ -732,3 +732,93 @@ def test_keys_keep_their_turns_while_the_top_prioritys_key_is_held_by_its_limit(
         keys.extend(item.fair_key for item in got)
     passes = list(FairKey.objects.values_list("key", "served", "started"))
     assert keys.count("small") >= 3, (keys, passes)
+
+
+def test_weights_hold_while_another_worker_serves_a_shared_key_on_its_own_handler() -> None:
+    """Worker 1 serves ``noop``: keys a (weight 3) and b (weight 1) with backlogs, and key
+    x, which also has ``noop`` rows. Worker 2 serves ``echo`` alone, where only x has rows:
+    it runs x's pass ahead. a and b still divide 3:1. (Every claim lifted a and b, behind
+    the clock that x's turns ran ahead, and they alternated 1:1.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+    from tests.testapp.workers import Echo
+
+    ops = operations("default")
+    set_fair_weight("a", 3)
+    Noop.enqueue_many([None] * 100, fair_key="a")
+    Noop.enqueue_many([None] * 100, fair_key="b")
+    Noop.enqueue_many([None] * 100, fair_key="x")
+    Echo.enqueue_many([None] * 300, fair_key="x")
+
+    def take_of(handlers: list[str]) -> Any:
+        def take(rows: int, turns: Any) -> Any:
+            if turns is None:
+                return ops.claim(limit=rows, handlers=handlers, queues=None, worker="w")
+            return ops.claim_turns(turns=turns, handlers=handlers, queues=None, worker="w")
+
+        return take
+
+    first = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    second = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    keys: list[Any] = []
+    for _ in range(40):
+        got = first.claim(1, handlers=["noop"], queues=None, take=take_of(["noop"]))
+        keys.extend(item.fair_key for item in got)
+        second.claim(2, handlers=["echo"], queues=None, take=take_of(["echo"]))
+    a, b = keys.count("a"), keys.count("b")
+    passes = list(FairKey.objects.values_list("key", "served", "started", "weight"))
+    assert a >= 2.5 * b, (a, b, keys, passes)
+
+
+def test_weights_hold_while_a_key_with_urgent_rows_runs_the_clock_ahead() -> None:
+    """One worker. Keys b (weight 3) and c (weight 1) have backlogs at priority 0; key a
+    has one there too, and urgent rows (priority 5) before every other claim. b and c still
+    divide 3:1. (a's urgent turns ran the clock ahead, every claim lifted b and c to it, and
+    they alternated 1:1.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    set_fair_weight("b", 3)
+    Noop.enqueue_many([None] * 100, fair_key="a")
+    Noop.enqueue_many([None] * 100, fair_key="b")
+    Noop.enqueue_many([None] * 100, fair_key="c")
+    take = plain_take(operations("default"))
+    rotation = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    bulk: list[Any] = []
+    for _ in range(40):
+        Noop.enqueue_many([None] * 2, fair_key="a", priority=5)
+        urgent = rotation.claim(2, handlers=["noop"], queues=None, take=take)
+        assert [(i.priority, i.fair_key) for i in urgent] == [(5, "a"), (5, "a")]
+        got = rotation.claim(1, handlers=["noop"], queues=None, take=take)
+        bulk.extend(item.fair_key for item in got)
+    b, c = bulk.count("b"), bulk.count("c")
+    passes = list(FairKey.objects.values_list("key", "served", "started", "weight"))
+    assert b >= 2.5 * c, (b, c, bulk, passes)
+
+
+def test_a_key_back_after_two_workers_large_claims_from_the_same_passes_starts_level() -> None:
+    """Workers 1 and 2 read the passes at the same moment (a and b at 0, backlogs) and each
+    claims 16 rows: a and b reach pass 16. Key c comes back level with them. (Each worker
+    set ``started`` to the pass of the last row as it dealt it, 7: c started nine rows
+    behind the keys it joined and took about nine turns in a row.)"""
+    from django_dbworker.db import operations
+    from django_dbworker.flow.fair import FairRotation
+
+    plain = plain_take(operations("default"))
+    first = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    second = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    third = FairRotation(using="default", every=1.0, clock=lambda: 0.0)
+    Noop.enqueue_many([None] * 100, fair_key="a")
+    Noop.enqueue_many([None] * 100, fair_key="b")
+
+    def take(rows: int, turns: Any) -> Any:
+        if turns is not None:  # worker 2 read the same passes, and claims first
+            assert len(second.claim(16, handlers=["noop"], queues=None, take=plain)) == 16
+        return plain(rows, turns)
+
+    assert len(first.claim(16, handlers=["noop"], queues=None, take=take)) == 16
+    Noop.enqueue_many([None] * 100, fair_key="c")
+    keys = claims_of_one_row(third, plain, 9)
+    passes = list(FairKey.objects.values_list("key", "served", "started"))
+    # Three keys with backlogs, weights 1: about three starts each.
+    assert keys.count("c") <= 5, (keys, passes)
