@@ -126,7 +126,8 @@ class FairRotation:
         #: the last read starts from (``NOT_LIFTED``: its own).
         self._active: dict[int, frozenset[str]] = {}
         self._lifts: dict[str, float] = {}
-        self._read_keys: tuple[int, frozenset[str]] = (0, frozenset())
+        #: The priority of the last read (its keys: ``_lifts``'s).
+        self._top = 0
         #: The row of the rows without a key is known to exist.
         self._no_key_row = False
         #: The last claim was dealt in turns of fair keys (some had ready rows at its priority).
@@ -229,7 +230,7 @@ class FairRotation:
         # behind the clock took the credit of keys another priority's or another worker's
         # turns left behind it: 3:1 weights came out 1:1.
         before = self._active.get(active[0]["top"], frozenset())
-        self._read_keys = (active[0]["top"], frozenset(row["key"] for row in active))
+        self._top = active[0]["top"]
         self._lifts = {row["key"]: NOT_LIFTED if row["key"] in before else clock for row in active}
         if all(row["key"] == NO_KEY for row in active):
             # No key's turn at this priority: its rows without a key, then the next one's.
@@ -304,8 +305,6 @@ class FairRotation:
             output_field=BigIntegerField(),
         )
         keys = FairKey.objects.using(self.using).alias(head=head).filter(head__isnull=False)
-        # More than the claim's rows: the rows without a key alone, ahead of the keys by pass,
-        # would make "no key's turn" (the usual order, which does not advance passes).
         clock = Window(Max("started"))  # of every key with ready work, before the cut
         by_pass = keys.annotate(top=top, clock=clock).order_by("served", "key")
         return by_pass.values("key", "served", "weight", "top", "clock")[:limit]
@@ -336,8 +335,8 @@ class FairRotation:
         # Waiting all along, for the next claim: the keys of this read that were so already,
         # and those whose lift this UPDATE kept (a lift of a key without a turn is not kept:
         # it is lifted again next time, from the clock then).
-        priority, read = self._read_keys
-        self._active[priority] = (self._active.get(priority, frozenset()) & read) | set(took)
+        before = self._active.get(self._top, frozenset())
+        self._active[self._top] = frozenset(self._lifts.keys() & before | took.keys())
 
 
 def _advance_sql(using: str, keys: int) -> str:
